@@ -1,0 +1,36 @@
+"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.authtoken.views import obtain_auth_token
+from rest_framework.routers import DefaultRouter
+
+from serving_app.api import views as serving_views
+from tenants_app.api import views as tenant_views
+
+router = DefaultRouter()
+router.register("tenants", tenant_views.TenantViewSet)
+router.register("memberships", tenant_views.MembershipViewSet)
+router.register("api-keys", tenant_views.ApiKeyViewSet)
+router.register("users", tenant_views.UserViewSet)
+router.register("base-models", serving_views.BaseModelViewSet)
+router.register("adapters", serving_views.LoraAdapterViewSet)
+router.register("nodes", serving_views.NodeViewSet)
+router.register("gpus", serving_views.GpuViewSet)
+router.register("deployments", serving_views.DeploymentViewSet)
+router.register("instances", serving_views.InstanceViewSet)
+router.register("audit-log", serving_views.AuditLogViewSet)
+
+urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include(router.urls)),
+    path("api/v1/auth/token/", obtain_auth_token, name="api-token"),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api-auth/", include("rest_framework.urls")),
+]

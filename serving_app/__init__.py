@@ -1,0 +1,1 @@
+"""Base models, adapters, nodes and GPUs, deployments and instances."""

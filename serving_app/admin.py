@@ -1,0 +1,178 @@
+"""Django admin for the serving domain (every change audited)."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.utils.html import format_html
+
+from serving_app import audit
+from serving_app.admin_audit import AuditedAdmin
+from serving_app.lifecycle import deployment_changed
+from serving_app.models import AuditLog, BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+
+
+@admin.register(BaseModel)
+class BaseModelAdmin(AuditedAdmin):
+    list_display = ["name", "architecture", "num_layers", "hidden_size", "dtype", "weight_bytes"]
+    search_fields = ["name", "path"]
+    readonly_fields = [
+        "architecture",
+        "num_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "vocab_size",
+        "torch_dtype",
+        "weight_bytes",
+    ]
+
+
+@admin.register(LoraAdapter)
+class LoraAdapterAdmin(AuditedAdmin):
+    list_display = ["name", "tenant", "base_model", "rank", "size_bytes", "last_error"]
+    list_filter = ["tenant", "base_model"]
+    search_fields = ["name", "path"]
+    readonly_fields = ["target_modules", "size_bytes", "last_error"]
+
+
+class GpuInline(admin.TabularInline):
+    model = Gpu
+    extra = 0
+    fields = ["index", "uuid", "name", "memory_total_bytes", "mig_mode", "mig_profile", "parent"]
+
+
+@admin.register(Node)
+class NodeAdmin(AuditedAdmin):
+    list_display = ["name", "queue", "state", "last_heartbeat", "inventory_source", "cordoned"]
+    readonly_fields = ["agent_pid", "last_heartbeat"]
+    inlines = [GpuInline]
+
+
+@admin.register(Gpu)
+class GpuAdmin(AuditedAdmin):
+    list_display = ["node", "index", "name", "uuid", "memory_total_bytes", "mig_mode"]
+    list_filter = ["node", "mig_mode"]
+
+
+class DeploymentForm(forms.ModelForm):
+    class Meta:
+        model = Deployment
+        exclude = ["created_by"]
+
+    def clean(self):
+        data = super().clean()
+        if not self.errors:
+            candidate = self.instance
+            try:
+                candidate.check_relations(data.get("tenants") or [], data.get("adapters") or [])
+            except ValidationError as exc:
+                for field, errors in exc.message_dict.items():
+                    self.add_error(field if field in self.fields else None, errors)
+        return data
+
+
+class InstanceInline(admin.TabularInline):
+    model = Instance
+    extra = 0
+    can_delete = False
+    fields = ["ordinal", "node", "port", "pid", "state", "restarts", "last_error"]
+    readonly_fields = fields
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+def _desired_state_action(name: str, state: str | None):
+    @admin.action(description=f"{name.capitalize()} selected deployments")
+    def run(modeladmin, request, queryset) -> None:
+        for deployment in queryset:
+            if name == "restart":
+                deployment.request_restart()
+            deployment.set_desired_state(state or Deployment.DesiredState.RUNNING)
+            audit.record(request, name, deployment, via="admin")
+            deployment_changed(deployment.pk)
+        messages.success(
+            request, f"{name.capitalize()} recorded for {queryset.count()} deployments."
+        )
+
+    run.__name__ = f"{name}_deployments"
+    return run
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(AuditedAdmin):
+    form = DeploymentForm
+    list_display = [
+        "name",
+        "base_model",
+        "desired_state",
+        "replicas",
+        "isolation_mode",
+        "gpu_memory_utilization",
+    ]
+    list_filter = ["desired_state", "isolation_mode", "base_model"]
+    filter_horizontal = ["tenants", "adapters"]
+    readonly_fields = ["generation"]
+    inlines = [InstanceInline]
+    actions = [
+        _desired_state_action("start", Deployment.DesiredState.RUNNING),
+        _desired_state_action("stop", Deployment.DesiredState.STOPPED),
+        _desired_state_action("restart", None),
+    ]
+
+
+@admin.register(Instance)
+class InstanceAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "node", "port", "pid", "state", "restarts", "state_changed_at"]
+    list_filter = ["state", "node", "deployment"]
+    readonly_fields = [f.name for f in Instance._meta.concrete_fields if f.name != "secret"] + [
+        "command_line",
+        "log",
+    ]
+    exclude = ["secret", "command", "log_tail", "gpus"]
+
+    @admin.display(description="Command")
+    def command_line(self, obj: Instance) -> str:
+        parts = list(obj.command)
+        for i, arg in enumerate(parts[:-1]):
+            if arg == "--api-key":
+                parts[i + 1] = "********"
+        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", " ".join(parts))
+
+    @admin.display(description="Log tail")
+    def log(self, obj: Instance) -> str:
+        return format_html("<pre style='max-height:30em;overflow:auto'>{}</pre>", obj.log_tail)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+
+@admin.register(AuditLog)
+class AuditLogAdmin(admin.ModelAdmin):
+    list_display = [
+        "created_at",
+        "actor_label",
+        "action",
+        "object_type",
+        "object_repr",
+        "via",
+        "remote_addr",
+    ]
+    list_filter = ["action", "object_type", "via"]
+    search_fields = ["actor_label", "object_repr", "object_id"]
+    readonly_fields = [f.name for f in AuditLog._meta.concrete_fields]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False

@@ -1,0 +1,254 @@
+"""Serializers for the serving domain."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import serializers
+from rest_framework.serializers import as_serializer_error
+
+from serving_app.models import (
+    AuditLog,
+    BaseModel,
+    Deployment,
+    Gpu,
+    Instance,
+    LoraAdapter,
+    Node,
+)
+from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from tenants_app.models import Tenant
+
+ARCH_FIELDS = [
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+    "torch_dtype",
+    "weight_bytes",
+]
+
+
+class BaseModelSerializer(ValidatedModelSerializer):
+    class Meta:
+        model = BaseModel
+        fields = ["id", "name", "path", "dtype", "quantization", *ARCH_FIELDS, "created_at"]
+        read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
+        derived_fields = ARCH_FIELDS
+
+
+class LoraAdapterSerializer(ValidatedModelSerializer):
+    tenant = TenantSlugField()
+    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+
+    class Meta:
+        model = LoraAdapter
+        fields = [
+            "id",
+            "tenant",
+            "base_model",
+            "name",
+            "path",
+            "rank",
+            "target_modules",
+            "size_bytes",
+            "last_error",
+            "created_at",
+        ]
+        read_only_fields = ["id", "target_modules", "size_bytes", "last_error", "created_at"]
+        derived_fields = ["rank", "target_modules", "size_bytes"]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if self.instance is not None:
+            for field in ("tenant", "base_model"):
+                if field in attrs and attrs[field] != getattr(self.instance, field):
+                    raise serializers.ValidationError(
+                        {field: "Cannot be changed; register a new adapter."}
+                    )
+        return super().validate(attrs)
+
+
+class GpuSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = Gpu
+        fields = [
+            "id",
+            "node",
+            "index",
+            "uuid",
+            "name",
+            "memory_total_bytes",
+            "mig_mode",
+            "mig_profile",
+            "parent",
+        ]
+
+
+class NodeSerializer(ValidatedModelSerializer):
+    state = serializers.CharField(read_only=True)
+    gpus = GpuSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Node
+        fields = [
+            "id",
+            "name",
+            "queue",
+            "address",
+            "engine_env",
+            "inventory_source",
+            "cordoned",
+            "state",
+            "agent_pid",
+            "last_heartbeat",
+            "gpus",
+            "created_at",
+        ]
+        read_only_fields = ["id", "agent_pid", "last_heartbeat", "created_at"]
+
+
+class InstanceSerializer(serializers.ModelSerializer):
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    command = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Instance
+        fields = [
+            "id",
+            "deployment",
+            "ordinal",
+            "node",
+            "gpus",
+            "gpu_memory_fraction",
+            "port",
+            "pid",
+            "state",
+            "restarts",
+            "health_failures",
+            "last_error",
+            "log_tail",
+            "command",
+            "environment",
+            "loaded_adapters",
+            "next_restart_at",
+            "started_at",
+            "ready_at",
+            "state_changed_at",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+    def get_command(self, instance: Instance) -> list[str]:
+        """The exact command line, with the instance's API key masked."""
+        masked = list(instance.command)
+        for i, arg in enumerate(masked[:-1]):
+            if arg == "--api-key":
+                masked[i + 1] = "********"
+        return masked
+
+
+class InstanceBriefSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = Instance
+        fields = ["id", "ordinal", "node", "port", "state", "restarts", "last_error"]
+        read_only_fields = fields
+
+
+class AdapterChoiceField(serializers.PrimaryKeyRelatedField):
+    """Adapters of the tenants the caller may see."""
+
+    def get_queryset(self):
+        request = self.context.get("request")
+        if request is None:
+            return LoraAdapter.objects.none()
+        return LoraAdapter.objects.for_user(request.user).select_related("tenant")
+
+
+class DeploymentSerializer(ValidatedModelSerializer):
+    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    tenants = TenantSlugField(many=True)
+    adapters = AdapterChoiceField(many=True, required=False)
+    instances = InstanceBriefSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "base_model",
+            "tenants",
+            "adapters",
+            "replicas",
+            "gpu_memory_utilization",
+            "max_num_seqs",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "enable_prefix_caching",
+            "tensor_parallel_size",
+            "dtype",
+            "quantization",
+            "max_loras",
+            "max_lora_rank",
+            "scheduling_policy",
+            "isolation_mode",
+            "mps_thread_percentage",
+            "desired_state",
+            "generation",
+            "instances",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = [
+            "id",
+            "desired_state",
+            "generation",
+            "instances",
+            "created_at",
+            "updated_at",
+        ]
+
+    def validate_relations(self, candidate: Deployment, attrs: dict[str, Any]) -> None:
+        instance = self.instance
+        tenants = attrs.get("tenants", list(instance.tenants.all()) if instance else [])
+        adapters = attrs.get("adapters", list(instance.adapters.all()) if instance else [])
+        try:
+            candidate.check_relations(tenants, adapters)
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(as_serializer_error(exc)) from exc
+
+
+class ScaleSerializer(serializers.Serializer):
+    replicas = serializers.IntegerField(min_value=0, max_value=64)
+
+
+class AuditLogSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+
+    class Meta:
+        model = AuditLog
+        fields = [
+            "id",
+            "actor",
+            "actor_label",
+            "action",
+            "object_type",
+            "object_id",
+            "object_repr",
+            "tenant",
+            "changes",
+            "via",
+            "remote_addr",
+            "created_at",
+        ]
+        read_only_fields = fields

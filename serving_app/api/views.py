@@ -1,0 +1,177 @@
+"""Management API views for the serving domain."""
+
+from __future__ import annotations
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from serving_app.api.serializers import (
+    AuditLogSerializer,
+    BaseModelSerializer,
+    DeploymentSerializer,
+    GpuSerializer,
+    InstanceSerializer,
+    LoraAdapterSerializer,
+    NodeSerializer,
+    ScaleSerializer,
+)
+from serving_app.models import AuditLog, BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from tenants_app.api.base import IsStaff, ScopedModelViewSet
+from tenants_app.models import Tenant
+
+
+class BaseModelViewSet(ScopedModelViewSet):
+    """Base models. Everyone signed in reads them; platform admins register them."""
+
+    queryset = BaseModel.objects.all()
+    serializer_class = BaseModelSerializer
+    filterset_fields = ["name", "dtype", "quantization", "architecture"]
+    write_role = "staff"
+
+    def get_queryset(self) -> QuerySet:
+        return BaseModel.objects.all()
+
+
+class LoraAdapterViewSet(ScopedModelViewSet):
+    """A tenant's LoRA adapters. Owners and admins register and remove them."""
+
+    queryset = LoraAdapter.objects.all()
+    serializer_class = LoraAdapterSerializer
+    filterset_fields = {"tenant__slug": ["exact"], "base_model__name": ["exact"], "name": ["exact"]}
+    write_role = "manager"
+
+    def get_queryset(self) -> QuerySet:
+        return super().get_queryset().select_related("tenant", "base_model")
+
+
+class NodeViewSet(ScopedModelViewSet):
+    """Hosts running node agents (platform admins only). Agents register themselves."""
+
+    queryset = Node.objects.all()
+    serializer_class = NodeSerializer
+    permission_classes = [IsStaff]
+    filterset_fields = ["name", "cordoned", "inventory_source"]
+
+    def get_queryset(self) -> QuerySet:
+        return Node.objects.prefetch_related("gpus").order_by("name")
+
+
+class GpuViewSet(viewsets.ReadOnlyModelViewSet):
+    """GPUs as their node agents reported them (platform admins only)."""
+
+    queryset = Gpu.objects.select_related("node").order_by("node__name", "index")
+    serializer_class = GpuSerializer
+    permission_classes = [IsStaff]
+    filterset_fields = {"node__name": ["exact"], "mig_mode": ["exact"]}
+
+
+class DeploymentViewSet(ScopedModelViewSet):
+    """Deployments: what should run. Tenants read the ones they may use."""
+
+    queryset = Deployment.objects.all()
+    serializer_class = DeploymentSerializer
+    filterset_fields = {
+        "name": ["exact"],
+        "desired_state": ["exact"],
+        "base_model__name": ["exact"],
+        "tenants__slug": ["exact"],
+    }
+    write_role = "staff"
+
+    def get_queryset(self) -> QuerySet:
+        return (
+            super()
+            .get_queryset()
+            .select_related("base_model")
+            .prefetch_related("tenants", "adapters__tenant", "instances__node")
+        )
+
+    def extra_create_fields(self) -> dict:
+        return {"created_by": self.request.user}
+
+    def _state_action(self, request: Request, name: str, state: str) -> Response:
+        deployment = self.get_object()
+        before = deployment.desired_state
+        if deployment.set_desired_state(state):
+            self.audited_action(name, deployment, {"desired_state": [before, state]})
+        else:
+            self.audited_action(name, deployment)
+        self.after_action(deployment, name)
+        return Response(self.get_serializer(deployment).data)
+
+    def after_action(self, deployment: Deployment, name: str) -> None:
+        """Hook for the engine lifecycle: enqueue reconciliation after commit."""
+        from serving_app.lifecycle import deployment_changed
+
+        deployment_changed(deployment.pk)
+
+    @extend_schema(request=None, responses=DeploymentSerializer)
+    @action(detail=True, methods=["post"])
+    def start(self, request: Request, pk: str | None = None) -> Response:
+        return self._state_action(request, "start", Deployment.DesiredState.RUNNING)
+
+    @extend_schema(request=None, responses=DeploymentSerializer)
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, pk: str | None = None) -> Response:
+        return self._state_action(request, "stop", Deployment.DesiredState.STOPPED)
+
+    @extend_schema(request=None, responses=DeploymentSerializer)
+    @action(detail=True, methods=["post"])
+    def restart(self, request: Request, pk: str | None = None) -> Response:
+        deployment = self.get_object()
+        before = deployment.generation
+        deployment.request_restart()
+        deployment.set_desired_state(Deployment.DesiredState.RUNNING)
+        self.audited_action("restart", deployment, {"generation": [before, deployment.generation]})
+        self.after_action(deployment, "restart")
+        return Response(self.get_serializer(deployment).data)
+
+    @extend_schema(request=ScaleSerializer, responses=DeploymentSerializer)
+    @action(detail=True, methods=["post"])
+    def scale(self, request: Request, pk: str | None = None) -> Response:
+        deployment = self.get_object()
+        serializer = ScaleSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        before = deployment.replicas
+        deployment.scale_to(serializer.validated_data["replicas"])
+        self.audited_action("scale", deployment, {"replicas": [before, deployment.replicas]})
+        self.after_action(deployment, "scale")
+        return Response(self.get_serializer(deployment).data)
+
+    def perform_update(self, serializer) -> None:
+        super().perform_update(serializer)
+        self.after_action(serializer.instance, "update")
+
+
+class InstanceViewSet(viewsets.ReadOnlyModelViewSet):
+    """Engine processes as they run (platform admins only), with their command and log tail."""
+
+    queryset = Instance.objects.select_related("deployment", "node").prefetch_related("gpus")
+    serializer_class = InstanceSerializer
+    permission_classes = [IsStaff]
+    filterset_fields = {"deployment__name": ["exact"], "state": ["exact"], "node__name": ["exact"]}
+
+
+class AuditLogViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """The audit trail: platform admins see all of it, tenant owners and admins their tenant's."""
+
+    queryset = AuditLog.objects.all()
+    serializer_class = AuditLogSerializer
+    filterset_fields = {
+        "action": ["exact"],
+        "object_type": ["exact"],
+        "object_id": ["exact"],
+        "tenant__slug": ["exact"],
+        "actor_label": ["exact"],
+    }
+
+    def get_queryset(self) -> QuerySet:
+        user = self.request.user
+        if not user.is_staff and not Tenant.objects.managed_by(user).exists():
+            raise PermissionDenied("Only tenant owners and admins may read the audit log.")
+        return AuditLog.objects.for_user(user).select_related("tenant")

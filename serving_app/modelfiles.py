@@ -1,0 +1,176 @@
+"""Read what a model or LoRA adapter folder holds, without loading any weights.
+
+`config.json` gives the architecture; the safetensors headers (an 8-byte length and a JSON
+header) give the weight bytes and tensor shapes. Errors are `ModelFilesError` with a message
+fit to show on the path field.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ModelFilesError(ValueError):
+    """The folder is not a usable model or adapter; the message says why."""
+
+
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+
+@dataclass
+class TensorInfo:
+    dtype: str
+    shape: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * DTYPE_BYTES.get(self.dtype, 0)
+
+
+@dataclass
+class ModelArchitecture:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    vocab_size: int
+    torch_dtype: str
+    weight_bytes: int
+
+
+@dataclass
+class AdapterInfo:
+    rank: int
+    alpha: float | None
+    target_modules: list[str]
+    base_model_name_or_path: str
+    size_bytes: int
+    input_dims: set[int] = field(default_factory=set)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    try:
+        with path.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length <= 0 or length > 100 * 1024 * 1024:
+                raise ModelFilesError(f"{path.name} has an invalid safetensors header.")
+            header = json.loads(handle.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFilesError(f"{path.name} is not a readable safetensors file: {exc}") from exc
+    tensors = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        tensors[name] = TensorInfo(dtype=meta["dtype"], shape=list(meta["shape"]))
+    return tensors
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFilesError(f"{path.name} cannot be read as JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelFilesError(f"{path.name} does not hold a JSON object.")
+    return data
+
+
+def _directory(path_text: str) -> Path:
+    path = Path(path_text).expanduser()
+    if not path.is_absolute():
+        raise ModelFilesError("Must be an absolute path on the node hosts.")
+    if not path.is_dir():
+        raise ModelFilesError(f"{path} is not a folder.")
+    return path
+
+
+def read_model(path_text: str) -> ModelArchitecture:
+    path = _directory(path_text)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelFilesError(f"{path} holds no config.json: it is not a model folder.")
+    config = _read_json(config_path)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ModelFilesError(f"{path} holds no .safetensors weight files.")
+    weight_bytes = sum(
+        tensor.nbytes for file in weights for tensor in read_safetensors_header(file).values()
+    )
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        architectures = config.get("architectures") or [config.get("model_type", "unknown")]
+        return ModelArchitecture(
+            architecture=str(architectures[0]),
+            num_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=int(config.get("intermediate_size") or 4 * hidden),
+            num_attention_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+            vocab_size=int(config.get("vocab_size") or 0),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            weight_bytes=weight_bytes,
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ModelFilesError(f"config.json lacks a usable architecture field: {exc}") from exc
+
+
+def read_adapter(path_text: str) -> AdapterInfo:
+    path = _directory(path_text)
+    config_path = path / "adapter_config.json"
+    if not config_path.is_file():
+        raise ModelFilesError(f"{path} holds no adapter_config.json: it is not a LoRA adapter.")
+    config = _read_json(config_path)
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ModelFilesError(f"adapter_config.json says peft_type {config.get('peft_type')}.")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ModelFilesError(f"{path} holds no adapter weights (adapter_model.safetensors).")
+    tensors: dict[str, TensorInfo] = {}
+    for file in weights:
+        tensors.update(read_safetensors_header(file))
+    try:
+        rank = int(config["r"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelFilesError("adapter_config.json has no rank 'r'.") from exc
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    # lora_A has shape [rank, in_features]: its inputs must be dimensions the base model has.
+    input_dims = {
+        t.shape[1] for name, t in tensors.items() if "lora_A" in name and len(t.shape) == 2
+    }
+    return AdapterInfo(
+        rank=rank,
+        alpha=config.get("lora_alpha"),
+        target_modules=sorted(str(t) for t in targets),
+        base_model_name_or_path=str(config.get("base_model_name_or_path") or ""),
+        size_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        input_dims=input_dims,
+    )

@@ -1,0 +1,540 @@
+"""The serving domain: base models, LoRA adapters, nodes and GPUs, deployments, instances.
+
+A Deployment is desired state; Instances record what actually runs. Node agents and the
+reconciler change Instance state only through conditional updates (`Instance.transition`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+from serving_app.modelfiles import ModelFilesError, read_adapter, read_model
+from tenants_app.models import Tenant, TenantOwnedQuerySet
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from django.contrib.auth.models import AbstractBaseUser
+
+
+class Dtype(models.TextChoices):
+    AUTO = "auto", "auto"
+    FLOAT32 = "float32", "float32"
+    FLOAT16 = "float16", "float16"
+    BFLOAT16 = "bfloat16", "bfloat16"
+
+
+class Quantization(models.TextChoices):
+    NONE = "", "none"
+    AWQ = "awq", "AWQ"
+    GPTQ = "gptq", "GPTQ"
+    FP8 = "fp8", "FP8"
+    BITSANDBYTES = "bitsandbytes", "bitsandbytes"
+
+
+class BaseModel(models.Model):
+    """A model whose files sit at the same local path on every node host.
+
+    The architecture fields are read from the folder's config.json and safetensors headers
+    when the model is registered or its path changes; they are never typed in.
+    """
+
+    name = models.SlugField(max_length=100, unique=True, help_text="Public model name.")
+    path = models.CharField(max_length=500)
+    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    quantization = models.CharField(
+        max_length=16, choices=Quantization.choices, default=Quantization.NONE, blank=True
+    )
+    architecture = models.CharField(max_length=100, editable=False, default="")
+    num_layers = models.PositiveIntegerField(editable=False, default=0)
+    hidden_size = models.PositiveIntegerField(editable=False, default=0)
+    intermediate_size = models.PositiveIntegerField(editable=False, default=0)
+    num_attention_heads = models.PositiveIntegerField(editable=False, default=0)
+    num_kv_heads = models.PositiveIntegerField(editable=False, default=0)
+    head_dim = models.PositiveIntegerField(editable=False, default=0)
+    max_position_embeddings = models.PositiveIntegerField(editable=False, default=0)
+    vocab_size = models.PositiveIntegerField(editable=False, default=0)
+    torch_dtype = models.CharField(max_length=16, editable=False, default="")
+    weight_bytes = models.PositiveBigIntegerField(editable=False, default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "base model"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        if not self.path:
+            return
+        try:
+            arch = read_model(self.path)
+        except ModelFilesError as exc:
+            raise ValidationError({"path": str(exc)}) from exc
+        for name, value in vars(arch).items():
+            setattr(self, name, value)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        element = 4 if self.effective_dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def effective_dtype(self) -> str:
+        return self.torch_dtype if self.dtype == Dtype.AUTO else self.dtype
+
+
+class LoraAdapterQuerySet(TenantOwnedQuerySet):
+    pass
+
+
+class LoraAdapter(models.Model):
+    """A tenant's LoRA adapter for one base model; rank and targets come from its files."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="adapters")
+    name = models.SlugField(max_length=100, help_text="Public name, unique within the tenant.")
+    path = models.CharField(max_length=500)
+    rank = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Expected rank; read from adapter_config.json if empty."
+    )
+    target_modules = models.JSONField(default=list, editable=False)
+    size_bytes = models.PositiveBigIntegerField(default=0, editable=False)
+    last_error = models.TextField(blank=True, default="", editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = LoraAdapterQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "name"]
+        verbose_name = "LoRA adapter"
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="unique_adapter_per_tenant"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id and self.tenant.slug}/{self.name}"
+
+    @property
+    def engine_name(self) -> str:
+        """The name the engine knows it by; tenant-qualified so tenants never collide."""
+        return f"{self.tenant.slug}--{self.name}"
+
+    def clean(self) -> None:
+        if not self.path:
+            return
+        try:
+            info = read_adapter(self.path)
+        except ModelFilesError as exc:
+            raise ValidationError({"path": str(exc)}) from exc
+        if self.rank is not None and self.rank != info.rank:
+            raise ValidationError(
+                {"rank": f"The adapter's files have rank {info.rank}, not {self.rank}."}
+            )
+        base = self.base_model if self.base_model_id else None
+        if base is not None and base.hidden_size:
+            allowed = {
+                base.hidden_size,
+                base.intermediate_size,
+                base.num_kv_heads * base.head_dim,
+                base.num_attention_heads * base.head_dim,
+            }
+            foreign = info.input_dims - allowed
+            if foreign:
+                raise ValidationError(
+                    {
+                        "base_model": (
+                            f"This adapter was trained for another base model: its layers take "
+                            f"inputs of size {sorted(foreign)}, but {base.name} has hidden size "
+                            f"{base.hidden_size}."
+                        )
+                    }
+                )
+        self.rank = info.rank
+        self.target_modules = info.target_modules
+        self.size_bytes = info.size_bytes
+
+
+class Node(models.Model):
+    """A host running a node agent (a Celery worker consuming `queue`)."""
+
+    class InventorySource(models.TextChoices):
+        NVML = "nvml", "NVML"
+        DECLARED = "declared", "Declared in configuration"
+
+    name = models.SlugField(max_length=100, unique=True)
+    queue = models.CharField(max_length=150, unique=True)
+    address = models.CharField(
+        max_length=100, default="127.0.0.1", help_text="Where the gateway reaches its engines."
+    )
+    engine_env = models.CharField(max_length=500, blank=True, help_text="Engine virtualenv path.")
+    inventory_source = models.CharField(
+        max_length=16, choices=InventorySource.choices, default=InventorySource.DECLARED
+    )
+    cordoned = models.BooleanField(default=False, help_text="Gets no new instances.")
+    agent_pid = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        if self.queue and not self.queue.startswith("node."):
+            raise ValidationError({"queue": "A node agent's queue is named node.<host>."})
+
+    @property
+    def is_lost(self) -> bool:
+        if self.last_heartbeat is None:
+            return True
+        age = timezone.now() - self.last_heartbeat
+        return age > timedelta(seconds=settings.NODE_LOST_AFTER_SECONDS)
+
+    @property
+    def state(self) -> str:
+        if self.is_lost:
+            return "lost"
+        return "cordoned" if self.cordoned else "ready"
+
+
+class Gpu(models.Model):
+    """A GPU (or a MIG device, with `parent` set) on a node."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveIntegerField()
+    uuid = models.CharField(max_length=100)
+    name = models.CharField(max_length=100)
+    memory_total_bytes = models.PositiveBigIntegerField()
+    mig_mode = models.BooleanField(default=False)
+    mig_profile = models.CharField(max_length=50, blank=True)
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="mig_devices"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["node__name", "index", "uuid"]
+        verbose_name = "GPU"
+        constraints = [
+            models.UniqueConstraint(fields=["node", "uuid"], name="unique_gpu_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node_id and self.node.name} GPU {self.index} ({self.name})"
+
+    def clean(self) -> None:
+        if self.parent_id and self.parent.node_id != self.node_id:
+            raise ValidationError({"parent": "A MIG device belongs to a GPU on the same node."})
+
+
+class DeploymentQuerySet(models.QuerySet):
+    def for_user(self, user: AbstractBaseUser) -> DeploymentQuerySet:
+        """Deployments the user may see: all for staff, else those open to their tenants."""
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(tenants__memberships__user=user).distinct()
+
+    def for_tenant(self, tenant: Tenant) -> DeploymentQuerySet:
+        return self.filter(tenants=tenant)
+
+
+class Deployment(models.Model):
+    """What should run: a base model with adapters, engine settings, replicas and isolation."""
+
+    class Isolation(models.TextChoices):
+        DEDICATED = "dedicated", "Dedicated GPUs"
+        SHARED = "shared", "Shared GPU"
+        MIG = "mig", "MIG slice"
+        MPS = "mps", "MPS"
+
+    class DesiredState(models.TextChoices):
+        RUNNING = "running", "Running"
+        STOPPED = "stopped", "Stopped"
+
+    class SchedulingPolicy(models.TextChoices):
+        FCFS = "fcfs", "First come, first served"
+        PRIORITY = "priority", "Priority (from the tenant's tier)"
+
+    name = models.SlugField(max_length=100, unique=True)
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="deployments")
+    tenants = models.ManyToManyField(Tenant, related_name="deployments")
+    adapters = models.ManyToManyField(LoraAdapter, blank=True, related_name="deployments")
+    replicas = models.PositiveIntegerField(default=1, validators=[MaxValueValidator(64)])
+    gpu_memory_utilization = models.FloatField(
+        default=0.9, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)]
+    )
+    max_num_seqs = models.PositiveIntegerField(
+        default=64, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    )
+    max_model_len = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(16)],
+        help_text="Empty: the model's max positions.",
+    )
+    max_num_batched_tokens = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(16)]
+    )
+    enable_prefix_caching = models.BooleanField(default=True)
+    tensor_parallel_size = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(16)]
+    )
+    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    quantization = models.CharField(
+        max_length=16, choices=Quantization.choices, default=Quantization.NONE, blank=True
+    )
+    max_loras = models.PositiveIntegerField(
+        default=4, validators=[MinValueValidator(1), MaxValueValidator(64)]
+    )
+    max_lora_rank = models.PositiveIntegerField(default=16)
+    scheduling_policy = models.CharField(
+        max_length=16, choices=SchedulingPolicy.choices, default=SchedulingPolicy.FCFS
+    )
+    isolation_mode = models.CharField(
+        max_length=16, choices=Isolation.choices, default=Isolation.SHARED
+    )
+    mps_thread_percentage = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
+    )
+    desired_state = models.CharField(
+        max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED
+    )
+    generation = models.PositiveIntegerField(
+        default=0, editable=False, help_text="Raised by a restart; older instances are replaced."
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = DeploymentQuerySet.as_manager()
+
+    VALID_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        base = self.base_model if self.base_model_id else None
+        if base is not None:
+            if (
+                self.max_model_len
+                and base.max_position_embeddings
+                and (self.max_model_len > base.max_position_embeddings)
+            ):
+                errors["max_model_len"] = (
+                    f"{base.name} supports at most {base.max_position_embeddings} tokens."
+                )
+            if base.num_attention_heads and base.num_attention_heads % self.tensor_parallel_size:
+                errors["tensor_parallel_size"] = (
+                    f"{base.name} has {base.num_attention_heads} attention heads, "
+                    f"not divisible by {self.tensor_parallel_size}."
+                )
+        if self.max_lora_rank not in self.VALID_LORA_RANKS:
+            errors["max_lora_rank"] = f"vLLM accepts {', '.join(map(str, self.VALID_LORA_RANKS))}."
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
+            errors["max_num_batched_tokens"] = "Must be at least max_num_seqs."
+        if self.isolation_mode == self.Isolation.MPS and not self.mps_thread_percentage:
+            errors["mps_thread_percentage"] = "MPS isolation needs a thread percentage."
+        if self.isolation_mode != self.Isolation.MPS and self.mps_thread_percentage:
+            errors["mps_thread_percentage"] = "Only used with MPS isolation."
+        if self.isolation_mode == self.Isolation.MIG and self.tensor_parallel_size > 1:
+            errors["tensor_parallel_size"] = "A MIG slice runs one GPU's worth: use 1."
+        if errors:
+            raise ValidationError(errors)
+
+    def check_relations(self, tenants: Iterable[Tenant], adapters: Iterable[LoraAdapter]) -> None:
+        """Validate the many-to-many choices, which `clean()` cannot see before saving."""
+        tenants = list(tenants)
+        errors: dict[str, list[str]] = {}
+        if not tenants:
+            errors["tenants"] = ["A deployment serves at least one tenant."]
+        tenant_ids = {t.pk for t in tenants}
+        for adapter in adapters:
+            if adapter.base_model_id != self.base_model_id:
+                errors.setdefault("adapters", []).append(
+                    f"{adapter} is an adapter for {adapter.base_model}, not {self.base_model}."
+                )
+            elif adapter.tenant_id not in tenant_ids:
+                errors.setdefault("adapters", []).append(
+                    f"{adapter} belongs to a tenant this deployment does not serve."
+                )
+            elif adapter.rank and adapter.rank > self.max_lora_rank:
+                errors.setdefault("adapters", []).append(
+                    f"{adapter} has rank {adapter.rank}, above max_lora_rank {self.max_lora_rank}."
+                )
+        if errors:
+            raise ValidationError(errors)
+
+    @property
+    def effective_max_model_len(self) -> int:
+        return self.max_model_len or self.base_model.max_position_embeddings
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters.exists()
+
+    def set_desired_state(self, state: str) -> bool:
+        """Record what should run; True if it changed."""
+        changed = (
+            Deployment.objects.filter(pk=self.pk)
+            .exclude(desired_state=state)
+            .update(desired_state=state, updated_at=timezone.now())
+        )
+        self.desired_state = state
+        return bool(changed)
+
+    def request_restart(self) -> None:
+        Deployment.objects.filter(pk=self.pk).update(
+            generation=models.F("generation") + 1, updated_at=timezone.now()
+        )
+        self.refresh_from_db(fields=["generation"])
+
+    def scale_to(self, replicas: int) -> None:
+        if not 0 <= replicas <= 64:
+            raise ValidationError({"replicas": "Must be between 0 and 64."})
+        Deployment.objects.filter(pk=self.pk).update(replicas=replicas, updated_at=timezone.now())
+        self.replicas = replicas
+
+
+def new_instance_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+class InstanceQuerySet(models.QuerySet):
+    def for_user(self, user: AbstractBaseUser) -> InstanceQuerySet:
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(deployment__tenants__memberships__user=user).distinct()
+
+    def active(self) -> InstanceQuerySet:
+        return self.exclude(state__in=Instance.TERMINAL_STATES)
+
+
+class Instance(models.Model):
+    """One engine process of a deployment: where it runs and what state it is in."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        STARTING = "starting", "Starting"
+        READY = "ready", "Ready"
+        UNHEALTHY = "unhealthy", "Unhealthy"
+        FAILED = "failed", "Failed"
+        CRASH_LOOP = "crash_loop", "Crash loop"
+        STOPPING = "stopping", "Stopping"
+        STOPPED = "stopped", "Stopped"
+
+    TERMINAL_STATES = (State.STOPPED,)
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="instances")
+    ordinal = models.PositiveIntegerField(default=0)
+    generation = models.PositiveIntegerField(default=0)
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances"
+    )
+    gpus = models.ManyToManyField(Gpu, blank=True, related_name="instances")
+    gpu_memory_fraction = models.FloatField(null=True, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    restarts = models.PositiveIntegerField(default=0)
+    health_failures = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True, default="")
+    log_tail = models.TextField(blank=True, default="")
+    log_path = models.CharField(max_length=500, blank=True, default="")
+    command = models.JSONField(default=list, blank=True)
+    environment = models.JSONField(default=dict, blank=True)
+    secret = models.CharField(max_length=64, default=new_instance_secret, editable=False)
+    loaded_adapters = models.JSONField(default=list, blank=True)
+    next_restart_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = InstanceQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["deployment__name", "ordinal"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id and self.deployment.name}#{self.ordinal}"
+
+    def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
+        """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""
+        now = timezone.now()
+        updated = Instance.objects.filter(pk=self.pk, state__in=list(expected)).update(
+            state=new, state_changed_at=now, **fields
+        )
+        if updated:
+            self.state = new
+            self.state_changed_at = now
+            for name, value in fields.items():
+                setattr(self, name, value)
+        return bool(updated)
+
+    @property
+    def base_url(self) -> str:
+        address = self.node.address if self.node_id else "127.0.0.1"
+        return f"http://{address}:{self.port}"
+
+
+class AuditLogQuerySet(models.QuerySet):
+    def for_user(self, user: AbstractBaseUser) -> AuditLogQuerySet:
+        """Staff see everything; tenant owners and admins see their tenant's entries."""
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(tenant__in=Tenant.objects.managed_by(user))
+
+
+class AuditLog(models.Model):
+    """Who did what to which object, with the changed fields, when and from where."""
+
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_label = models.CharField(max_length=150, blank=True)
+    action = models.CharField(max_length=50)
+    object_type = models.CharField(max_length=100)
+    object_id = models.CharField(max_length=64)
+    object_repr = models.CharField(max_length=200)
+    tenant = models.ForeignKey(
+        Tenant, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_entries"
+    )
+    changes = models.JSONField(default=dict, blank=True)
+    via = models.CharField(max_length=16)
+    remote_addr = models.GenericIPAddressField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    objects = AuditLogQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name = "audit log entry"
+        verbose_name_plural = "audit log"
+
+    def __str__(self) -> str:
+        return f"{self.actor_label} {self.action} {self.object_type} {self.object_repr}"

@@ -1,0 +1,1 @@
+"""Tenants, memberships and roles, API keys, limits and budgets."""

@@ -1,0 +1,154 @@
+"""Base classes every management API endpoint builds on.
+
+`ScopedModelViewSet` reads through the model's `for_user()` (so another tenant's object is a
+404 that no endpoint can forget), asks `check_write()` before every write (403 for too low a
+role), runs the models' `full_clean()` through `ValidatedModelSerializer`, and writes the audit
+trail for every create, update, delete and action.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import models
+from rest_framework import permissions, serializers, viewsets
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.serializers import as_serializer_error
+
+from serving_app import audit
+from tenants_app.models import Tenant
+
+
+class ValidatedModelSerializer(serializers.ModelSerializer):
+    """Validate through the model's `full_clean()`, like the admin and forms do.
+
+    Many-to-many values are left out of `full_clean()` (they need a saved row) and are checked by
+    the serializer's own `validate_relations()`. Fields the model derives in `clean()` (listed in
+    `Meta.derived_fields`) are copied back into the validated data.
+    """
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs = super().validate(attrs)
+        model = self.Meta.model
+        m2m = {f.name for f in model._meta.many_to_many}
+        plain = {k: v for k, v in attrs.items() if k not in m2m}
+        if self.instance is None:
+            candidate = model(**plain)
+        else:
+            candidate = model.objects.get(pk=self.instance.pk)
+            for name, value in plain.items():
+                setattr(candidate, name, value)
+        exclude = [f.name for f in model._meta.get_fields() if f.name in m2m]
+        try:
+            candidate.full_clean(exclude=exclude, validate_unique=True)
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(as_serializer_error(exc)) from exc
+        for name in getattr(self.Meta, "derived_fields", ()):
+            attrs[name] = getattr(candidate, name)
+        self.validate_relations(candidate, attrs)
+        return attrs
+
+    def validate_relations(self, candidate: models.Model, attrs: dict[str, Any]) -> None:
+        """Hook for checks that need the many-to-many values."""
+
+
+class TenantSlugField(serializers.SlugRelatedField):
+    """A tenant chosen by slug, among the tenants the caller may see (others do not exist)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("slug_field", "slug")
+        super().__init__(**kwargs)
+
+    def get_queryset(self) -> models.QuerySet:
+        request = self.context.get("request")
+        if request is None:
+            return Tenant.objects.none()
+        return Tenant.objects.for_user(request.user)
+
+
+class IsStaff(permissions.BasePermission):
+    message = "Only platform admins may use this endpoint."
+
+    def has_permission(self, request, view) -> bool:
+        return bool(request.user and request.user.is_authenticated and request.user.is_staff)
+
+
+class ScopedModelViewSet(viewsets.ModelViewSet):
+    """A model viewset whose rows are always read through `for_user(request.user)`.
+
+    `write_role`: "staff" (platform admins only) or "manager" (tenant owners and admins, and
+    staff). Subclasses with tenant-owned rows name how to find the tenant in `tenant_of()`.
+    """
+
+    write_role = "staff"
+    audit_actions = True
+
+    def get_queryset(self) -> models.QuerySet:
+        return self.queryset.model.objects.for_user(self.request.user).order_by(
+            *self.queryset.model._meta.ordering or ["pk"]
+        )
+
+    # -- permissions -----------------------------------------------------------------------
+    def tenant_of(self, obj_or_data: Any) -> Tenant | None:
+        if isinstance(obj_or_data, dict):
+            return obj_or_data.get("tenant")
+        return getattr(obj_or_data, "tenant", None)
+
+    def check_write(self, target: Any) -> None:
+        user = self.request.user
+        if user.is_staff:
+            return
+        if self.write_role == "staff":
+            raise PermissionDenied("Only platform admins may change this.")
+        tenant = self.tenant_of(target)
+        if tenant is None or not tenant.user_can_manage(user):
+            raise PermissionDenied("Your role in this tenant does not allow this change.")
+
+    def check_object_permissions(self, request, obj: models.Model) -> None:
+        super().check_object_permissions(request, obj)
+        if request.method not in permissions.SAFE_METHODS:
+            self.check_write(obj)
+
+    def create(self, request, *args, **kwargs):
+        # Refuse a too-low role before looking at the body, so it gets 403 rather than 400.
+        user = request.user
+        if not user.is_staff:
+            if self.write_role == "staff":
+                raise PermissionDenied("Only platform admins may change this.")
+            slug = request.data.get("tenant") if hasattr(request.data, "get") else None
+            tenant = Tenant.objects.for_user(user).filter(slug=slug).first() if slug else None
+            if tenant is not None and not tenant.user_can_manage(user):
+                raise PermissionDenied("Your role in this tenant does not allow this change.")
+        return super().create(request, *args, **kwargs)
+
+    # -- writes, each audited ----------------------------------------------------------------
+    def perform_create(self, serializer: serializers.BaseSerializer) -> None:
+        self.check_write(serializer.validated_data)
+        instance = serializer.save(**self.extra_create_fields())
+        audit.record(self.request, "create", instance, changes=audit.snapshot(instance))
+
+    def extra_create_fields(self) -> dict[str, Any]:
+        return {}
+
+    def perform_update(self, serializer: serializers.BaseSerializer) -> None:
+        if "tenant" in serializer.validated_data:
+            self.check_write(serializer.validated_data)
+        before = audit.snapshot(serializer.instance)
+        instance = serializer.save()
+        audit.record(
+            self.request, "update", instance, changes=audit.diff(before, audit.snapshot(instance))
+        )
+
+    def perform_destroy(self, instance: models.Model) -> None:
+        self.before_destroy(instance)
+        before = audit.snapshot(instance)
+        pk = instance.pk
+        audit.record(self.request, "delete", instance, changes=before, object_id=pk)
+        instance.delete()
+
+    def before_destroy(self, instance: models.Model) -> None:
+        """Raise a ValidationError to refuse a delete."""
+
+    def audited_action(self, name: str, obj: models.Model, changes: dict | None = None) -> None:
+        audit.record(self.request, name, obj, changes=changes or {})

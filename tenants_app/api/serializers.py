@@ -1,0 +1,148 @@
+"""Serializers for tenants, memberships, API keys and users."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.password_validation import validate_password
+from rest_framework import serializers
+
+from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from tenants_app.models import ApiKey, Membership, Tenant
+
+User = get_user_model()
+
+
+class TenantSerializer(ValidatedModelSerializer):
+    class Meta:
+        model = Tenant
+        fields = [
+            "id",
+            "slug",
+            "name",
+            "status",
+            "priority_tier",
+            "requests_per_minute",
+            "tokens_per_minute",
+            "max_concurrent_requests",
+            "monthly_token_budget",
+            "max_tokens_per_request",
+            "max_prompt_tokens",
+            "gpu_memory_quota_gib",
+            "latency_objective_ms",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = ["id", "created_at", "updated_at"]
+
+
+class MembershipSerializer(ValidatedModelSerializer):
+    tenant = TenantSlugField()
+    user = serializers.SlugRelatedField(slug_field="username", queryset=User.objects.all())
+
+    class Meta:
+        model = Membership
+        fields = ["id", "tenant", "user", "role", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if self.instance is not None:
+            for field in ("tenant", "user"):
+                if field in attrs and attrs[field] != getattr(self.instance, field):
+                    raise serializers.ValidationError({field: "Cannot be changed; add a new one."})
+        return super().validate(attrs)
+
+
+class ApiKeySerializer(ValidatedModelSerializer):
+    tenant = TenantSlugField()
+    is_usable = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "tenant",
+            "name",
+            "prefix",
+            "allowed_models",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "is_usable",
+            "created_at",
+        ]
+        read_only_fields = ["id", "prefix", "revoked_at", "last_used_at", "created_at"]
+
+    def get_is_usable(self, key: ApiKey) -> bool:
+        return key.is_usable()
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if (
+            self.instance is not None
+            and "tenant" in attrs
+            and attrs["tenant"] != self.instance.tenant
+        ):
+            raise serializers.ValidationError({"tenant": "A key cannot move to another tenant."})
+        return super().validate(attrs)
+
+    def create(self, validated_data: dict[str, Any]) -> ApiKey:
+        key, secret = ApiKey.objects.create_key(**validated_data)
+        key.new_secret = secret
+        return key
+
+    def to_representation(self, key: ApiKey) -> dict[str, Any]:
+        data = super().to_representation(key)
+        secret = getattr(key, "new_secret", None)
+        if secret:
+            data["secret"] = secret
+        return data
+
+
+class UserSerializer(serializers.ModelSerializer):
+    password = serializers.CharField(
+        write_only=True, required=False, style={"input_type": "password"}
+    )
+    memberships = serializers.SerializerMethodField()
+
+    class Meta:
+        model = User
+        fields = [
+            "id",
+            "username",
+            "email",
+            "first_name",
+            "last_name",
+            "is_staff",
+            "is_active",
+            "password",
+            "memberships",
+            "date_joined",
+        ]
+        read_only_fields = ["id", "date_joined"]
+
+    def get_memberships(self, user) -> list[dict[str, str]]:
+        return [
+            {"tenant": m.tenant.slug, "role": m.role}
+            for m in user.memberships.select_related("tenant")
+        ]
+
+    def validate_password(self, value: str) -> str:
+        validate_password(value)
+        return value
+
+    def create(self, validated_data: dict[str, Any]):
+        password = validated_data.pop("password", None)
+        user = User(**validated_data)
+        user.set_password(password) if password else user.set_unusable_password()
+        user.save()
+        return user
+
+    def update(self, user, validated_data: dict[str, Any]):
+        password = validated_data.pop("password", None)
+        for name, value in validated_data.items():
+            setattr(user, name, value)
+        if password:
+            user.set_password(password)
+        user.save()
+        return user

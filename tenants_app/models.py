@@ -1,0 +1,300 @@
+"""Tenants, their members and roles, API keys and limits.
+
+Tenant-owned rows are read through `.for_user(user)` / `.for_tenant(tenant)` on their managers;
+nothing else in the codebase filters tenant data by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+RESERVED_SLUGS = {"admin", "api", "v1", "static", "portal", "console", "new"}
+
+
+class Role(models.TextChoices):
+    OWNER = "owner", "Owner"
+    ADMIN = "admin", "Admin"
+    MEMBER = "member", "Member"
+    VIEWER = "viewer", "Viewer"
+
+
+# Higher ranks can do everything lower ranks can.
+ROLE_RANK = {Role.VIEWER: 1, Role.MEMBER: 2, Role.ADMIN: 3, Role.OWNER: 4}
+MANAGER_ROLES = (Role.OWNER, Role.ADMIN)
+
+
+class PriorityTier(models.IntegerChoices):
+    """vLLM's priority scheduling serves lower values first."""
+
+    CRITICAL = 0, "Critical"
+    HIGH = 1, "High"
+    NORMAL = 2, "Normal"
+    LOW = 3, "Low"
+
+
+class TenantQuerySet(models.QuerySet):
+    def for_user(self, user: AbstractBaseUser) -> TenantQuerySet:
+        """Tenants the user may see: all for platform admins, else those they belong to."""
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(memberships__user=user).distinct()
+
+    def managed_by(self, user: AbstractBaseUser) -> TenantQuerySet:
+        """Tenants whose members, keys and adapters the user may change."""
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(memberships__user=user, memberships__role__in=MANAGER_ROLES).distinct()
+
+
+def _positive(null_ok: bool = True, **kwargs) -> models.PositiveIntegerField:
+    return models.PositiveIntegerField(
+        null=null_ok, blank=null_ok, validators=[MinValueValidator(1)], **kwargs
+    )
+
+
+class Tenant(models.Model):
+    """A customer of the platform. Empty limits mean unlimited."""
+
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        SUSPENDED = "suspended", "Suspended"
+
+    slug = models.SlugField(max_length=50, unique=True)
+    name = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    priority_tier = models.PositiveSmallIntegerField(
+        choices=PriorityTier.choices, default=PriorityTier.NORMAL
+    )
+    requests_per_minute = _positive(help_text="Empty: unlimited.")
+    tokens_per_minute = _positive(help_text="Prompt plus completion tokens. Empty: unlimited.")
+    max_concurrent_requests = _positive(help_text="Empty: unlimited.")
+    monthly_token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Empty: unlimited."
+    )
+    max_tokens_per_request = _positive(help_text="Cap on a request's max_tokens. Empty: none.")
+    max_prompt_tokens = _positive(help_text="Longest prompt accepted. Empty: no limit.")
+    gpu_memory_quota_gib = models.DecimalField(
+        max_digits=8,
+        decimal_places=2,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="GPU memory this tenant's deployments may reserve. Empty: unlimited.",
+    )
+    latency_objective_ms = _positive(help_text="p95 latency objective, drawn on dashboards.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TenantQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        if self.slug in RESERVED_SLUGS:
+            errors["slug"] = f"'{self.slug}' is reserved; choose another slug."
+        if (
+            self.max_tokens_per_request
+            and self.tokens_per_minute
+            and self.max_tokens_per_request > self.tokens_per_minute
+        ):
+            errors["max_tokens_per_request"] = (
+                f"Cannot exceed tokens_per_minute ({self.tokens_per_minute}): "
+                "such a request could never be admitted."
+            )
+        if (
+            self.tokens_per_minute
+            and self.monthly_token_budget
+            and self.tokens_per_minute > self.monthly_token_budget
+        ):
+            errors["tokens_per_minute"] = (
+                f"Cannot exceed the monthly token budget ({self.monthly_token_budget})."
+            )
+        if errors:
+            raise ValidationError(errors)
+
+    @property
+    def is_active(self) -> bool:
+        return self.status == self.Status.ACTIVE
+
+    def role_of(self, user: AbstractBaseUser) -> str | None:
+        """The user's role in this tenant, 'platform' for staff, None for outsiders."""
+        if not user.is_authenticated:
+            return None
+        if user.is_staff:
+            return "platform"
+        membership = self.memberships.filter(user=user).only("role").first()
+        return membership.role if membership else None
+
+    def user_can_manage(self, user: AbstractBaseUser) -> bool:
+        return self.role_of(user) in ("platform", *MANAGER_ROLES)
+
+
+class TenantOwnedQuerySet(models.QuerySet):
+    """Scoping shared by every model with a `tenant` foreign key."""
+
+    def for_tenant(self, tenant: Tenant) -> TenantOwnedQuerySet:
+        return self.filter(tenant=tenant)
+
+    def for_user(self, user: AbstractBaseUser) -> TenantOwnedQuerySet:
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(tenant__memberships__user=user).distinct()
+
+
+class Membership(models.Model):
+    """A user's role in one tenant. Platform admins are staff users and need none."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantOwnedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "user__username"]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant"], name="unique_membership"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant} ({self.role})"
+
+    def clean(self) -> None:
+        if self.pk and self.tenant_id:
+            previous = Membership.objects.filter(pk=self.pk).values_list("role", flat=True).first()
+            if previous == Role.OWNER and self.role != Role.OWNER and self._is_last_owner():
+                raise ValidationError(
+                    {"role": "A tenant must keep at least one owner; add another owner first."}
+                )
+
+    def _is_last_owner(self) -> bool:
+        return not (
+            Membership.objects.filter(tenant_id=self.tenant_id, role=Role.OWNER)
+            .exclude(pk=self.pk)
+            .exists()
+        )
+
+    def check_deletable(self) -> None:
+        """Raise ValidationError when deleting this membership would leave no owner."""
+        if self.role == Role.OWNER and self._is_last_owner():
+            raise ValidationError("A tenant must keep at least one owner; add another owner first.")
+
+
+KEY_PREFIX = "lcsk-"
+
+
+def hash_secret(secret: str) -> str:
+    """Keys are 256-bit random strings, so a fast hash is as strong as a slow one here."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class ApiKeyQuerySet(TenantOwnedQuerySet):
+    def create_key(self, **fields) -> tuple[ApiKey, str]:
+        """Create a key and return it with its secret, which is never stored or shown again."""
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = self.model(
+            **fields, prefix=secret[: len(KEY_PREFIX) + 8], secret_hash=hash_secret(secret)
+        )
+        key.full_clean()
+        key.save()
+        return key, secret
+
+    def for_secret(self, secret: str) -> ApiKey | None:
+        """The usable key with this secret: not revoked, not expired, its tenant active."""
+        if not secret or not secret.startswith(KEY_PREFIX):
+            return None
+        key = self.select_related("tenant").filter(secret_hash=hash_secret(secret)).first()
+        if key is None or not key.is_usable():
+            return None
+        return key
+
+
+class ApiKey(models.Model):
+    """A tenant's key for the OpenAI-compatible gateway. Only a hash of the secret is kept."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=20, unique=True, editable=False)
+    secret_hash = models.CharField(max_length=64, unique=True, editable=False)
+    allowed_models = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Public model names; empty allows all the tenant may use.",
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "-created_at"]
+        verbose_name = "API key"
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="unique_key_name_per_tenant"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name})"
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        if not isinstance(self.allowed_models, list) or not all(
+            isinstance(name, str) and name for name in self.allowed_models
+        ):
+            errors["allowed_models"] = "Must be a list of model names."
+        if self.expires_at and not self.pk and self.expires_at <= timezone.now():
+            errors["expires_at"] = "Must be in the future."
+        if errors:
+            raise ValidationError(errors)
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    def is_usable(self) -> bool:
+        return not self.is_revoked and not self.is_expired and self.tenant.is_active
+
+    def allows_model(self, public_name: str) -> bool:
+        return not self.allowed_models or public_name in self.allowed_models
+
+    def revoke(self) -> bool:
+        """Revoke the key; False when it already was."""
+        updated = ApiKey.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+        self.refresh_from_db(fields=["revoked_at"])
+        return bool(updated)

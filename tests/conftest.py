@@ -1,0 +1,65 @@
+"""Shared fixtures: each tenant has an owner, an admin, a member and a viewer; an outsider and a
+platform admin exist beside them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from rest_framework.test import APIClient
+
+from tests.factories import add_member, make_base_model, make_tenant, make_user
+from tenants_app.models import Role, Tenant
+
+
+@dataclass
+class TenantUsers:
+    tenant: Tenant
+    owner: object
+    admin: object
+    member: object
+    viewer: object
+
+
+@pytest.fixture
+def platform_admin(db):
+    return make_user("root-admin", staff=True)
+
+
+@pytest.fixture
+def acme(db) -> TenantUsers:
+    tenant = make_tenant("acme", name="Acme Corp", tokens_per_minute=100_000)
+    users = {role: make_user(f"acme-{role}") for role in ("owner", "admin", "member", "viewer")}
+    for role, user in users.items():
+        add_member(tenant, user, Role(role))
+    return TenantUsers(tenant, **users)
+
+
+@pytest.fixture
+def globex(db) -> TenantUsers:
+    tenant = make_tenant("globex", name="Globex")
+    users = {role: make_user(f"globex-{role}") for role in ("owner", "admin", "member", "viewer")}
+    for role, user in users.items():
+        add_member(tenant, user, Role(role))
+    return TenantUsers(tenant, **users)
+
+
+@pytest.fixture
+def outsider(db):
+    return make_user("outsider")
+
+
+@pytest.fixture
+def client_for():
+    def build(user) -> APIClient:
+        client = APIClient()
+        if user is not None:
+            client.force_authenticate(user)
+        return client
+
+    return build
+
+
+@pytest.fixture
+def base_model(db, tmp_path):
+    return make_base_model(tmp_path / "models")

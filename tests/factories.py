@@ -1,0 +1,146 @@
+"""Factories for test data: users, tenants with their roles, and model/adapter folders.
+
+Model folders written here hold a real config.json and real safetensors headers (the weights are
+zero bytes), which is all the console reads when it registers a model; tests that run the engine
+use the generated tiny model instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+from pathlib import Path
+
+from django.contrib.auth import get_user_model
+
+from serving_app.models import BaseModel, Deployment, LoraAdapter
+from tenants_app.models import Membership, Role, Tenant
+
+_counter = itertools.count(1)
+
+
+def make_user(username: str | None = None, *, staff: bool = False, password: str = "pw-12345678"):
+    username = username or f"user{next(_counter)}"
+    user = get_user_model().objects.create_user(
+        username=username, password=password, is_staff=staff
+    )
+    return user
+
+
+def make_tenant(slug: str | None = None, **fields) -> Tenant:
+    slug = slug or f"tenant{next(_counter)}"
+    tenant = Tenant(slug=slug, name=fields.pop("name", slug.title()), **fields)
+    tenant.full_clean()
+    tenant.save()
+    return tenant
+
+
+def add_member(tenant: Tenant, user, role: str = Role.MEMBER) -> Membership:
+    return Membership.objects.create(tenant=tenant, user=user, role=role)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    sizes = {"F32": 4, "F16": 2, "BF16": 2}
+    header: dict = {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        count = 1
+        for dim in shape:
+            count *= dim
+        nbytes = count * sizes[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        handle.truncate(8 + len(raw) + offset)
+
+
+def make_model_dir(
+    root: Path,
+    name: str = "llama-mini",
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 2,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    vocab: int = 512,
+    max_positions: int = 2048,
+) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    head_dim = hidden // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+        "vocab_size": vocab,
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {"model.embed_tokens.weight": ("F32", [vocab, hidden])}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"] = ("F32", [hidden, hidden])
+        tensors[p + "self_attn.k_proj.weight"] = ("F32", [kv_heads * head_dim, hidden])
+        tensors[p + "self_attn.v_proj.weight"] = ("F32", [kv_heads * head_dim, hidden])
+        tensors[p + "self_attn.o_proj.weight"] = ("F32", [hidden, hidden])
+        tensors[p + "mlp.gate_proj.weight"] = ("F32", [intermediate, hidden])
+    write_safetensors(folder / "model.safetensors", tensors)
+    return folder
+
+
+def make_adapter_dir(
+    root: Path, name: str = "lora", *, rank: int = 8, hidden: int = 128, layers: int = 2
+) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": "llama-mini",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {}
+    for i in range(layers):
+        for module in ("q_proj", "v_proj"):
+            p = f"base_model.model.model.layers.{i}.self_attn.{module}."
+            tensors[p + "lora_A.weight"] = ("F32", [rank, hidden])
+            tensors[p + "lora_B.weight"] = ("F32", [hidden, rank])
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    return folder
+
+
+def make_base_model(root: Path, name: str = "llama-mini", **arch) -> BaseModel:
+    model = BaseModel(name=name, path=str(make_model_dir(root, name, **arch)))
+    model.full_clean()
+    model.save()
+    return model
+
+
+def make_adapter(tenant: Tenant, base: BaseModel, root: Path, name: str = "lora", **kw):
+    folder = make_adapter_dir(root, f"{tenant.slug}-{name}", **kw)
+    adapter = LoraAdapter(tenant=tenant, base_model=base, name=name, path=str(folder))
+    adapter.full_clean()
+    adapter.save()
+    return adapter
+
+
+def make_deployment(base: BaseModel, tenants: list[Tenant], name: str | None = None, **fields):
+    adapters = fields.pop("adapters", [])
+    deployment = Deployment(name=name or f"dep{next(_counter)}", base_model=base, **fields)
+    deployment.full_clean()
+    deployment.save()
+    deployment.tenants.set(tenants)
+    deployment.adapters.set(adapters)
+    return deployment
