@@ -310,6 +310,10 @@ class Deployment(models.Model):
     mps_thread_percentage = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
     )
+    base_port = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1024), MaxValueValidator(65000)],
+        help_text="Fixed engine port for replica 0 (replica n: base_port + n). Empty: any free.",
+    )
     desired_state = models.CharField(
         max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED
     )

@@ -63,3 +63,9 @@ def client_for():
 @pytest.fixture
 def base_model(db, tmp_path):
     return make_base_model(tmp_path / "models")
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings):
+    """PBKDF2 at full strength costs ~0.3 s a user on these machines; tests need no strength."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

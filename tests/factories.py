@@ -23,7 +23,7 @@ _counter = itertools.count(1)
 def make_user(username: str | None = None, *, staff: bool = False, password: str = "pw-12345678"):
     username = username or f"user{next(_counter)}"
     user = get_user_model().objects.create_user(
-        username=username, password=password, is_staff=staff
+        username=username, password=password, is_staff=staff, is_superuser=staff
     )
     return user
 

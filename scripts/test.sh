@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up everything the tests need and run them: the README's test command.
+#
+#   scripts/test.sh [pytest args]
+#
+# Uses PostgreSQL and Redis on localhost (started if down), the console venv (.venv) and the
+# engine venv with the generated tiny model (var/engine-venv, var/models).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bash scripts/services.sh
+bash scripts/setup_console.sh
+bash scripts/setup_engine.sh
+
+export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+
+echo "[test] ruff check"
+.venv/bin/ruff check .
+echo "[test] migrations complete"
+.venv/bin/python manage.py makemigrations --check --dry-run
+echo "[test] pytest"
+set +e
+.venv/bin/pytest "$@"
+status=$?
+set -e
+if [[ $status -eq 5 ]]; then
+    echo "[test] pytest collected no tests"
+fi
+exit $status
