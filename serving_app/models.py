@@ -311,7 +311,9 @@ class Deployment(models.Model):
         null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
     )
     base_port = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1024), MaxValueValidator(65000)],
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1024), MaxValueValidator(65000)],
         help_text="Fixed engine port for replica 0 (replica n: base_port + n). Empty: any free.",
     )
     desired_state = models.CharField(

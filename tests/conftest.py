@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 from rest_framework.test import APIClient
 
-from tests.factories import add_member, make_base_model, make_tenant, make_user
 from tenants_app.models import Role, Tenant
+from tests.factories import add_member, make_base_model, make_tenant, make_user
 
 
 @dataclass

@@ -23,8 +23,13 @@ def assert_hidden_from(users, url: str) -> None:
 def assert_forbidden_for(users, method: str, url: str, data: dict | None = None) -> None:
     for user in users:
         response = getattr(as_user(user), method)(url, data or {}, format="json")
-        assert response.status_code == 403, (user, method, url, response.status_code,
-                                             getattr(response, "data", None))
+        assert response.status_code == 403, (
+            user,
+            method,
+            url,
+            response.status_code,
+            getattr(response, "data", None),
+        )
 
 
 def results(response) -> list[dict]:

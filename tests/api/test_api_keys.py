@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 from tenants_app.models import ApiKey
+from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 
 pytestmark = pytest.mark.django_db
 
 
 def create_key(user, tenant="acme", **extra):
-    return as_user(user).post("/api/v1/api-keys/", {"tenant": tenant, "name": "ci", **extra},
-                              format="json")
+    return as_user(user).post(
+        "/api/v1/api-keys/", {"tenant": tenant, "name": "ci", **extra}, format="json"
+    )
 
 
 def test_creation_returns_the_secret_once(acme):
@@ -29,8 +30,9 @@ def test_creation_returns_the_secret_once(acme):
 
 def test_members_and_viewers_read_but_cannot_create_or_revoke(acme):
     key, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="k")
-    assert_forbidden_for([acme.member, acme.viewer], "post", "/api/v1/api-keys/",
-                         {"tenant": "acme", "name": "x"})
+    assert_forbidden_for(
+        [acme.member, acme.viewer], "post", "/api/v1/api-keys/", {"tenant": "acme", "name": "x"}
+    )
     assert_forbidden_for([acme.member, acme.viewer], "post", f"/api/v1/api-keys/{key.pk}/revoke/")
     assert len(results(as_user(acme.viewer).get("/api/v1/api-keys/"))) == 1
 

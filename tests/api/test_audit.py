@@ -5,17 +5,21 @@ from __future__ import annotations
 import pytest
 
 from serving_app.models import AuditLog
+from tenants_app.models import ApiKey, Tenant
 from tests.api.helpers import as_user, assert_forbidden_for, results
 from tests.factories import make_deployment
-from tenants_app.models import ApiKey, Tenant
 
 pytestmark = pytest.mark.django_db
 
 
 def test_api_writes_are_audited_with_changed_fields(platform_admin):
     client = as_user(platform_admin)
-    client.post("/api/v1/tenants/", {"slug": "initech", "name": "Initech"}, format="json",
-                REMOTE_ADDR="10.1.2.3")
+    client.post(
+        "/api/v1/tenants/",
+        {"slug": "initech", "name": "Initech"},
+        format="json",
+        REMOTE_ADDR="10.1.2.3",
+    )
     client.patch("/api/v1/tenants/initech/", {"requests_per_minute": 30}, format="json")
     client.delete("/api/v1/tenants/initech/")
     entries = list(AuditLog.objects.order_by("id"))
@@ -37,8 +41,9 @@ def test_actions_are_audited(platform_admin, acme, base_model):
 
 
 def test_key_secret_never_reaches_the_audit_log(acme):
-    response = as_user(acme.owner).post("/api/v1/api-keys/", {"tenant": "acme", "name": "k"},
-                                        format="json")
+    response = as_user(acme.owner).post(
+        "/api/v1/api-keys/", {"tenant": "acme", "name": "k"}, format="json"
+    )
     secret = response.data["secret"]
     entry = AuditLog.objects.get(action="create", object_type="tenants_app.ApiKey")
     assert entry.tenant == acme.tenant
@@ -57,8 +62,9 @@ def test_refused_writes_leave_no_entry(acme):
 
 def test_tenant_managers_read_only_their_tenants_entries(platform_admin, acme, globex):
     for tenant in ("acme", "globex"):
-        as_user(platform_admin).post("/api/v1/api-keys/", {"tenant": tenant, "name": "k"},
-                                     format="json")
+        as_user(platform_admin).post(
+            "/api/v1/api-keys/", {"tenant": tenant, "name": "k"}, format="json"
+        )
     rows = results(as_user(acme.admin).get("/api/v1/audit-log/"))
     assert {row["tenant"] for row in rows} == {"acme"}
     assert len(results(as_user(platform_admin).get("/api/v1/audit-log/"))) == 2
@@ -70,9 +76,15 @@ def test_admin_changes_are_audited(client, platform_admin, acme):
     tenant = acme.tenant
     response = client.post(
         f"/admin/tenants_app/tenant/{tenant.pk}/change/",
-        {"slug": "acme", "name": "Acme Renamed", "status": "active", "priority_tier": 2,
-         "tokens_per_minute": 100000,
-         "memberships-TOTAL_FORMS": 0, "memberships-INITIAL_FORMS": 0},
+        {
+            "slug": "acme",
+            "name": "Acme Renamed",
+            "status": "active",
+            "priority_tier": 2,
+            "tokens_per_minute": 100000,
+            "memberships-TOTAL_FORMS": 0,
+            "memberships-INITIAL_FORMS": 0,
+        },
     )
     assert response.status_code == 302, response.content[:2000]
     entry = AuditLog.objects.get(action="update", via="admin")
@@ -86,8 +98,14 @@ def test_admin_validates_with_the_same_rules(client, platform_admin):
     client.force_login(platform_admin)
     response = client.post(
         "/admin/tenants_app/tenant/add/",
-        {"slug": "api", "name": "x", "status": "active", "priority_tier": 2,
-         "memberships-TOTAL_FORMS": 0, "memberships-INITIAL_FORMS": 0},
+        {
+            "slug": "api",
+            "name": "x",
+            "status": "active",
+            "priority_tier": 2,
+            "memberships-TOTAL_FORMS": 0,
+            "memberships-INITIAL_FORMS": 0,
+        },
     )
     assert response.status_code == 200
     assert b"is reserved" in response.content
@@ -98,7 +116,9 @@ def test_admin_key_creation_shows_the_secret_once(client, platform_admin, acme):
     client.force_login(platform_admin)
     response = client.post(
         "/admin/tenants_app/apikey/add/",
-        {"tenant": acme.tenant.pk, "name": "from-admin", "allowed_models": "[]"}, follow=True)
+        {"tenant": acme.tenant.pk, "name": "from-admin", "allowed_models": "[]"},
+        follow=True,
+    )
     assert b"shown this once" in response.content
     key = ApiKey.objects.get(name="from-admin")
     text = response.content.decode()

@@ -17,7 +17,8 @@ class TestBaseModels:
     ):
         folder = make_model_dir(tmp_path, layers=3, hidden=256, heads=4, kv_heads=1)
         response = as_user(platform_admin).post(
-            "/api/v1/base-models/", {"name": "mini", "path": str(folder)}, format="json")
+            "/api/v1/base-models/", {"name": "mini", "path": str(folder)}, format="json"
+        )
         assert response.status_code == 201, response.data
         assert response.data["num_layers"] == 3
         assert response.data["num_kv_heads"] == 1
@@ -26,7 +27,8 @@ class TestBaseModels:
 
     def test_path_that_holds_no_model_is_a_field_error(self, platform_admin, tmp_path):
         response = as_user(platform_admin).post(
-            "/api/v1/base-models/", {"name": "mini", "path": str(tmp_path)}, format="json")
+            "/api/v1/base-models/", {"name": "mini", "path": str(tmp_path)}, format="json"
+        )
         assert response.status_code == 400
         assert "not a model folder" in str(response.data["path"])
         assert not BaseModel.objects.exists()
@@ -34,14 +36,17 @@ class TestBaseModels:
     def test_architecture_cannot_be_typed_in(self, platform_admin, tmp_path):
         folder = make_model_dir(tmp_path)
         response = as_user(platform_admin).post(
-            "/api/v1/base-models/", {"name": "mini", "path": str(folder), "num_layers": 99},
-            format="json")
+            "/api/v1/base-models/",
+            {"name": "mini", "path": str(folder), "num_layers": 99},
+            format="json",
+        )
         assert response.data["num_layers"] == 2
 
     def test_tenant_users_read_but_cannot_register(self, acme, base_model):
         assert len(results(as_user(acme.viewer).get("/api/v1/base-models/"))) == 1
-        assert_forbidden_for([acme.owner], "post", "/api/v1/base-models/",
-                             {"name": "x", "path": "/tmp"})
+        assert_forbidden_for(
+            [acme.owner], "post", "/api/v1/base-models/", {"name": "x", "path": "/tmp"}
+        )
         assert_forbidden_for([acme.owner], "delete", f"/api/v1/base-models/{base_model.pk}/")
 
     def test_model_in_use_cannot_be_deleted(self, platform_admin, acme, base_model):
@@ -57,8 +62,14 @@ class TestAdapters:
         folder = make_adapter_dir(tmp_path, rank=16)
         response = as_user(acme.owner).post(
             "/api/v1/adapters/",
-            {"tenant": "acme", "base_model": base_model.name, "name": "support", "path": str(folder)},
-            format="json")
+            {
+                "tenant": "acme",
+                "base_model": base_model.name,
+                "name": "support",
+                "path": str(folder),
+            },
+            format="json",
+        )
         assert response.status_code == 201, response.data
         assert response.data["rank"] == 16
         assert response.data["target_modules"] == ["q_proj", "v_proj"]
@@ -68,7 +79,8 @@ class TestAdapters:
         response = as_user(acme.admin).post(
             "/api/v1/adapters/",
             {"tenant": "acme", "base_model": base_model.name, "name": "x", "path": str(folder)},
-            format="json")
+            format="json",
+        )
         assert response.status_code == 400
         assert "another base model" in str(response.data["base_model"])
         assert not LoraAdapter.objects.exists()
@@ -77,16 +89,26 @@ class TestAdapters:
         folder = make_adapter_dir(tmp_path, rank=8)
         response = as_user(acme.admin).post(
             "/api/v1/adapters/",
-            {"tenant": "acme", "base_model": base_model.name, "name": "x", "path": str(folder),
-             "rank": 32},
-            format="json")
+            {
+                "tenant": "acme",
+                "base_model": base_model.name,
+                "name": "x",
+                "path": str(folder),
+                "rank": 32,
+            },
+            format="json",
+        )
         assert response.status_code == 400 and "rank" in response.data
 
-    def test_members_cannot_register_and_others_cannot_see(self, acme, globex, base_model,
-                                                           tmp_path):
-        assert_forbidden_for([acme.member, acme.viewer], "post", "/api/v1/adapters/",
-                             {"tenant": "acme", "base_model": base_model.name, "name": "x",
-                              "path": "/tmp"})
+    def test_members_cannot_register_and_others_cannot_see(
+        self, acme, globex, base_model, tmp_path
+    ):
+        assert_forbidden_for(
+            [acme.member, acme.viewer],
+            "post",
+            "/api/v1/adapters/",
+            {"tenant": "acme", "base_model": base_model.name, "name": "x", "path": "/tmp"},
+        )
         adapter = make_adapter(globex.tenant, base_model, tmp_path)
         assert_hidden_from([acme.owner], f"/api/v1/adapters/{adapter.pk}/")
         assert results(as_user(acme.owner).get("/api/v1/adapters/")) == []
@@ -103,7 +125,8 @@ class TestNodes:
 
     def test_bad_queue_is_a_field_error(self, platform_admin):
         response = as_user(platform_admin).post(
-            "/api/v1/nodes/", {"name": "n", "queue": "celery"}, format="json")
+            "/api/v1/nodes/", {"name": "n", "queue": "celery"}, format="json"
+        )
         assert response.status_code == 400 and "queue" in response.data
 
 
@@ -118,9 +141,15 @@ class TestDeployments:
         adapter = make_adapter(acme.tenant, base_model, tmp_path)
         response = as_user(platform_admin).post(
             "/api/v1/deployments/",
-            deployment_body(base_model, adapters=[adapter.pk], max_model_len=1024,
-                            isolation_mode="shared", gpu_memory_utilization=0.3),
-            format="json")
+            deployment_body(
+                base_model,
+                adapters=[adapter.pk],
+                max_model_len=1024,
+                isolation_mode="shared",
+                gpu_memory_utilization=0.3,
+            ),
+            format="json",
+        )
         assert response.status_code == 201, response.data
         assert response.data["desired_state"] == "stopped"
         assert response.data["adapters"] == [adapter.pk]
@@ -130,15 +159,18 @@ class TestDeployments:
     ):
         response = as_user(platform_admin).post(
             "/api/v1/deployments/",
-            deployment_body(base_model, max_model_len=99999, tensor_parallel_size=3,
-                            gpu_memory_utilization=2),
-            format="json")
+            deployment_body(
+                base_model, max_model_len=99999, tensor_parallel_size=3, gpu_memory_utilization=2
+            ),
+            format="json",
+        )
         assert response.status_code == 400
         assert {"gpu_memory_utilization"} <= set(response.data)
         response = as_user(platform_admin).post(
             "/api/v1/deployments/",
             deployment_body(base_model, max_model_len=99999, tensor_parallel_size=3),
-            format="json")
+            format="json",
+        )
         assert {"max_model_len", "tensor_parallel_size"} <= set(response.data)
         assert not Deployment.objects.exists()
 
@@ -147,15 +179,18 @@ class TestDeployments:
     ):
         adapter = make_adapter(globex.tenant, base_model, tmp_path)
         response = as_user(platform_admin).post(
-            "/api/v1/deployments/", deployment_body(base_model, adapters=[adapter.pk]),
-            format="json")
+            "/api/v1/deployments/",
+            deployment_body(base_model, adapters=[adapter.pk]),
+            format="json",
+        )
         assert response.status_code == 400
         assert "does not serve" in str(response.data["adapters"])
         assert not Deployment.objects.exists()
 
     def test_deployment_needs_a_tenant(self, platform_admin, base_model):
         response = as_user(platform_admin).post(
-            "/api/v1/deployments/", deployment_body(base_model, tenants=[]), format="json")
+            "/api/v1/deployments/", deployment_body(base_model, tenants=[]), format="json"
+        )
         assert response.status_code == 400 and "tenants" in response.data
 
     def test_actions_record_desired_state(self, platform_admin, acme, base_model):
@@ -179,8 +214,9 @@ class TestDeployments:
         assert results(as_user(globex.owner).get("/api/v1/deployments/")) == []
         assert_hidden_from([globex.owner, outsider], f"/api/v1/deployments/{deployment.pk}/")
         for action in ("start", "stop", "restart"):
-            assert_forbidden_for([acme.owner, acme.viewer], "post",
-                                 f"/api/v1/deployments/{deployment.pk}/{action}/")
+            assert_forbidden_for(
+                [acme.owner, acme.viewer], "post", f"/api/v1/deployments/{deployment.pk}/{action}/"
+            )
             response = as_user(globex.owner).post(f"/api/v1/deployments/{deployment.pk}/{action}/")
             assert response.status_code == 404
         deployment.refresh_from_db()
@@ -191,8 +227,10 @@ class TestInstances:
     def test_instance_command_masks_the_secret(self, platform_admin, acme, base_model):
         deployment = make_deployment(base_model, [acme.tenant])
         instance = Instance.objects.create(
-            deployment=deployment, command=["python", "--api-key", "s3cret", "--port", "1"],
-            log_tail="line one\nline two")
+            deployment=deployment,
+            command=["python", "--api-key", "s3cret", "--port", "1"],
+            log_tail="line one\nline two",
+        )
         data = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/").data
         assert data["command"] == ["python", "--api-key", "********", "--port", "1"]
         assert data["log_tail"].endswith("line two")

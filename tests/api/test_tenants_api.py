@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 from tenants_app.models import Membership, Role, Tenant
+from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 
 pytestmark = pytest.mark.django_db
 
@@ -17,8 +17,9 @@ def test_anonymous_is_refused(client):
 def test_token_authentication_for_scripts(platform_admin, client):
     platform_admin.set_password("a-long-password")
     platform_admin.save()
-    response = client.post("/api/v1/auth/token/",
-                           {"username": "root-admin", "password": "a-long-password"})
+    response = client.post(
+        "/api/v1/auth/token/", {"username": "root-admin", "password": "a-long-password"}
+    )
     token = response.json()["token"]
     listed = client.get("/api/v1/tenants/", HTTP_AUTHORIZATION=f"Token {token}")
     assert listed.status_code == 200
@@ -41,13 +42,17 @@ def test_another_tenant_is_a_404(acme, globex, outsider):
 
 
 def test_only_platform_admins_create_and_change_tenants(platform_admin, acme):
-    assert_forbidden_for([acme.owner, acme.admin], "post", "/api/v1/tenants/",
-                         {"slug": "new-co", "name": "New"})
-    assert_forbidden_for([acme.owner, acme.viewer], "patch", "/api/v1/tenants/acme/",
-                         {"requests_per_minute": 5})
+    assert_forbidden_for(
+        [acme.owner, acme.admin], "post", "/api/v1/tenants/", {"slug": "new-co", "name": "New"}
+    )
+    assert_forbidden_for(
+        [acme.owner, acme.viewer], "patch", "/api/v1/tenants/acme/", {"requests_per_minute": 5}
+    )
     response = as_user(platform_admin).post(
-        "/api/v1/tenants/", {"slug": "initech", "name": "Initech", "requests_per_minute": 60},
-        format="json")
+        "/api/v1/tenants/",
+        {"slug": "initech", "name": "Initech", "requests_per_minute": 60},
+        format="json",
+    )
     assert response.status_code == 201, response.data
     assert Tenant.objects.get(slug="initech").requests_per_minute == 60
 
@@ -55,15 +60,22 @@ def test_only_platform_admins_create_and_change_tenants(platform_admin, acme):
 def test_bad_tenant_input_gets_field_errors_and_changes_nothing(platform_admin):
     response = as_user(platform_admin).post(
         "/api/v1/tenants/",
-        {"slug": "api", "name": "x", "tokens_per_minute": 100, "max_tokens_per_request": 200,
-         "requests_per_minute": -1},
-        format="json")
+        {
+            "slug": "api",
+            "name": "x",
+            "tokens_per_minute": 100,
+            "max_tokens_per_request": 200,
+            "requests_per_minute": -1,
+        },
+        format="json",
+    )
     assert response.status_code == 400
     assert set(response.data) >= {"requests_per_minute"}
     response = as_user(platform_admin).post(
         "/api/v1/tenants/",
         {"slug": "api", "name": "x", "tokens_per_minute": 100, "max_tokens_per_request": 200},
-        format="json")
+        format="json",
+    )
     assert response.status_code == 400
     assert "reserved" in str(response.data["slug"])
     assert "never be admitted" in str(response.data["max_tokens_per_request"])
@@ -74,7 +86,8 @@ def test_filtering_and_pagination(platform_admin, acme, globex):
     Tenant.objects.filter(slug="globex").update(status="suspended")
     client = as_user(platform_admin)
     assert [t["slug"] for t in results(client.get("/api/v1/tenants/?status=suspended"))] == [
-        "globex"]
+        "globex"
+    ]
     page = client.get("/api/v1/tenants/?limit=1&offset=1").data
     assert page["count"] == 2 and [t["slug"] for t in page["results"]] == ["globex"]
 
@@ -82,25 +95,37 @@ def test_filtering_and_pagination(platform_admin, acme, globex):
 class TestMemberships:
     def test_owner_adds_a_member(self, acme, outsider):
         response = as_user(acme.owner).post(
-            "/api/v1/memberships/", {"tenant": "acme", "user": "outsider", "role": "member"},
-            format="json")
+            "/api/v1/memberships/",
+            {"tenant": "acme", "user": "outsider", "role": "member"},
+            format="json",
+        )
         assert response.status_code == 201, response.data
         assert Membership.objects.filter(tenant=acme.tenant, user=outsider).exists()
 
     def test_members_and_viewers_cannot_manage_members(self, acme, outsider):
-        assert_forbidden_for([acme.member, acme.viewer], "post", "/api/v1/memberships/",
-                             {"tenant": "acme", "user": "outsider", "role": "member"})
+        assert_forbidden_for(
+            [acme.member, acme.viewer],
+            "post",
+            "/api/v1/memberships/",
+            {"tenant": "acme", "user": "outsider", "role": "member"},
+        )
         viewer_membership = Membership.objects.get(user=acme.viewer)
-        assert_forbidden_for([acme.member], "delete",
-                             f"/api/v1/memberships/{viewer_membership.pk}/")
+        assert_forbidden_for(
+            [acme.member], "delete", f"/api/v1/memberships/{viewer_membership.pk}/"
+        )
 
     def test_admin_cannot_make_an_owner(self, acme, outsider):
-        assert_forbidden_for([acme.admin], "post", "/api/v1/memberships/",
-                             {"tenant": "acme", "user": "outsider", "role": "owner"})
+        assert_forbidden_for(
+            [acme.admin],
+            "post",
+            "/api/v1/memberships/",
+            {"tenant": "acme", "user": "outsider", "role": "owner"},
+        )
 
     def test_adding_to_another_tenant_is_a_field_error(self, acme, globex, outsider):
         response = as_user(acme.owner).post(
-            "/api/v1/memberships/", {"tenant": "globex", "user": "outsider"}, format="json")
+            "/api/v1/memberships/", {"tenant": "globex", "user": "outsider"}, format="json"
+        )
         assert response.status_code == 400
         assert "tenant" in response.data
         assert not Membership.objects.filter(user=outsider).exists()
@@ -125,13 +150,15 @@ class TestMemberships:
 class TestUsers:
     def test_platform_admin_creates_a_user(self, platform_admin):
         response = as_user(platform_admin).post(
-            "/api/v1/users/", {"username": "newbie", "password": "long-enough-pw"}, format="json")
+            "/api/v1/users/", {"username": "newbie", "password": "long-enough-pw"}, format="json"
+        )
         assert response.status_code == 201, response.data
         assert "password" not in response.data
 
     def test_short_password_is_a_field_error(self, platform_admin):
         response = as_user(platform_admin).post(
-            "/api/v1/users/", {"username": "newbie", "password": "x"}, format="json")
+            "/api/v1/users/", {"username": "newbie", "password": "x"}, format="json"
+        )
         assert response.status_code == 400 and "password" in response.data
 
     def test_tenant_users_cannot_list_users(self, acme):
@@ -140,7 +167,9 @@ class TestUsers:
 
 def test_role_choices_are_validated(acme, outsider):
     response = as_user(acme.owner).post(
-        "/api/v1/memberships/", {"tenant": "acme", "user": "outsider", "role": "emperor"},
-        format="json")
+        "/api/v1/memberships/",
+        {"tenant": "acme", "user": "outsider", "role": "emperor"},
+        format="json",
+    )
     assert response.status_code == 400 and "role" in response.data
     assert Role.OWNER in [c[0] for c in Role.choices]

@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from serving_app.models import BaseModel, Deployment, LoraAdapter, Node
+from tenants_app.models import ApiKey, Membership, Role, Tenant
 from tests.factories import (
     add_member,
     make_adapter,
@@ -19,7 +20,6 @@ from tests.factories import (
     make_tenant,
     make_user,
 )
-from tenants_app.models import ApiKey, Membership, Role, Tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -121,7 +121,10 @@ class TestBaseModel:
     def test_architecture_is_read_from_the_folder(self, tmp_path):
         model = make_base_model(tmp_path, "m", layers=4, hidden=256, heads=4, kv_heads=2)
         assert (model.architecture, model.num_layers, model.hidden_size) == (
-            "LlamaForCausalLM", 4, 256)
+            "LlamaForCausalLM",
+            4,
+            256,
+        )
         assert (model.num_attention_heads, model.num_kv_heads, model.head_dim) == (4, 2, 64)
         assert model.max_position_embeddings == 2048
         # embed 512x256 + 4 layers x (q 256x256 + k,v 128x256 + o 256x256 + gate 256x256), F32
@@ -159,19 +162,22 @@ class TestLoraAdapter:
 
     def test_adapter_for_another_base_model_is_a_field_error(self, tmp_path, base_model):
         folder = make_adapter_dir(tmp_path, "wide", hidden=512)
-        adapter = LoraAdapter(tenant=make_tenant("t13"), base_model=base_model, name="w",
-                              path=str(folder))
+        adapter = LoraAdapter(
+            tenant=make_tenant("t13"), base_model=base_model, name="w", path=str(folder)
+        )
         assert "another base model" in errors_of(adapter)["base_model"][0]
 
     def test_rank_that_does_not_match_the_files_is_a_field_error(self, tmp_path, base_model):
         folder = make_adapter_dir(tmp_path, "r8", rank=8)
-        adapter = LoraAdapter(tenant=make_tenant("t14"), base_model=base_model, name="a",
-                              path=str(folder), rank=16)
+        adapter = LoraAdapter(
+            tenant=make_tenant("t14"), base_model=base_model, name="a", path=str(folder), rank=16
+        )
         assert "rank 8, not 16" in errors_of(adapter)["rank"][0]
 
     def test_folder_without_adapter_config_is_a_field_error(self, tmp_path, base_model):
-        adapter = LoraAdapter(tenant=make_tenant("t15"), base_model=base_model, name="a",
-                              path=str(tmp_path))
+        adapter = LoraAdapter(
+            tenant=make_tenant("t15"), base_model=base_model, name="a", path=str(tmp_path)
+        )
         assert "not a LoRA adapter" in errors_of(adapter)["path"][0]
 
 
@@ -203,8 +209,11 @@ class TestDeployment:
         big = make_adapter(served, base_model, tmp_path / "a", "big", rank=16)
         foreign = make_adapter(other, base_model, tmp_path / "b", "foreign")
         wrong_base = make_adapter(served, other_base, tmp_path / "c", "wb", hidden=256)
-        for adapter, message in [(big, "above max_lora_rank"), (foreign, "does not serve"),
-                                 (wrong_base, "adapter for other")]:
+        for adapter, message in [
+            (big, "above max_lora_rank"),
+            (foreign, "does not serve"),
+            (wrong_base, "adapter for other"),
+        ]:
             with pytest.raises(ValidationError, match=message):
                 deployment.check_relations([served], [adapter])
         with pytest.raises(ValidationError, match="at least one tenant"):

@@ -53,7 +53,11 @@ def _settings_process(**variables: str) -> subprocess.CompletedProcess:
     environ.update(variables, DJANGO_SETTINGS_MODULE="console.settings")
     return subprocess.run(
         [sys.executable, "-c", "import django; django.setup()"],
-        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -71,12 +75,21 @@ def test_console_refuses_a_malformed_debug_value():
 
 def test_embedded_default_is_sqlite_under_var(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c",
-         "import django; django.setup(); from django.conf import settings; "
-         "print(settings.DATABASES['default']['ENGINE'], settings.DATABASES['default']['NAME'])"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-        env={**{k: v for k, v in os.environ.items() if k != "DATABASE_URL"},
-             "CONSOLE_VAR_DIR": str(tmp_path), "DJANGO_SETTINGS_MODULE": "console.settings"},
+        [
+            sys.executable,
+            "-c",
+            "import django; django.setup(); from django.conf import settings; "
+            "print(settings.DATABASES['default']['ENGINE'], settings.DATABASES['default']['NAME'])",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **{k: v for k, v in os.environ.items() if k != "DATABASE_URL"},
+            "CONSOLE_VAR_DIR": str(tmp_path),
+            "DJANGO_SETTINGS_MODULE": "console.settings",
+        },
     )
     assert result.returncode == 0, result.stderr
     engine, name = result.stdout.split()

@@ -19,25 +19,46 @@ from tenants_app.models import ApiKey, Membership, PriorityTier, Role, Tenant
 
 TENANTS = [
     {
-        "slug": "customer-service", "name": "Customer service", "adapter": "tiny-llama-lora-a",
-        "priority_tier": PriorityTier.HIGH, "requests_per_minute": 600,
-        "tokens_per_minute": 60_000, "max_concurrent_requests": 16,
-        "monthly_token_budget": 50_000_000, "max_tokens_per_request": 256,
-        "max_prompt_tokens": 1024, "latency_objective_ms": 500, "gpu_memory_quota_gib": 40,
+        "slug": "customer-service",
+        "name": "Customer service",
+        "adapter": "tiny-llama-lora-a",
+        "priority_tier": PriorityTier.HIGH,
+        "requests_per_minute": 600,
+        "tokens_per_minute": 60_000,
+        "max_concurrent_requests": 16,
+        "monthly_token_budget": 50_000_000,
+        "max_tokens_per_request": 256,
+        "max_prompt_tokens": 1024,
+        "latency_objective_ms": 500,
+        "gpu_memory_quota_gib": 40,
     },
     {
-        "slug": "code-assistant", "name": "Code assistant", "adapter": "tiny-llama-lora-b",
-        "priority_tier": PriorityTier.NORMAL, "requests_per_minute": 300,
-        "tokens_per_minute": 120_000, "max_concurrent_requests": 8,
-        "monthly_token_budget": 100_000_000, "max_tokens_per_request": 1024,
-        "max_prompt_tokens": 1536, "latency_objective_ms": 2000, "gpu_memory_quota_gib": 80,
+        "slug": "code-assistant",
+        "name": "Code assistant",
+        "adapter": "tiny-llama-lora-b",
+        "priority_tier": PriorityTier.NORMAL,
+        "requests_per_minute": 300,
+        "tokens_per_minute": 120_000,
+        "max_concurrent_requests": 8,
+        "monthly_token_budget": 100_000_000,
+        "max_tokens_per_request": 1024,
+        "max_prompt_tokens": 1536,
+        "latency_objective_ms": 2000,
+        "gpu_memory_quota_gib": 80,
     },
     {
-        "slug": "content-gen", "name": "Content generation", "adapter": "tiny-llama-lora-c",
-        "priority_tier": PriorityTier.LOW, "requests_per_minute": 1200,
-        "tokens_per_minute": 300_000, "max_concurrent_requests": 32,
-        "monthly_token_budget": 500_000_000, "max_tokens_per_request": 1024,
-        "max_prompt_tokens": 1024, "latency_objective_ms": 5000, "gpu_memory_quota_gib": 160,
+        "slug": "content-gen",
+        "name": "Content generation",
+        "adapter": "tiny-llama-lora-c",
+        "priority_tier": PriorityTier.LOW,
+        "requests_per_minute": 1200,
+        "tokens_per_minute": 300_000,
+        "max_concurrent_requests": 32,
+        "monthly_token_budget": 500_000_000,
+        "max_tokens_per_request": 1024,
+        "max_prompt_tokens": 1024,
+        "latency_objective_ms": 5000,
+        "gpu_memory_quota_gib": 160,
     },
 ]
 
@@ -54,9 +75,7 @@ class Command(BaseCommand):
     def handle(self, *args, models_dir: str, admin_password: str, start: bool, **options) -> None:
         models = Path(models_dir).resolve()
         if not (models / "tiny-llama" / "config.json").is_file():
-            raise CommandError(
-                f"No tiny model under {models}; run scripts/setup_engine.sh first."
-            )
+            raise CommandError(f"No tiny model under {models}; run scripts/setup_engine.sh first.")
         User = get_user_model()
         admin, _ = User.objects.get_or_create(
             username="admin", defaults={"is_staff": True, "is_superuser": True}
@@ -94,8 +113,10 @@ class Command(BaseCommand):
             adapters.append(adapter)
             if not ApiKey.objects.filter(tenant=tenant, name="demo").exists():
                 _, secret = ApiKey.objects.create_key(tenant=tenant, name="demo", created_by=admin)
-                self.stdout.write(f"{tenant.slug}: user {tenant.slug}-owner / "
-                                  f"{tenant.slug}-owner-password, API key {secret}")
+                self.stdout.write(
+                    f"{tenant.slug}: user {tenant.slug}-owner / "
+                    f"{tenant.slug}-owner-password, API key {secret}"
+                )
 
         deployment = Deployment.objects.filter(name="tiny-chat").first() or Deployment(
             name="tiny-chat", base_model=base, created_by=admin
@@ -116,7 +137,9 @@ class Command(BaseCommand):
             from serving_app.lifecycle import deployment_changed
 
             deployment_changed(deployment.pk)
-        self.stdout.write(self.style.SUCCESS(
-            f"seeded {len(tenants)} tenants, model {base.name}, deployment {deployment.name} "
-            f"({deployment.desired_state})"
-        ))
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"seeded {len(tenants)} tenants, model {base.name}, deployment {deployment.name} "
+                f"({deployment.desired_state})"
+            )
+        )
