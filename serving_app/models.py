@@ -181,6 +181,9 @@ class Node(models.Model):
         max_length=16, choices=InventorySource.choices, default=InventorySource.DECLARED
     )
     cordoned = models.BooleanField(default=False, help_text="Gets no new instances.")
+    max_instances = models.PositiveIntegerField(
+        default=4, help_text="Engines this host may run when it has no GPUs (CPU engines)."
+    )
     agent_pid = models.PositiveIntegerField(null=True, blank=True, editable=False)
     last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -222,7 +225,14 @@ class Gpu(models.Model):
     parent = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.CASCADE, related_name="mig_devices"
     )
+    memory_used_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    utilization_percent = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+    processes = models.JSONField(default=list, blank=True)
+    declared = models.BooleanField(default=False, help_text="From configuration, not NVML.")
     created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["node__name", "index", "uuid"]
@@ -237,6 +247,24 @@ class Gpu(models.Model):
     def clean(self) -> None:
         if self.parent_id and self.parent.node_id != self.node_id:
             raise ValidationError({"parent": "A MIG device belongs to a GPU on the same node."})
+
+
+class GpuSample(models.Model):
+    """A point-in-time reading of one GPU, kept for the dashboards."""
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    memory_used_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    utilization_percent = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["gpu", "-at"], name="gpusample_gpu_at")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id}@{self.at:%H:%M:%S}"
 
 
 class DeploymentQuerySet(models.QuerySet):
@@ -465,6 +493,10 @@ class Instance(models.Model):
     pid = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     restarts = models.PositiveIntegerField(default=0)
+    restart_history = models.JSONField(
+        default=list, blank=True, help_text="When recent restarts happened (ISO times)."
+    )
+    exit_code = models.IntegerField(null=True, blank=True)
     health_failures = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True, default="")
     log_tail = models.TextField(blank=True, default="")
@@ -544,3 +576,8 @@ class AuditLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.actor_label} {self.action} {self.object_type} {self.object_repr}"
+
+
+# Usage metering models live in their own module (written by the gateway); importing them here
+# registers them with the app.
+from serving_app.usage import *  # noqa: E402,F401,F403
