@@ -505,6 +505,9 @@ class Instance(models.Model):
     environment = models.JSONField(default=dict, blank=True)
     secret = models.CharField(max_length=64, default=new_instance_secret, editable=False)
     loaded_adapters = models.JSONField(default=list, blank=True)
+    adapter_errors = models.JSONField(
+        default=dict, blank=True, help_text="Adapters that failed to load here: name -> error."
+    )
     next_restart_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)
