@@ -350,6 +350,10 @@ class Deployment(models.Model):
     generation = models.PositiveIntegerField(
         default=0, editable=False, help_text="Raised by a restart; older instances are replaced."
     )
+    placement_error = models.TextField(
+        blank=True, default="", editable=False,
+        help_text="Why the last placement was refused (nothing is half-placed).",
+    )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
