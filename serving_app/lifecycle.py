@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from django.db import transaction
+
 
 def deployment_changed(deployment_id: int) -> None:
-    """Called after a deployment's desired state changes. The engine lifecycle hooks in here."""
+    """Reconcile the deployment as soon as the change that called this commits."""
+    from serving_app.tasks import reconcile_deployment
+
+    transaction.on_commit(
+        lambda: reconcile_deployment.apply_async((deployment_id,), queue="control")
+    )

@@ -68,7 +68,8 @@ class AdapterInfo:
     target_modules: list[str]
     base_model_name_or_path: str
     size_bytes: int
-    input_dims: set[int] = field(default_factory=set)
+    # module kind (q_proj, down_proj, ...) -> {(in_features, out_features)} seen in the weights
+    module_shapes: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
@@ -162,15 +163,40 @@ def read_adapter(path_text: str) -> AdapterInfo:
     targets = config.get("target_modules") or []
     if isinstance(targets, str):
         targets = [targets]
-    # lora_A has shape [rank, in_features]: its inputs must be dimensions the base model has.
-    input_dims = {
-        t.shape[1] for name, t in tensors.items() if "lora_A" in name and len(t.shape) == 2
-    }
+    # lora_A is [rank, in_features] and lora_B [out_features, rank]: they tell which base model
+    # shapes the adapter was trained for.
+    ins: dict[str, int] = {}
+    outs: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        if len(tensor.shape) != 2:
+            continue
+        stem, _, kind = name.partition(".lora_")
+        if kind.startswith("A"):
+            ins[stem] = tensor.shape[1]
+        elif kind.startswith("B"):
+            outs[stem] = tensor.shape[0]
+    module_shapes: dict[str, set[tuple[int, int]]] = {}
+    for stem, in_features in ins.items():
+        module = stem.rsplit(".", 1)[-1]
+        module_shapes.setdefault(module, set()).add((in_features, outs.get(stem, 0)))
     return AdapterInfo(
         rank=rank,
         alpha=config.get("lora_alpha"),
         target_modules=sorted(str(t) for t in targets),
         base_model_name_or_path=str(config.get("base_model_name_or_path") or ""),
         size_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
-        input_dims=input_dims,
+        module_shapes=module_shapes,
     )
+
+
+def expected_module_shapes(arch: ModelArchitecture | object) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each LoRA-targetable Llama-style module of a base model."""
+    hidden = arch.hidden_size
+    q_out = arch.num_attention_heads * arch.head_dim
+    kv_out = arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
+    return {
+        "q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
+        "o_proj": (q_out, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }

@@ -16,7 +16,12 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from serving_app.modelfiles import ModelFilesError, read_adapter, read_model
+from serving_app.modelfiles import (
+    ModelFilesError,
+    expected_module_shapes,
+    read_adapter,
+    read_model,
+)
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
 if TYPE_CHECKING:
@@ -142,23 +147,20 @@ class LoraAdapter(models.Model):
             )
         base = self.base_model if self.base_model_id else None
         if base is not None and base.hidden_size:
-            allowed = {
-                base.hidden_size,
-                base.intermediate_size,
-                base.num_kv_heads * base.head_dim,
-                base.num_attention_heads * base.head_dim,
-            }
-            foreign = info.input_dims - allowed
-            if foreign:
-                raise ValidationError(
-                    {
-                        "base_model": (
-                            f"This adapter was trained for another base model: its layers take "
-                            f"inputs of size {sorted(foreign)}, but {base.name} has hidden size "
-                            f"{base.hidden_size}."
-                        )
-                    }
-                )
+            expected = expected_module_shapes(base)
+            mismatched = sorted(
+                f"{module} {shape[0]}x{shape[1]} (base: {expected[module][0]}x"
+                f"{expected[module][1]})"
+                for module, shapes in info.module_shapes.items() if module in expected
+                for shape in shapes if shape != expected[module] and shape[1]
+            )
+            if mismatched:
+                raise ValidationError({
+                    "base_model": (
+                        f"This adapter was trained for another base model than {base.name}: "
+                        f"its layer shapes do not match ({'; '.join(mismatched[:3])})."
+                    )
+                })
         self.rank = info.rank
         self.target_modules = info.target_modules
         self.size_bytes = info.size_bytes

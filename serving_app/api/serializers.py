@@ -203,6 +203,7 @@ class DeploymentSerializer(ValidatedModelSerializer):
             "scheduling_policy",
             "isolation_mode",
             "mps_thread_percentage",
+            "base_port",
             "desired_state",
             "generation",
             "instances",

