@@ -88,7 +88,7 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
         gpus = inventory.parse_snapshot(inventory.read_nvml())
         source = Node.InventorySource.NVML
     else:
-        gpus = inventory.declared_inventory(config.gpus)
+        gpus = inventory.declared_inventory(config.gpus, host=config.name)
         source = Node.InventorySource.DECLARED
     store_inventory(node, gpus, source)
 

@@ -81,19 +81,23 @@ def build_launch_spec(
            "DO_NOT_TRACK": "1"}
     gpus = list(gpus)
     if gpus:
-        mig = [g for g in gpus if g.parent_id]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(
-            g.uuid for g in mig) if mig else ",".join(str(g.index) for g in gpus)
+        # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
+        # addressable by its UUID.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in gpus)
         if deployment.isolation_mode == "mps":
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(deployment.mps_thread_percentage)
             limit_gib = max(1, int(
                 (instance.gpu_memory_fraction or deployment.gpu_memory_utilization)
                 * gpus[0].memory_total_bytes / 2**30))
+            # Keyed by position among the visible devices, as MPS reads it.
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
-                f"{g.index}={limit_gib}G" for g in gpus)
-    else:
-        # No GPU on this host: the CPU engine sizes its KV cache from this (GiB).
+                f"{position}={limit_gib}G" for position in range(len(gpus)))
+    if not gpus or all(g.declared for g in gpus):
+        # No real GPU (none, or declared in configuration on a CPU host): the CPU engine sizes
+        # its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
+    # What the placer decided (devices, MPS limits) wins over the defaults above.
+    env.update({k: str(v) for k, v in (instance.environment or {}).items()})
     return LaunchSpec(argv=argv, env=env)
 
 

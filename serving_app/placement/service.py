@@ -250,14 +250,17 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
     # instance uses), or when a live agent has not reported it for three inventory periods.
     too_old = timezone.now() - timedelta(seconds=3 * _inventory_seconds())
 
-    def is_stale(gpu: Gpu) -> bool:
-        newer = newest.get(gpu.node_id)
-        return (newer is not None and gpu.updated_at < newer) or gpu.updated_at < too_old
-
     for node in nodes:
         rows = by_node.get(node.pk, [])
         if not rows:
             continue
+        lost = node.is_lost
+        newer = newest.get(node.pk)
+
+        def is_stale(gpu: Gpu, lost: bool = lost, newer: Any = newer) -> bool:
+            left_out = newer is not None and gpu.updated_at < newer
+            return left_out or (not lost and gpu.updated_at < too_old)
+
         slots = []
         for row in rows:
             mapping[(node.name, row.uuid)] = row
@@ -292,7 +295,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
                 )
             )
         placer_nodes.append(
-            P.Node(name=node.name, gpus=slots, ready=not node.cordoned, lost=node.is_lost)
+            P.Node(name=node.name, gpus=slots, ready=not node.cordoned, lost=lost)
         )
     placer = P.Placer(placer_nodes, headroom=headroom, policy=_policy())
     cpu_nodes = [n for n in nodes if n.gpu_count == 0]
@@ -306,7 +309,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
         has_gpu_nodes=bool(placer_nodes),
         other_used=other_used,
         deployment_names={i.deployment_id: i.deployment.name for i in instances},
-        tenant_slugs=slugs if tenant_ids else {},
+        tenant_slugs=slugs,
     )
 
 

@@ -82,7 +82,7 @@ def test_gpus_mig_and_mps_environment(tenant, base_model):
     deployment = make_deployment(base_model, [tenant], name="tp", tensor_parallel_size=2)
     instance = Instance.objects.create(deployment=deployment, port=1, gpu_memory_fraction=0.5)
     spec = build_launch_spec(deployment, instance, gpus=[gpu0, gpu1])
-    assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1"
     assert flag(spec.argv, "--gpu-memory-utilization") == "0.5"
     assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
 
@@ -96,4 +96,16 @@ def test_gpus_mig_and_mps_environment(tenant, base_model):
     spec = build_launch_spec(mps, Instance.objects.create(deployment=mps, port=3,
                                                           gpu_memory_fraction=0.25), gpus=[gpu1])
     assert spec.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
-    assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "1=20G"
+    assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G"
+
+
+def test_placement_environment_wins_and_declared_gpus_keep_the_cpu_cache(tenant, base_model):
+    node = Node.objects.create(name="cpu-gpu", queue="node.cpu-gpu")
+    declared = Gpu.objects.create(node=node, index=0, uuid="DECLARED-0", name="L4",
+                                  memory_total_bytes=24 * 2**30, declared=True)
+    deployment = make_deployment(base_model, [tenant], name="placed")
+    instance = Instance.objects.create(deployment=deployment, port=4,
+                                       environment={"CUDA_VISIBLE_DEVICES": "MIG-xyz"})
+    spec = build_launch_spec(deployment, instance, gpus=[declared])
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "MIG-xyz"
+    assert "VLLM_CPU_KVCACHE_SPACE" in spec.env

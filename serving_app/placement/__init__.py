@@ -1,0 +1,14 @@
+"""GPU inventory, memory planning and placement.
+
+``inventory``, ``planner`` and ``placer`` are plain Python with no Django imports, so they are
+unit-tested without a database (docs/placement.md describes them):
+
+- ``inventory``: read GPUs through NVML (``read_nvml`` -> JSON snapshot -> ``parse_snapshot``) or
+  from a declared configuration string (``declared_inventory``) on hosts without NVML.
+- ``planner``: how much GPU memory a deployment needs (weights, KV cache, LoRA, runtime reserve),
+  the ``gpu_memory_utilization`` to give vLLM, and how many full-length sequences fit.
+- ``placer``: choose node and GPUs for every replica of a deployment (filters, fit with headroom,
+  bin-pack or spread, isolation modes), all replicas or none, and the per-GPU allocation view.
+
+The Django side converts model rows to and from these dataclasses.
+"""

@@ -1,0 +1,495 @@
+"""GPU inventory: what a host's GPUs are and hold, read through NVML or declared in configuration.
+
+Reading is split in two so the parser can be tested on a recorded snapshot:
+
+- ``read_nvml()`` queries NVML (``pynvml`` from the ``nvidia-ml-py`` package) and returns a raw,
+  JSON-serializable dict. Only initialisation, the device count and the per-index handle are
+  required; every other query may fail (``NVMLError_NotSupported`` under MIG or in a sandbox, no
+  permission, an old driver) and is then recorded as ``None`` with the error under ``errors``.
+- ``parse_snapshot(snapshot)`` turns that dict into ``GpuInfo`` dataclasses.
+
+``declared_inventory(spec)`` builds the same dataclasses for a host without NVML (CPU engines in
+development, tests and demos) from a string such as ``"2x24GiB"`` or
+``"0:NVIDIA L4:24GiB,1:NVIDIA L4:24GiB"``; those GPUs carry ``declared=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any
+
+SNAPSHOT_SCHEMA = 1
+
+GIB = 1024**3
+_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*$", re.IGNORECASE)
+_MIG_PROFILE_RE = re.compile(r"\bMIG\s+(\S+)")
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML could not be loaded or initialised on this host (no driver, no library, no GPU)."""
+
+
+@dataclass
+class MigDeviceInfo:
+    """One MIG device (a GPU instance + compute instance) carved out of a physical GPU."""
+
+    index: int
+    uuid: str | None
+    profile: str | None
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    slice_count: int | None = None
+    multiprocessor_count: int | None = None
+
+
+@dataclass
+class GpuProcessInfo:
+    """A compute process holding memory on a GPU (``used_memory_bytes`` is None when hidden)."""
+
+    pid: int
+    used_memory_bytes: int | None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+@dataclass
+class GpuInfo:
+    """One physical GPU as read through NVML, or as declared in configuration."""
+
+    index: int
+    uuid: str | None
+    name: str | None
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    utilization_gpu_pct: int | None = None
+    utilization_memory_pct: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    pci_bus_id: str | None = None
+    compute_capability: str | None = None
+    mig_mode_current: bool | None = None
+    mig_mode_pending: bool | None = None
+    mig_devices: list[MigDeviceInfo] = field(default_factory=list)
+    processes: list[GpuProcessInfo] = field(default_factory=list)
+    declared: bool = False
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def memory_total_gib(self) -> float | None:
+        """Total memory in GiB, for display."""
+        return None if self.memory_total_bytes is None else self.memory_total_bytes / GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serializable) for the heartbeat payload or a model's JSON field."""
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading NVML
+# --------------------------------------------------------------------------------------------
+
+
+def _text(value: Any) -> str | None:
+    """NVML strings come back as ``str`` in recent pynvml and as ``bytes`` in old releases."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _error_text(exc: BaseException) -> str:
+    message = str(exc)
+    name = type(exc).__name__
+    return f"{name}: {message}" if message and message != name else name
+
+
+def _query(errors: dict[str, str], key: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call one optional NVML query; on any failure record it under ``errors[key]``, return None.
+
+    Any exception is tolerated, not only ``NVMLError``: an older pynvml may lack the function
+    (``AttributeError``) or a sandboxed driver may return malformed structures.
+    """
+    try:
+        return fn(*args)
+    except Exception as exc:  # every optional query is allowed to fail
+        errors[key] = _error_text(exc)
+        return None
+
+
+def _optional_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_memory(nvml: ModuleType, handle: Any, errors: dict[str, str], key: str) -> dict | None:
+    info = _query(errors, key, nvml.nvmlDeviceGetMemoryInfo, handle)
+    if info is None:
+        return None
+    return {
+        "total": _optional_int(getattr(info, "total", None)),
+        "used": _optional_int(getattr(info, "used", None)),
+        "free": _optional_int(getattr(info, "free", None)),
+    }
+
+
+def _read_processes(nvml: ModuleType, handle: Any, errors: dict[str, str]) -> list[dict] | None:
+    procs = _query(errors, "processes", nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+    if procs is None:
+        return None
+    not_available = getattr(nvml, "NVML_VALUE_NOT_AVAILABLE_ulonglong", None)
+    sentinel = getattr(not_available, "value", None)
+    out = []
+    for proc in procs:
+        used = getattr(proc, "usedGpuMemory", None)
+        if used is not None and sentinel is not None and used == sentinel:
+            used = None
+        gi = getattr(proc, "gpuInstanceId", None)
+        ci = getattr(proc, "computeInstanceId", None)
+        out.append(
+            {
+                "pid": _optional_int(getattr(proc, "pid", None)),
+                "used_memory": _optional_int(used),
+                # 0xFFFFFFFF means "not on a MIG instance".
+                "gpu_instance_id": None if gi in (None, 0xFFFFFFFF) else int(gi),
+                "compute_instance_id": None if ci in (None, 0xFFFFFFFF) else int(ci),
+            }
+        )
+    return out
+
+
+def _read_mig_devices(nvml: ModuleType, handle: Any, errors: dict[str, str]) -> list[dict]:
+    count = _query(errors, "mig_device_count", nvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+    devices: list[dict] = []
+    for mig_index in range(_optional_int(count) or 0):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
+        except Exception:  # NotFound for an empty slot is the normal case
+            continue
+        mig_errors: dict[str, str] = {}
+        attrs = _query(mig_errors, "attributes", nvml.nvmlDeviceGetAttributes, mig)
+        devices.append(
+            {
+                "index": mig_index,
+                "uuid": _text(_query(mig_errors, "uuid", nvml.nvmlDeviceGetUUID, mig)),
+                "name": _text(_query(mig_errors, "name", nvml.nvmlDeviceGetName, mig)),
+                "memory": _read_memory(nvml, mig, mig_errors, "memory"),
+                "gpu_instance_id": _optional_int(
+                    _query(mig_errors, "gpu_instance_id", nvml.nvmlDeviceGetGpuInstanceId, mig)
+                ),
+                "compute_instance_id": _optional_int(
+                    _query(
+                        mig_errors, "compute_instance_id", nvml.nvmlDeviceGetComputeInstanceId, mig
+                    )
+                ),
+                "slice_count": _optional_int(getattr(attrs, "gpuInstanceSliceCount", None)),
+                "multiprocessor_count": _optional_int(getattr(attrs, "multiprocessorCount", None)),
+                "errors": mig_errors,
+            }
+        )
+    return devices
+
+
+def _read_gpu(nvml: ModuleType, index: int) -> dict:
+    errors: dict[str, str] = {}
+    gpu: dict[str, Any] = {"index": index, "errors": errors}
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as exc:  # a lost GPU must not hide the others
+        errors["handle"] = _error_text(exc)
+        return gpu
+
+    gpu["uuid"] = _text(_query(errors, "uuid", nvml.nvmlDeviceGetUUID, handle))
+    gpu["name"] = _text(_query(errors, "name", nvml.nvmlDeviceGetName, handle))
+    gpu["pci_bus_id"] = None
+    pci = _query(errors, "pci_info", nvml.nvmlDeviceGetPciInfo, handle)
+    if pci is not None:
+        gpu["pci_bus_id"] = _text(getattr(pci, "busId", None))
+    gpu["memory"] = _read_memory(nvml, handle, errors, "memory")
+
+    util = _query(errors, "utilization", nvml.nvmlDeviceGetUtilizationRates, handle)
+    gpu["utilization"] = (
+        None
+        if util is None
+        else {
+            "gpu": _optional_int(getattr(util, "gpu", None)),
+            "memory": _optional_int(getattr(util, "memory", None)),
+        }
+    )
+    gpu["temperature_c"] = _optional_int(
+        _query(
+            errors,
+            "temperature",
+            nvml.nvmlDeviceGetTemperature,
+            handle,
+            getattr(nvml, "NVML_TEMPERATURE_GPU", 0),
+        )
+    )
+    gpu["power_mw"] = _optional_int(_query(errors, "power", nvml.nvmlDeviceGetPowerUsage, handle))
+    gpu["power_limit_mw"] = _optional_int(
+        _query(errors, "power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    )
+    cc = _query(errors, "compute_capability", nvml.nvmlDeviceGetCudaComputeCapability, handle)
+    gpu["compute_capability"] = list(cc) if cc is not None else None
+
+    mig_mode = _query(errors, "mig_mode", nvml.nvmlDeviceGetMigMode, handle)
+    if mig_mode is None:
+        gpu["mig_mode"] = None
+    else:
+        current, pending = (list(mig_mode) + [None, None])[:2]
+        gpu["mig_mode"] = {"current": _optional_int(current), "pending": _optional_int(pending)}
+    enabled = getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1)
+    if gpu["mig_mode"] and gpu["mig_mode"]["current"] == enabled:
+        gpu["mig_devices"] = _read_mig_devices(nvml, handle, errors)
+    else:
+        gpu["mig_devices"] = []
+    gpu["processes"] = _read_processes(nvml, handle, errors)
+    return gpu
+
+
+def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
+    """Read every GPU on this host through NVML; return a raw, JSON-serializable snapshot.
+
+    ``nvml`` defaults to the ``pynvml`` module; tests pass a stand-in. Raises ``NvmlUnavailable``
+    when NVML cannot be imported or initialised. Only reads: no setting is ever changed.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml  # optional dependency, only on GPU hosts
+        except ImportError as exc:
+            raise NvmlUnavailable(f"pynvml is not installed: {exc}") from exc
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        raise NvmlUnavailable(f"NVML could not be initialised: {_error_text(exc)}") from exc
+    try:
+        errors: dict[str, str] = {}
+        snapshot: dict[str, Any] = {
+            "schema": SNAPSHOT_SCHEMA,
+            "source": "nvml",
+            "taken_at": time.time(),
+            "hostname": socket.gethostname(),
+            "driver_version": _text(
+                _query(errors, "driver_version", nvml.nvmlSystemGetDriverVersion)
+            ),
+            "nvml_version": _text(_query(errors, "nvml_version", nvml.nvmlSystemGetNVMLVersion)),
+            "cuda_driver_version": _optional_int(
+                _query(errors, "cuda_driver_version", nvml.nvmlSystemGetCudaDriverVersion)
+            ),
+            "errors": errors,
+        }
+        count = int(nvml.nvmlDeviceGetCount())
+        snapshot["device_count"] = count
+        snapshot["gpus"] = [_read_gpu(nvml, index) for index in range(count)]
+        return snapshot
+    finally:
+        # Nothing useful can be done if shutdown fails.
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing a snapshot
+# --------------------------------------------------------------------------------------------
+
+
+def _mig_profile(name: str | None) -> str | None:
+    """``"NVIDIA H100 80GB HBM3 MIG 1g.10gb"`` -> ``"1g.10gb"``."""
+    if not name:
+        return None
+    match = _MIG_PROFILE_RE.search(name)
+    return match.group(1) if match else None
+
+
+def _as_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def parse_snapshot(snapshot: dict[str, Any]) -> list[GpuInfo]:
+    """Turn a ``read_nvml()`` snapshot (possibly loaded back from JSON) into ``GpuInfo`` objects.
+
+    Missing or ``None`` fields stay ``None``; a GPU whose handle could not be obtained is kept
+    (with ``uuid`` ``None`` and its error) so the console can show it as unreadable.
+    """
+    schema = snapshot.get("schema", SNAPSHOT_SCHEMA)
+    if schema != SNAPSHOT_SCHEMA:
+        raise ValueError(f"unsupported NVML snapshot schema {schema!r}; expected {SNAPSHOT_SCHEMA}")
+    gpus: list[GpuInfo] = []
+    for raw in snapshot.get("gpus") or []:
+        memory = raw.get("memory") or {}
+        util = raw.get("utilization") or {}
+        mig_mode = raw.get("mig_mode") or {}
+        power_mw = raw.get("power_mw")
+        limit_mw = raw.get("power_limit_mw")
+        cc = raw.get("compute_capability")
+        migs = []
+        for mig in raw.get("mig_devices") or []:
+            mig_memory = mig.get("memory") or {}
+            migs.append(
+                MigDeviceInfo(
+                    index=int(mig["index"]),
+                    uuid=mig.get("uuid"),
+                    profile=_mig_profile(mig.get("name")),
+                    memory_total_bytes=mig_memory.get("total"),
+                    memory_used_bytes=mig_memory.get("used"),
+                    gpu_instance_id=mig.get("gpu_instance_id"),
+                    compute_instance_id=mig.get("compute_instance_id"),
+                    slice_count=mig.get("slice_count"),
+                    multiprocessor_count=mig.get("multiprocessor_count"),
+                )
+            )
+        procs = [
+            GpuProcessInfo(
+                pid=int(p["pid"]),
+                used_memory_bytes=p.get("used_memory"),
+                gpu_instance_id=p.get("gpu_instance_id"),
+                compute_instance_id=p.get("compute_instance_id"),
+            )
+            for p in raw.get("processes") or []
+            if p.get("pid") is not None
+        ]
+        gpus.append(
+            GpuInfo(
+                index=int(raw["index"]),
+                uuid=raw.get("uuid"),
+                name=raw.get("name"),
+                memory_total_bytes=memory.get("total"),
+                memory_used_bytes=memory.get("used"),
+                memory_free_bytes=memory.get("free"),
+                utilization_gpu_pct=util.get("gpu"),
+                utilization_memory_pct=util.get("memory"),
+                temperature_c=raw.get("temperature_c"),
+                power_w=None if power_mw is None else power_mw / 1000.0,
+                power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
+                pci_bus_id=raw.get("pci_bus_id"),
+                compute_capability=None if not cc else ".".join(str(part) for part in cc),
+                mig_mode_current=_as_bool(mig_mode.get("current")),
+                mig_mode_pending=_as_bool(mig_mode.get("pending")),
+                mig_devices=migs,
+                processes=procs,
+                declared=False,
+                errors=dict(raw.get("errors") or {}),
+            )
+        )
+    return gpus
+
+
+# --------------------------------------------------------------------------------------------
+# Declared inventory
+# --------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``"24GiB"`` -> bytes. Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (1024)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"invalid memory size {text!r}: expected a number and a unit, such as 24GiB or 80GB"
+        )
+    number, unit = match.groups()
+    size = int(float(number) * _UNITS[unit.lower()])
+    if size <= 0:
+        raise ValueError(f"invalid memory size {text!r}: must be greater than zero")
+    return size
+
+
+DEFAULT_DECLARED_NAME = "Declared GPU"
+
+
+def declared_inventory(spec: str, host: str = "") -> list[GpuInfo]:
+    """Build ``GpuInfo`` objects (``declared=True``) from a configuration string.
+
+    Comma-separated entries, each one of:
+
+    - ``COUNTxSIZE`` or ``COUNTxNAME:SIZE``: COUNT GPUs with the next free indexes,
+      e.g. ``"2x24GiB"`` or ``"4xNVIDIA A100 80GB:80GiB"``;
+    - ``INDEX:NAME:SIZE``: one GPU at that index, e.g. ``"0:NVIDIA L4:24GiB"``.
+
+    UUIDs are synthetic (``declared-<host>-<index>``), so pass ``host`` to keep them unique across
+    nodes. Raises ``ValueError`` with the offending entry for anything else, for duplicate indexes,
+    and for an empty spec.
+    """
+    if not spec or not spec.strip():
+        raise ValueError("empty GPU declaration: expected e.g. '2x24GiB' or '0:NVIDIA L4:24GiB'")
+    entries: list[tuple[int, str, int]] = []
+    next_index = 0
+    for raw_entry in spec.split(","):
+        entry = raw_entry.strip()
+        if not entry:
+            raise ValueError(f"empty entry in GPU declaration {spec!r}")
+        count_match = re.match(r"^(\d+)\s*[xX]\s*(.+)$", entry)
+        parts = entry.split(":")
+        if count_match and not (len(parts) == 3 and parts[0].strip().isdigit()):
+            count = int(count_match.group(1))
+            if count < 1:
+                raise ValueError(f"GPU count must be at least 1 in {entry!r}")
+            rest = count_match.group(2)
+            name, _, size_text = rest.rpartition(":")
+            size = _size_in_entry(size_text, entry)
+            for _ in range(count):
+                entries.append((next_index, name.strip() or DEFAULT_DECLARED_NAME, size))
+                next_index += 1
+        elif len(parts) == 3:
+            index_text, name, size_text = (part.strip() for part in parts)
+            if not index_text.isdigit():
+                raise ValueError(f"GPU index must be a non-negative integer in {entry!r}")
+            index = int(index_text)
+            entries.append((index, name or DEFAULT_DECLARED_NAME, _size_in_entry(size_text, entry)))
+            next_index = max(next_index, index + 1)
+        else:
+            raise ValueError(
+                f"invalid GPU declaration entry {entry!r}: expected COUNTxSIZE (2x24GiB), "
+                "COUNTxNAME:SIZE (2xNVIDIA L4:24GiB) or INDEX:NAME:SIZE (0:NVIDIA L4:24GiB)"
+            )
+    seen: set[int] = set()
+    for index, _, _ in entries:
+        if index in seen:
+            raise ValueError(f"GPU index {index} is declared twice in {spec!r}")
+        seen.add(index)
+    prefix = f"declared-{host}-" if host else "declared-"
+    return [
+        GpuInfo(
+            index=index,
+            uuid=f"{prefix}{index}",
+            name=name,
+            memory_total_bytes=size,
+            memory_used_bytes=0,
+            memory_free_bytes=size,
+            mig_mode_current=False,
+            mig_mode_pending=False,
+            declared=True,
+        )
+        for index, name, size in sorted(entries)
+    ]
+
+
+def _size_in_entry(size_text: str, entry: str) -> int:
+    try:
+        return parse_size(size_text)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in GPU declaration entry {entry!r})") from None

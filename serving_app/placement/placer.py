@@ -1,0 +1,878 @@
+"""Placement: choose a node and GPUs for every replica of a deployment, all replicas or none.
+
+A ``Placer`` holds the cluster (``Node`` -> ``GpuSlot`` -> ``Allocation``) and places requests one
+after another; a committed placement appends its ``Allocation`` objects to the ``GpuSlot``s, so the
+next request sees them. ``Placer.plan()`` is the dry run: same answer, nothing kept.
+
+Rules:
+
+- **Filters.** The node is ready and not lost; TP GPUs come from one node; the attention heads
+  (and KV heads, when given) divide by the TP size; the tenant's GPU memory quota holds.
+- **Fit.** On every GPU the reserved fractions of its memory never exceed ``1 - headroom``
+  (default 0.10). Fractions are whole hundredths, as vLLM's ``gpu_memory_utilization`` is given.
+  Memory held by processes the console does not manage (``GpuSlot.other_used_bytes``) counts too.
+- **Isolation.** ``dedicated``: whole empty GPUs, the instance gets ``1 - headroom``; ``shared``:
+  a fraction of a GPU beside others; ``mps``: as shared, plus ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+  and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``; ``mig``: one free MIG device with enough memory,
+  ``CUDA_VISIBLE_DEVICES`` set to its UUID (TP 1 only: a CUDA process sees one MIG device).
+  A GPU in MIG mode takes only MIG placements; replicas of one deployment never share a GPU.
+- **Score.** ``binpack`` (default): the tightest fit, so whole GPUs and nodes stay free for large
+  deployments. ``spread``: the most free memory, so replicas land apart.
+
+Speed: shared/MPS placements with TP 1 (the common case) are found through per-GPU-size buckets
+indexed by free hundredths (at most 101 lookups per size class), not by scanning every GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from .inventory import GpuInfo
+
+GIB = 1024**3
+MIB = 1024**2
+
+Id = Hashable
+
+
+class Isolation(StrEnum):
+    """How an instance shares its GPU."""
+
+    DEDICATED = "dedicated"
+    SHARED = "shared"
+    MIG = "mig"
+    MPS = "mps"
+
+
+class Policy(StrEnum):
+    """Scoring policy among the GPUs that fit."""
+
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+
+@dataclass
+class Allocation:
+    """A share of a GPU (or a whole MIG device) reserved for one instance of a deployment."""
+
+    deployment_id: Id
+    tenant_id: Id
+    fraction: float
+    isolation: str = Isolation.SHARED.value
+    replica: int | None = None
+    mig_uuid: str | None = None
+    exclusive: bool = False
+
+
+@dataclass
+class MigSlot:
+    """A MIG device of a GPU; it holds at most one instance."""
+
+    uuid: str
+    memory_total_bytes: int
+    profile: str | None = None
+
+
+@dataclass
+class GpuSlot:
+    """A GPU as the placer sees it: its size, its MIG devices and what is reserved on it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    mig_enabled: bool = False
+    mig_devices: list[MigSlot] = field(default_factory=list)
+    allocations: list[Allocation] = field(default_factory=list)
+    other_used_bytes: int = 0
+    declared: bool = False
+
+
+@dataclass
+class Node:
+    """A GPU host (one node agent)."""
+
+    name: str
+    gpus: list[GpuSlot] = field(default_factory=list)
+    ready: bool = True
+    lost: bool = False
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """One deployment to place: ``replicas`` instances of ``tensor_parallel_size`` GPUs each.
+
+    ``memory_bytes_per_gpu`` is the planner's ``MemoryPlan.needed_bytes``. ``tenant_used_gib``
+    ``None`` means: count what the placer's own allocations hold for the tenant.
+    """
+
+    deployment_id: Id
+    tenant_id: Id
+    memory_bytes_per_gpu: int
+    replicas: int = 1
+    tensor_parallel_size: int = 1
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    isolation: str = Isolation.SHARED.value
+    tenant_quota_gib: float | None = None
+    tenant_used_gib: float | None = None
+    mps_thread_percentage: int | None = None
+
+
+@dataclass(frozen=True)
+class InstancePlacement:
+    """Where one replica goes and how to start it."""
+
+    replica: int
+    node: str
+    gpu_indexes: tuple[int, ...]
+    gpu_uuids: tuple[str, ...]
+    gpu_memory_utilization: float
+    reserved_bytes_per_gpu: int
+    isolation: str
+    mig_uuid: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    """All replicas placed (``ok``) or a refusal with a human ``reason`` and nothing placed."""
+
+    ok: bool
+    deployment_id: Id
+    tenant_id: Id
+    instances: tuple[InstancePlacement, ...] = ()
+    reason: str | None = None
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Total memory the placement reserves (what counts against the tenant's quota)."""
+        return sum(i.reserved_bytes_per_gpu * len(i.gpu_indexes) for i in self.instances)
+
+
+class PlacementError(ValueError):
+    """A request that cannot be placed; ``str()`` is the human reason."""
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.1f} GiB"
+
+
+def _pct_up(n_bytes: int, total: int) -> int:
+    """Bytes as whole hundredths of ``total``, rounded up (what vLLM must be given)."""
+    return math.ceil(n_bytes * 100 / total - 1e-9)
+
+
+def _fraction_pct(fraction: float) -> int:
+    return math.ceil(fraction * 100 - 1e-9)
+
+
+class _GpuState:
+    """Mutable per-GPU bookkeeping: reserved hundredths, exclusivity, deployments on it."""
+
+    __slots__ = (
+        "node",
+        "gpu",
+        "total",
+        "reserved",
+        "exclusive",
+        "deployments",
+        "free_migs",
+        "bucket",
+        "free",
+        "empty",
+    )
+
+    def __init__(self, node: Node, gpu: GpuSlot) -> None:
+        self.node = node
+        self.gpu = gpu
+        self.total = gpu.memory_total_bytes
+        self.reserved = 0
+        self.exclusive = False
+        self.deployments: dict[Id, int] = {}
+        self.free_migs: dict[str, MigSlot] = {m.uuid: m for m in gpu.mig_devices}
+        self.bucket: int | None = None
+        self.free = 0  # hundredths free under the cap; kept current by refresh()
+        self.empty = False
+        if gpu.other_used_bytes:
+            self.reserved += _pct_up(gpu.other_used_bytes, self.total)
+        for alloc in gpu.allocations:
+            self._account(alloc, +1)
+
+    def _account(self, alloc: Allocation, sign: int) -> None:
+        count = self.deployments.get(alloc.deployment_id, 0) + sign
+        if count:
+            self.deployments[alloc.deployment_id] = count
+        else:
+            self.deployments.pop(alloc.deployment_id, None)
+        if alloc.mig_uuid is not None:
+            if sign > 0:
+                self.free_migs.pop(alloc.mig_uuid, None)
+            else:
+                for mig in self.gpu.mig_devices:
+                    if mig.uuid == alloc.mig_uuid:
+                        self.free_migs[mig.uuid] = mig
+            return
+        self.reserved += sign * _fraction_pct(alloc.fraction)
+        if alloc.exclusive:
+            self.exclusive = sign > 0
+
+    def refresh(self, cap: int) -> None:
+        """Recompute the cached ``free`` hundredths and ``empty`` flag after a change."""
+        whole_gpu_usable = not (self.exclusive or self.gpu.mig_enabled)
+        self.free = max(0, cap - self.reserved) if whole_gpu_usable else 0
+        self.empty = whole_gpu_usable and self.reserved == 0 and not self.gpu.allocations
+
+
+_by_free = operator.attrgetter("free")
+
+
+class Placer:
+    """Places deployments on a cluster, one after another, keeping the allocations it makes.
+
+    ``headroom`` is the share of every GPU left unreserved (rounded to hundredths). Which nodes
+    are ready and not lost is read when the placer is built: build a new one per batch of
+    decisions from the current inventory.
+    """
+
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        *,
+        headroom: float = 0.10,
+        policy: str = Policy.BINPACK.value,
+    ) -> None:
+        if not 0 <= headroom < 1:
+            raise ValueError("headroom must be in [0, 1)")
+        self.nodes = list(nodes)
+        self.headroom = headroom
+        self.cap = 100 - round(headroom * 100)
+        self.policy = Policy(policy)
+        self._states: list[_GpuState] = []
+        self._by_node: dict[str, list[_GpuState]] = {}
+        # size class (total bytes) -> free hundredths -> GPUs (a dict as an ordered set)
+        self._buckets: dict[int, list[dict[_GpuState, None]]] = {}
+        self._tenant_bytes: dict[Id, int] = {}
+        # Per ready node: (node, its GPUs); and per node the most free hundredths on one GPU and
+        # the count of empty GPUs, so node scans skip nodes that cannot fit at once.
+        self._ready: list[tuple[Node, list[_GpuState]]] = []
+        self._ready_names: set[str] = set()
+        self._node_max_free: dict[str, int] = {}
+        self._node_empty: dict[str, int] = {}
+        self._sizes: set[int] = set()
+        for node in self.nodes:
+            states = [_GpuState(node, gpu) for gpu in node.gpus]
+            self._by_node[node.name] = states
+            self._states.extend(states)
+            if node.ready and not node.lost:
+                self._ready.append((node, states))
+                self._ready_names.add(node.name)
+                self._sizes.update(s.total for s in states)
+            for state in states:
+                for alloc in state.gpu.allocations:
+                    self._add_tenant_bytes(alloc, state, +1)
+                self._rebucket(state, update_node=False)
+            self._update_node(node.name)
+        self._max_ready_gpus = max((len(states) for _, states in self._ready), default=0)
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _schedulable(self, node: Node) -> bool:
+        return node.name in self._ready_names
+
+    def _update_node(self, name: str) -> None:
+        states = self._by_node[name]
+        self._node_max_free[name] = max((s.free for s in states), default=0)
+        self._node_empty[name] = sum(1 for s in states if s.empty)
+
+    def _rebucket(self, state: _GpuState, *, update_node: bool = True) -> None:
+        state.refresh(self.cap)
+        if update_node:
+            self._update_node(state.node.name)
+        if state.bucket is not None:
+            self._buckets[state.total][state.bucket].pop(state, None)
+            state.bucket = None
+        free = state.free
+        if free <= 0 or state.node.name not in self._ready_names:
+            return
+        buckets = self._buckets.get(state.total)
+        if buckets is None:
+            buckets = self._buckets[state.total] = [{} for _ in range(101)]
+        buckets[free][state] = None
+        state.bucket = free
+
+    def _reserved_bytes(self, alloc: Allocation, state: _GpuState) -> int:
+        if alloc.mig_uuid is not None:
+            for mig in state.gpu.mig_devices:
+                if mig.uuid == alloc.mig_uuid:
+                    return mig.memory_total_bytes
+            return 0
+        if alloc.exclusive:
+            return state.total
+        return state.total * _fraction_pct(alloc.fraction) // 100
+
+    def _add_tenant_bytes(self, alloc: Allocation, state: _GpuState, sign: int) -> None:
+        used = self._tenant_bytes.get(alloc.tenant_id, 0)
+        self._tenant_bytes[alloc.tenant_id] = used + sign * self._reserved_bytes(alloc, state)
+
+    def _apply(self, state: _GpuState, alloc: Allocation) -> None:
+        state.gpu.allocations.append(alloc)
+        state._account(alloc, +1)
+        self._add_tenant_bytes(alloc, state, +1)
+        self._rebucket(state)
+
+    def _unapply(self, state: _GpuState, alloc: Allocation) -> None:
+        state.gpu.allocations.remove(alloc)
+        state._account(alloc, -1)
+        self._add_tenant_bytes(alloc, state, -1)
+        self._rebucket(state)
+
+    def tenant_reserved_bytes(self, tenant_id: Id) -> int:
+        """Memory the placer's allocations reserve for a tenant, across all GPUs."""
+        return self._tenant_bytes.get(tenant_id, 0)
+
+    # ---------------------------------------------------------------- public API
+
+    def plan(self, request: PlacementRequest) -> PlacementResult:
+        """Dry run: where the deployment would go, or why not. Nothing is kept."""
+        return self.place(request, commit=False)
+
+    def place(self, request: PlacementRequest, *, commit: bool = True) -> PlacementResult:
+        """Place every replica or none; with ``commit`` the allocations stay on the GPUs."""
+        try:
+            self._check_request(request)
+        except PlacementError as exc:
+            return self._refuse(request, str(exc))
+        applied: list[tuple[_GpuState, Allocation]] = []
+        instances: list[InstancePlacement] = []
+        try:
+            for replica in range(request.replicas):
+                try:
+                    instance, allocs = self._place_one(request, replica)
+                except PlacementError as exc:
+                    prefix = (
+                        f"replica {replica + 1} of {request.replicas}: "
+                        if request.replicas > 1
+                        else ""
+                    )
+                    raise PlacementError(prefix + str(exc)) from None
+                for state, alloc in allocs:
+                    self._apply(state, alloc)
+                    applied.append((state, alloc))
+                instances.append(instance)
+            self._check_quota_after(request, applied)
+        except PlacementError as exc:
+            for state, alloc in reversed(applied):
+                self._unapply(state, alloc)
+            return self._refuse(request, str(exc))
+        if not commit:
+            for state, alloc in reversed(applied):
+                self._unapply(state, alloc)
+        return PlacementResult(
+            ok=True,
+            deployment_id=request.deployment_id,
+            tenant_id=request.tenant_id,
+            instances=tuple(instances),
+        )
+
+    def release(self, deployment_id: Id) -> int:
+        """Remove every allocation of a deployment; returns how many were removed."""
+        removed = 0
+        for state in self._states:
+            if deployment_id not in state.deployments:
+                continue
+            for alloc in [a for a in state.gpu.allocations if a.deployment_id == deployment_id]:
+                self._unapply(state, alloc)
+                removed += 1
+        return removed
+
+    def allocation_view(self) -> list[GpuAllocationView]:
+        """What every GPU holds, for which deployment and tenant."""
+        return allocation_view(self.nodes, headroom=self.headroom)
+
+    # ---------------------------------------------------------------- filters
+
+    @staticmethod
+    def _refuse(request: PlacementRequest, reason: str) -> PlacementResult:
+        return PlacementResult(
+            ok=False,
+            deployment_id=request.deployment_id,
+            tenant_id=request.tenant_id,
+            reason=reason,
+        )
+
+    def _check_request(self, request: PlacementRequest) -> None:
+        tp = request.tensor_parallel_size
+        if request.replicas < 1:
+            raise PlacementError("replicas must be at least 1")
+        if tp < 1:
+            raise PlacementError("tensor_parallel_size must be at least 1")
+        if request.memory_bytes_per_gpu <= 0:
+            raise PlacementError("memory_bytes_per_gpu must be positive")
+        try:
+            isolation = Isolation(request.isolation)
+        except ValueError:
+            known = ", ".join(m.value for m in Isolation)
+            raise PlacementError(
+                f"unknown isolation mode {request.isolation!r}; use one of {known}"
+            ) from None
+        heads = request.num_attention_heads
+        if heads is not None and heads % tp:
+            raise PlacementError(
+                f"{heads} attention heads are not divisible by tensor_parallel_size {tp}"
+            )
+        kv = request.num_kv_heads
+        if kv is not None and (kv % tp if kv >= tp else tp % kv):
+            raise PlacementError(
+                f"{kv} KV heads do not split evenly over tensor_parallel_size {tp}"
+            )
+        if isolation is Isolation.MIG and tp > 1:
+            raise PlacementError(
+                "MIG isolation needs tensor_parallel_size 1: a CUDA process sees one MIG device"
+            )
+        if not self._ready:
+            raise PlacementError("no node is ready (all are not ready or lost)")
+        most = self._max_ready_gpus
+        if tp > most:
+            raise PlacementError(
+                f"needs {tp} GPUs on one node for tensor parallelism; the most on a ready node "
+                f"is {most}"
+            )
+        if request.tenant_quota_gib is not None:
+            quota = request.tenant_quota_gib * GIB
+            used = self._tenant_used(request)
+            need = request.memory_bytes_per_gpu * tp * request.replicas
+            if used + need > quota + 1:
+                raise PlacementError(
+                    f"tenant GPU memory quota is {request.tenant_quota_gib:.1f} GiB; it already "
+                    f"uses {_gib(used)} and this deployment needs {_gib(need)} more"
+                )
+
+    def _tenant_used(self, request: PlacementRequest) -> int:
+        if request.tenant_used_gib is not None:
+            return int(request.tenant_used_gib * GIB)
+        return self.tenant_reserved_bytes(request.tenant_id)
+
+    def _check_quota_after(
+        self, request: PlacementRequest, applied: list[tuple[_GpuState, Allocation]]
+    ) -> None:
+        """Quota on what is really reserved (a dedicated GPU reserves all of its memory)."""
+        if request.tenant_quota_gib is None:
+            return
+        quota = request.tenant_quota_gib * GIB
+        reserved = sum(self._reserved_bytes(alloc, state) for state, alloc in applied)
+        base = (
+            int(request.tenant_used_gib * GIB)
+            if request.tenant_used_gib is not None
+            else self.tenant_reserved_bytes(request.tenant_id) - reserved
+        )
+        if base + reserved > quota + 1:
+            raise PlacementError(
+                f"tenant GPU memory quota is {request.tenant_quota_gib:.1f} GiB; it already uses "
+                f"{_gib(base)} and this placement would reserve {_gib(reserved)} more"
+            )
+
+    # ---------------------------------------------------------------- one replica
+
+    def _place_one(
+        self, request: PlacementRequest, replica: int
+    ) -> tuple[InstancePlacement, list[tuple[_GpuState, Allocation]]]:
+        isolation = Isolation(request.isolation)
+        if isolation is Isolation.MIG:
+            return self._place_mig(request, replica)
+        if isolation is Isolation.DEDICATED:
+            states, util_pct = self._choose_dedicated(request)
+        elif request.tensor_parallel_size == 1:
+            state, util_pct = self._choose_shared_single(request)
+            states = [state]
+        else:
+            states, util_pct = self._choose_shared_group(request)
+        exclusive = isolation is Isolation.DEDICATED
+        allocs = [
+            (
+                state,
+                Allocation(
+                    deployment_id=request.deployment_id,
+                    tenant_id=request.tenant_id,
+                    fraction=util_pct / 100,
+                    isolation=isolation.value,
+                    replica=replica,
+                    exclusive=exclusive,
+                ),
+            )
+            for state in states
+        ]
+        total = min(s.total for s in states)
+        reserved = total if exclusive else total * util_pct // 100
+        env = self._env(request, states, util_pct)
+        instance = InstancePlacement(
+            replica=replica,
+            node=states[0].node.name,
+            gpu_indexes=tuple(s.gpu.index for s in states),
+            gpu_uuids=tuple(s.gpu.uuid for s in states),
+            gpu_memory_utilization=util_pct / 100,
+            reserved_bytes_per_gpu=reserved,
+            isolation=isolation.value,
+            env=env,
+        )
+        return instance, allocs
+
+    def _env(
+        self, request: PlacementRequest, states: list[_GpuState], util_pct: int
+    ) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if not all(s.gpu.declared for s in states):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(s.gpu.uuid for s in states)
+        if request.isolation == Isolation.MPS.value:
+            threads = request.mps_thread_percentage or max(1, min(100, util_pct))
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+                f"{i}={s.total * util_pct // 100 // MIB}M" for i, s in enumerate(states)
+            )
+        return env
+
+    def _better(self, leftover: int, best: int | None) -> bool:
+        if best is None:
+            return True
+        return leftover < best if self.policy is Policy.BINPACK else leftover > best
+
+    def _choose_shared_single(self, request: PlacementRequest) -> tuple[_GpuState, int]:
+        need = request.memory_bytes_per_gpu
+        cap = self.cap
+        best: _GpuState | None = None
+        best_pct = 0
+        best_left: int | None = None
+        for total, buckets in self._buckets.items():
+            need_pct = _pct_up(need, total)
+            if need_pct > cap:
+                continue
+            order = (
+                range(need_pct, cap + 1)
+                if self.policy is Policy.BINPACK
+                else range(cap, need_pct - 1, -1)
+            )
+            for free in order:
+                bucket = buckets[free]
+                if not bucket:
+                    continue
+                found = next(
+                    (s for s in bucket if request.deployment_id not in s.deployments), None
+                )
+                if found is None:
+                    continue
+                left = (free - need_pct) * total
+                if self._better(left, best_left):
+                    best, best_pct, best_left = found, need_pct, left
+                break
+        if best is None:
+            raise PlacementError(self._no_fit_reason(request))
+        return best, best_pct
+
+    def _needs(self, request: PlacementRequest) -> dict[int, int]:
+        """Hundredths of each GPU size in the cluster that the request needs."""
+        return {total: _pct_up(request.memory_bytes_per_gpu, total) for total in self._sizes}
+
+    def _candidates(
+        self, states: list[_GpuState], request: PlacementRequest, needs: dict[int, int]
+    ) -> list[_GpuState]:
+        """GPUs (of one node) that can take a shared share of ``request``."""
+        dep = request.deployment_id
+        return [s for s in states if s.free >= needs[s.total] and dep not in s.deployments]
+
+    def _choose_shared_group(self, request: PlacementRequest) -> tuple[list[_GpuState], int]:
+        tp = request.tensor_parallel_size
+        needs = self._needs(request)
+        min_need = min(needs.values())
+        best: list[_GpuState] | None = None
+        best_pct = 0
+        best_left: int | None = None
+        binpack = self.policy is Policy.BINPACK
+        for node, states in self._ready:
+            if len(states) < tp or self._node_max_free[node.name] < min_need:
+                continue
+            candidates = self._candidates(states, request, needs)
+            if len(candidates) < tp:
+                continue
+            # vLLM gives all ranks one gpu_memory_utilization: group GPUs of one size.
+            first = candidates[0].total
+            if all(s.total == first for s in candidates):
+                groups: Iterable[tuple[int, list[_GpuState]]] = ((first, candidates),)
+            else:
+                by_size: dict[int, list[_GpuState]] = {}
+                for state in candidates:
+                    by_size.setdefault(state.total, []).append(state)
+                groups = by_size.items()
+            for total, group in groups:
+                if len(group) < tp:
+                    continue
+                group.sort(key=_by_free, reverse=not binpack)
+                chosen = group[:tp]
+                need_pct = needs[total]
+                left = (sum(s.free for s in chosen) - tp * need_pct) * total
+                if self._better(left, best_left):
+                    best, best_pct, best_left = chosen, need_pct, left
+        if best is None:
+            raise PlacementError(self._no_group_reason(request))
+        return best, best_pct
+
+    def _choose_dedicated(self, request: PlacementRequest) -> tuple[list[_GpuState], int]:
+        tp = request.tensor_parallel_size
+        best: list[_GpuState] | None = None
+        best_score: int | None = None
+        binpack = self.policy is Policy.BINPACK
+        needs = self._needs(request)
+        dep = request.deployment_id
+        for node, states in self._ready:
+            if self._node_empty[node.name] < tp:
+                continue
+            empty = [
+                s
+                for s in states
+                if s.empty and dep not in s.deployments and needs[s.total] <= self.cap
+            ]
+            if len(empty) < tp:
+                continue
+            # binpack: the node with the fewest empty GPUs left over keeps whole nodes free.
+            score = len(empty) - tp
+            better = best_score is None or (score < best_score if binpack else score > best_score)
+            if better:
+                empty.sort(key=lambda s: (s.total, s.gpu.index))
+                best, best_score = empty[:tp], score
+        if best is None:
+            raise PlacementError(self._no_dedicated_reason(request))
+        return best, self.cap
+
+    def _place_mig(
+        self, request: PlacementRequest, replica: int
+    ) -> tuple[InstancePlacement, list[tuple[_GpuState, Allocation]]]:
+        need = request.memory_bytes_per_gpu
+        best: tuple[_GpuState, MigSlot] | None = None
+        largest: tuple[int, str] | None = None
+        binpack = self.policy is Policy.BINPACK
+        for node, states in self._ready:
+            for state in states:
+                if not state.gpu.mig_enabled or request.deployment_id in state.deployments:
+                    continue
+                for mig in state.free_migs.values():
+                    size = mig.memory_total_bytes
+                    if largest is None or size > largest[0]:
+                        largest = (size, f"{node.name} GPU {state.gpu.index} MIG {mig.uuid}")
+                    if _pct_up(need, size) > self.cap:
+                        continue
+                    if best is None or (
+                        size < best[1].memory_total_bytes
+                        if binpack
+                        else size > best[1].memory_total_bytes
+                    ):
+                        best = (state, mig)
+        if best is None:
+            if largest is None:
+                raise PlacementError(f"needs {_gib(need)} on a MIG device; no MIG device is free")
+            raise PlacementError(
+                f"needs {_gib(need)} on a MIG device (within {self.cap}% of it); the largest "
+                f"free MIG device is {_gib(largest[0])} on {largest[1]}"
+            )
+        state, mig = best
+        alloc = Allocation(
+            deployment_id=request.deployment_id,
+            tenant_id=request.tenant_id,
+            fraction=self.cap / 100,
+            isolation=Isolation.MIG.value,
+            replica=replica,
+            mig_uuid=mig.uuid,
+            exclusive=True,
+        )
+        instance = InstancePlacement(
+            replica=replica,
+            node=state.node.name,
+            gpu_indexes=(state.gpu.index,),
+            gpu_uuids=(state.gpu.uuid,),
+            gpu_memory_utilization=self.cap / 100,
+            reserved_bytes_per_gpu=mig.memory_total_bytes,
+            isolation=Isolation.MIG.value,
+            mig_uuid=mig.uuid,
+            env={"CUDA_VISIBLE_DEVICES": mig.uuid},
+        )
+        return instance, [(state, alloc)]
+
+    # ---------------------------------------------------------------- refusal reasons
+
+    def _largest_free_slot(self, request: PlacementRequest) -> tuple[int, _GpuState] | None:
+        best: tuple[int, _GpuState] | None = None
+        for state in self._states:
+            if not self._schedulable(state.node) or request.deployment_id in state.deployments:
+                continue
+            free = state.free * state.total // 100
+            if free and (best is None or free > best[0]):
+                best = (free, state)
+        return best
+
+    def _no_fit_reason(self, request: PlacementRequest) -> str:
+        need = _gib(request.memory_bytes_per_gpu)
+        largest = self._largest_free_slot(request)
+        if largest is None:
+            return f"needs {need}; no GPU has free memory (headroom {100 - self.cap}% kept)"
+        free, state = largest
+        return (
+            f"needs {need}; the largest free slot is {_gib(free)} on {state.node.name} "
+            f"GPU {state.gpu.index}"
+        )
+
+    def _no_group_reason(self, request: PlacementRequest) -> str:
+        tp = request.tensor_parallel_size
+        need = _gib(request.memory_bytes_per_gpu)
+        needs = self._needs(request)
+        most, where = 0, ""
+        for node, states in self._ready:
+            count = len(self._candidates(states, request, needs))
+            if count > most:
+                most, where = count, node.name
+        suffix = f" ({where})" if where else ""
+        return (
+            f"needs {tp} GPUs with {need} free each on one node; the most on one node is "
+            f"{most}{suffix}"
+        )
+
+    def _no_dedicated_reason(self, request: PlacementRequest) -> str:
+        tp = request.tensor_parallel_size
+        need = _gib(request.memory_bytes_per_gpu)
+        needs = self._needs(request)
+        most, where = 0, ""
+        for node, states in self._ready:
+            count = sum(1 for s in states if s.empty and needs[s.total] <= self.cap)
+            if count > most:
+                most, where = count, node.name
+        suffix = f" ({where})" if where else ""
+        what = "an empty GPU" if tp == 1 else f"{tp} empty GPUs on one node"
+        return f"needs {what} with room for {need}; the most empty on one node is {most}{suffix}"
+
+
+# -------------------------------------------------------------------- allocation view
+
+
+@dataclass(frozen=True)
+class AllocationEntry:
+    """One reservation on a GPU, as the dashboards show it."""
+
+    deployment_id: Id
+    tenant_id: Id
+    fraction: float
+    reserved_bytes: int
+    isolation: str
+    replica: int | None = None
+    mig_uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class GpuAllocationView:
+    """What one GPU holds: its total, the reservations, and their sums per deployment/tenant."""
+
+    node: str
+    gpu_index: int
+    gpu_uuid: str
+    gpu_name: str
+    memory_total_bytes: int
+    reserved_fraction: float
+    reserved_bytes: int
+    free_fraction: float
+    entries: tuple[AllocationEntry, ...]
+    by_deployment: dict[Id, int]
+    by_tenant: dict[Id, int]
+
+
+def allocation_view(nodes: Iterable[Node], *, headroom: float = 0.10) -> list[GpuAllocationView]:
+    """Per GPU: total memory, reservations per deployment and tenant, free share below the cap.
+
+    ``reserved_fraction`` counts a dedicated GPU as 1.0, a MIG device as its share of the GPU, and
+    memory of unmanaged processes (``other_used_bytes``) as reserved.
+    """
+    cap = 100 - round(headroom * 100)
+    views = []
+    for node in nodes:
+        for gpu in node.gpus:
+            total = gpu.memory_total_bytes
+            entries = []
+            by_dep: dict[Id, int] = {}
+            by_tenant: dict[Id, int] = {}
+            reserved_bytes = gpu.other_used_bytes
+            exclusive = False
+            for alloc in gpu.allocations:
+                if alloc.mig_uuid is not None:
+                    size = next(
+                        (m.memory_total_bytes for m in gpu.mig_devices if m.uuid == alloc.mig_uuid),
+                        0,
+                    )
+                elif alloc.exclusive:
+                    size, exclusive = total, True
+                else:
+                    size = total * _fraction_pct(alloc.fraction) // 100
+                reserved_bytes += size
+                by_dep[alloc.deployment_id] = by_dep.get(alloc.deployment_id, 0) + size
+                by_tenant[alloc.tenant_id] = by_tenant.get(alloc.tenant_id, 0) + size
+                entries.append(
+                    AllocationEntry(
+                        deployment_id=alloc.deployment_id,
+                        tenant_id=alloc.tenant_id,
+                        fraction=alloc.fraction,
+                        reserved_bytes=size,
+                        isolation=alloc.isolation,
+                        replica=alloc.replica,
+                        mig_uuid=alloc.mig_uuid,
+                    )
+                )
+            reserved_bytes = min(reserved_bytes, total)
+            reserved_fraction = 1.0 if exclusive else reserved_bytes / total
+            free = 0.0 if exclusive or gpu.mig_enabled else max(0.0, cap / 100 - reserved_fraction)
+            views.append(
+                GpuAllocationView(
+                    node=node.name,
+                    gpu_index=gpu.index,
+                    gpu_uuid=gpu.uuid,
+                    gpu_name=gpu.name,
+                    memory_total_bytes=total,
+                    reserved_fraction=reserved_fraction,
+                    reserved_bytes=reserved_bytes,
+                    free_fraction=free,
+                    entries=tuple(entries),
+                    by_deployment=by_dep,
+                    by_tenant=by_tenant,
+                )
+            )
+    return views
+
+
+# -------------------------------------------------------------------- from inventory
+
+
+def gpu_slot_from_info(
+    info: GpuInfo,
+    allocations: Iterable[Allocation] = (),
+    other_used_bytes: int = 0,
+) -> GpuSlot:
+    """Turn an inventory ``GpuInfo`` into a ``GpuSlot`` (its MIG devices included).
+
+    ``other_used_bytes`` is memory held by processes the console does not manage; the caller
+    knows which of ``info.processes`` are its own engines, so it computes this.
+    """
+    if info.uuid is None or info.memory_total_bytes is None:
+        raise ValueError(f"GPU {info.index} has no UUID or total memory; it cannot be placed on")
+    migs = [
+        MigSlot(uuid=m.uuid, memory_total_bytes=m.memory_total_bytes, profile=m.profile)
+        for m in info.mig_devices
+        if m.uuid and m.memory_total_bytes
+    ]
+    return GpuSlot(
+        index=info.index,
+        uuid=info.uuid,
+        name=info.name or "",
+        memory_total_bytes=info.memory_total_bytes,
+        mig_enabled=bool(info.mig_mode_current),
+        mig_devices=migs,
+        allocations=list(allocations),
+        other_used_bytes=other_used_bytes,
+        declared=info.declared,
+    )

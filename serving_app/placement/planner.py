@@ -1,0 +1,433 @@
+"""Memory planner: how much GPU memory one vLLM instance of a deployment needs, before it starts.
+
+Everything is per GPU of one instance (a tensor-parallel group of ``tensor_parallel_size`` GPUs).
+The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``x``):
+
+1. **Weights.** ``weight_bytes`` is the size of the checkpoint's safetensors files. Parameters are
+   ``weight_bytes / B(checkpoint dtype)`` (or the checkpoint's own quantization). Loaded bytes are
+   the parameters times the bytes per parameter of the served format: ``B(dtype)`` unquantized;
+   1 for ``fp8``; 0.5 + 2.5/128 for ``awq``/``gptq`` (4-bit, fp16 scale and packed zero per group
+   of 128); 0.5 + 4/64 for ``bitsandbytes`` (NF4, fp32 absmax per block of 64). Embedding and
+   LM head (``vocab_size x hidden_size``, once or twice) stay in ``dtype`` when quantizing. A
+   checkpoint already in the requested quantization is taken at its file size. Per GPU: / TP.
+2. **KV cache.** Bytes per token per GPU = ``2 x layers x ceil(kv_heads / TP) x head_dim x
+   B(kv dtype)`` (vLLM replicates KV heads when TP exceeds their count). Tokens needed =
+   ``max_num_seqs x max_model_len`` (each sequence rounded up to whole ``block_size`` blocks), or
+   the admin's ``target_kv_tokens``.
+3. **LoRA.** vLLM preallocates ``max_loras`` slots of ``max_lora_rank``. Per layer and targeted
+   module: ``rank x (in + out) x B(dtype)``; q: hidden -> heads x head_dim, k and v: hidden ->
+   kv_heads x head_dim, o: heads x head_dim -> hidden; with MLP targets also gate and up:
+   hidden -> intermediate, down: intermediate -> hidden. Per GPU: / TP.
+4. **Runtime reserve.** A fixed ``runtime_overhead_bytes`` (default 1 GiB: the CUDA context and
+   allocator slack; a PyTorch process on the H200 read for the fixture held 610 MiB more than its
+   tensor) plus ``cuda_graph_bytes`` (default 0.5 GiB, 0 with ``enforce_eager``) plus, with TP > 1,
+   ``nccl_bytes`` (default 0.25 GiB); plus activations of one forward pass at the token budget,
+   ``max_num_batched_tokens x hidden_size x activation_factor (24) x B(dtype)``, plus fp32 logits
+   for sampling, ``max_num_seqs x vocab_size x 4``.
+
+vLLM's ``gpu_memory_utilization`` is the share of the GPU's *total* memory the instance may use
+for all of the above, so the fraction to give it is ``needed / total``, rounded up to 0.01.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1024**3
+MIB = 1024**2
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "int8": 1,
+}
+
+# Bytes per quantized parameter, scales and zero points included (see the module docstring).
+QUANT_BYTES_PER_PARAM: dict[str, float] = {
+    "fp8": 1.0,
+    "awq": 0.5 + 2.5 / 128,
+    "gptq": 0.5 + 2.5 / 128,
+    "bitsandbytes": 0.5 + 4 / 64,
+}
+
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the OpenAI server's default on most GPUs
+VLLM_DEFAULT_BLOCK_SIZE = 16  # GPU default; the CPU backend uses 128
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a torch dtype name (``"bfloat16"``, ``"torch.float16"``, ``"fp8"``)."""
+    key = dtype.lower().removeprefix("torch.")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[key]
+
+
+def _normalise_dtype(dtype: str) -> str:
+    key = dtype.lower().removeprefix("torch.")
+    return {
+        "fp32": "float32",
+        "float": "float32",
+        "fp16": "float16",
+        "half": "float16",
+        "bf16": "bfloat16",
+    }.get(key, key)
+
+
+def gib(n_bytes: float) -> str:
+    """``40265318400`` -> ``"37.50 GiB"``."""
+    return f"{n_bytes / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """What the planner needs to know about a model (from its ``config.json`` and files)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    weight_bytes: int
+    vocab_size: int
+    max_position_embeddings: int
+    head_dim: int | None = None
+    torch_dtype: str = "bfloat16"
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool = False
+    checkpoint_quantization: str | None = None
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """``head_dim`` when the config gives it, else ``hidden_size / num_attention_heads``."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def resolved_intermediate_size(self) -> int:
+        """``intermediate_size`` when given, else 4 x hidden (the classic transformer ratio)."""
+        return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus LM head (once when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], weight_bytes: int) -> ModelArchitecture:
+        """Build from a Hugging Face ``config.json`` dict and the safetensors files' total size."""
+        text = config.get("text_config") or {}
+        cfg = {**text, **{k: v for k, v in config.items() if k != "text_config"}}
+        heads = int(cfg["num_attention_heads"])
+        quant = cfg.get("quantization_config") or {}
+        return cls(
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=cfg.get("head_dim"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            weight_bytes=int(weight_bytes),
+            vocab_size=int(cfg["vocab_size"]),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            intermediate_size=cfg.get("intermediate_size"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            checkpoint_quantization=quant.get("quant_method"),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The vLLM engine arguments that change memory (names follow vLLM's CLI flags)."""
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    max_num_seqs: int = VLLM_DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    tensor_parallel_size: int = 1
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_target_mlp: bool = False
+    target_kv_tokens: int | None = None
+    block_size: int = VLLM_DEFAULT_BLOCK_SIZE
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class PlannerConstants:
+    """The reserve's fixed terms; override to calibrate against a measured engine."""
+
+    runtime_overhead_bytes: int = 1 * GIB
+    cuda_graph_bytes: int = 512 * MIB
+    nccl_bytes: int = 256 * MIB
+    activation_factor: float = 24.0
+
+
+DEFAULT_CONSTANTS = PlannerConstants()
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's answer for one instance; byte figures are per GPU unless named ``_total``."""
+
+    model: ModelArchitecture
+    engine: EngineSettings
+    dtype: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    parameters: int
+    weight_bytes_total: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_total: int
+    kv_tokens: int
+    kv_cache_bytes: int
+    lora_bytes: int
+    activation_bytes: int
+    runtime_overhead_bytes: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def non_kv_bytes(self) -> int:
+        """Everything but the KV cache: what is used before a single token is cached."""
+        return (
+            self.weight_bytes
+            + self.lora_bytes
+            + self.activation_bytes
+            + (self.runtime_overhead_bytes)
+        )
+
+    @property
+    def needed_bytes(self) -> int:
+        """GPU memory needed on each GPU of the instance."""
+        return self.non_kv_bytes + self.kv_cache_bytes
+
+    @property
+    def needed_gib(self) -> float:
+        """``needed_bytes`` in GiB."""
+        return self.needed_bytes / GIB
+
+    @property
+    def sequence_tokens(self) -> int:
+        """KV tokens one full-length sequence occupies (whole blocks)."""
+        return _round_up(self.max_model_len, self.engine.block_size)
+
+    def gpu_memory_utilization(self, gpu_total_bytes: int) -> float:
+        """The fraction to pass as ``--gpu-memory-utilization`` on a GPU of this total memory.
+
+        ``needed / total`` rounded up to 0.01. It may exceed 1.0: then it does not fit (``fits``).
+        """
+        if gpu_total_bytes <= 0:
+            raise ValueError("gpu_total_bytes must be positive")
+        # The small epsilon keeps an exact 0.37 from becoming 0.38 through float error.
+        return math.ceil(self.needed_bytes / gpu_total_bytes * 100 - 1e-9) / 100
+
+    def fits(self, gpu_total_bytes: int, max_utilization: float = 1.0) -> bool:
+        """Whether the instance fits on a GPU of this size within ``max_utilization``."""
+        return self.gpu_memory_utilization(gpu_total_bytes) <= max_utilization + 1e-9
+
+    def kv_budget_bytes(self, gpu_total_bytes: int, gpu_memory_utilization: float) -> int:
+        """Bytes left for the KV cache given a utilization on a GPU (what vLLM would allocate)."""
+        return max(0, int(gpu_total_bytes * gpu_memory_utilization) - self.non_kv_bytes)
+
+    def concurrent_sequences(self, gpu_total_bytes: int, gpu_memory_utilization: float) -> int:
+        """How many full-length (``max_model_len``) sequences the KV cache holds at once."""
+        tokens = self.kv_capacity_tokens(
+            self.kv_budget_bytes(gpu_total_bytes, gpu_memory_utilization)
+        )
+        return tokens // self.max_model_len
+
+    def kv_capacity_tokens(self, kv_cache_bytes: int, block_size: int | None = None) -> int:
+        """Tokens a KV cache of this many bytes (per GPU) holds, as vLLM counts them.
+
+        vLLM splits the cache into blocks of ``block_size`` tokens and reports
+        ``num_blocks / ceil(max_model_len / block_size) x max_model_len`` tokens, which is
+        ``num_blocks x block_size`` when ``max_model_len`` is a multiple of the block size. The CPU
+        engine sizes its cache as ``VLLM_CPU_KVCACHE_SPACE`` GiB with ``block_size`` 128.
+        """
+        block = block_size or self.engine.block_size
+        num_blocks = kv_cache_bytes // (block * self.kv_bytes_per_token)
+        blocks_per_request = math.ceil(self.max_model_len / block)
+        return int(num_blocks / blocks_per_request * self.max_model_len)
+
+    def explain(self, gpu_total_bytes: int | None = None) -> list[str]:
+        """Human-readable lines, for the admin page and the dry-run plan endpoint."""
+        m, e, tp = self.model, self.engine, self.tensor_parallel_size
+        quant = e.quantization or "none"
+        lines = [
+            f"Model: {m.num_layers} layers, hidden {m.hidden_size}, "
+            f"{m.num_attention_heads} heads / {m.num_kv_heads} KV heads, head_dim "
+            f"{m.resolved_head_dim}; served in {self.dtype}, quantization {quant}, TP {tp}.",
+            f"Weights: {self.parameters / 1e9:.2f} B parameters -> {gib(self.weight_bytes_total)}"
+            f" in total, {gib(self.weight_bytes)} per GPU.",
+            f"KV cache: 2 x {m.num_layers} layers x {math.ceil(m.num_kv_heads / tp)} KV heads/GPU"
+            f" x {m.resolved_head_dim} x {dtype_bytes(self.kv_cache_dtype):g} B "
+            f"({self.kv_cache_dtype}) = {self.kv_bytes_per_token:,} B per token per GPU.",
+        ]
+        if e.target_kv_tokens:
+            lines.append(
+                f"KV needed: target {self.kv_tokens:,} tokens -> {gib(self.kv_cache_bytes)}."
+            )
+        else:
+            lines.append(
+                f"KV needed: {e.max_num_seqs} seqs x {self.max_model_len:,} tokens "
+                f"= {self.kv_tokens:,} tokens -> {gib(self.kv_cache_bytes)}."
+            )
+        if e.enable_lora:
+            lines.append(
+                f"LoRA: {e.max_loras} slots of rank {e.max_lora_rank} -> {gib(self.lora_bytes)}."
+            )
+        lines.append(
+            f"Reserve: runtime {gib(self.runtime_overhead_bytes)} + activations for "
+            f"{self.max_num_batched_tokens:,} batched tokens {gib(self.activation_bytes)}."
+        )
+        lines.append(f"Needed per GPU: {gib(self.needed_bytes)}.")
+        if gpu_total_bytes:
+            util = self.gpu_memory_utilization(gpu_total_bytes)
+            if util <= 1.0:
+                seqs = self.concurrent_sequences(gpu_total_bytes, util)
+                lines.append(
+                    f"On a GPU of {gib(gpu_total_bytes)}: gpu_memory_utilization {util:.2f}, "
+                    f"{seqs} concurrent sequences of {self.max_model_len:,} tokens."
+                )
+            else:
+                lines.append(f"Does not fit on a GPU of {gib(gpu_total_bytes)} (needs {util:.2f}).")
+        lines.extend(self.notes)
+        return lines
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def resolve_dtype(model: ModelArchitecture, engine: EngineSettings) -> str:
+    """vLLM's ``--dtype auto``: the checkpoint's dtype, except float32 which is served in bf16."""
+    if engine.dtype != "auto":
+        return _normalise_dtype(engine.dtype)
+    config_dtype = _normalise_dtype(model.torch_dtype)
+    return "bfloat16" if config_dtype == "float32" else config_dtype
+
+
+def _weight_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str) -> tuple[int, int]:
+    """(parameters, loaded weight bytes for the whole model)."""
+    ckpt_quant = model.checkpoint_quantization
+    if ckpt_quant and ckpt_quant in QUANT_BYTES_PER_PARAM:
+        # Files hold quantized linears plus 16-bit embeddings; recover the parameter count.
+        embed = model.embedding_params
+        embed_bytes = embed * dtype_bytes(model.torch_dtype)
+        quantized = max(0, model.weight_bytes - embed_bytes) / QUANT_BYTES_PER_PARAM[ckpt_quant]
+        params = int(quantized + embed)
+    else:
+        params = int(model.weight_bytes / dtype_bytes(model.torch_dtype))
+
+    quant = engine.quantization
+    if quant is None:
+        if ckpt_quant:
+            return params, model.weight_bytes
+        return params, int(params * dtype_bytes(dtype))
+    if quant not in QUANT_BYTES_PER_PARAM:
+        raise ValueError(
+            f"unknown quantization {quant!r}; known: {', '.join(sorted(QUANT_BYTES_PER_PARAM))}"
+        )
+    if ckpt_quant == quant:
+        return params, model.weight_bytes
+    embed = min(model.embedding_params, params)
+    loaded = (params - embed) * QUANT_BYTES_PER_PARAM[quant] + embed * dtype_bytes(dtype)
+    return params, int(loaded)
+
+
+def _lora_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str) -> int:
+    if not engine.enable_lora:
+        return 0
+    h = model.hidden_size
+    q_out = model.num_attention_heads * model.resolved_head_dim
+    kv_out = model.num_kv_heads * model.resolved_head_dim
+    dims = [(h, q_out), (h, kv_out), (h, kv_out), (q_out, h)]
+    if engine.lora_target_mlp:
+        inter = model.resolved_intermediate_size
+        dims += [(h, inter), (h, inter), (inter, h)]
+    per_layer = sum(engine.max_lora_rank * (i + o) for i, o in dims) * dtype_bytes(dtype)
+    total = per_layer * model.num_layers * engine.max_loras
+    return int(math.ceil(total / engine.tensor_parallel_size))
+
+
+def plan_memory(
+    model: ModelArchitecture,
+    engine: EngineSettings,
+    constants: PlannerConstants = DEFAULT_CONSTANTS,
+) -> MemoryPlan:
+    """Compute the memory plan for one instance (per GPU of its TP group)."""
+    tp = engine.tensor_parallel_size
+    if tp < 1:
+        raise ValueError("tensor_parallel_size must be at least 1")
+    if engine.max_num_seqs < 1:
+        raise ValueError("max_num_seqs must be at least 1")
+    dtype = resolve_dtype(model, engine)
+    kv_dtype = dtype if engine.kv_cache_dtype == "auto" else _normalise_dtype(engine.kv_cache_dtype)
+    max_model_len = engine.max_model_len or model.max_position_embeddings
+    notes: list[str] = []
+    if max_model_len > model.max_position_embeddings:
+        notes.append(
+            f"Note: max_model_len {max_model_len:,} exceeds the model's "
+            f"max_position_embeddings {model.max_position_embeddings:,} (vLLM refuses this "
+            "without rope scaling)."
+        )
+    batched = engine.max_num_batched_tokens or VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    params, weights_total = _weight_bytes(model, engine, dtype)
+    weights = int(math.ceil(weights_total / tp))
+
+    head_dim = model.resolved_head_dim
+    kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
+    kv_per_token = int(2 * model.num_layers * kv_heads_per_gpu * head_dim * dtype_bytes(kv_dtype))
+    kv_per_token_total = kv_per_token * tp
+    if engine.target_kv_tokens is not None:
+        kv_tokens = _round_up(engine.target_kv_tokens, engine.block_size)
+    else:
+        kv_tokens = engine.max_num_seqs * _round_up(max_model_len, engine.block_size)
+    kv_cache = kv_tokens * kv_per_token
+
+    act_bytes = dtype_bytes(dtype)
+    activations = int(batched * model.hidden_size * constants.activation_factor * act_bytes)
+    activations += engine.max_num_seqs * model.vocab_size * 4
+    runtime = constants.runtime_overhead_bytes
+    if not engine.enforce_eager:
+        runtime += constants.cuda_graph_bytes
+    if tp > 1:
+        runtime += constants.nccl_bytes
+
+    return MemoryPlan(
+        model=model,
+        engine=engine,
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        tensor_parallel_size=tp,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched,
+        parameters=params,
+        weight_bytes_total=weights_total,
+        weight_bytes=weights,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes_per_token_total=kv_per_token_total,
+        kv_tokens=kv_tokens,
+        kv_cache_bytes=kv_cache,
+        lora_bytes=_lora_bytes(model, engine, dtype),
+        activation_bytes=activations,
+        runtime_overhead_bytes=runtime,
+        notes=tuple(notes),
+    )

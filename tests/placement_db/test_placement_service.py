@@ -1,0 +1,363 @@
+"""place_replicas, plan_deployment and dry_run against a PostgreSQL inventory.
+
+The inventories are declared (as a node agent with NODE_GPUS does) or recorded NVML output; no
+GPU is needed. Every refusal is checked to have created nothing.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
+from serving_app.placement import service
+from serving_app.placement.inventory import GIB
+from serving_app.placement.planner import plan_memory
+from tests.factories import make_base_model, make_deployment, make_tenant
+from tests.placement_db.placement_helpers import A100_80, make_node
+from tests.placement_db.test_placement_sync import a100_with_mig
+
+pytestmark = pytest.mark.django_db
+
+# A Qwen2-7B-like architecture: 28 layers, hidden 3584, 28 heads, 4 KV heads (head_dim 128).
+QWEN7B = {
+    "layers": 28,
+    "hidden": 3584,
+    "heads": 28,
+    "kv_heads": 4,
+    "intermediate": 18944,
+    "vocab": 152064,
+    "max_positions": 32768,
+}
+
+
+@pytest.fixture
+def qwen(tmp_path):
+    return make_base_model(tmp_path / "models", "qwen7b-like", **QWEN7B)
+
+
+@pytest.fixture
+def tenant():
+    return make_tenant("acme-ai")
+
+
+@pytest.fixture
+def cluster():
+    """2 nodes x 8 x 80 GiB, declared."""
+    return [make_node("node-a", A100_80), make_node("node-b", A100_80)]
+
+
+def deploy(base, tenant, **fields):
+    fields.setdefault("max_num_seqs", 32)
+    fields.setdefault("max_model_len", 8192)
+    return make_deployment(base, [tenant], **fields)
+
+
+# ------------------------------------------------------------------------------ memory plan
+
+
+def test_plan_deployment_matches_hand_computed_figures(qwen, tenant):
+    deployment = deploy(qwen, tenant)
+    plan = service.plan_deployment(deployment)
+
+    # The factory writes q, k, v, o and gate projections plus the embedding, in float32.
+    per_layer = 3584 * 3584 * 2 + 512 * 3584 * 2 + 18944 * 3584
+    params = 152064 * 3584 + 28 * per_layer
+    assert qwen.weight_bytes == params * 4
+    assert plan.dtype == "bfloat16"  # --dtype auto serves a float32 checkpoint in bf16
+    assert plan.parameters == params
+    assert plan.weight_bytes == params * 2
+    assert plan.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert plan.kv_tokens == 32 * 8192
+    assert plan.kv_cache_bytes == 14 * GIB
+    # launch.py always passes --enable-lora --max-loras 4 --max-lora-rank 16 (the defaults).
+    lora = 16 * (2 * (3584 + 3584) + 2 * (3584 + 512)) * 2 * 28 * 4
+    assert plan.lora_bytes == lora
+    assert plan.activation_bytes == 2048 * 3584 * 24 * 2 + 32 * 152064 * 4
+    runtime = GIB + 512 * 1024**2
+    assert plan.needed_bytes == params * 2 + 14 * GIB + lora + plan.activation_bytes + runtime
+    assert plan.needed_gib == pytest.approx(22.01, abs=0.01)
+    assert plan.gpu_memory_utilization(80 * GIB) == 0.28
+
+
+def test_plan_follows_tp_dtype_and_mlp_adapters(qwen, tenant, tmp_path):
+    tp2 = service.plan_deployment(deploy(qwen, tenant, tensor_parallel_size=2, dtype="float32"))
+    assert tp2.dtype == "float32"
+    assert tp2.kv_bytes_per_token == 2 * 28 * 2 * 128 * 4
+    assert tp2.weight_bytes == qwen.weight_bytes // 2
+
+    deployment = deploy(qwen, tenant)
+    adapter = LoraAdapter(tenant=tenant, base_model=qwen, target_modules=["q_proj", "down_proj"])
+    settings = service.engine_settings(deployment, [adapter])
+    assert settings.lora_target_mlp and settings.enable_lora
+
+
+def test_unknown_architecture_is_a_planning_error(qwen, tenant):
+    deployment = deploy(qwen, tenant)
+    qwen.num_layers = 0
+    with pytest.raises(service.PlanningError, match="architecture is unknown"):
+        service.plan_deployment(deployment)
+
+
+# ------------------------------------------------------------------------------ placing
+
+
+def test_replicas_land_on_separate_gpus_with_their_fraction(qwen, tenant, cluster):
+    deployment = deploy(qwen, tenant)
+    deployment.placement_error = "old reason"
+    Deployment.objects.filter(pk=deployment.pk).update(placement_error="old reason")
+
+    instances, reason = service.place_replicas(deployment, [0, 1, 2])
+
+    assert reason == ""
+    assert [i.ordinal for i in instances] == [0, 1, 2]
+    gpus = [list(i.gpus.all()) for i in instances]
+    assert all(len(g) == 1 for g in gpus)
+    assert len({g[0].pk for g in gpus}) == 3
+    need = service.plan_deployment(deployment).gpu_memory_utilization(80 * GIB)
+    for instance in instances:
+        instance.refresh_from_db()
+        assert instance.gpu_memory_fraction == need
+        assert instance.generation == deployment.generation
+        assert instance.node.name in ("node-a", "node-b")
+        assert instance.environment == {}  # declared GPUs: no CUDA_VISIBLE_DEVICES
+    deployment.refresh_from_db()
+    assert deployment.placement_error == ""
+
+
+def test_new_replicas_respect_existing_allocations(qwen, tenant, cluster):
+    first = deploy(qwen, tenant)
+    service.place_replicas(first, [0])
+    second = deploy(qwen, tenant, max_num_seqs=64)  # ~0.43 of a GPU
+    (instance,), _ = service.place_replicas(second, [0])
+    # Bin-packing puts it beside the first deployment's instance.
+    assert list(instance.gpus.all()) == list(first.instances.get().gpus.all())
+
+    view = {(g["node"], g["index"]): g for g in service.allocation()}
+    gpu = instance.gpus.get()
+    row = view[(gpu.node.name, gpu.index)]
+    assert {d["name"] for d in row["by_deployment"]} == {first.name, second.name}
+    assert row["by_tenant"] == [
+        {"id": tenant.pk, "slug": tenant.slug, "reserved_bytes": row["reserved_bytes"]}
+    ]
+    total = row["memory_total_bytes"]
+    assert row["free_bytes"] == pytest.approx(row["free_fraction"] * total, rel=1e-3)
+
+
+def test_a_full_cluster_refuses_whole_and_creates_nothing(qwen, tenant, cluster):
+    filler = deploy(qwen, tenant, isolation_mode="dedicated", replicas=16)
+    placed, reason = service.place_replicas(filler, list(range(16)))
+    assert reason == "" and len(placed) == 16
+    assert Gpu.objects.filter(instances__isnull=False).distinct().count() == 16
+
+    late = deploy(qwen, tenant)
+    instances, reason = service.place_replicas(late, [0, 1])
+    assert instances == []
+    assert "no GPU has free memory" in reason
+    late.refresh_from_db()
+    assert late.placement_error == reason
+    assert not late.instances.exists()
+
+
+def test_the_last_replica_that_does_not_fit_places_none(qwen, tenant, cluster):
+    deployment = deploy(qwen, tenant, isolation_mode="dedicated")
+    before = Instance.objects.count()
+    instances, reason = service.place_replicas(deployment, list(range(17)))
+    assert instances == []
+    assert reason.startswith("replica 17 of 17: needs an empty GPU")
+    assert Instance.objects.count() == before
+
+
+def test_refusal_names_the_largest_free_slot(qwen, tenant):
+    make_node("node-a", "2xNVIDIA A100-SXM4-80GB:80GiB")
+    blocker = deploy(qwen, tenant, max_num_seqs=90)  # 47.4 GiB: 0.60 of each GPU
+    assert service.place_replicas(blocker, [0, 1])[1] == ""
+    big = deploy(qwen, tenant, max_num_seqs=48)  # 29.0 GiB: 0.37 > the 0.30 left
+    instances, reason = service.place_replicas(big, [0])
+    assert instances == []
+    assert reason == "needs 29.0 GiB; the largest free slot is 24.0 GiB on node-a GPU 0"
+
+
+def test_quota_refusal_counts_what_the_tenant_already_holds(qwen, cluster):
+    tenant = make_tenant("quota", gpu_memory_quota_gib=Decimal("40"))
+    first = deploy(qwen, tenant)  # 22.0 GiB needed: 22.4 GiB reserved at 0.28 of 80 GiB
+    assert service.place_replicas(first, [0])[1] == ""
+    second = deploy(qwen, tenant)
+    instances, reason = service.place_replicas(second, [0])
+    assert instances == []
+    assert reason == (
+        "tenant GPU memory quota is 40.0 GiB; it already uses 22.4 GiB and this deployment "
+        "needs 22.0 GiB more"
+    )
+    second.refresh_from_db()
+    assert second.placement_error == reason
+
+
+def test_quota_is_charged_to_the_first_tenant_by_pk(qwen, cluster):
+    first = make_tenant("first", gpu_memory_quota_gib=Decimal("10"))
+    second = make_tenant("second")
+    deployment = make_deployment(qwen, [second, first], max_num_seqs=32, max_model_len=8192)
+    assert service.quota_tenant(deployment) == first
+    _, reason = service.place_replicas(deployment, [0])
+    assert reason.startswith("tenant GPU memory quota is 10.0 GiB")
+
+
+def test_tensor_parallel_group_stays_on_one_node(qwen, tenant, cluster):
+    deployment = deploy(qwen, tenant, tensor_parallel_size=4)
+    (instance,), reason = service.place_replicas(deployment, [0])
+    assert reason == ""
+    gpus = list(instance.gpus.all())
+    assert len(gpus) == 4 and len({g.node_id for g in gpus}) == 1
+
+
+def test_tp_wider_than_a_node_is_refused(tmp_path, tenant, cluster):
+    base = make_base_model(tmp_path, "wide", layers=2, hidden=4096, heads=32, kv_heads=8)
+    deployment = deploy(base, tenant, tensor_parallel_size=16, max_model_len=2048)
+    instances, reason = service.place_replicas(deployment, [0])
+    assert instances == []
+    assert reason == (
+        "needs 16 GPUs on one node for tensor parallelism; the most on a ready node is 8"
+    )
+
+
+def test_kv_heads_that_do_not_split_over_tp_are_refused(tmp_path, tenant, cluster):
+    base = make_base_model(tmp_path, "odd-kv", layers=2, hidden=3072, heads=24, kv_heads=6)
+    deployment = deploy(base, tenant, tensor_parallel_size=4, max_model_len=2048)
+    instances, reason = service.place_replicas(deployment, [0])
+    assert instances == []
+    assert reason == "6 KV heads do not split evenly over tensor_parallel_size 4"
+
+
+def test_cordoned_and_lost_nodes_take_nothing(qwen, tenant):
+    make_node("cordoned", "1x80GiB", cordoned=True)
+    make_node("lost", "1x80GiB", last_heartbeat=None)
+    instances, reason = service.place_replicas(deploy(qwen, tenant), [0])
+    assert instances == []
+    assert reason == "no node is ready (all are not ready or lost)"
+
+
+def test_mig_isolation_gets_a_free_mig_device(qwen, tenant):
+    node = make_node("mig")
+    from serving_app.placement.sync import store_inventory
+
+    store_inventory(node, [a100_with_mig()], "nvml")
+    deployment = deploy(qwen, tenant, isolation_mode="mig")
+    (instance,), reason = service.place_replicas(deployment, [0])
+    assert reason == ""
+    (gpu,) = instance.gpus.all()
+    assert gpu.uuid == "MIG-bbbb" and gpu.parent is not None
+    assert instance.environment == {"CUDA_VISIBLE_DEVICES": "MIG-bbbb"}
+    # The only free MIG device is now taken.
+    _, reason = service.place_replicas(deploy(qwen, tenant, isolation_mode="mig"), [0])
+    assert reason == "needs 22.0 GiB on a MIG device; no MIG device is free"
+
+
+def test_mps_sets_thread_percentage_and_memory_limit(qwen, tenant):
+    node = make_node("mps")
+    from tests.placement_db.placement_helpers import h200_gpus, store
+
+    store(node, h200_gpus("h200_nvml_idle.json"))
+    deployment = deploy(qwen, tenant, isolation_mode="mps", mps_thread_percentage=30)
+    (instance,), _ = service.place_replicas(deployment, [0])
+    env = instance.environment
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-4e1159e8-f3d6-41be-8b16-6125942d04c8"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].startswith("0=")
+
+
+def test_place_instance_places_an_existing_row(qwen, tenant, cluster):
+    """The reconciler's path: it creates the row, then asks for a node."""
+    deployment = deploy(qwen, tenant)
+    instance = Instance.objects.create(deployment=deployment, ordinal=0)
+    node = service.place_instance(deployment, instance)
+    instance.refresh_from_db()
+    assert node is not None and instance.node == node
+    assert instance.gpus.count() == 1 and instance.gpu_memory_fraction == 0.28
+
+
+# ------------------------------------------------------------------------------ CPU hosts
+
+
+def test_cpu_hosts_take_max_instances_each_fewest_first(qwen, tenant):
+    make_node("cpu-a", max_instances=1)
+    make_node("cpu-b", max_instances=2)
+    deployment = deploy(qwen, tenant)
+    instances, reason = service.place_replicas(deployment, [0, 1])
+    assert reason == ""
+    assert sorted(i.node.name for i in instances) == ["cpu-a", "cpu-b"]
+    assert all(i.gpu_memory_fraction is None and not i.gpus.exists() for i in instances)
+
+    instances, reason = service.place_replicas(deploy(qwen, tenant), [0, 1])
+    assert instances == []
+    assert reason == (
+        "2 instances do not fit on the online nodes: cpu-a runs 1 of 1, cpu-b runs 1 of 2"
+    )
+
+    (instance,), _ = service.place_replicas(deploy(qwen, tenant), [0])
+    assert instance.node.name == "cpu-b"
+    instance_row = Instance.objects.create(deployment=deployment, ordinal=5)
+    assert service.place_instance(deployment, instance_row) is None
+    instance_row.refresh_from_db()
+    assert instance_row.last_error == (
+        "Every online node is full: cpu-a runs 1 of 1, cpu-b runs 2 of 2"
+    )
+
+
+def test_no_online_agent_is_said_so(qwen, tenant):
+    make_node("cpu-a", last_heartbeat=None)
+    _, reason = service.place_replicas(deploy(qwen, tenant), [0])
+    assert reason.startswith("No node agent is online")
+
+
+def test_cpu_hosts_are_not_used_once_a_gpu_node_is_registered(qwen, tenant):
+    make_node("cpu-a")
+    make_node("gpu-a", "1x80GiB", cordoned=True)
+    instances, reason = service.place_replicas(deploy(qwen, tenant), [0])
+    assert instances == []
+    assert reason == "no node is ready (all are not ready or lost)"
+
+
+# ------------------------------------------------------------------------------ dry run
+
+
+def test_dry_run_says_where_replicas_would_go_and_writes_nothing(qwen, tenant, cluster):
+    deployment = deploy(qwen, tenant, replicas=2)
+    plan = service.dry_run(deployment)
+    assert plan["ok"] and plan["target"] == "gpu" and plan["reason"] is None
+    assert [p["replica"] for p in plan["placements"]] == [0, 1]
+    assert plan["placements"][0]["gpu_memory_utilization"] == 0.28
+    assert plan["placements"][0]["concurrent_sequences"] >= 32
+    expected = plan_memory(
+        service.model_architecture(qwen), service.engine_settings(deployment)
+    ).needed_bytes
+    assert plan["memory"]["needed_bytes"] == expected
+    assert any(line.startswith("Needed per GPU:") for line in plan["explain"])
+    assert any("gpu_memory_utilization 0.28" in line for line in plan["explain"])
+    assert not Instance.objects.exists()
+
+
+def test_dry_run_ignores_the_deployments_own_instances(qwen, tenant, cluster):
+    deployment = deploy(qwen, tenant, isolation_mode="dedicated", replicas=16)
+    service.place_replicas(deployment, list(range(16)))
+    plan = service.dry_run(deployment)
+    assert plan["ok"] and len(plan["placements"]) == 16
+    assert len(plan["current"]) == 16
+
+
+def test_dry_run_of_a_deployment_that_cannot_fit(qwen, tenant):
+    make_node("small", "1xNVIDIA L4:24GiB")
+    plan = service.dry_run(deploy(qwen, tenant, max_num_seqs=64))
+    assert not plan["ok"] and plan["placements"] == []
+    assert plan["reason"].startswith("needs ") and "on small GPU 0" in plan["reason"]
+    assert any(line.startswith("Does not fit on a GPU of 24.00 GiB") for line in plan["explain"])
+
+
+def test_dry_run_on_cpu_hosts_gives_the_cpu_kv_capacity(qwen, tenant, settings):
+    settings.ENGINE_CPU_KVCACHE_GIB = 1
+    make_node("cpu-a")
+    plan = service.dry_run(deploy(qwen, tenant))
+    assert plan["ok"] and plan["target"] == "cpu"
+    # 1 GiB / (57,344 B x 128-token blocks) = 146 blocks; vLLM counts 146 / 64 x 8192 tokens.
+    assert plan["placements"][0]["cpu_kv_cache_tokens"] == 18_688
+    assert "ENGINE_CPU_KVCACHE_GIB" in plan["explain"][-1]

@@ -1,0 +1,187 @@
+"""Reconciler decisions, checked without workers: `_dispatch` is replaced by a recorder (the real
+queues are exercised end to end in tests/engine)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from serving_app import reconcile
+from serving_app.models import Deployment, Instance, Node
+from tests.factories import make_deployment, make_tenant
+
+pytestmark = pytest.mark.django_db
+State = Instance.State
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(reconcile, "_dispatch", lambda task, inst: calls.append((task, inst.pk)))
+    return calls
+
+
+@pytest.fixture
+def node():
+    return Node.objects.create(name="cpu-a", queue="node.cpu-a", last_heartbeat=timezone.now(),
+                               max_instances=3)
+
+
+@pytest.fixture
+def deployment(base_model):
+    return make_deployment(base_model, [make_tenant("acme")], name="chat",
+                           desired_state=Deployment.DesiredState.RUNNING, replicas=2)
+
+
+def active(deployment):
+    return list(deployment.instances.exclude(state=State.STOPPED).order_by("ordinal"))
+
+
+def test_missing_replicas_are_placed_and_started(sent, node, deployment):
+    counts = reconcile.reconcile_deployment(deployment.pk)
+    instances = active(deployment)
+    assert counts["started"] == 2
+    assert [(i.ordinal, i.node_id, i.state) for i in instances] == [
+        (0, node.pk, State.PENDING), (1, node.pk, State.PENDING)]
+    assert sorted(sent) == sorted(("start_instance", i.pk) for i in instances)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == [] and len(active(deployment)) == 2  # converged: nothing more to do
+
+
+def test_nothing_is_half_placed_when_capacity_is_short(sent, node, deployment):
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=5)
+    reconcile.reconcile_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    assert active(deployment) == [] and sent == []
+    assert deployment.placement_error
+
+
+def test_no_node_online_is_explained(sent, deployment):
+    Node.objects.create(name="gone", queue="node.gone",
+                        last_heartbeat=timezone.now() - timedelta(minutes=5))
+    reconcile.reconcile_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    assert "no node" in deployment.placement_error.lower()
+
+
+def test_lost_and_cordoned_nodes_get_no_instances(sent, node, deployment):
+    Node.objects.create(name="stale", queue="node.stale", max_instances=9,
+                        last_heartbeat=timezone.now() - timedelta(minutes=5))
+    Node.objects.create(name="cordoned", queue="node.cordoned", cordoned=True, max_instances=9,
+                        last_heartbeat=timezone.now())
+    reconcile.reconcile_deployment(deployment.pk)
+    assert [i.node.name for i in active(deployment)] == ["cpu-a", "cpu-a"]
+
+
+def test_scale_down_stops_the_highest_ordinals(sent, node, deployment):
+    reconcile.reconcile_deployment(deployment.pk)
+    Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=12345)
+    deployment.scale_to(1)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    states = {i.ordinal: i.state for i in deployment.instances.all()}
+    assert states == {0: State.READY, 1: State.STOPPING}
+    assert [task for task, _ in sent] == ["stop_instance"]
+
+
+def test_stop_stops_everything_and_pending_without_process_stops_at_once(sent, node,
+                                                                          deployment):
+    reconcile.reconcile_deployment(deployment.pk)
+    first, second = active(deployment)
+    Instance.objects.filter(pk=first.pk).update(state=State.READY, pid=4242)
+    deployment.set_desired_state(Deployment.DesiredState.STOPPED)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert Instance.objects.get(pk=first.pk).state == State.STOPPING
+    assert Instance.objects.get(pk=second.pk).state == State.STOPPED
+    assert sent == [("stop_instance", first.pk)]
+
+
+def test_restart_replaces_instances_of_the_old_generation(sent, node, deployment):
+    reconcile.reconcile_deployment(deployment.pk)
+    Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=1)
+    deployment.request_restart()
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    old = deployment.instances.filter(generation=0)
+    assert {i.state for i in old} == {State.STOPPING}
+    # New ones come once the old have stopped and freed their slots.
+    old.update(state=State.STOPPED)
+    reconcile.reconcile_deployment(deployment.pk)
+    new = deployment.instances.filter(generation=1)
+    assert new.count() == 2 and {i.state for i in new} == {State.PENDING}
+
+
+def test_failed_instance_restarts_after_exponential_backoff(sent, node, deployment, settings):
+    settings.RESTART_BACKOFF_SECONDS = 2
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconcile.reconcile_deployment(deployment.pk)
+    [instance] = active(deployment)
+    history = [(timezone.now() - timedelta(seconds=s)).isoformat() for s in (30, 20)]
+    Instance.objects.filter(pk=instance.pk).update(state=State.FAILED, restart_history=history)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    instance.refresh_from_db()
+    assert instance.state == State.FAILED and sent == []
+    wait = (instance.next_restart_at - timezone.now()).total_seconds()
+    assert 7 < wait <= 8  # 2 s x 2^2 for the third restart in the window
+    Instance.objects.filter(pk=instance.pk).update(next_restart_at=timezone.now())
+    reconcile.reconcile_deployment(deployment.pk)
+    instance.refresh_from_db()
+    assert (instance.state, instance.restarts, len(instance.restart_history)) == (
+        State.PENDING, 1, 3)
+    assert sent == [("start_instance", instance.pk)]
+
+
+def test_backoff_is_capped_at_five_minutes(settings):
+    settings.RESTART_BACKOFF_SECONDS = 2
+    settings.RESTART_BACKOFF_MAX_SECONDS = 300
+    assert [reconcile.backoff_seconds(n) for n in (0, 1, 2, 7, 8, 20)] == [2, 4, 8, 256, 300, 300]
+
+
+def test_too_many_restarts_in_the_window_is_a_crash_loop(sent, node, deployment, settings):
+    settings.CRASH_LOOP_RESTARTS = 3
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconcile.reconcile_deployment(deployment.pk)
+    [instance] = active(deployment)
+    recent = [(timezone.now() - timedelta(seconds=s)).isoformat() for s in (50, 40, 30)]
+    Instance.objects.filter(pk=instance.pk).update(
+        state=State.FAILED, restart_history=recent, last_error="The engine exited (code 1).")
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    instance.refresh_from_db()
+    assert instance.state == State.CRASH_LOOP
+    assert "3 restarts" in instance.last_error and "exited (code 1)" in instance.last_error
+    assert sent == []
+
+
+def test_old_restarts_outside_the_window_do_not_count(sent, node, deployment, settings):
+    settings.CRASH_LOOP_RESTARTS = 2
+    settings.RESTART_BACKOFF_SECONDS = 0
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconcile.reconcile_deployment(deployment.pk)
+    [instance] = active(deployment)
+    old = [(timezone.now() - timedelta(hours=s)).isoformat() for s in (3, 2)]
+    Instance.objects.filter(pk=instance.pk).update(state=State.FAILED, restart_history=old)
+    reconcile.reconcile_deployment(deployment.pk)
+    assert Instance.objects.get(pk=instance.pk).state == State.PENDING
+
+
+def test_adapter_changes_ask_ready_instances_to_sync(sent, node, deployment, tmp_path):
+    from tests.factories import make_adapter
+
+    reconcile.reconcile_deployment(deployment.pk)
+    Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=1)
+    adapter = make_adapter(deployment.tenants.get(), deployment.base_model, tmp_path)
+    deployment.adapters.add(adapter)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sorted(task for task, _ in sent) == ["sync_adapters", "sync_adapters"]
+    Instance.objects.filter(deployment=deployment).update(adapter_errors={
+        adapter.engine_name: "HTTP 400"})
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == []  # a failed load is not retried every round
