@@ -12,7 +12,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from console.env import env_bool, env_float, env_int, env_list, env_str
+from console.env import env_bool, env_choice, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONSOLE_VAR_DIR", str(BASE_DIR / "var")))
@@ -156,10 +156,19 @@ ENGINE_PORT_RANGE = (
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engine-logs")))
 ENGINE_START_TIMEOUT_SECONDS = env_float("ENGINE_START_TIMEOUT_SECONDS", 180.0, minimum=1.0)
 ENGINE_STOP_GRACE_SECONDS = env_float("ENGINE_STOP_GRACE_SECONDS", 10.0, minimum=0.0)
-ENGINE_CPU_KVCACHE_GIB = env_float("ENGINE_CPU_KVCACHE_GIB", 0.25, minimum=0.01)
-NODE_HEARTBEAT_SECONDS = env_float("NODE_HEARTBEAT_SECONDS", 5.0, minimum=0.5)
+ENGINE_CPU_KVCACHE_GIB = env_int("ENGINE_CPU_KVCACHE_GIB", 1, minimum=1)
+ENGINE_SUPERVISE_SECONDS = env_float("ENGINE_SUPERVISE_SECONDS", 2.0, minimum=0.1)
+ENGINE_HEALTH_FAILURES = env_int("ENGINE_HEALTH_FAILURES", 3, minimum=1)
+RESTART_BACKOFF_SECONDS = env_float("RESTART_BACKOFF_SECONDS", 2.0, minimum=0.0)
+RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)
+CRASH_LOOP_RESTARTS = env_int("CRASH_LOOP_RESTARTS", 5, minimum=1)
+CRASH_LOOP_WINDOW_SECONDS = env_float("CRASH_LOOP_WINDOW_SECONDS", 600.0, minimum=1.0)
+NODE_HEARTBEAT_SECONDS = env_float("NODE_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
+NODE_INVENTORY_SECONDS = env_float("NODE_INVENTORY_SECONDS", 60.0, minimum=1.0)
 NODE_LOST_AFTER_SECONDS = env_float("NODE_LOST_AFTER_SECONDS", 30.0, minimum=1.0)
 PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
+PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))
+GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)
 
 LOGGING = {
     "version": 1,
@@ -168,3 +177,41 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
 }
+
+# --- Gateway ---
+# The OpenAI-compatible endpoint under /v1/ (serving_app.gateway); docs/gateway.md explains each.
+from console.env import env_choice  # noqa: E402
+
+# Redis holding the gateway's limits, leases, usage stream and cache invalidation channel.
+GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", REDIS_URL)
+# When Redis cannot be reached: "closed" answers 503 (limits and budgets cannot be enforced);
+# "open" serves requests without limits and keeps their usage events in memory until it returns.
+GATEWAY_REDIS_FAILURE_POLICY = env_choice(
+    "GATEWAY_REDIS_FAILURE_POLICY", "closed", ("closed", "open")
+)
+# How long a request-path Redis call may take before Redis counts as unreachable.
+GATEWAY_REDIS_TIMEOUT_SECONDS = env_float("GATEWAY_REDIS_TIMEOUT_SECONDS", 1.0, minimum=0.01)
+# Largest request body accepted (bytes); larger ones get 413 without reaching an engine.
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024)
+# How long a worker trusts a cached key before re-reading it in the background. Revocations and
+# tenant changes arrive sooner, through Redis pub/sub; this bounds a missed message.
+GATEWAY_KEY_CACHE_SECONDS = env_float("GATEWAY_KEY_CACHE_SECONDS", 60.0, minimum=0.0)
+# How long an unknown or unusable key is remembered (spares the database from bad-key floods).
+GATEWAY_NEGATIVE_KEY_CACHE_SECONDS = env_float(
+    "GATEWAY_NEGATIVE_KEY_CACHE_SECONDS", 5.0, minimum=0.0
+)
+# How often each worker re-reads tenants, deployments, adapters and ready instances.
+GATEWAY_CATALOG_REFRESH_SECONDS = env_float("GATEWAY_CATALOG_REFRESH_SECONDS", 2.0, minimum=0.1)
+# Upstream (engine) timeouts: connecting, and the whole request including a stream.
+GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_float(
+    "GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 5.0, minimum=0.1
+)
+GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env_float("GATEWAY_UPSTREAM_TIMEOUT_SECONDS", 600.0, minimum=1.0)
+# Other instances tried after a connection failure or a 503 before the first byte.
+GATEWAY_UPSTREAM_RETRIES = env_int("GATEWAY_UPSTREAM_RETRIES", 2, minimum=0)
+# Usage events: the Redis stream, its consumer group, and the writer's batch size.
+GATEWAY_USAGE_STREAM = env_str("GATEWAY_USAGE_STREAM", "gw:usage")
+GATEWAY_USAGE_GROUP = env_str("GATEWAY_USAGE_GROUP", "usage-writer")
+GATEWAY_USAGE_BATCH_SIZE = env_int("GATEWAY_USAGE_BATCH_SIZE", 500, minimum=1)
+# Events a worker keeps in memory while Redis is unreachable (the oldest are dropped beyond it).
+GATEWAY_EVENT_BUFFER_MAX = env_int("GATEWAY_EVENT_BUFFER_MAX", 100_000, minimum=100)
