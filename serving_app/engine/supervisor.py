@@ -18,6 +18,7 @@ from pathlib import Path
 # Children this agent process launched, so their exit codes can be reaped (a zombie would look
 # alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
 _children: dict[int, subprocess.Popen] = {}
+_exit_codes: dict[int, int] = {}
 
 
 @dataclass
@@ -57,7 +58,7 @@ def exit_code(pid: int) -> int | None:
     """The exit code of a child that ended, None while it runs or if it is not our child."""
     process = _children.get(pid)
     if process is None:
-        return None
+        return _exit_codes.get(pid)
     return process.poll()
 
 
@@ -155,6 +156,7 @@ def stop(pid: int, grace_seconds: float) -> str:
 def _reap(pid: int) -> None:
     process = _children.get(pid)
     if process is not None and process.poll() is not None:
+        _exit_codes[pid] = process.returncode
         _children.pop(pid, None)
 
 

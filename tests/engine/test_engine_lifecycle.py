@@ -82,8 +82,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     # Ready, and serving the base model and each adapter.
     [instance] = wait_for(lambda: ready_instances(deployment["id"]), START_TIMEOUT, "ready")
     seen_pids = {instance.pid}
-    assert instance.loaded_adapters == ["acme--billing", "acme--support"] or sorted(
-        instance.loaded_adapters) == ["acme--billing", "acme--support"]
+    assert sorted(instance.loaded_adapters) == ["acme--billing", "acme--support"]
     outputs = {model: complete(instance, model)["choices"][0]["text"]
                for model in ("tiny-llama", "acme--support", "acme--billing")}
     assert len(set(outputs.values())) == 3, outputs  # adapters visibly change the output
@@ -124,7 +123,6 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
                                                          restarts=1).first(),
                          START_TIMEOUT, "ready again")
     assert restarted.pid != instance.pid
-    assert "exited" in Instance.objects.get(pk=instance.pk).last_error or True
     seen_pids.add(restarted.pid)
     assert complete(restarted, "acme--legal")["choices"][0]["text"]
 
@@ -139,13 +137,14 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
         state=State.STOPPED).count() == 1
     assert complete(adopted, "tiny-llama")["choices"][0]["text"]
 
-    # Scale to two instances.
+    # Scale to two instances; a second node agent on this machine, with its own queue, takes one.
+    cluster.start_agent("cpu-b")
     response = client.post(f"/api/v1/deployments/{deployment['id']}/scale/", {"replicas": 2},
                            format="json")
     assert response.status_code == 200
     two = wait_for(lambda: len(ready_instances(deployment["id"])) == 2
                    and ready_instances(deployment["id"]), START_TIMEOUT, "two ready instances")
-    assert len({i.port for i in two}) == 2
+    assert {i.node.name for i in two} == {"cpu-a", "cpu-b"}
     seen_pids.update(i.pid for i in two)
     ports = {i.port for i in two}
     for each in two:

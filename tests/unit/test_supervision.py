@@ -1,0 +1,135 @@
+"""Supervision against real processes and a real HTTP endpoint standing in for an engine's
+/health (a plain `sleep` process plays the engine, so no vLLM is needed here)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from serving_app.engine import agent, supervisor
+from serving_app.models import Instance, Node
+from tests.factories import make_deployment, make_tenant
+
+pytestmark = pytest.mark.django_db
+State = Instance.State
+
+
+class Health(BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    handler = type("H", (Health,), {"status": 200})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, handler
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def config():
+    return agent.AgentConfig(name="cpu-t", address="127.0.0.1", engine_env="", gpus="")
+
+
+def fake_engine(tmp_path: Path, secret: str, port: int) -> supervisor.Launched:
+    # The secret and port appear in its command line, like a real engine's --api-key/--port.
+    return supervisor.launch(
+        [sys.executable, "-c", "import time; time.sleep(600)", "--api-key", secret,
+         "--port", str(port)], {}, tmp_path / "engine.log")
+
+
+@pytest.fixture
+def ready_instance(tmp_path, base_model, health_server, config):
+    server, _ = health_server
+    node = Node.objects.create(name=config.name, queue=config.queue, last_heartbeat=timezone.now())
+    deployment = make_deployment(base_model, [make_tenant("acme")], name="sup")
+    instance = Instance.objects.create(deployment=deployment, node=node, state=State.READY,
+                                       port=server.server_address[1])
+    launched = fake_engine(tmp_path, instance.secret, instance.port)
+    Instance.objects.filter(pk=instance.pk).update(pid=launched.pid, log_path=launched.log_path)
+    yield Instance.objects.get(pk=instance.pk)
+    supervisor.stop(launched.pid, 1)
+
+
+def test_failed_health_checks_make_it_unhealthy_then_failed(ready_instance, health_server,
+                                                            config, settings):
+    settings.ENGINE_HEALTH_FAILURES = 3
+    _, handler = health_server
+    handler.status = 503
+    agent.supervise_once(config)
+    agent.supervise_once(config)
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert (instance.state, instance.health_failures) == (State.UNHEALTHY, 2)
+    handler.status = 200
+    agent.supervise_once(config)
+    assert Instance.objects.get(pk=ready_instance.pk).state == State.READY
+    handler.status = 503
+    for _ in range(3):
+        agent.supervise_once(config)
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.state == State.FAILED
+    assert "failed 3 health checks" in instance.last_error
+    assert not supervisor.is_alive(ready_instance.pid)  # the hung engine was killed
+
+
+def test_a_dead_process_is_a_failure_with_its_exit_code(ready_instance, config):
+    supervisor.stop(ready_instance.pid, 1)
+    agent.supervise_once(config)
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.state == State.FAILED
+    assert "exited" in instance.last_error and instance.exit_code == -15
+
+
+def test_adoption_keeps_a_live_engine_and_fails_a_missing_one(ready_instance, config, tmp_path):
+    gone = Instance.objects.create(deployment=ready_instance.deployment, node=ready_instance.node,
+                                   ordinal=1, state=State.READY, pid=999_999, port=1)
+    # A process with a recycled pid but another secret is not ours either.
+    impostor = supervisor.launch([sys.executable, "-c", "import time; time.sleep(600)"], {},
+                                 tmp_path / "other.log")
+    stolen = Instance.objects.create(deployment=ready_instance.deployment, ordinal=2,
+                                     node=ready_instance.node, state=State.READY,
+                                     pid=impostor.pid, port=2)
+    try:
+        counts = agent.adopt(config)
+        assert counts == {"adopted": 1, "lost": 2, "stopped": 0}
+        assert Instance.objects.get(pk=ready_instance.pk).pid == ready_instance.pid
+        assert Instance.objects.get(pk=gone.pk).state == State.FAILED
+        assert Instance.objects.get(pk=stolen.pk).state == State.FAILED
+        assert supervisor.is_alive(impostor.pid)  # never kill what is not ours
+    finally:
+        supervisor.stop(impostor.pid, 1)
+
+
+def test_stop_terminates_the_process_group_and_records_stopped(ready_instance, config):
+    Instance.objects.filter(pk=ready_instance.pk).update(port=None)
+    assert agent.stop_instance(ready_instance.pk, config) == "terminated"
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert (instance.state, instance.pid, instance.port) == (State.STOPPED, None, None)
+    assert not supervisor.is_alive(ready_instance.pid)
+    assert agent.stop_instance(ready_instance.pk, config) == "already stopped"
+
+
+def test_tasks_for_another_node_are_ignored(ready_instance):
+    other = agent.AgentConfig(name="elsewhere", address="127.0.0.1", engine_env="", gpus="")
+    assert agent.stop_instance(ready_instance.pk, other) == "not-mine"
+    assert agent.start_instance(ready_instance.pk, other) == "not-mine"
+    assert Instance.objects.get(pk=ready_instance.pk).state == State.READY
+
+
+def test_start_is_skipped_unless_pending(ready_instance, config):
+    assert agent.start_instance(ready_instance.pk, config).startswith("skipped")
