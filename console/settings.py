@@ -81,6 +81,14 @@ def _database() -> dict:
         raise ImproperlyConfigured(f"DATABASE_URL is not a valid database URL: {exc}") from exc
     # Every API request is one transaction: a failed write leaves nothing half-written.
     config["ATOMIC_REQUESTS"] = True
+    if config["ENGINE"] == "django.db.backends.sqlite3":
+        # The embedded default is shared by the console, workers and the usage writer: WAL lets
+        # readers run beside a writer, IMMEDIATE transactions queue writers instead of failing.
+        config["OPTIONS"] = {
+            "timeout": 30,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
     return config
 
 
@@ -176,6 +184,8 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    # Health checks poll engines several times a second: one INFO line each is noise.
+    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
 }
 
 # --- Gateway ---
