@@ -30,6 +30,7 @@ from serving_app.models import Gpu, Instance, LoraAdapter, Node
 log = logging.getLogger(__name__)
 State = Instance.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
+LOG_TAIL_SECONDS = 5.0
 
 
 @dataclass
@@ -388,6 +389,25 @@ def supervise_once(config: AgentConfig) -> None:
 
 
 _watching: set[int] = set()
+_log_sizes: dict[int, int] = {}
+
+
+def refresh_log_tails(config: AgentConfig) -> int:
+    """Copy the tail of each running engine's log to its instance when the log has grown."""
+    updated = 0
+    for pk, path in Instance.objects.filter(
+        node__name=config.name, state__in=RUNNING_STATES
+    ).exclude(log_path="").values_list("pk", "log_path"):
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            continue
+        if _log_sizes.get(pk) == size:
+            continue
+        _log_sizes[pk] = size
+        Instance.objects.filter(pk=pk).update(log_tail=supervisor.log_tail(path))
+        updated += 1
+    return updated
 
 
 class AgentLoop(threading.Thread):
@@ -400,6 +420,7 @@ class AgentLoop(threading.Thread):
 
     def run(self) -> None:
         last_heartbeat = 0.0
+        last_logs = 0.0
         last_inventory = time.monotonic()
         while not self.stopping.is_set():
             close_old_connections()
@@ -413,6 +434,9 @@ class AgentLoop(threading.Thread):
                     report_inventory(node, self.config)
                     last_inventory = now
                 supervise_once(self.config)
+                if now - last_logs >= LOG_TAIL_SECONDS:
+                    refresh_log_tails(self.config)
+                    last_logs = now
             except Exception:  # keep supervising whatever one round hit
                 log.exception("node agent loop")
             self.stopping.wait(settings.ENGINE_SUPERVISE_SECONDS)

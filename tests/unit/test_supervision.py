@@ -133,3 +133,11 @@ def test_tasks_for_another_node_are_ignored(ready_instance):
 
 def test_start_is_skipped_unless_pending(ready_instance, config):
     assert agent.start_instance(ready_instance.pk, config).startswith("skipped")
+
+
+def test_log_tail_follows_a_running_engine(ready_instance, config):
+    with open(ready_instance.log_path, "a") as log:
+        log.write("INFO engine line one\nINFO engine line two\n")
+    assert agent.refresh_log_tails(config) == 1
+    assert Instance.objects.get(pk=ready_instance.pk).log_tail.endswith("engine line two")
+    assert agent.refresh_log_tails(config) == 0  # unchanged log, no write
