@@ -54,7 +54,7 @@ class Cluster:
             "ENGINE_SUPERVISE_SECONDS": "0.5",
             "RESTART_BACKOFF_SECONDS": "1",
             "ENGINE_STOP_GRACE_SECONDS": "10",
-            "ENGINE_START_TIMEOUT_SECONDS": "150",
+            "ENGINE_START_TIMEOUT_SECONDS": "280",
             "ENGINE_LOG_DIR": str(tmp / "engine-logs"),
             "ENGINE_PORT_MIN": "18400",
             "ENGINE_PORT_MAX": "18499",
