@@ -28,6 +28,12 @@ def _schedule(sender: Celery, **kwargs) -> None:
                                                               queue="control"),
         name="reconcile all deployments",
     )
+    # The usage batch writer (`manage.py usage_writer` is the continuous alternative).
+    sender.add_periodic_task(
+        5.0, sender.signature("serving_app.gateway.drain_usage_events", queue="control",
+                              options={"expires": 5}),
+        name="drain usage events",
+    )
 
 
 @worker_ready.connect

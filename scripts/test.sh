@@ -12,6 +12,11 @@ bash scripts/services.sh
 bash scripts/setup_console.sh
 bash scripts/setup_engine.sh
 
+if [[ ! -x /usr/bin/chromium ]]; then
+    echo "[test] installing chromium for the browser tests"
+    apt-get install -y chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+fi
+
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
 

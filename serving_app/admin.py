@@ -10,26 +10,26 @@ from django.utils.html import format_html
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
 from serving_app.lifecycle import deployment_changed
-from serving_app.models import AuditLog, BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.models import (
+    AuditLog,
+    BaseModel,
+    Deployment,
+    Gpu,
+    GpuSample,
+    Instance,
+    LoraAdapter,
+    Node,
+    UsageEvent,
+    UsageHour,
+    UsageMinute,
+)
 
 
 @admin.register(BaseModel)
 class BaseModelAdmin(AuditedAdmin):
     list_display = ["name", "architecture", "num_layers", "hidden_size", "dtype", "weight_bytes"]
     search_fields = ["name", "path"]
-    readonly_fields = [
-        "architecture",
-        "num_layers",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_kv_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "vocab_size",
-        "torch_dtype",
-        "weight_bytes",
-    ]
+    readonly_fields = BaseModel.ARCHITECTURE_FIELDS
 
 
 @admin.register(LoraAdapter)
@@ -176,3 +176,41 @@ class AuditLogAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+@admin.register(GpuSample)
+class GpuSampleAdmin(admin.ModelAdmin):
+    list_display = ["at", "gpu", "memory_used_bytes", "utilization_percent", "temperature_c",
+                    "power_w"]
+    list_filter = ["gpu__node"]
+    readonly_fields = ["gpu", "at", "memory_used_bytes", "utilization_percent", "temperature_c",
+                       "power_w"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Written by the gateway's metering, never by hand."""
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(UsageEvent)
+class UsageEventAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "tenant", "model", "adapter", "status_code", "prompt_tokens",
+                    "completion_tokens", "latency_ms", "ttft_ms"]
+    list_filter = ["tenant", "status_code", "stream"]
+    search_fields = ["request_id", "model"]
+    date_hierarchy = "created_at"
+
+
+@admin.register(UsageMinute, UsageHour)
+class UsageRollupAdmin(ReadOnlyAdmin):
+    list_display = ["bucket", "tenant", "model", "requests", "errors", "rate_limited",
+                    "prompt_tokens", "completion_tokens"]
+    list_filter = ["tenant", "model"]

@@ -71,6 +71,13 @@ class BaseModel(models.Model):
     weight_bytes = models.PositiveBigIntegerField(editable=False, default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    # Read from the model's files, never typed in.
+    ARCHITECTURE_FIELDS = (
+        "architecture", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_kv_heads", "head_dim", "max_position_embeddings", "vocab_size", "torch_dtype",
+        "weight_bytes",
+    )
+
     class Meta:
         ordering = ["name"]
         verbose_name = "base model"
@@ -531,7 +538,8 @@ class Instance(models.Model):
     def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
         """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""
         now = timezone.now()
-        updated = Instance.objects.filter(pk=self.pk, state__in=list(expected)).update(
+        expected = list(expected)
+        updated = Instance.objects.filter(pk=self.pk, state__in=expected).update(
             state=new, state_changed_at=now, **fields
         )
         if updated:
@@ -539,6 +547,12 @@ class Instance(models.Model):
             self.state_changed_at = now
             for name, value in fields.items():
                 setattr(self, name, value)
+            if new == self.State.READY or self.State.READY in expected:
+                # The gateway routes to ready instances: tell its workers now, not at their
+                # next periodic refresh.
+                from serving_app.gateway.invalidation import catalog_changed
+
+                catalog_changed()
         return bool(updated)
 
     @property

@@ -7,6 +7,7 @@ from celery import shared_task
 
 from serving_app import reconcile
 from serving_app.engine import agent
+from serving_app.gateway.tasks import drain_usage_events  # noqa: F401 (registers the task)
 
 
 @shared_task(name="serving.start_instance", acks_late=True)

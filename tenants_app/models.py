@@ -102,6 +102,13 @@ class Tenant(models.Model):
 
     objects = TenantQuerySet.as_manager()
 
+    # What an admin edits on a tenant (forms and the API share this list).
+    EDITABLE_FIELDS = (
+        "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
+        "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
+        "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
+    )
+
     class Meta:
         ordering = ["slug"]
 

@@ -20,19 +20,7 @@ from serving_app.models import (
 from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
-ARCH_FIELDS = [
-    "architecture",
-    "num_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_kv_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "vocab_size",
-    "torch_dtype",
-    "weight_bytes",
-]
+ARCH_FIELDS = list(BaseModel.ARCHITECTURE_FIELDS)
 
 
 class BaseModelSerializer(ValidatedModelSerializer):

@@ -17,23 +17,7 @@ User = get_user_model()
 class TenantSerializer(ValidatedModelSerializer):
     class Meta:
         model = Tenant
-        fields = [
-            "id",
-            "slug",
-            "name",
-            "status",
-            "priority_tier",
-            "requests_per_minute",
-            "tokens_per_minute",
-            "max_concurrent_requests",
-            "monthly_token_budget",
-            "max_tokens_per_request",
-            "max_prompt_tokens",
-            "gpu_memory_quota_gib",
-            "latency_objective_ms",
-            "created_at",
-            "updated_at",
-        ]
+        fields = ["id", *Tenant.EDITABLE_FIELDS, "created_at", "updated_at"]
         read_only_fields = ["id", "created_at", "updated_at"]
 
 

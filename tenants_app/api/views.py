@@ -12,6 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from serving_app import audit
+from serving_app.gateway import invalidation as gateway_invalidation
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.api.serializers import (
     ApiKeySerializer,
@@ -92,6 +93,7 @@ class ApiKeyViewSet(ScopedModelViewSet):
             audit.record(
                 request, "revoke", key, changes={"revoked_at": [None, str(key.revoked_at)]}
             )
+        gateway_invalidation.key_changed(key)
         return Response(self.get_serializer(key).data)
 
 

@@ -1,0 +1,338 @@
+"""Gateway benchmark: direct to the engine versus through the gateway, same machine, same run.
+
+    .venv/bin/python benchmarks/gateway_bench.py                 # engine and instant upstream
+    .venv/bin/python benchmarks/gateway_bench.py --only instant  # the gateway's own cost only
+    .venv/bin/python benchmarks/gateway_bench.py --seconds 20 --json var/gateway-bench.json
+
+1. The real CPU vLLM engine (var/engine-venv, var/models/tiny-llama), 16-token completions, at 1
+   and 32 concurrent requests: throughput ratio (gateway / direct) and added p50/p99 latency.
+2. A minimal upstream that answers instantly (`InstantUpstream`, a raw asyncio HTTP server in its
+   own process): the gateway's own cost per request and its requests per second per worker.
+
+The gateway runs as `uvicorn console.asgi:application` with one worker (uvloop, httptools), a
+tenant with RPM and TPM limits (so admission and settlement both run: two Redis round trips),
+against its own SQLite database under var/ and Redis DB 11 (both only hold the benchmark's
+data). Everything listens on 127.0.0.1; every phase is bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = {"prompt": "Hello, my name is", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+
+
+# -- the instant upstream ----------------------------------------------------------------------
+class InstantUpstream(asyncio.Protocol):
+    """An OpenAI-shaped server that answers at once: HTTP/1.1 keep-alive, fixed completions.
+
+    `POST /v1/completions` and `/v1/chat/completions` answer a completion with usage (or a short
+    stream); `/tokenize` counts one token per byte of the prompt; `status` forces an answer code
+    (503 to test retries). `stats` counts requests per path and keeps the last body.
+    """
+
+    stats: dict[str, Any] = {"paths": {}, "last_body": None}
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.buffer = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buffer[:head_end].decode("latin-1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value.strip())
+            if len(self.buffer) < head_end + 4 + length:
+                return
+            body = self.buffer[head_end + 4 : head_end + 4 + length]
+            self.buffer = self.buffer[head_end + 4 + length :]
+            path = head.split(" ", 2)[1]
+            self.respond(path, body)
+
+    def respond(self, path: str, body: bytes) -> None:
+        paths = self.stats["paths"]
+        paths[path] = paths.get(path, 0) + 1
+        self.stats["last_body"] = body
+        if self.status != 200:
+            payload = json.dumps({"error": {"message": "busy", "type": "server_error",
+                                            "param": None, "code": None}}).encode()
+            self._send(self.status, b"application/json", payload)
+            return
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = {}
+        if path == "/tokenize":
+            text = request.get("prompt") or json.dumps(request.get("messages"))
+            self._send(200, b"application/json",
+                       json.dumps({"count": len(str(text).encode())}).encode())
+            return
+        model = request.get("model", "m")
+        usage = {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
+        if request.get("stream"):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
+                     "choices": [{"index": 0, "text": "hi", "finish_reason": None}]}
+            final = {**chunk, "choices": [], "usage": usage}
+            events = [chunk, chunk, final]
+            payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+            self._send(200, b"text/event-stream", payload + b"data: [DONE]\n\n")
+            return
+        payload = json.dumps({
+            "id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
+            "choices": [{"index": 0, "text": " x" * 16, "finish_reason": "length",
+                         "logprobs": None}],
+            "usage": usage,
+        }).encode()
+        self._send(200, b"application/json", payload)
+
+    def _send(self, status: int, content_type: bytes, payload: bytes) -> None:
+        reason = b"OK" if status == 200 else b"Service Unavailable"
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, reason, content_type, len(payload), payload)
+        )
+
+
+async def serve_instant(port: int, status: int = 200) -> asyncio.AbstractServer:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: InstantUpstream(status), "127.0.0.1", port)
+
+
+def _instant_main(port: int) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def main() -> None:
+        server = await serve_instant(port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, headers: dict | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, headers=headers, timeout=2).status_code < 500:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not come up within {timeout}s")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+async def load(url: str, headers: dict, body: dict, concurrency: int, seconds: float) -> dict:
+    """Closed loop: `concurrency` clients, each sending the next request when one returns."""
+    import aiohttp
+
+    latencies: list[float] = []
+    failures = 0
+    payload = json.dumps(body).encode()
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        # Warm up connections (and the gateway's caches) first.
+        for _ in range(min(concurrency, 8)):
+            async with session.post(url, data=payload, headers=headers) as r:
+                await r.read()
+        stop_at = time.perf_counter() + seconds
+
+        async def client() -> None:
+            nonlocal failures
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                async with session.post(url, data=payload, headers=headers) as r:
+                    await r.read()
+                    ok = r.status == 200
+                if ok:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    failures += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1000
+
+    return {
+        "requests": len(latencies),
+        "failures": failures,
+        "rps": len(latencies) / elapsed,
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "mean_ms": statistics.fmean(latencies) * 1000,
+    }
+
+
+# -- setup -----------------------------------------------------------------------------------------
+SEED = """
+import json, sys
+from serving_app.models import BaseModel, Deployment, Instance, Node
+from tenants_app.models import ApiKey, Tenant
+args = json.loads(sys.argv[1])
+Instance.objects.all().delete(); Deployment.objects.all().delete()
+ApiKey.objects.all().delete(); Tenant.objects.all().delete(); BaseModel.objects.all().delete()
+base = BaseModel(name="tiny-llama", path=args["model"]); base.full_clean(); base.save()
+tenant = Tenant.objects.create(slug="bench", name="Bench", requests_per_minute=10_000_000,
+                               tokens_per_minute=1_000_000_000)
+node, _ = Node.objects.get_or_create(name="bench", defaults={"queue": "node.bench"})
+for kind, port in args["upstreams"].items():
+    dep = Deployment.objects.create(name=f"bench-{kind}", base_model=base if kind == "engine"
+        else BaseModel.objects.get_or_create(name="instant", defaults={"path": args["model"]})[0],
+        desired_state="running", max_model_len=1024)
+    dep.tenants.set([tenant])
+    Instance.objects.create(deployment=dep, node=node, port=port, state="ready",
+                            secret=args["secret"])
+_, secret = ApiKey.objects.create_key(tenant=tenant, name="bench")
+print(json.dumps({"key": secret}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=("engine", "instant"), default=None)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/11")
+    parser.add_argument("--json", default="", help="also write the figures to this file")
+    args = parser.parse_args()
+    python = sys.executable
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
+           "DATABASE_URL": f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}",
+           "GATEWAY_REDIS_URL": args.redis_url, "LOG_LEVEL": "WARNING",
+           "GATEWAY_USAGE_STREAM": "gw:bench-usage"}
+    secret = "bench-engine-secret"
+    procs: list[subprocess.Popen] = []
+    results: dict[str, Any] = {}
+    upstreams: dict[str, int] = {}
+    try:
+        import redis
+
+        client = redis.Redis.from_url(args.redis_url)
+        client.delete("gw:bench-usage")
+        client.close()
+        if args.only in (None, "engine"):
+            port = free_port()
+            engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                          "VLLM_NO_USAGE_STATS": "1"}
+            procs.append(subprocess.Popen(
+                [str(ROOT / "var/engine-venv/bin/python"), "-m",
+                 "vllm.entrypoints.openai.api_server", "--model",
+                 str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
+                 "--dtype", "float32", "--max-model-len", "1024", "--api-key", secret,
+                 "--host", "127.0.0.1", "--port", str(port)],
+                env=engine_env, start_new_session=True, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+            upstreams["engine"] = port
+        if args.only in (None, "instant"):
+            port = free_port()
+            procs.append(subprocess.Popen(
+                [python, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                 f"from benchmarks.gateway_bench import _instant_main; _instant_main({port})"],
+                start_new_session=True))
+            upstreams["instant"] = port
+        subprocess.run([python, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+        out = subprocess.run(
+            [python, "manage.py", "shell", "-c", SEED.replace("sys.argv[1]", repr(json.dumps(
+                {"model": str(ROOT / "var/models/tiny-llama"), "upstreams": upstreams,
+                 "secret": secret})))],
+            cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+        ).stdout
+        key = json.loads(out.strip().splitlines()[-1])["key"]
+        gw_port = free_port()
+        procs.append(subprocess.Popen(
+            [python, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
+             "--port", str(gw_port), "--workers", "1", "--loop", "uvloop", "--http",
+             "httptools", "--no-access-log", "--log-level", "warning"],
+            cwd=ROOT, env=env, start_new_session=True))
+        gw_headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        direct_headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+        wait_http(f"http://127.0.0.1:{gw_port}/v1/models", 60, gw_headers)
+        for kind, port in upstreams.items():
+            if kind == "engine":
+                wait_http(f"http://127.0.0.1:{port}/health", 240)
+            model = "tiny-llama" if kind == "engine" else "instant"
+            body = {**BODY, "model": model}
+            for concurrency in args.concurrency:
+                direct = asyncio.run(load(f"http://127.0.0.1:{port}/v1/completions",
+                                          direct_headers, body, concurrency, args.seconds))
+                via = asyncio.run(load(f"http://127.0.0.1:{gw_port}/v1/completions",
+                                       gw_headers, body, concurrency, args.seconds))
+                row = {
+                    "direct": direct, "gateway": via,
+                    "throughput_ratio": via["rps"] / direct["rps"],
+                    "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
+                    "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
+                }
+                results[f"{kind}@{concurrency}"] = row
+                print(f"{kind:8} c={concurrency:<3} direct {direct['rps']:7.1f} rps "
+                      f"p50 {direct['p50_ms']:6.2f} p99 {direct['p99_ms']:6.2f} ms | gateway "
+                      f"{via['rps']:7.1f} rps p50 {via['p50_ms']:6.2f} p99 {via['p99_ms']:6.2f} ms"
+                      f" | ratio {row['throughput_ratio']:.2f} added p50 "
+                      f"{row['added_p50_ms']:+.2f} p99 {row['added_p99_ms']:+.2f} ms", flush=True)
+        if "instant@1" in results:
+            row = results["instant@1"]
+            print(f"gateway's own cost per request (instant upstream, c=1): "
+                  f"{row['added_p50_ms']:.3f} ms at p50")
+        best = max((r["gateway"]["rps"] for k, r in results.items() if k.startswith("instant")),
+                   default=None)
+        if best:
+            print(f"gateway requests/s per worker (instant upstream): {best:.0f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+    finally:
+        for proc in reversed(procs):
+            kill_group(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

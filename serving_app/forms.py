@@ -1,0 +1,112 @@
+"""Console forms. Validation is the models' own: a ModelForm runs `full_clean()`, and the
+deployment form adds `Deployment.check_relations()`, so a page rejects exactly what the API and
+the Django admin reject, with the same message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.core.exceptions import ValidationError
+
+from serving_app.models import BaseModel, Deployment, LoraAdapter
+from tenants_app.models import Tenant
+
+
+class TenantForm(forms.ModelForm):
+    class Meta:
+        model = Tenant
+        fields = list(Tenant.EDITABLE_FIELDS)
+
+
+class BaseModelForm(forms.ModelForm):
+    class Meta:
+        model = BaseModel
+        fields = ["name", "path", "dtype", "quantization"]
+        help_texts = {"path": "Absolute path of the model folder, the same on every node host."}
+
+
+class LoraAdapterForm(forms.ModelForm):
+    """Tenant and base model are fixed once registered (as in the API): register a new one."""
+
+    class Meta:
+        model = LoraAdapter
+        fields = ["tenant", "base_model", "name", "path", "rank"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk:
+            for name in ("tenant", "base_model"):
+                self.fields[name].disabled = True
+                self.fields[name].help_text = "Cannot be changed; register a new adapter."
+
+
+class DeploymentForm(forms.ModelForm):
+    class Meta:
+        model = Deployment
+        fields = [
+            "name",
+            "base_model",
+            "tenants",
+            "adapters",
+            "replicas",
+            "isolation_mode",
+            "mps_thread_percentage",
+            "gpu_memory_utilization",
+            "tensor_parallel_size",
+            "max_num_seqs",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "enable_prefix_caching",
+            "dtype",
+            "quantization",
+            "max_loras",
+            "max_lora_rank",
+            "scheduling_policy",
+            "base_port",
+        ]
+        widgets = {
+            "tenants": forms.CheckboxSelectMultiple,
+            "adapters": forms.CheckboxSelectMultiple,
+        }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["adapters"].queryset = LoraAdapter.objects.select_related(
+            "tenant", "base_model"
+        )
+        self.fields["adapters"].label_from_instance = (
+            lambda a: f"{a.tenant.slug}/{a.name} (for {a.base_model.name}, rank {a.rank})"
+        )
+
+    def _post_clean(self) -> None:
+        super()._post_clean()
+        if self.errors.get("tenants") or self.errors.get("adapters"):
+            return
+        if not self.instance.base_model_id:
+            return
+        try:
+            self.instance.check_relations(
+                self.cleaned_data.get("tenants", []), self.cleaned_data.get("adapters", [])
+            )
+        except ValidationError as exc:
+            self._update_errors(exc)
+
+    def relations(self) -> tuple[list[Tenant], list[LoraAdapter]]:
+        """The many-to-many choices of a valid form (an unsaved row cannot hold them)."""
+        return list(self.cleaned_data.get("tenants", [])), list(
+            self.cleaned_data.get("adapters", [])
+        )
+
+
+class ScaleForm(forms.Form):
+    replicas = forms.IntegerField(min_value=0, max_value=64)
+
+
+class AuditFilterForm(forms.Form):
+    action = forms.CharField(required=False)
+    object_type = forms.CharField(required=False)
+    actor = forms.CharField(required=False)
+    tenant = forms.ModelChoiceField(
+        queryset=Tenant.objects.all(), required=False, to_field_name="slug", empty_label="all"
+    )

@@ -1,0 +1,267 @@
+"""Admission and settlement: one atomic Redis script each, so limits hold across any number of
+gateway workers and hosts.
+
+Per tenant (keys share the `{t<id>}` hash tag):
+- requests per minute: a sliding log (sorted set of request ids scored by admission time);
+- tokens per minute: a sliding log of reservations (sorted set + hash of tokens + running sum).
+  Admission reserves the prompt estimate plus the most completion tokens the request may produce;
+  settlement replaces the reservation by the engine's real count;
+- concurrent requests: leases (sorted set scored by expiry), which expire by themselves if the
+  gateway holding them dies;
+- the monthly token budget: a counter per month, seeded from the hourly rollups when missing.
+The clock is Redis's own (`TIME`), so every worker and host agrees on the window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from serving_app.gateway.catalog import TenantEntry
+from serving_app.gateway.errors import GatewayError
+
+ADMIT = 0
+RPM = 1
+TPM = 2
+CONCURRENCY = 3
+BUDGET = 4
+
+ADMIT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rid = ARGV[1]
+local rpm = tonumber(ARGV[2])
+local tpm = tonumber(ARGV[3])
+local conc = tonumber(ARGV[4])
+local budget = tonumber(ARGV[5])
+local need = tonumber(ARGV[6])
+local window = tonumber(ARGV[7])
+local lease = tonumber(ARGV[8])
+local cutoff = now - window
+local rpm_count, rpm_reset, used, tpm_reset = 0, 0, 0, 0
+
+local function oldest_reset(key)
+  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if #first == 0 then return 0 end
+  return math.max(0, tonumber(first[2]) + window - now)
+end
+
+if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
+  rpm_count = redis.call('ZCARD', KEYS[1])
+  if rpm_count >= rpm then
+    local wait = oldest_reset(KEYS[1])
+    return {1, rpm_count, wait, 0, 0, wait}
+  end
+end
+
+if tpm > 0 then
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', cutoff, 'LIMIT', 0, 5000)
+  while #expired > 0 do
+    local vals = redis.call('HMGET', KEYS[3], unpack(expired))
+    local freed = 0
+    for i = 1, #vals do freed = freed + (tonumber(vals[i]) or 0) end
+    redis.call('HDEL', KEYS[3], unpack(expired))
+    redis.call('ZREM', KEYS[2], unpack(expired))
+    redis.call('DECRBY', KEYS[4], freed)
+    expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', cutoff, 'LIMIT', 0, 5000)
+  end
+  used = tonumber(redis.call('GET', KEYS[4]) or '0')
+  if used < 0 then used = 0; redis.call('SET', KEYS[4], 0) end
+  if used + need > tpm then
+    local wait = -1
+    if need <= tpm then
+      local excess = used + need - tpm
+      local acc = 0
+      wait = window
+      local entries = redis.call('ZRANGE', KEYS[2], 0, 999, 'WITHSCORES')
+      for i = 1, #entries, 2 do
+        acc = acc + (tonumber(redis.call('HGET', KEYS[3], entries[i])) or 0)
+        if acc >= excess then
+          wait = math.max(0, tonumber(entries[i + 1]) + window - now)
+          break
+        end
+      end
+    end
+    return {2, rpm_count, 0, used, oldest_reset(KEYS[2]), wait}
+  end
+end
+
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+  if redis.call('ZCARD', KEYS[5]) >= conc then
+    return {3, rpm_count, 0, used, 0, 1000}
+  end
+end
+
+if budget > 0 then
+  redis.call('SET', KEYS[6], ARGV[9], 'NX', 'EX', ARGV[10])
+  local spent = tonumber(redis.call('GET', KEYS[6]) or '0')
+  if spent + need > budget then
+    return {4, rpm_count, 0, used, 0, -1}
+  end
+  redis.call('INCRBY', KEYS[6], need)
+end
+
+if rpm > 0 then
+  redis.call('ZADD', KEYS[1], now, rid)
+  redis.call('PEXPIRE', KEYS[1], window + 1000)
+  rpm_count = rpm_count + 1
+  rpm_reset = oldest_reset(KEYS[1])
+end
+if tpm > 0 then
+  redis.call('ZADD', KEYS[2], now, rid)
+  redis.call('HSET', KEYS[3], rid, need)
+  redis.call('INCRBY', KEYS[4], need)
+  for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + lease) end
+  used = used + need
+  tpm_reset = oldest_reset(KEYS[2])
+end
+if conc > 0 then
+  redis.call('ZADD', KEYS[5], now + lease, rid)
+  redis.call('PEXPIRE', KEYS[5], lease + 1000)
+end
+return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
+"""
+
+# Settle a finished request and append its usage event, in one round trip. Idempotent for the
+# token log (the reservation is replaced, not decremented twice).
+SETTLE_LUA = """
+local rid = ARGV[1]
+local actual = tonumber(ARGV[2])
+local reserved = tonumber(ARGV[3])
+if ARGV[4] == '1' then
+  local old = tonumber(redis.call('HGET', KEYS[2], rid))
+  if old then
+    redis.call('HSET', KEYS[2], rid, actual)
+    redis.call('INCRBY', KEYS[3], actual - old)
+  end
+end
+if ARGV[5] == '1' then redis.call('ZREM', KEYS[4], rid) end
+if ARGV[6] == '1' and redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('INCRBY', KEYS[5], actual - reserved)
+end
+redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
+return 1
+"""
+
+
+def month_key(now: datetime | None = None) -> str:
+    return (now or datetime.now(UTC)).strftime("%Y%m")
+
+
+def seconds_to_month_end(now: datetime | None = None) -> int:
+    now = now or datetime.now(UTC)
+    later = now.replace(day=28) + timedelta(days=4)
+    nxt = later.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return max(1, int((nxt - now).total_seconds()))
+
+
+def tenant_keys(tenant_id: int) -> list[str]:
+    tag = f"gw:{{t{tenant_id}}}"
+    return [
+        f"{tag}:rpm",
+        f"{tag}:tpm",
+        f"{tag}:tpmv",
+        f"{tag}:tpms",
+        f"{tag}:conc",
+        f"{tag}:budget:{month_key()}",
+    ]
+
+
+@dataclass(slots=True)
+class Decision:
+    """The script's answer, turned into response headers (and an error when refused)."""
+
+    code: int
+    rpm_count: int
+    rpm_reset_ms: int
+    tpm_used: int
+    tpm_reset_ms: int
+    wait_ms: int
+
+
+def duration(ms: float) -> str:
+    """OpenAI's reset format: `1s`, `6m0s`, `250ms`."""
+    if ms < 1000:
+        return f"{max(0, int(ms))}ms"
+    seconds = ms / 1000.0
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(int(math.ceil(seconds)), 60)
+    return f"{minutes}m{rest}s"
+
+
+def rate_headers(tenant: TenantEntry, decision: Decision | None) -> dict[str, str]:
+    """`x-ratelimit-*` for the limits the tenant has (remaining after this request)."""
+    headers: dict[str, str] = {}
+    if decision is None:
+        return headers
+    if tenant.rpm:
+        headers["x-ratelimit-limit-requests"] = str(tenant.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, tenant.rpm - decision.rpm_count))
+        headers["x-ratelimit-reset-requests"] = duration(decision.rpm_reset_ms)
+    if tenant.tpm:
+        headers["x-ratelimit-limit-tokens"] = str(tenant.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, tenant.tpm - decision.tpm_used))
+        headers["x-ratelimit-reset-tokens"] = duration(decision.tpm_reset_ms)
+    return headers
+
+
+def refusal(tenant: TenantEntry, decision: Decision, need: int) -> GatewayError:
+    """The 429 for a refused admission, with `retry-after` the real time to wait."""
+    headers = rate_headers(tenant, decision)
+    wait_ms = decision.wait_ms
+    if decision.code == BUDGET:
+        wait_ms = seconds_to_month_end() * 1000
+    if wait_ms >= 0:
+        headers["retry-after"] = str(max(1, math.ceil(wait_ms / 1000)))
+        headers["retry-after-ms"] = str(max(1, int(wait_ms)))
+    if decision.code == RPM:
+        message = (
+            f"Rate limit reached for requests per min (RPM): Limit {tenant.rpm}, "
+            f"Used {decision.rpm_count}. Please try again in {duration(wait_ms)}."
+        )
+        return GatewayError(429, message, code="rate_limit_exceeded", headers=headers)
+    if decision.code == TPM:
+        if wait_ms < 0:
+            message = (
+                f"Request too large for tokens per min (TPM): Limit {tenant.tpm}, "
+                f"Requested {need}. Lower max_tokens or the prompt."
+            )
+        else:
+            message = (
+                f"Rate limit reached for tokens per min (TPM): Limit {tenant.tpm}, "
+                f"Used {decision.tpm_used}, Requested {need}. "
+                f"Please try again in {duration(wait_ms)}."
+            )
+        return GatewayError(429, message, code="rate_limit_exceeded", headers=headers)
+    if decision.code == CONCURRENCY:
+        message = (
+            f"Too many concurrent requests: Limit {tenant.concurrency}. "
+            "Please try again when one of your requests has finished."
+        )
+        return GatewayError(429, message, code="rate_limit_exceeded", headers=headers)
+    message = (
+        "You exceeded your current quota (monthly token budget "
+        f"{tenant.budget}), please check your plan and billing details."
+    )
+    return GatewayError(
+        429, message, code="insufficient_quota", error_type="insufficient_quota", headers=headers
+    )
+
+
+def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, lease_ms: int):
+    return [
+        request_id,
+        tenant.rpm or 0,
+        tenant.tpm or 0,
+        tenant.concurrency or 0,
+        tenant.budget or 0,
+        need,
+        window_ms,
+        lease_ms,
+        tenant.month_used,
+        seconds_to_month_end() + 7 * 86400,
+    ]

@@ -1,0 +1,564 @@
+"""The gateway's ASGI app: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
+
+A raw ASGI app (no framework in the request path). One instance per worker process holds the
+caches, the Redis client and the shared upstream session; they start on the ASGI lifespan
+startup or, where the server sends none, on the first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving_app.gateway import admission, errors
+from serving_app.gateway.cache import GatewayCache
+from serving_app.gateway.catalog import KeyEntry, Route, TenantEntry
+from serving_app.gateway.config import GatewayConfig
+from serving_app.gateway.errors import GatewayError
+from serving_app.gateway.metering import Meter, RedisUnavailable, Ticket
+from serving_app.gateway.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
+from serving_app.gateway.routing import Router
+from serving_app.gateway.validation import ParsedRequest, parse_request
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "lcsk-"
+ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
+JSON = b"application/json"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class Context:
+    """Everything the usage event of one request records."""
+
+    request_id: str
+    arrived: float
+    started: float
+    endpoint: str = "unknown"
+    tenant: TenantEntry | None = None
+    key: KeyEntry | None = None
+    model: str = ""
+    adapter: str = ""
+    deployment_id: int | None = None
+    instance_id: int | None = None
+    status: int = 0
+    error_code: str = ""
+    stream: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reserved: int = 0
+    ttft_ms: float | None = None
+    ticket: Ticket | None = None
+    rate_headers: dict[str, str] = field(default_factory=dict)
+
+    def event(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "at": self.arrived,
+            "tenant": self.tenant.id if self.tenant else None,
+            "key": self.key.id if self.key else None,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "adapter": self.adapter,
+            "deployment": self.deployment_id,
+            "instance": self.instance_id,
+            "status": self.status,
+            "error": self.error_code,
+            "stream": self.stream,
+            "prompt": self.prompt_tokens,
+            "completion": self.completion_tokens,
+            "reserved": self.reserved,
+            "ttft_ms": self.ttft_ms,
+            "latency_ms": round((time.perf_counter() - self.started) * 1000.0, 3),
+        }
+
+
+class GatewayApp:
+    def __init__(self) -> None:
+        self.config: GatewayConfig | None = None
+        self.cache: GatewayCache | None = None
+        self.meter: Meter | None = None
+        self.upstream: Upstream | None = None
+        self.router = Router()
+        self._started = False
+        self._pid = os.getpid()
+
+    # -- ASGI -------------------------------------------------------------------------------
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "http":
+            await self.handle(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self.lifespan(receive, send)
+
+    async def lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.config = GatewayConfig.from_settings()
+        self.cache = GatewayCache(self.config)
+        self.meter = Meter(self.config)
+        self.upstream = Upstream(self.config)
+        await self.upstream.start()
+        self.cache.start()
+        self.meter.start()
+
+    async def shutdown(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        assert self.cache and self.meter and self.upstream
+        await self.cache.stop()
+        await self.meter.stop()
+        await self.upstream.stop()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def handle(self, scope: dict, receive, send) -> None:
+        if not self._started:
+            await self.startup()
+        ctx = Context(os.urandom(12).hex(), time.time(), time.perf_counter())
+        ctx.request_id = "req-" + ctx.request_id
+        method = scope["method"]
+        path = scope["path"]
+        try:
+            endpoint = ENDPOINTS.get(path)
+            if endpoint is not None:
+                ctx.endpoint = endpoint
+                if method != "POST":
+                    raise GatewayError(405, f"Method {method} not allowed on {path}; use POST.")
+                await self.completion(scope, receive, send, ctx)
+            elif path == "/v1/models" or path.startswith("/v1/models/"):
+                ctx.endpoint = "models"
+                if method != "GET":
+                    raise GatewayError(405, f"Method {method} not allowed on {path}; use GET.")
+                await self.models(scope, send, ctx, path[len("/v1/models/") :])
+            else:
+                raise GatewayError(404, f"Invalid URL ({method} {path})")
+        except GatewayError as err:
+            ctx.status = err.status
+            ctx.error_code = err.code or err.error_type
+            await self._send_error(send, ctx, err)
+        except ClientDisconnected:
+            ctx.status = 499
+            ctx.error_code = "client_disconnected"
+        except Exception:
+            log.exception("gateway request %s failed", ctx.request_id)
+            ctx.status = 500
+            ctx.error_code = "internal_error"
+            with contextlib.suppress(Exception):
+                await self._send_error(
+                    send, ctx, GatewayError(500, "The gateway failed to handle the request.")
+                )
+        finally:
+            assert self.meter is not None
+            actual = ctx.prompt_tokens + ctx.completion_tokens
+            await self.meter.settle(ctx.ticket, actual, ctx.event())
+
+    async def _send_error(self, send, ctx: Context, err: GatewayError) -> None:
+        headers = {**ctx.rate_headers, **err.headers}
+        await _send_json(send, err.status, err.body(), ctx.request_id, headers)
+
+    async def _authenticate(self, scope: dict, ctx: Context) -> tuple[KeyEntry, TenantEntry]:
+        assert self.cache is not None
+        auth = _header(scope, b"authorization")
+        if not auth or not auth[:7].lower() == "bearer ":
+            raise GatewayError(
+                401,
+                "You didn't provide an API key. You need to provide your API key in an "
+                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+            )
+        secret = auth[7:].strip()
+        if not secret.startswith(KEY_PREFIX):
+            raise _bad_key(secret)
+        if not await self.cache.ready():
+            raise GatewayError(503, "The gateway is starting; please retry.", code="unavailable")
+        try:
+            entry = await self.cache.key(secret)
+        except Exception as exc:  # the database is down and this key was never seen
+            log.warning("key lookup failed: %s", exc)
+            raise GatewayError(
+                503, "Keys cannot be checked right now; please retry.", code="unavailable"
+            ) from exc
+        if entry.id is None or (entry.expires_at is not None and entry.expires_at <= time.time()):
+            raise _bad_key(secret)
+        tenant = self.cache.snapshot.tenants.get(entry.tenant_id or 0)
+        if tenant is None or not tenant.active:
+            raise GatewayError(
+                401, "This API key's tenant is suspended.", code="account_deactivated"
+            )
+        ctx.key, ctx.tenant = entry, tenant
+        return entry, tenant
+
+    def _catalog(self, key: KeyEntry, tenant: TenantEntry) -> dict[str, Route]:
+        assert self.cache is not None
+        routes = self.cache.snapshot.routes.get(tenant.id, {})
+        if key.allowed:
+            return {name: r for name, r in routes.items() if name in key.allowed}
+        return routes
+
+    async def models(self, scope: dict, send, ctx: Context, one: str) -> None:
+        key, tenant = await self._authenticate(scope, ctx)
+        routes = self._catalog(key, tenant)
+        if one:
+            ctx.model = one
+            route = routes.get(one)
+            if route is None:
+                raise errors.model_not_found(one)
+            body = json.dumps(_model_card(route)).encode()
+        else:
+            data = [_model_card(r) for r in sorted(routes.values(), key=lambda r: r.public_name)]
+            body = json.dumps({"object": "list", "data": data}).encode()
+        ctx.status = 200
+        await _send_json(send, 200, body, ctx.request_id, {})
+
+    async def completion(self, scope: dict, receive, send, ctx: Context) -> None:
+        assert self.cache and self.meter and self.config
+        key, tenant = await self._authenticate(scope, ctx)
+        raw = await _read_body(scope, receive, self.config.max_body_bytes)
+        parsed = parse_request(ctx.endpoint, raw)
+        ctx.model = parsed.model
+        ctx.stream = parsed.stream
+        route = self._catalog(key, tenant).get(parsed.model)
+        if route is None and await self.cache.refresh_if_older():
+            route = self._catalog(key, tenant).get(parsed.model)
+        if route is None:
+            raise errors.model_not_found(parsed.model)
+        candidates = self.router.candidates(self.cache.snapshot, route)
+        if not candidates and await self.cache.refresh_if_older():
+            route = self._catalog(key, tenant).get(parsed.model) or route
+            candidates = self.router.candidates(self.cache.snapshot, route)
+        target0 = route.targets[0]
+        ctx.adapter = target0.adapter
+        ctx.deployment_id = target0.deployment_id
+        if not candidates:
+            raise GatewayError(
+                503,
+                f"The model `{parsed.model}` has no ready instance right now; please retry.",
+                code="model_not_ready",
+            )
+        body = parsed.body
+        # Per-tenant caps, checked before anything is reserved or sent.
+        max_tokens = parsed.max_tokens
+        if tenant.max_tokens is not None:
+            if max_tokens is not None and max_tokens > tenant.max_tokens:
+                raise errors.invalid(
+                    f"{parsed.max_tokens_param} is too large: {max_tokens}. This tenant may ask "
+                    f"for at most {tenant.max_tokens} completion tokens per request.",
+                    param=parsed.max_tokens_param,
+                    code="invalid_value",
+                )
+            if max_tokens is None:
+                max_tokens = tenant.max_tokens
+                body["max_completion_tokens" if ctx.endpoint == "chat.completions"
+                     else "max_tokens"] = max_tokens
+        prompt_tokens = parsed.prompt_upper
+        if tenant.max_prompt is not None and parsed.prompt_upper > tenant.max_prompt:
+            # The byte-based bound is above the cap: ask the engine's tokenizer for the exact
+            # count before refusing (no generation; only for prompts this long).
+            prompt_tokens = await self._exact_prompt(parsed, candidates[0])
+            if prompt_tokens > tenant.max_prompt:
+                raise errors.invalid(
+                    f"The prompt is {prompt_tokens} tokens long; this tenant's limit is "
+                    f"{tenant.max_prompt} tokens.",
+                    param="messages" if ctx.endpoint == "chat.completions" else "prompt",
+                    code="context_length_exceeded",
+                )
+        ctx.reserved = need = _reservation(parsed, prompt_tokens, max_tokens, route)
+
+        if tenant.admission_needed:
+            try:
+                ticket, decision = await self.meter.admit(tenant, ctx.request_id, need)
+            except RedisUnavailable as exc:
+                if not self.config.fail_open:
+                    raise GatewayError(
+                        503,
+                        "Rate limits cannot be checked right now; please retry.",
+                        code="limits_unavailable",
+                        headers={"retry-after": "1"},
+                    ) from exc
+                log.warning("Redis unreachable, admitting %s unlimited (fail open)", ctx.request_id)
+            else:
+                ctx.rate_headers = admission.rate_headers(tenant, decision)
+                if not ticket.admitted:
+                    raise admission.refusal(tenant, decision, need)
+                ctx.ticket = ticket
+
+        if parsed.stream:
+            options = dict(body.get("stream_options") or {})
+            options["include_usage"] = True
+            body["stream_options"] = options
+        body["model"] = target0.upstream_model
+        await _until_disconnect(self._proxy(send, ctx, parsed, route, candidates, tenant), receive)
+
+    async def _exact_prompt(self, parsed: ParsedRequest, candidate) -> int:
+        assert self.upstream is not None
+        inst, target = candidate
+        body = parsed.body
+        try:
+            if parsed.endpoint == "chat.completions":
+                return await self.upstream.tokenize(
+                    inst.url, inst.secret,
+                    {"model": target.upstream_model, "messages": body["messages"]},
+                )
+            prompts = body["prompt"]
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if prompts and isinstance(prompts[0], int):
+                return len(prompts)
+            longest = 0
+            for prompt in prompts:
+                if isinstance(prompt, list):
+                    longest = max(longest, len(prompt))
+                    continue
+                count = await self.upstream.tokenize(
+                    inst.url, inst.secret, {"model": target.upstream_model, "prompt": prompt}
+                )
+                longest = max(longest, count)
+            return longest
+        except Exception as exc:  # cannot count: keep the conservative bound
+            log.warning("tokenize failed, keeping the prompt estimate: %s", exc)
+            return parsed.prompt_upper
+
+    async def _proxy(
+        self, send, ctx: Context, parsed: ParsedRequest, route: Route, candidates, tenant
+    ) -> None:
+        assert self.upstream is not None and self.config is not None
+        body = parsed.body
+        encoded: dict[bool, bytes] = {}
+        tried: set[int] = set()
+        while True:
+            choice = self.router.choose(candidates, tried)
+            if choice is None:
+                raise GatewayError(
+                    503, f"No instance of `{parsed.model}` could be reached; please retry.",
+                    code="upstream_unavailable",
+                )
+            inst, target = choice
+            tried.add(inst.id)
+            ctx.instance_id, ctx.deployment_id = inst.id, target.deployment_id
+            if target.priority not in encoded:
+                if target.priority:
+                    body["priority"] = tenant.priority
+                else:
+                    body.pop("priority", None)
+                encoded[target.priority] = json.dumps(body, separators=(",", ":")).encode()
+            retry_left = len(tried) <= self.config.upstream_retries
+            self.router.acquire(inst.id)
+            try:
+                try:
+                    resp = await self.upstream.post(
+                        inst.url + parsed.upstream_path, inst.secret, encoded[target.priority],
+                        ctx.request_id,
+                    )
+                except (*RETRYABLE, TimeoutError) as exc:
+                    log.warning("instance %s unreachable: %r", inst.id, exc)
+                    if retry_left:
+                        continue
+                    raise GatewayError(
+                        502, "The engine could not be reached.", code="upstream_unreachable"
+                    ) from exc
+                if resp.status == 503 and retry_left:
+                    resp.close()
+                    continue
+                try:
+                    await self._relay(send, ctx, parsed, route, resp)
+                finally:
+                    resp.close()
+                return
+            finally:
+                self.router.release(inst.id)
+
+    async def _relay(self, send, ctx: Context, parsed: ParsedRequest, route: Route, resp) -> None:
+        engine_model = parsed.body["model"]
+        base_headers = [(b"x-request-id", ctx.request_id.encode())] + [
+            (k.encode(), v.encode()) for k, v in ctx.rate_headers.items()
+        ]
+        if resp.status != 200 or not parsed.stream:
+            raw = await resp.read()
+            ctx.status = resp.status
+            if resp.status == 200:
+                usage = read_usage(raw)
+                if usage:
+                    ctx.prompt_tokens, ctx.completion_tokens = usage
+                if engine_model != route.public_name:
+                    raw = raw.replace(
+                        f'"model":"{engine_model}"'.encode(),
+                        f'"model":"{route.public_name}"'.encode(),
+                    )
+            else:
+                ctx.error_code = "upstream_error"
+                raw = errors.normalize_upstream_error(resp.status, raw)
+            await send({
+                "type": "http.response.start",
+                "status": resp.status,
+                "headers": [(b"content-type", JSON), (b"content-length", str(len(raw)).encode()),
+                            *base_headers],
+            })
+            await send({"type": "http.response.body", "body": raw})
+            return
+
+        ctx.status = 200
+        relay = StreamRelay(not parsed.wants_usage, engine_model, route.public_name)
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"), *base_headers],
+        })
+        chunks = 0
+        final = b""
+        try:
+            async for chunk in resp.content.iter_any():
+                if ctx.ttft_ms is None:
+                    ctx.ttft_ms = round((time.perf_counter() - ctx.started) * 1000.0, 3)
+                out = relay.feed(chunk)
+                if out:
+                    chunks += out.count(b"\n\ndata: ") + 1
+                    if out.endswith(b"data: [DONE]\n\n"):
+                        final = out  # complete: answer now rather than at the upstream's EOF
+                        break
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except asyncio.CancelledError:
+            # The client went away: the engine's count if it came, else what was relayed so far
+            # (an estimate).
+            if relay.usage:
+                ctx.prompt_tokens, ctx.completion_tokens = relay.usage
+            else:
+                ctx.prompt_tokens = min(ctx.reserved, parsed.prompt_upper)
+                ctx.completion_tokens = max(0, chunks - 1)
+            raise
+        except Exception as exc:
+            log.warning("stream from instance %s broke: %r", ctx.instance_id, exc)
+            ctx.status, ctx.error_code = 502, "upstream_stream_broken"
+            message = errors.error_body("The engine's stream ended early.", "server_error", None)
+            await send({"type": "http.response.body", "body": b"data: " + message + b"\n\n",
+                        "more_body": True})
+        if relay.usage:
+            ctx.prompt_tokens, ctx.completion_tokens = relay.usage
+        await send({"type": "http.response.body", "body": final + relay.flush()})
+
+
+def _reservation(
+    parsed: ParsedRequest, prompt_tokens: int, max_tokens: int | None, route: Route
+) -> int:
+    """The most tokens this request can use: prompts plus every completion at its maximum,
+    never more than each sequence's context length allows."""
+    context = max((t.max_model_len for t in route.targets), default=0)
+    sequences = parsed.num_prompts * parsed.n
+    completion = max_tokens if max_tokens is not None else (context or 32768)
+    need = prompt_tokens + sequences * completion
+    if context:
+        need = min(need, sequences * context)
+    return max(1, need)
+
+
+def _model_card(route: Route) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "id": route.public_name,
+        "object": "model",
+        "created": route.created,
+        "owned_by": route.owned_by,
+    }
+    if route.parent:
+        card["parent"] = route.parent
+    return card
+
+
+def _bad_key(secret: str) -> GatewayError:
+    shown = (secret[:8] + "*" * 4 + secret[-4:]) if len(secret) > 16 else "****"
+    return GatewayError(
+        401, f"Incorrect API key provided: {shown}.", code="invalid_api_key"
+    )
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(scope: dict, receive, limit: int) -> bytes:
+    declared = _header(scope, b"content-length")
+    too_large = GatewayError(
+        413,
+        f"The request body is larger than the {limit} bytes this gateway accepts.",
+        code="request_too_large",
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _send_json(send, status: int, body: bytes, request_id: str, headers: dict) -> None:
+    await send({
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", JSON), (b"content-length", str(len(body)).encode()),
+                    (b"x-request-id", request_id.encode()),
+                    *((k.encode(), v.encode()) for k, v in headers.items())],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(work, receive) -> None:
+    """Run `work`; if the client disconnects first, cancel it (which closes the upstream
+    request, and vLLM aborts a request whose connection closes)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        task.result()
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected
+
+
+application = GatewayApp()

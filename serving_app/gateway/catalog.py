@@ -1,0 +1,226 @@
+"""What the gateway knows about tenants, their models and the ready instances, read from the
+database in one go (`load_snapshot`) and about one key (`load_key`).
+
+These functions are synchronous and run in a worker thread, never per request: the snapshot is
+re-read every GATEWAY_CATALOG_REFRESH_SECONDS and on invalidation, a key once when first seen.
+A tenant's catalog maps public model names to targets: the base model of each running deployment
+that serves the tenant, and each of the tenant's own adapters attached to such a deployment. A
+base model's name wins over an adapter of the same name. Other tenants' adapters are absent, so
+they answer exactly like unknown models.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from django.db import connection
+from django.db.models import F, Sum
+
+from tenants_app.models import ApiKey, Tenant
+
+
+@dataclass(frozen=True, slots=True)
+class TenantEntry:
+    """A tenant's status, priority and limits (None: unlimited)."""
+
+    id: int
+    slug: str
+    active: bool
+    priority: int
+    rpm: int | None
+    tpm: int | None
+    concurrency: int | None
+    budget: int | None
+    max_tokens: int | None
+    max_prompt: int | None
+    month_used: int = 0
+
+    @property
+    def admission_needed(self) -> bool:
+        return any(v is not None for v in (self.rpm, self.tpm, self.concurrency, self.budget))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One deployment that can serve a public name, and the model name the engine knows."""
+
+    deployment_id: int
+    upstream_model: str
+    adapter: str  # engine adapter name, "" for the base model
+    priority: bool
+    max_model_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A public model name in a tenant's catalog."""
+
+    public_name: str
+    targets: tuple[Target, ...]
+    owned_by: str
+    parent: str | None
+    created: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEntry:
+    """A ready engine: where it listens, its secret and the adapters it has loaded."""
+
+    id: int
+    deployment_id: int
+    url: str
+    secret: str
+    adapters: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """A cached key. `id` None means unknown or unusable (a negative entry)."""
+
+    id: int | None
+    tenant_id: int | None = None
+    allowed: frozenset[str] = frozenset()
+    expires_at: float | None = None
+    fresh_until: float = 0.0
+
+
+@dataclass(slots=True)
+class Snapshot:
+    tenants: dict[int, TenantEntry] = field(default_factory=dict)
+    routes: dict[int, dict[str, Route]] = field(default_factory=dict)
+    instances: dict[int, tuple[InstanceEntry, ...]] = field(default_factory=dict)
+    loaded_at: float = 0.0
+
+
+def month_start(now: datetime | None = None) -> datetime:
+    now = now or datetime.now(UTC)
+    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def load_snapshot() -> Snapshot:
+    """Read tenants, running deployments with their adapters, and ready instances."""
+    from serving_app.models import Deployment, Instance
+    from serving_app.usage import UsageHour
+
+    try:
+        return _load_snapshot(Deployment, Instance, UsageHour)
+    except Exception:
+        # A broken connection (PostgreSQL restarted) must not stick to this thread.
+        connection.close()
+        raise
+
+
+def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
+    budgets = {
+        row["tenant_id"]: int(row["used"] or 0)
+        for row in UsageHour.objects.filter(
+            bucket__gte=month_start(), tenant__monthly_token_budget__isnull=False
+        )
+        .values("tenant_id")
+        .annotate(used=Sum(F("prompt_tokens") + F("completion_tokens")))
+    }
+    tenants: dict[int, TenantEntry] = {}
+    for t in Tenant.objects.all():
+        tenants[t.pk] = TenantEntry(
+            id=t.pk,
+            slug=t.slug,
+            active=t.is_active,
+            priority=int(t.priority_tier),
+            rpm=t.requests_per_minute,
+            tpm=t.tokens_per_minute,
+            concurrency=t.max_concurrent_requests,
+            budget=t.monthly_token_budget,
+            max_tokens=t.max_tokens_per_request,
+            max_prompt=t.max_prompt_tokens,
+            month_used=budgets.get(t.pk, 0),
+        )
+
+    routes: dict[int, dict[str, Route]] = {}
+    adapter_routes: dict[int, dict[str, Route]] = {}
+    deployments = (
+        Deployment.objects.filter(desired_state=Deployment.DesiredState.RUNNING)
+        .select_related("base_model")
+        .prefetch_related("tenants", "adapters")
+        .order_by("pk")
+    )
+    deployment_ids = []
+    for dep in deployments:
+        deployment_ids.append(dep.pk)
+        base = dep.base_model
+        priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
+        max_len = dep.max_model_len or base.max_position_embeddings or 0
+        created = int(dep.created_at.timestamp())
+        base_target = Target(dep.pk, base.name, "", priority, max_len)
+        served = {t.pk for t in dep.tenants.all()}
+        for tenant_id in served:
+            catalog = routes.setdefault(tenant_id, {})
+            _add(catalog, Route(base.name, (base_target,), "platform", None, created))
+        for adapter in dep.adapters.all():
+            owner = tenants.get(adapter.tenant_id)
+            if owner is None or adapter.tenant_id not in served:
+                continue
+            # LoraAdapter.engine_name, without a query for the tenant.
+            engine_name = f"{owner.slug}--{adapter.name}"
+            target = Target(dep.pk, engine_name, engine_name, priority, max_len)
+            catalog = adapter_routes.setdefault(adapter.tenant_id, {})
+            _add(catalog, Route(adapter.name, (target,), owner.slug, base.name, created))
+    for tenant_id, extra in adapter_routes.items():
+        catalog = routes.setdefault(tenant_id, {})
+        for name, route in extra.items():
+            catalog.setdefault(name, route)  # a base model's name wins
+
+    instances: dict[int, list[InstanceEntry]] = {}
+    ready = Instance.objects.filter(
+        state=Instance.State.READY, deployment_id__in=deployment_ids, port__isnull=False
+    ).select_related("node")
+    for inst in ready:
+        instances.setdefault(inst.deployment_id, []).append(
+            InstanceEntry(
+                id=inst.pk,
+                deployment_id=inst.deployment_id,
+                url=inst.base_url,
+                secret=inst.secret,
+                adapters=frozenset(inst.loaded_adapters or ()),
+            )
+        )
+    return Snapshot(
+        tenants=tenants,
+        routes=routes,
+        instances={k: tuple(v) for k, v in instances.items()},
+        loaded_at=time.monotonic(),
+    )
+
+
+def _add(catalog: dict[str, Route], route: Route) -> None:
+    existing = catalog.get(route.public_name)
+    if existing is None:
+        catalog[route.public_name] = route
+    else:  # the same name served by several deployments: route across all of them
+        catalog[route.public_name] = Route(
+            existing.public_name,
+            existing.targets + route.targets,
+            existing.owned_by,
+            existing.parent,
+            existing.created,
+        )
+
+
+def load_key(secret: str, ttl: float, negative_ttl: float) -> KeyEntry:
+    """The cache entry for `secret`, through `ApiKey.objects.for_secret()` (the one rule)."""
+    try:
+        key = ApiKey.objects.for_secret(secret)
+    except Exception:
+        connection.close()
+        raise
+    now = time.monotonic()
+    if key is None:
+        return KeyEntry(id=None, fresh_until=now + negative_ttl)
+    return KeyEntry(
+        id=key.pk,
+        tenant_id=key.tenant_id,
+        allowed=frozenset(key.allowed_models or ()),
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+        fresh_until=now + ttl,
+    )

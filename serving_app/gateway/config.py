@@ -1,0 +1,47 @@
+"""The gateway's settings, read once per worker from Django settings (see console/settings.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    redis_url: str
+    fail_open: bool
+    redis_timeout: float
+    max_body_bytes: int
+    key_ttl: float
+    negative_key_ttl: float
+    catalog_refresh: float
+    connect_timeout: float
+    upstream_timeout: float
+    upstream_retries: int
+    usage_stream: str
+    event_buffer_max: int
+    window_ms: int = 60_000
+
+    @property
+    def lease_ms(self) -> int:
+        """A concurrency lease outlives the longest request by a margin, then expires on its own
+        (so a gateway that dies does not hold its tenant's slots forever)."""
+        return int((self.upstream_timeout + 30.0) * 1000)
+
+    @classmethod
+    def from_settings(cls) -> GatewayConfig:
+        return cls(
+            redis_url=settings.GATEWAY_REDIS_URL,
+            fail_open=settings.GATEWAY_REDIS_FAILURE_POLICY == "open",
+            redis_timeout=settings.GATEWAY_REDIS_TIMEOUT_SECONDS,
+            max_body_bytes=settings.GATEWAY_MAX_BODY_BYTES,
+            key_ttl=settings.GATEWAY_KEY_CACHE_SECONDS,
+            negative_key_ttl=settings.GATEWAY_NEGATIVE_KEY_CACHE_SECONDS,
+            catalog_refresh=settings.GATEWAY_CATALOG_REFRESH_SECONDS,
+            connect_timeout=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS,
+            upstream_timeout=settings.GATEWAY_UPSTREAM_TIMEOUT_SECONDS,
+            upstream_retries=settings.GATEWAY_UPSTREAM_RETRIES,
+            usage_stream=settings.GATEWAY_USAGE_STREAM,
+            event_buffer_max=settings.GATEWAY_EVENT_BUFFER_MAX,
+        )

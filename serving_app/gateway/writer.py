@@ -1,0 +1,259 @@
+"""The batch writer: usage events from the Redis stream into PostgreSQL, with rollups.
+
+Events are read through a consumer group, so several writers share the work and an event is
+removed from the stream only after the transaction holding it has committed (XACK + XDEL after
+commit). While PostgreSQL is down the events stay in the stream (this consumer's pending list)
+and the same batch is retried with backoff; nothing in the request path waits for it.
+Redelivery after a crash between commit and acknowledgement is harmless: events already stored
+(unique `request_id`) are skipped, and rollups are incremented only for events inserted by the
+same transaction. The writer also stamps `ApiKey.last_used_at`, so the request path never writes
+to the database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
+from django.db.models import Q
+
+from serving_app.usage import LATENCY_BUCKETS_MS, UsageEvent, UsageHour, UsageMinute
+from tenants_app.models import ApiKey
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = (
+    "requests", "errors", "rate_limited", "prompt_tokens", "completion_tokens",
+    "latency_ms_total", "ttft_ms_total", "ttft_count",
+    *(f"latency_le_{b}" for b in LATENCY_BUCKETS_MS),
+)
+CLAIM_IDLE_MS = 60_000
+
+
+def _event_row(event: dict[str, Any]) -> UsageEvent:
+    return UsageEvent(
+        request_id=str(event["id"])[:64],
+        created_at=datetime.fromtimestamp(float(event["at"]), UTC),
+        tenant_id=event.get("tenant"),
+        api_key_id=event.get("key"),
+        endpoint=str(event.get("endpoint") or "")[:32],
+        model=str(event.get("model") or "")[:200],
+        adapter=str(event.get("adapter") or "")[:200],
+        deployment_id=event.get("deployment"),
+        instance_id=event.get("instance"),
+        status_code=int(event.get("status") or 0),
+        error_code=str(event.get("error") or "")[:64],
+        stream=bool(event.get("stream")),
+        prompt_tokens=max(0, int(event.get("prompt") or 0)),
+        completion_tokens=max(0, int(event.get("completion") or 0)),
+        reserved_tokens=max(0, int(event.get("reserved") or 0)),
+        ttft_ms=event.get("ttft_ms"),
+        latency_ms=float(event.get("latency_ms") or 0.0),
+    )
+
+
+def _rollups(rows: list[UsageEvent], truncate: Callable[[datetime], datetime]) -> dict:
+    groups: dict[tuple, dict[str, float]] = defaultdict(lambda: dict.fromkeys(_COUNTERS, 0))
+    maxima: dict[tuple, float] = defaultdict(float)
+    for row in rows:
+        if row.tenant_id is None:
+            continue
+        key = (truncate(row.created_at), row.tenant_id, row.model)
+        g = groups[key]
+        g["requests"] += 1
+        g["errors"] += row.status_code >= 400
+        g["rate_limited"] += row.status_code == 429
+        g["prompt_tokens"] += row.prompt_tokens
+        g["completion_tokens"] += row.completion_tokens
+        g["latency_ms_total"] += row.latency_ms
+        if row.ttft_ms is not None:
+            g["ttft_ms_total"] += row.ttft_ms
+            g["ttft_count"] += 1
+        for bound in LATENCY_BUCKETS_MS:
+            if row.latency_ms <= bound:
+                g[f"latency_le_{bound}"] += 1
+                break
+        maxima[key] = max(maxima[key], row.latency_ms)
+    return {key: (counters, maxima[key]) for key, counters in groups.items()}
+
+
+def _upsert(model: type, groups: dict) -> None:
+    if not groups:
+        return
+    qn = connection.ops.quote_name
+    table = qn(model._meta.db_table)
+    columns = ["bucket", "tenant_id", "model", *_COUNTERS, "latency_ms_max"]
+    greatest = "GREATEST" if connection.vendor == "postgresql" else "MAX"
+    updates = [f"{qn(c)} = {table}.{qn(c)} + EXCLUDED.{qn(c)}" for c in _COUNTERS]
+    updates.append(
+        f"{qn('latency_ms_max')} = {greatest}({table}.{qn('latency_ms_max')}, "
+        f"EXCLUDED.{qn('latency_ms_max')})"
+    )
+    sql = (
+        f"INSERT INTO {table} ({', '.join(qn(c) for c in columns)}) "
+        f"VALUES ({', '.join(['%s'] * len(columns))}) "
+        f"ON CONFLICT ({qn('bucket')}, {qn('tenant_id')}, {qn('model')}) "
+        f"DO UPDATE SET {', '.join(updates)}"
+    )
+    params = []
+    for (bucket, tenant_id, name), (counters, latency_max) in groups.items():
+        params.append([
+            connection.ops.adapt_datetimefield_value(bucket), tenant_id, name,
+            *(counters[c] for c in _COUNTERS), latency_max,
+        ])
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, params)
+
+
+def persist(events: list[dict[str, Any]]) -> int:
+    """Store events not stored yet, their rollups and keys' last use, in one transaction.
+    Returns how many were new."""
+    rows: dict[str, UsageEvent] = {}
+    for event in events:
+        row = _event_row(event)
+        rows.setdefault(row.request_id, row)
+    with transaction.atomic():
+        existing = set(
+            UsageEvent.objects.filter(request_id__in=list(rows)).values_list(
+                "request_id", flat=True
+            )
+        )
+        new = [row for rid, row in rows.items() if rid not in existing]
+        UsageEvent.objects.bulk_create(new, batch_size=1000)
+        _upsert(UsageMinute, _rollups(new, lambda d: d.replace(second=0, microsecond=0)))
+        _upsert(UsageHour, _rollups(new, lambda d: d.replace(minute=0, second=0, microsecond=0)))
+        last_used: dict[int, datetime] = {}
+        for row in new:
+            if row.api_key_id and row.status_code < 400:
+                last_used[row.api_key_id] = max(last_used.get(row.api_key_id, row.created_at),
+                                                row.created_at)
+        for key_id, at in last_used.items():
+            ApiKey.objects.filter(pk=key_id).filter(
+                Q(last_used_at__isnull=True) | Q(last_used_at__lt=at)
+            ).update(last_used_at=at)
+    return len(new)
+
+
+class UsageWriter:
+    """Moves events from the stream to the database, one batch per `run_once()`."""
+
+    def __init__(
+        self,
+        client: redis.Redis | None = None,
+        *,
+        stream: str | None = None,
+        group: str | None = None,
+        consumer: str | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        self.redis = client or redis.Redis.from_url(
+            settings.GATEWAY_REDIS_URL, socket_timeout=10.0, socket_connect_timeout=5.0
+        )
+        self.stream = stream or settings.GATEWAY_USAGE_STREAM
+        self.group = group or settings.GATEWAY_USAGE_GROUP
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.batch_size = batch_size or settings.GATEWAY_USAGE_BATCH_SIZE
+        self._group_ready = False
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            # From the stream's start: events appended before any writer existed count too.
+            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _next_batch(self, block_ms: int) -> list[tuple[bytes, dict]]:
+        # 1. Our own pending entries (read before, not stored yet: the database was down).
+        got = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: "0"}, count=self.batch_size
+        )
+        entries = got[0][1] if got else []
+        if entries:
+            return entries
+        # 2. Entries left pending by a writer that died.
+        claimed = self.redis.xautoclaim(
+            self.stream, self.group, self.consumer, CLAIM_IDLE_MS, "0-0", count=self.batch_size
+        )
+        if claimed and claimed[1]:
+            return [e for e in claimed[1] if e and e[1] is not None]
+        # 3. New entries.
+        got = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=self.batch_size,
+            block=block_ms or None,
+        )
+        return got[0][1] if got else []
+
+    def run_once(self, block_ms: int = 1000) -> int:
+        """Persist one batch; returns the number of stream entries handled. Raises on a
+        database error (the entries stay pending and are retried)."""
+        self._ensure_group()
+        entries = self._next_batch(block_ms)
+        if not entries:
+            return 0
+        ids = [entry_id for entry_id, _ in entries]
+        events = []
+        for entry_id, fields in entries:
+            try:
+                events.append(json.loads(fields[b"e"]))
+            except (KeyError, ValueError, TypeError):
+                log.error("dropping malformed usage entry %s: %r", entry_id, fields)
+        try:
+            persist(events)
+        except (OperationalError, InterfaceError):
+            connection.close()  # reconnect next time
+            raise
+        except DatabaseError:
+            connection.close()
+            self._persist_one_by_one(events)
+        self.redis.xack(self.stream, self.group, *ids)
+        self.redis.xdel(self.stream, *ids)
+        return len(entries)
+
+    def _persist_one_by_one(self, events: list[dict[str, Any]]) -> None:
+        """A batch the database refuses (not a connection problem): keep every good event."""
+        for event in events:
+            try:
+                persist([event])
+            except (OperationalError, InterfaceError):
+                connection.close()
+                raise
+            except (DatabaseError, ValueError, TypeError) as exc:
+                connection.close()
+                log.error("dropping usage event the database refuses: %r (%s)", event, exc)
+
+    def drain(self, max_seconds: float = 50.0) -> int:
+        """Persist until the stream is empty or time is up (the periodic task's body)."""
+        deadline = time.monotonic() + max_seconds
+        total = 0
+        while time.monotonic() < deadline:
+            handled = self.run_once(block_ms=0)
+            total += handled
+            if handled == 0:
+                break
+        return total
+
+    def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """The writer loop: batches as they come, backing off while the database is down."""
+        backoff = 0.5
+        while not should_stop():
+            try:
+                self.run_once(block_ms=1000)
+                backoff = 0.5
+            except (OperationalError, InterfaceError, redis.RedisError) as exc:
+                log.warning("usage writer waiting (%s); retrying in %.1fs", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)

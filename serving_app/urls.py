@@ -1,0 +1,57 @@
+"""The admin console's URLs (namespace ``console``), mounted at the site root."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+
+from serving_app import views
+
+app_name = "console"
+
+urlpatterns = [
+    path("", views.OverviewView.as_view(), name="overview"),
+    path("overview/deployments/", views.OverviewDeploymentsPartial.as_view(),
+         name="overview-deployments"),
+    path("login/", views.LoginView.as_view(), name="login"),
+    path("logout/", views.LogoutView.as_view(), name="logout"),
+    # tenants
+    path("tenants/", views.TenantListView.as_view(), name="tenant-list"),
+    path("tenants/new/", views.TenantCreateView.as_view(), name="tenant-create"),
+    path("tenants/<slug:slug>/", views.TenantDetailView.as_view(), name="tenant-detail"),
+    path("tenants/<slug:slug>/edit/", views.TenantUpdateView.as_view(), name="tenant-edit"),
+    # base models
+    path("models/", views.BaseModelListView.as_view(), name="basemodel-list"),
+    path("models/new/", views.BaseModelCreateView.as_view(), name="basemodel-create"),
+    path("models/<int:pk>/", views.BaseModelDetailView.as_view(), name="basemodel-detail"),
+    path("models/<int:pk>/edit/", views.BaseModelUpdateView.as_view(), name="basemodel-edit"),
+    # adapters
+    path("adapters/", views.AdapterListView.as_view(), name="loraadapter-list"),
+    path("adapters/new/", views.AdapterCreateView.as_view(), name="loraadapter-create"),
+    path("adapters/<int:pk>/", views.AdapterDetailView.as_view(), name="loraadapter-detail"),
+    path("adapters/<int:pk>/edit/", views.AdapterUpdateView.as_view(), name="loraadapter-edit"),
+    # deployments
+    path("deployments/", views.DeploymentListView.as_view(), name="deployment-list"),
+    path("deployments/new/", views.DeploymentCreateView.as_view(), name="deployment-create"),
+    path("deployments/plan/", views.DeploymentPlanView.as_view(), name="deployment-plan-new"),
+    path("deployments/<int:pk>/", views.DeploymentDetailView.as_view(),
+         name="deployment-detail"),
+    path("deployments/<int:pk>/edit/", views.DeploymentUpdateView.as_view(),
+         name="deployment-edit"),
+    path("deployments/<int:pk>/plan/", views.DeploymentPlanView.as_view(),
+         name="deployment-plan-edit"),
+    path("deployments/<int:pk>/instances/", views.DeploymentInstancesPartial.as_view(),
+         name="deployment-instances"),
+    path("deployments/<int:pk>/scale/", views.DeploymentScaleView.as_view(),
+         name="deployment-scale"),
+    re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",
+            views.DeploymentActionView.as_view(), name="deployment-action"),
+    # instances
+    path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
+    path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),
+    # audit log and dashboards
+    path("audit/", views.AuditLogView.as_view(), name="audit-log"),
+    re_path(r"^dashboards/(?P<name>usage|latency|gpus)/$", views.DashboardView.as_view(),
+            name="dashboard"),
+    re_path(r"^dashboards/(?P<name>usage|latency|gpus)/data/$",
+            views.DashboardDataView.as_view(), name="dashboard-data"),
+]

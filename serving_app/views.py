@@ -1,0 +1,656 @@
+"""The admin console's pages (platform admins only): overview, tenants, models, adapters,
+deployments with their plan and actions, instances and their logs, the audit log, dashboards.
+
+Views are thin: they parse input, call one model method (or the placement service), write the
+audit entry (`via="ui"`) and render. Signing in lives here too; tenant users land in the portal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth import views as auth_views
+from django.contrib.auth.mixins import AccessMixin
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Count, Prefetch, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
+from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
+from django.urls import reverse, reverse_lazy
+from django.views import View
+from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
+
+from serving_app import audit
+from serving_app.dashboards import figures, panels, queries
+from serving_app.forms import (
+    AuditFilterForm,
+    BaseModelForm,
+    DeploymentForm,
+    LoraAdapterForm,
+    ScaleForm,
+    TenantForm,
+)
+from serving_app.lifecycle import deployment_changed
+from serving_app.models import AuditLog, BaseModel, Deployment, Instance, LoraAdapter, Node
+from serving_app.placement import service
+from tenants_app.models import Tenant
+
+LOG_TAIL_BYTES = 64 * 1024
+VIA = "ui"
+
+
+def is_htmx(request: HttpRequest) -> bool:
+    return request.headers.get("HX-Request") == "true"
+
+
+# ----------------------------------------------------------------------------- sign in
+
+
+class LoginView(auth_views.LoginView):
+    """One sign-in page: platform admins go to the console, tenant users to the portal."""
+
+    template_name = "serving_app/login.html"
+    redirect_authenticated_user = True
+
+    def get_default_redirect_url(self) -> str:
+        if self.request.user.is_staff:
+            return reverse("console:overview")
+        return reverse("portal:home")
+
+
+class LogoutView(auth_views.LogoutView):
+    next_page = reverse_lazy("console:login")
+
+
+class StaffRequiredMixin(AccessMixin):
+    """Signed-out visitors go to the sign-in page; signed-in non-staff users get 403."""
+
+    login_url = reverse_lazy("console:login")
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if not request.user.is_authenticated:
+            return self.handle_no_permission()
+        if not request.user.is_staff:
+            raise PermissionDenied("The console is for platform admins; tenants use the portal.")
+        return super().dispatch(request, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- overview
+
+GIB = 2**30
+
+
+def gpu_display(row: dict[str, Any]) -> dict[str, Any]:
+    """An `allocation()` row with the GiB figures and bar widths the templates show."""
+    total = row["memory_total_bytes"] or 1
+    owned = sum(p["reserved_bytes"] for p in row["by_deployment"])
+    other = min(row["unmanaged_bytes"], max(total - owned, 0))
+    row.update(
+        total_gib=row["memory_total_bytes"] / GIB,
+        reserved_gib=owned / GIB,
+        free_gib=row["free_bytes"] / GIB,
+        unmanaged_gib=other / GIB,
+        reserved_pct=round(100 * owned / total, 1),
+        unmanaged_pct=round(100 * other / total, 1),
+    )
+    for part in (*row["by_deployment"], *row["by_tenant"]):
+        part["reserved_gib"] = part["reserved_bytes"] / GIB
+    return row
+
+
+def _deployments_with_instances() -> QuerySet[Deployment]:
+    active = Instance.objects.select_related("node").prefetch_related("gpus").order_by("ordinal")
+    return (
+        Deployment.objects.select_related("base_model")
+        .prefetch_related("tenants", Prefetch("instances", queryset=active))
+        .order_by("name")
+    )
+
+
+def _state_counts(deployment: Deployment) -> list[tuple[str, int]]:
+    counts = Counter(i.state for i in deployment.instances.all())
+    return sorted(counts.items())
+
+
+class OverviewView(StaffRequiredMixin, TemplateView):
+    template_name = "serving_app/overview.html"
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        allocation = service.allocation()
+        nodes = list(Node.objects.annotate(gpu_count=Count("gpus")).order_by("name"))
+        gpus_by_node: dict[str, list[dict]] = {}
+        for row in allocation:
+            gpus_by_node.setdefault(row["node"], []).append(gpu_display(row))
+        cpu_load = dict(
+            Instance.objects.active().filter(node__isnull=False).order_by().values("node_id")
+            .annotate(n=Count("id")).values_list("node_id", "n")
+        )
+        node_rows = [
+            {"node": n, "gpus": gpus_by_node.get(n.name, []), "instances": cpu_load.get(n.pk, 0)}
+            for n in nodes
+        ]
+        deployments = list(_deployments_with_instances())
+        load = queries.current_load()
+        month = queries.month_used_tokens()
+        tenants = list(Tenant.objects.annotate(n_deployments=Count("deployments")))
+        tenant_rows = []
+        for tenant in tenants:
+            used = month.get(tenant.pk, 0)
+            budget = tenant.monthly_token_budget
+            pct = round(100 * used / budget, 1) if budget else None
+            tenant_rows.append({
+                "tenant": tenant,
+                "load": load.get(tenant.pk, {}),
+                "month_tokens": used,
+                "budget_pct": pct,
+                "budget_bar": min(pct, 100) if pct is not None else None,
+            })
+        instances = [i for d in deployments for i in d.instances.all()]
+        context.update(
+            nodes=node_rows,
+            deployments=[(d, _state_counts(d)) for d in deployments],
+            tenants=tenant_rows,
+            summary={
+                "nodes_ready": sum(1 for n in nodes if n.state == "ready"),
+                "nodes": len(nodes),
+                "gpus": len(allocation),
+                "running": sum(1 for d in deployments if d.desired_state == "running"),
+                "deployments": len(deployments),
+                "instances_ready": sum(1 for i in instances if i.state == Instance.State.READY),
+                "instances": sum(1 for i in instances if i.state != Instance.State.STOPPED),
+                "rpm": round(sum(v.get("rpm", 0) for v in load.values()), 1),
+            },
+        )
+        return context
+
+
+class OverviewDeploymentsPartial(StaffRequiredMixin, View):
+    """The overview's deployment table, re-fetched by HTMX polling."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        deployments = [(d, _state_counts(d)) for d in _deployments_with_instances()]
+        return render(request, "serving_app/_overview_deployments.html",
+                      {"deployments": deployments})
+
+
+# ----------------------------------------------------------------------------- generic CRUD
+
+
+class AuditedCreateView(StaffRequiredMixin, CreateView):
+    template_name = "serving_app/object_form.html"
+    noun = ""
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context.update(noun=self.noun, cancel_url=self.cancel_url())
+        return context
+
+    def cancel_url(self) -> str:
+        return reverse(f"console:{self.model._meta.model_name}-list")
+
+    def extra_fields(self) -> dict[str, Any]:
+        return {}
+
+    def form_valid(self, form: Any) -> HttpResponse:
+        for name, value in self.extra_fields().items():
+            setattr(form.instance, name, value)
+        self.object = form.save()
+        audit.record(self.request, "create", self.object, changes=audit.snapshot(self.object),
+                     via=VIA)
+        messages.success(self.request, f"{self.noun.capitalize()} {self.object} created.")
+        return redirect(self.get_success_url())
+
+
+class AuditedUpdateView(StaffRequiredMixin, UpdateView):
+    template_name = "serving_app/object_form.html"
+    noun = ""
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context.update(noun=self.noun, cancel_url=self.object.get_absolute_url()
+                       if hasattr(self.object, "get_absolute_url") else self.get_success_url())
+        return context
+
+    def form_valid(self, form: Any) -> HttpResponse:
+        # The form already wrote the new values into self.object while validating.
+        before = audit.snapshot(type(self.object).objects.get(pk=self.object.pk))
+        self.object = form.save()
+        changes = audit.diff(before, audit.snapshot(self.object))
+        audit.record(self.request, "update", self.object, changes=changes, via=VIA)
+        self.after_update(self.object)
+        messages.success(self.request, f"{self.noun.capitalize()} {self.object} saved.")
+        return redirect(self.get_success_url())
+
+    def after_update(self, obj: Any) -> None:
+        """Hook for the follow-up work a change needs."""
+
+
+# ----------------------------------------------------------------------------- tenants
+
+
+class TenantListView(StaffRequiredMixin, ListView):
+    template_name = "serving_app/tenant_list.html"
+
+    def get_queryset(self) -> QuerySet[Tenant]:
+        return Tenant.objects.annotate(
+            n_members=Count("memberships", distinct=True),
+            n_deployments=Count("deployments", distinct=True),
+        ).order_by("slug")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["month"] = queries.month_used_tokens()
+        return context
+
+
+class TenantDetailView(StaffRequiredMixin, DetailView):
+    template_name = "serving_app/tenant_detail.html"
+    slug_field = "slug"
+    queryset = Tenant.objects.all()
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        tenant = self.object
+        used = queries.month_used_tokens([tenant.pk]).get(tenant.pk, 0)
+        context.update(
+            memberships=tenant.memberships.select_related("user").order_by("role"),
+            keys=tenant.api_keys.all()[:20],
+            adapters=tenant.adapters.select_related("base_model"),
+            deployments=tenant.deployments.select_related("base_model"),
+            month_tokens=used,
+            budget_pct=round(100 * used / tenant.monthly_token_budget, 1)
+            if tenant.monthly_token_budget else None,
+            load=queries.current_load().get(tenant.pk, {}),
+        )
+        return context
+
+
+class TenantCreateView(AuditedCreateView):
+    model = Tenant
+    form_class = TenantForm
+    noun = "tenant"
+
+    def get_success_url(self) -> str:
+        return reverse("console:tenant-detail", args=[self.object.slug])
+
+
+class TenantUpdateView(AuditedUpdateView):
+    model = Tenant
+    form_class = TenantForm
+    noun = "tenant"
+    slug_field = "slug"
+
+    def get_success_url(self) -> str:
+        return reverse("console:tenant-detail", args=[self.object.slug])
+
+
+# ----------------------------------------------------------------------------- base models
+
+
+class BaseModelListView(StaffRequiredMixin, ListView):
+    template_name = "serving_app/basemodel_list.html"
+
+    def get_queryset(self) -> QuerySet[BaseModel]:
+        return BaseModel.objects.annotate(
+            n_adapters=Count("adapters", distinct=True),
+            n_deployments=Count("deployments", distinct=True),
+        )
+
+
+class BaseModelDetailView(StaffRequiredMixin, DetailView):
+    template_name = "serving_app/basemodel_detail.html"
+    queryset = BaseModel.objects.all()
+
+
+class BaseModelCreateView(AuditedCreateView):
+    model = BaseModel
+    form_class = BaseModelForm
+    noun = "base model"
+
+    def get_success_url(self) -> str:
+        return reverse("console:basemodel-detail", args=[self.object.pk])
+
+
+class BaseModelUpdateView(AuditedUpdateView):
+    model = BaseModel
+    form_class = BaseModelForm
+    noun = "base model"
+
+    def get_success_url(self) -> str:
+        return reverse("console:basemodel-detail", args=[self.object.pk])
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+class AdapterListView(StaffRequiredMixin, ListView):
+    template_name = "serving_app/adapter_list.html"
+
+    def get_queryset(self) -> QuerySet[LoraAdapter]:
+        return LoraAdapter.objects.select_related("tenant", "base_model").annotate(
+            n_deployments=Count("deployments")
+        )
+
+
+class AdapterDetailView(StaffRequiredMixin, DetailView):
+    template_name = "serving_app/adapter_detail.html"
+    queryset = LoraAdapter.objects.select_related("tenant", "base_model")
+
+
+class AdapterCreateView(AuditedCreateView):
+    model = LoraAdapter
+    form_class = LoraAdapterForm
+    noun = "adapter"
+
+    def get_success_url(self) -> str:
+        return reverse("console:loraadapter-detail", args=[self.object.pk])
+
+
+class AdapterUpdateView(AuditedUpdateView):
+    model = LoraAdapter
+    form_class = LoraAdapterForm
+    noun = "adapter"
+
+    def get_success_url(self) -> str:
+        return reverse("console:loraadapter-detail", args=[self.object.pk])
+
+
+# ----------------------------------------------------------------------------- deployments
+
+
+class DeploymentListView(StaffRequiredMixin, ListView):
+    template_name = "serving_app/deployment_list.html"
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        return _deployments_with_instances()
+
+
+class DeploymentDetailView(StaffRequiredMixin, DetailView):
+    template_name = "serving_app/deployment_detail.html"
+
+    def get_queryset(self) -> QuerySet[Deployment]:
+        return _deployments_with_instances().prefetch_related("adapters__tenant")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["scale_form"] = ScaleForm(initial={"replicas": self.object.replicas})
+        context["instances"] = list(self.object.instances.all())
+        context["deployment"] = self.object
+        return context
+
+
+class DeploymentFormMixin:
+    template_name = "serving_app/deployment_form.html"
+    model = Deployment
+    form_class = DeploymentForm
+    noun = "deployment"
+
+    def get_success_url(self) -> str:
+        return reverse("console:deployment-detail", args=[self.object.pk])
+
+
+class DeploymentCreateView(DeploymentFormMixin, AuditedCreateView):
+    def extra_fields(self) -> dict[str, Any]:
+        return {"created_by": self.request.user}
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["plan_url"] = reverse("console:deployment-plan-new")
+        return context
+
+
+class DeploymentUpdateView(DeploymentFormMixin, AuditedUpdateView):
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["plan_url"] = reverse("console:deployment-plan-edit", args=[self.object.pk])
+        context["cancel_url"] = reverse("console:deployment-detail", args=[self.object.pk])
+        return context
+
+    def after_update(self, obj: Deployment) -> None:
+        deployment_changed(obj.pk)
+
+
+class DeploymentPlanView(StaffRequiredMixin, View):
+    """The memory plan and placement of the form's (unsaved) values: `dry_run`, nothing saved."""
+
+    def post(self, request: HttpRequest, pk: int | None = None) -> HttpResponse:
+        instance = get_object_or_404(Deployment, pk=pk) if pk else None
+        form = DeploymentForm(request.POST, instance=instance)
+        context: dict[str, Any] = {"form": form, "plan": None}
+        if form.is_valid():
+            tenants, adapters = form.relations()
+            context["plan"] = _plan_view(
+                service.dry_run(form.instance, tenants=tenants, adapters=adapters)
+            )
+        return render(request, "serving_app/_plan.html", context)
+
+    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
+        deployment = get_object_or_404(Deployment.objects.select_related("base_model"), pk=pk)
+        return render(request, "serving_app/_plan.html",
+                      {"plan": _plan_view(service.dry_run(deployment)), "saved": True})
+
+
+def _plan_view(plan: dict[str, Any]) -> dict[str, Any]:
+    """Add GiB figures to a dry run for the template."""
+    memory = plan.get("memory")
+    if memory:
+        plan["memory_rows"] = [
+            (label, memory[key] / GIB)
+            for label, key in (
+                ("Weights (per GPU)", "weight_bytes"),
+                ("KV cache", "kv_cache_bytes"),
+                ("LoRA slots", "lora_bytes"),
+                ("Activations", "activation_bytes"),
+                ("Runtime overhead", "runtime_overhead_bytes"),
+            )
+        ]
+    for placement in plan.get("placements", []):
+        reserved = placement.get("reserved_bytes_per_gpu")
+        placement["reserved_gib"] = reserved / GIB if reserved else None
+    return plan
+
+
+class DeploymentActionView(StaffRequiredMixin, View):
+    """Start, stop or restart: record the desired state, audit, then reconcile after commit."""
+
+    def post(self, request: HttpRequest, pk: int, action: str) -> HttpResponse:
+        deployment = get_object_or_404(Deployment, pk=pk)
+        if action == "start" or action == "stop":
+            state = (
+                Deployment.DesiredState.RUNNING if action == "start"
+                else Deployment.DesiredState.STOPPED
+            )
+            before = deployment.desired_state
+            changed = deployment.set_desired_state(state)
+            changes = {"desired_state": [before, state]} if changed else {}
+        elif action == "restart":
+            before = deployment.generation
+            deployment.request_restart()
+            deployment.set_desired_state(Deployment.DesiredState.RUNNING)
+            changes = {"generation": [before, deployment.generation]}
+        else:
+            raise Http404(f"Unknown action {action!r}.")
+        audit.record(request, action, deployment, changes=changes, via=VIA)
+        deployment_changed(deployment.pk)
+        note = {"start": "Starting", "stop": "Stopping", "restart": "Restarting"}[action]
+        return _after_action(request, deployment, f"{note} {deployment.name}.")
+
+
+class DeploymentScaleView(StaffRequiredMixin, View):
+    def post(self, request: HttpRequest, pk: int) -> HttpResponse:
+        deployment = get_object_or_404(Deployment, pk=pk)
+        form = ScaleForm(request.POST)
+        if not form.is_valid():
+            error = "; ".join(e for errs in form.errors.values() for e in errs)
+            return _after_action(request, deployment, f"Not scaled: {error}", level="error")
+        before = deployment.replicas
+        try:
+            deployment.scale_to(form.cleaned_data["replicas"])
+        except ValidationError as exc:
+            return _after_action(request, deployment, f"Not scaled: {exc.messages[0]}",
+                                 level="error")
+        audit.record(request, "scale", deployment,
+                     changes={"replicas": [before, deployment.replicas]}, via=VIA)
+        deployment_changed(deployment.pk)
+        return _after_action(request, deployment,
+                             f"Scaling {deployment.name} to {deployment.replicas}.")
+
+
+def _after_action(
+    request: HttpRequest, deployment: Deployment, note: str, level: str = "success"
+) -> HttpResponse:
+    if is_htmx(request):
+        deployment = _deployments_with_instances().get(pk=deployment.pk)
+        return render(request, "serving_app/_instances.html", {
+            "deployment": deployment, "instances": list(deployment.instances.all()),
+            "note": note, "level": level,
+        })
+    getattr(messages, level)(request, note)
+    return redirect("console:deployment-detail", pk=deployment.pk)
+
+
+class DeploymentInstancesPartial(StaffRequiredMixin, View):
+    """The instance-state panel, polled by the deployment page while anything moves."""
+
+    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
+        deployment = get_object_or_404(_deployments_with_instances(), pk=pk)
+        return render(request, "serving_app/_instances.html",
+                      {"deployment": deployment, "instances": list(deployment.instances.all())})
+
+
+# ----------------------------------------------------------------------------- instances
+
+
+def log_tail(instance: Instance, limit: int = LOG_TAIL_BYTES) -> str:
+    """The engine's log: the file's last bytes when this host can read it, else the tail the
+    node agent stored on the row."""
+    if instance.log_path:
+        path = Path(instance.log_path)
+        try:
+            with path.open("rb") as handle:
+                handle.seek(0, 2)
+                size = handle.tell()
+                handle.seek(max(size - limit, 0))
+                data = handle.read().decode("utf-8", "replace")
+            if size > limit:
+                data = data.split("\n", 1)[-1]
+            return data
+        except OSError:
+            pass
+    return instance.log_tail
+
+
+class InstanceDetailView(StaffRequiredMixin, DetailView):
+    template_name = "serving_app/instance_detail.html"
+    queryset = Instance.objects.select_related("deployment", "node").prefetch_related("gpus")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        command = list(self.object.command)
+        for i, arg in enumerate(command[:-1]):
+            if arg == "--api-key":
+                command[i + 1] = "********"
+        context.update(command=" ".join(command), log=log_tail(self.object))
+        return context
+
+
+class InstanceLogPartial(StaffRequiredMixin, View):
+    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
+        instance = get_object_or_404(Instance, pk=pk)
+        return render(request, "serving_app/_log.html",
+                      {"instance": instance, "log": log_tail(instance)})
+
+
+# ----------------------------------------------------------------------------- audit log
+
+
+class AuditLogView(StaffRequiredMixin, ListView):
+    template_name = "serving_app/audit_log.html"
+    paginate_by = 50
+
+    def get_queryset(self) -> QuerySet[AuditLog]:
+        qs = AuditLog.objects.for_user(self.request.user).select_related("tenant")
+        self.filter_form = AuditFilterForm(self.request.GET or None)
+        if self.filter_form.is_valid():
+            data = self.filter_form.cleaned_data
+            if data["action"]:
+                qs = qs.filter(action=data["action"])
+            if data["object_type"]:
+                qs = qs.filter(object_type__icontains=data["object_type"])
+            if data["actor"]:
+                qs = qs.filter(actor_label=data["actor"])
+            if data["tenant"]:
+                qs = qs.filter(tenant=data["tenant"])
+        return qs
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["filter_form"] = self.filter_form
+        query = self.request.GET.copy()
+        query.pop("page", None)
+        context["query"] = query.urlencode()
+        return context
+
+
+# ----------------------------------------------------------------------------- dashboards
+
+DASHBOARDS = {
+    "usage": ("Usage", "serving_app/_usage_tables.html"),
+    "latency": ("Latency", "serving_app/_latency_tables.html"),
+    "gpus": ("GPU allocation", "serving_app/_gpu_tables.html"),
+}
+
+
+def dashboard_payload(
+    request: HttpRequest, name: str, tenant_ids: list[int] | None = None
+) -> HttpResponse:
+    """The JSON a dashboard page polls: plotly figures plus its tables as HTML."""
+    trange = queries.get_range(request.GET.get("range"))
+    if name == "usage":
+        panel = panels.usage_panel(trange, tenant_ids)
+    elif name == "latency":
+        panel = panels.latency_panel(trange, tenant_ids, request.GET.get("model") or None)
+    else:
+        panel = panels.gpu_panel(trange)
+    tables = render_to_string(DASHBOARDS[name][1], {**panel, "range": trange,
+                                                    "portal": tenant_ids is not None},
+                              request=request)
+    body = figures.to_json({"figures": panel["figures"], "tables": tables,
+                            "range": trange.key})
+    return HttpResponse(body, content_type="application/json")
+
+
+class DashboardView(StaffRequiredMixin, TemplateView):
+    template_name = "serving_app/dashboard.html"
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        name = self.kwargs["name"]
+        trange = queries.get_range(self.request.GET.get("range"))
+        context.update(
+            name=name,
+            title=DASHBOARDS[name][0],
+            ranges=queries.RANGES.values(),
+            range=trange,
+            data_url=reverse("console:dashboard-data", args=[name]),
+            models=queries.models_in_range(trange) if name == "latency" else [],
+            model=self.request.GET.get("model", ""),
+            charts=CHARTS[name],
+        )
+        return context
+
+
+CHARTS = {
+    "usage": ["requests", "tokens"],
+    "latency": ["percentiles", "p95", "ttft", "errors"],
+    "gpus": ["by_deployment", "by_tenant", "utilization", "memory"],
+}
+
+
+class DashboardDataView(StaffRequiredMixin, View):
+    def get(self, request: HttpRequest, name: str) -> HttpResponse:
+        return dashboard_payload(request, name)

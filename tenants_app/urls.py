@@ -1,0 +1,28 @@
+"""The tenant portal's URLs (namespace ``portal``), mounted at ``/portal/``."""
+
+from __future__ import annotations
+
+from django.urls import path, re_path
+
+from tenants_app import views
+
+app_name = "portal"
+
+urlpatterns = [
+    path("", views.PortalHomeView.as_view(), name="home"),
+    path("<slug:slug>/", views.TenantHomeView.as_view(), name="tenant-home"),
+    re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/$",
+            views.TenantDashboardView.as_view(), name="dashboard"),
+    re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/data/$",
+            views.TenantDashboardDataView.as_view(), name="dashboard-data"),
+    path("<slug:slug>/keys/", views.ApiKeysView.as_view(), name="keys"),
+    path("<slug:slug>/keys/<int:pk>/revoke/", views.ApiKeyRevokeView.as_view(),
+         name="key-revoke"),
+    path("<slug:slug>/adapters/", views.AdaptersView.as_view(), name="adapters"),
+    path("<slug:slug>/models/", views.ModelsView.as_view(), name="models"),
+    path("<slug:slug>/playground/", views.PlaygroundView.as_view(), name="playground"),
+    path("<slug:slug>/playground/key/", views.PlaygroundKeyView.as_view(),
+         name="playground-key"),
+    path("<slug:slug>/members/", views.MembersView.as_view(), name="members"),
+    path("<slug:slug>/members/<int:pk>/", views.MemberChangeView.as_view(), name="member"),
+]

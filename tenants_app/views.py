@@ -1,0 +1,382 @@
+"""The tenant portal (`/portal/`): one tenant's own view for its users.
+
+Every page under `/portal/<slug>/` finds the tenant through `Tenant.objects.for_user()`, so
+another tenant's pages answer 404; changes need the owner or admin role (403 otherwise), and an
+owner is made, demoted or removed only by an owner, as in the management API. Writes leave an
+audit entry (`via="ui"`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.mixins import AccessMixin
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse, reverse_lazy
+from django.utils import timezone
+from django.views import View
+from django.views.generic import TemplateView
+
+from serving_app import audit
+from serving_app.dashboards import queries
+from serving_app.gateway import invalidation as gateway_invalidation
+from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.views import CHARTS, dashboard_payload
+from tenants_app.forms import (
+    AdapterPathForm,
+    AdapterUploadForm,
+    ApiKeyForm,
+    MemberAddForm,
+    MemberRoleForm,
+)
+from tenants_app.models import MANAGER_ROLES, ApiKey, Membership, Role, Tenant
+
+VIA = "ui"
+PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
+
+
+class PortalAccessMixin(AccessMixin):
+    login_url = reverse_lazy("console:login")
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if not request.user.is_authenticated:
+            return self.handle_no_permission()
+        return super().dispatch(request, *args, **kwargs)
+
+
+class PortalHomeView(PortalAccessMixin, TemplateView):
+    """Pick a tenant (a user in one tenant goes straight to it)."""
+
+    template_name = "tenants_app/pick.html"
+
+    def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        tenants = list(Tenant.objects.for_user(request.user).order_by("name"))
+        if len(tenants) == 1:
+            return redirect("portal:tenant-home", slug=tenants[0].slug)
+        roles = dict(request.user.memberships.values_list("tenant_id", "role"))
+        return render(request, self.template_name,
+                      {"choices": [(t, roles.get(t.pk, "platform")) for t in tenants]})
+
+
+class TenantMixin(PortalAccessMixin):
+    """Resolves `slug` among the user's tenants (404 for any other) and the user's role."""
+
+    section = ""
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if not request.user.is_authenticated:
+            return self.handle_no_permission()
+        self.tenant = get_object_or_404(Tenant.objects.for_user(request.user), slug=kwargs["slug"])
+        self.role = self.tenant.role_of(request.user)
+        return super().dispatch(request, *args, **kwargs)
+
+    @property
+    def can_manage(self) -> bool:
+        return self.role in ("platform", *MANAGER_ROLES)
+
+    def require_manager(self) -> None:
+        if not self.can_manage:
+            raise PermissionDenied("Your role in this tenant does not allow this change.")
+
+    def portal_context(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "role": self.role,
+            "can_manage": self.can_manage,
+            "section": self.section,
+            "other_tenants": Tenant.objects.for_user(self.request.user).exclude(pk=self.tenant.pk)
+            .count(),
+            **extra,
+        }
+
+    def render(self, template: str, status: int = 200, **extra: Any) -> HttpResponse:
+        return render(self.request, template, self.portal_context(**extra), status=status)
+
+
+def catalog(tenant: Tenant) -> list[dict[str, Any]]:
+    """The public model names a tenant may call, as the gateway's catalog builds them: the base
+    model of each deployment serving it, and its own adapters attached to those deployments."""
+    deployments = (
+        Deployment.objects.for_tenant(tenant).select_related("base_model")
+        .prefetch_related("adapters").order_by("name")
+    )
+    ready = {
+        row["deployment_id"]: row["n"]
+        for row in Instance.objects.filter(deployment__in=deployments, state=Instance.State.READY)
+        .order_by().values("deployment_id").annotate(n=Count("id"))
+    }
+    names: dict[str, dict[str, Any]] = {}
+    for dep in deployments:
+        running = dep.desired_state == Deployment.DesiredState.RUNNING
+        entry = names.setdefault(dep.base_model.name, {
+            "name": dep.base_model.name, "kind": "base model", "parent": None,
+            "running": False, "ready": 0, "context": dep.effective_max_model_len,
+        })
+        entry["running"] |= running
+        entry["ready"] += ready.get(dep.pk, 0)
+        for adapter in dep.adapters.all():
+            if adapter.tenant_id != tenant.pk:
+                continue
+            a = names.setdefault(adapter.name, {
+                "name": adapter.name, "kind": "adapter", "parent": dep.base_model.name,
+                "running": False, "ready": 0, "context": dep.effective_max_model_len,
+            })
+            a["running"] |= running
+            a["ready"] += ready.get(dep.pk, 0)
+    return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))
+
+
+class TenantHomeView(TenantMixin, View):
+    section = "home"
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        tenant = self.tenant
+        used = queries.month_used_tokens([tenant.pk]).get(tenant.pk, 0)
+        budget = tenant.monthly_token_budget
+        pct = round(100 * used / budget, 1) if budget else None
+        day = queries.usage_totals(queries.RANGES["24h"], [tenant.pk])
+        return self.render(
+            "tenants_app/home.html",
+            month_tokens=used,
+            budget_pct=pct,
+            budget_bar=min(pct, 100) if pct is not None else None,
+            remaining=max(budget - used, 0) if budget else None,
+            day=day[0] if day else None,
+            load=queries.current_load().get(tenant.pk, {}),
+            models=catalog(tenant),
+            keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
+        )
+
+
+# ----------------------------------------------------------------------------- dashboards
+
+PORTAL_DASHBOARDS = {"usage": "Usage", "latency": "Latency"}
+
+
+class TenantDashboardView(TenantMixin, View):
+    def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
+        self.section = name
+        trange = queries.get_range(request.GET.get("range"))
+        return self.render(
+            "tenants_app/dashboard.html",
+            name=name,
+            title=PORTAL_DASHBOARDS[name],
+            ranges=queries.RANGES.values(),
+            range=trange,
+            data_url=reverse("portal:dashboard-data", args=[slug, name]),
+            models=queries.models_in_range(trange, [self.tenant.pk]) if name == "latency" else [],
+            model=request.GET.get("model", ""),
+            charts=CHARTS[name],
+        )
+
+
+class TenantDashboardDataView(TenantMixin, View):
+    def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
+        return dashboard_payload(request, name, tenant_ids=[self.tenant.pk])
+
+
+# ----------------------------------------------------------------------------- API keys
+
+
+class ApiKeysView(TenantMixin, View):
+    """List keys; create one (its secret is in this one response only); revoke."""
+
+    section = "keys"
+
+    def keys_page(self, form: ApiKeyForm, status: int = 200, **extra: Any) -> HttpResponse:
+        keys = ApiKey.objects.for_tenant(self.tenant).select_related("created_by")
+        return self.render("tenants_app/keys.html", status=status, form=form, keys=keys, **extra)
+
+    def model_names(self) -> list[str]:
+        return [entry["name"] for entry in catalog(self.tenant)]
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.keys_page(ApiKeyForm(model_names=self.model_names()))
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        form = ApiKeyForm(request.POST, model_names=self.model_names())
+        if not form.is_valid():
+            return self.keys_page(form, status=400)
+        try:
+            key, secret = ApiKey.objects.create_key(
+                tenant=self.tenant, created_by=request.user, **form.key_fields()
+            )
+        except ValidationError as exc:
+            for field, errors in exc.message_dict.items():
+                for error in errors:
+                    form.add_error(field if field in form.fields else None, error)
+            return self.keys_page(form, status=400)
+        audit.record(request, "create", key, changes=audit.snapshot(key), via=VIA)
+        # Rendered, not redirected: the secret must not travel through the session.
+        response = self.keys_page(ApiKeyForm(model_names=self.model_names()), new_key=key,
+                                  secret=secret)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+class ApiKeyRevokeView(TenantMixin, View):
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        key = get_object_or_404(ApiKey.objects.for_tenant(self.tenant), pk=pk)
+        if key.revoke():
+            audit.record(request, "revoke", key,
+                         changes={"revoked_at": [None, str(key.revoked_at)]}, via=VIA)
+            messages.success(request, f"Key {key.name} revoked.")
+        gateway_invalidation.key_changed(key)
+        return redirect("portal:keys", slug=slug)
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+class AdaptersView(TenantMixin, View):
+    section = "adapters"
+
+    def page(self, status: int = 200, **forms: Any) -> HttpResponse:
+        adapters = LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model") \
+            .prefetch_related("deployments")
+        forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
+        forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
+        return self.render("tenants_app/adapters.html", status=status, adapters=adapters, **forms)
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.page()
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        if request.POST.get("source") == "upload":
+            form = AdapterUploadForm(request.POST, request.FILES, tenant=self.tenant)
+            if not form.is_valid():
+                return self.page(status=400, upload_form=form)
+            try:
+                adapter = form.save()
+            except ValidationError:
+                return self.page(status=400, upload_form=form)
+        else:
+            form = AdapterPathForm(request.POST, tenant=self.tenant)
+            if not form.is_valid():
+                return self.page(status=400, path_form=form)
+            adapter = form.save()
+        audit.record(request, "create", adapter, changes=audit.snapshot(adapter), via=VIA)
+        messages.success(request, f"Adapter {adapter.name} registered (rank {adapter.rank}, "
+                                  f"{', '.join(adapter.target_modules)}).")
+        return redirect("portal:adapters", slug=slug)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class ModelsView(TenantMixin, View):
+    section = "models"
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        models = catalog(self.tenant)
+        return self.render("tenants_app/models.html", models=models,
+                           base_url=request.build_absolute_uri("/v1"),
+                           example=models[0]["name"] if models else "MODEL")
+
+
+# ----------------------------------------------------------------------------- playground
+
+
+class PlaygroundView(TenantMixin, View):
+    section = "playground"
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.render("tenants_app/playground.html", models=catalog(self.tenant),
+                           lifetime_minutes=int(PLAYGROUND_KEY_LIFETIME.total_seconds() // 60))
+
+
+class PlaygroundKeyView(TenantMixin, View):
+    """A short-lived key for the playground (owners and admins), returned once as JSON."""
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        now = timezone.now()
+        key, secret = ApiKey.objects.create_key(
+            tenant=self.tenant,
+            name=f"playground {request.user.get_username()} {now:%Y-%m-%d %H:%M:%S.%f}"[:100],
+            expires_at=now + PLAYGROUND_KEY_LIFETIME,
+            created_by=request.user,
+        )
+        audit.record(request, "create", key, changes=audit.snapshot(key), via=VIA)
+        response = JsonResponse({"secret": secret, "prefix": key.prefix,
+                                 "expires_at": key.expires_at.isoformat()})
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+# ----------------------------------------------------------------------------- members
+
+
+class MembersView(TenantMixin, View):
+    section = "members"
+
+    def page(self, form: MemberAddForm | None = None, status: int = 200) -> HttpResponse:
+        memberships = Membership.objects.for_tenant(self.tenant).select_related("user") \
+            .order_by("user__username")
+        return self.render("tenants_app/members.html", status=status, memberships=memberships,
+                           form=form or MemberAddForm(tenant=self.tenant), roles=Role.choices,
+                           is_owner=self.role in ("platform", Role.OWNER))
+
+    def check_owner_grant(self, role: str | None) -> None:
+        if role == Role.OWNER and self.role not in ("platform", Role.OWNER):
+            raise PermissionDenied("Only an owner can make someone an owner.")
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.page()
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        form = MemberAddForm(request.POST, tenant=self.tenant)
+        if not form.is_valid():
+            return self.page(form, status=400)
+        self.check_owner_grant(form.cleaned_data["role"])
+        membership = form.save()
+        audit.record(request, "create", membership, changes=audit.snapshot(membership), via=VIA)
+        messages.success(request, f"{membership.user.username} added as {membership.role}.")
+        return redirect("portal:members", slug=slug)
+
+
+class MemberChangeView(MembersView):
+    """Change a member's role, or remove them (`action=remove`)."""
+
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        membership = get_object_or_404(Membership.objects.for_tenant(self.tenant), pk=pk)
+        if membership.role == Role.OWNER:
+            self.check_owner_grant(Role.OWNER)
+        if request.POST.get("action") == "remove":
+            try:
+                membership.check_deletable()
+            except ValidationError as exc:
+                messages.error(request, exc.messages[0])
+                return redirect("portal:members", slug=slug)
+            audit.record(request, "delete", membership, changes=audit.snapshot(membership),
+                         via=VIA)
+            membership.delete()
+            messages.success(request, f"{membership.user.username} removed.")
+            return redirect("portal:members", slug=slug)
+        form = MemberRoleForm(request.POST)
+        if not form.is_valid():
+            messages.error(request, "Choose a valid role.")
+            return redirect("portal:members", slug=slug)
+        role = form.cleaned_data["role"]
+        self.check_owner_grant(role)
+        before = membership.role
+        membership.role = role
+        try:
+            membership.full_clean()
+        except ValidationError as exc:
+            messages.error(request, "; ".join(exc.messages))
+            return redirect("portal:members", slug=slug)
+        membership.save()
+        audit.record(request, "update", membership, changes={"role": [before, role]}, via=VIA)
+        messages.success(request, f"{membership.user.username} is now {role}.")
+        return redirect("portal:members", slug=slug)

@@ -1,0 +1,140 @@
+"""Browser tests: Playwright (Python) driving Debian's Chromium, headless, against a real
+console server.
+
+The server is uvicorn running the project's ASGI app (`tests/browser/asgi.py`: console.asgi
+plus static files) on the session's test database, so the pages and the gateway under `/v1/`
+share one origin as in production. Tests use `transactional_db`, so what they write is
+committed and the server sees it. Celery tasks the pages enqueue go to a Redis database of
+their own that no worker consumes: no engine starts here (see each test's docstring).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from django.db import connection
+from django.urls import NoReverseMatch, clear_url_caches, reverse
+
+# Playwright's sync API runs an event loop in this thread; the ORM calls the tests make
+# between browser steps are still plain synchronous code.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--disable-gpu"]
+GATEWAY_REDIS_URL = "redis://127.0.0.1:6379/11"
+BROKER_URL = "redis://127.0.0.1:6379/12"
+PASSWORD = "pw-12345678"
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+if not Path(CHROMIUM).exists():
+    pytest.skip("Chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def console_urls(settings):
+    try:
+        reverse("console:overview")
+    except NoReverseMatch:
+        settings.ROOT_URLCONF = "tests.ui.urls"
+        clear_url_caches()
+    yield
+    clear_url_caches()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _database_url() -> str:
+    s = connection.settings_dict
+    user = s.get("USER") or "postgres"
+    return f"postgres://{user}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+
+
+@pytest.fixture(scope="session")
+def console_server(django_db_setup, django_db_blocker) -> str:
+    """uvicorn serving the console and the gateway on the test database."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the browser tests' server shares the test database: use PostgreSQL")
+    redis.Redis.from_url(GATEWAY_REDIS_URL).flushdb()
+    port = _free_port()
+    env = {**os.environ, "DATABASE_URL": _database_url(), "GATEWAY_REDIS_URL": GATEWAY_REDIS_URL,
+           "CELERY_BROKER_URL": BROKER_URL, "CELERY_RESULT_BACKEND": BROKER_URL,
+           "GATEWAY_CATALOG_REFRESH_SECONDS": "0.5", "GATEWAY_KEY_CACHE_SECONDS": "1",
+           "GATEWAY_NEGATIVE_KEY_CACHE_SECONDS": "0.2", "LOG_LEVEL": "WARNING",
+           "DJANGO_SETTINGS_MODULE": "tests.browser.settings"}
+    (ROOT / "artifacts").mkdir(exist_ok=True)
+    log = open(ROOT / "artifacts" / "browser-server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "tests.browser.asgi:application", "--host",
+         "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/login/", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"console server did not start; see {log.name}")
+        time.sleep(0.2)
+    try:
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Module-scoped: Playwright's sync API runs an event loop in this thread until it exits,
+    and later tests call asyncio.run()."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with playwright_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, console_server, transactional_db):
+    context = browser.new_context(base_url=console_server, viewport={"width": 1440, "height": 900})
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.js_errors = errors
+    yield page
+    context.close()
+
+
+def sign_in(page, username: str, password: str = PASSWORD) -> None:
+    page.goto("/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("button[type=submit]")
+    page.wait_for_load_state("networkidle")
+
+
+def shot(page, name: str) -> Path:
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path

@@ -1,0 +1,232 @@
+"""Fixtures for the gateway: one real vLLM engine for the session, gateway servers as uvicorn
+subprocesses against the test database, and committed domain rows they can see.
+
+Gateway processes read the database themselves, so tests that use them need committed rows
+(`transactional_db`). Redis DB 9 holds the gateway's limits and usage stream here; it is flushed
+at the start of the session (only that DB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from django.db import connection
+from django.test import override_settings
+
+from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
+from tenants_app.models import ApiKey, Tenant
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
+MODELS = ROOT / "var" / "models"
+REDIS_URL = "redis://127.0.0.1:6379/9"
+ENGINE_SECRET = "gateway-test-engine-secret"
+MAX_BODY = 64 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not happen within {timeout}s")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gateway_redis():
+    """The test process publishes invalidations and runs the writer against Redis DB 9."""
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    with override_settings(GATEWAY_REDIS_URL=REDIS_URL):
+        yield client
+    client.close()
+
+
+@dataclass
+class Engine:
+    port: int
+    secret: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory) -> Engine:
+    """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session)."""
+    if not (ROOT / "var" / "engine-venv" / ".engine-install-complete").exists():
+        pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "VLLM_NO_USAGE_STATS": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+             "--model", str(MODELS / "tiny-llama"), "--served-model-name", "tiny-llama",
+             "--dtype", "float32", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
+             "--lora-modules", f"acme--style={MODELS / 'tiny-llama-lora-a'}",
+             f"globex--tone={MODELS / 'tiny-llama-lora-b'}",
+             "--scheduling-policy", "priority",
+             "--api-key", ENGINE_SECRET, "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "1024"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200,
+            240, "engine start", proc,
+        )
+        yield Engine(port, ENGINE_SECRET)
+    finally:
+        kill_group(proc)
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen
+
+    def client(self, key: str, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kwargs)
+
+
+def start_gateway(database_url: str, workers: int = 1, **env_extra: str) -> Gateway:
+    port = free_port()
+    env = {**os.environ, "DATABASE_URL": database_url, "GATEWAY_REDIS_URL": REDIS_URL,
+           "GATEWAY_CATALOG_REFRESH_SECONDS": "0.5", "GATEWAY_MAX_BODY_BYTES": str(MAX_BODY),
+           "LOG_LEVEL": "WARNING", **env_extra}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", str(workers), "--loop", "uvloop", "--http",
+         "httptools", "--no-access-log", "--log-level", "warning"],
+        cwd=ROOT, env=env, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(url + "/v1/models", timeout=2).status_code == 401, 60,
+               "gateway start", proc)
+    return Gateway(url, proc)
+
+
+def _test_database_url() -> str:
+    s = connection.settings_dict
+    user = s.get("USER") or "postgres"
+    return f"postgres://{user}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+
+
+@pytest.fixture(scope="session")
+def gateways(django_db_setup, django_db_blocker):
+    """Two gateway servers (2 workers and 1 worker) on the session's test database."""
+    if connection.vendor != "postgresql":
+        pytest.skip("gateway processes need a shared database (PostgreSQL)")
+    url = _test_database_url()
+    first = start_gateway(url, workers=2)
+    try:
+        second = start_gateway(url, workers=1)
+    except Exception:
+        kill_group(first.proc)
+        raise
+    yield first, second
+    kill_group(second.proc)
+    kill_group(first.proc)
+
+
+@pytest.fixture
+def gateway(gateways) -> Gateway:
+    return gateways[0]
+
+
+@dataclass
+class World:
+    base: BaseModel
+    acme: Tenant
+    globex: Tenant
+    deployment: Deployment
+    instance: Instance
+    acme_key: ApiKey
+    acme_secret: str
+    globex_secret: str
+
+
+def make_world(upstream_port: int, secret: str, **acme_limits) -> World:
+    base = BaseModel(name="tiny-llama", path=str(MODELS / "tiny-llama"))
+    base.full_clean()
+    base.save()
+    acme = Tenant.objects.create(slug="acme", name="Acme", **acme_limits)
+    globex = Tenant.objects.create(slug="globex", name="Globex")
+    style = LoraAdapter(tenant=acme, base_model=base, name="style",
+                        path=str(MODELS / "tiny-llama-lora-a"))
+    tone = LoraAdapter(tenant=globex, base_model=base, name="tone",
+                       path=str(MODELS / "tiny-llama-lora-b"))
+    for adapter in (style, tone):
+        adapter.full_clean()
+        adapter.save()
+    deployment = Deployment.objects.create(
+        name="tiny", base_model=base, desired_state="running", max_model_len=1024
+    )
+    deployment.tenants.set([acme, globex])
+    deployment.adapters.set([style, tone])
+    node = Node.objects.create(name="local", queue="node.local", address="127.0.0.1")
+    instance = Instance.objects.create(
+        deployment=deployment, node=node, port=upstream_port, state="ready", secret=secret,
+        loaded_adapters=[style.engine_name, tone.engine_name],
+    )
+    acme_key, acme_secret = ApiKey.objects.create_key(tenant=acme, name="acme-key")
+    _, globex_secret = ApiKey.objects.create_key(tenant=globex, name="globex-key")
+    return World(base, acme, globex, deployment, instance, acme_key, acme_secret, globex_secret)
+
+
+@pytest.fixture
+def world(transactional_db, engine) -> World:
+    return make_world(engine.port, engine.secret)
+
+
+def drain_usage() -> None:
+    """Persist what the gateways appended to the usage stream (the batch writer's work)."""
+    from serving_app.gateway.writer import UsageWriter
+
+    writer = UsageWriter(redis.Redis.from_url(REDIS_URL), consumer="tests")
+    writer.drain(max_seconds=30)

@@ -1,0 +1,147 @@
+"""PostgreSQL stopped under traffic: requests keep being served, and every usage event reaches
+PostgreSQL once it is back. Runs its own throwaway PostgreSQL on another port (so stopping it
+disturbs nothing else), a gateway and the `usage_writer` command against it."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from tests.gateway.conftest import MODELS, REDIS_URL, ROOT, free_port, kill_group, start_gateway
+
+pytestmark = pytest.mark.engine
+
+DOWN_SECONDS = 20.0
+
+SEED = """
+import json
+from serving_app.models import BaseModel, Deployment, Instance, Node
+from tenants_app.models import ApiKey, Tenant
+base = BaseModel(name="tiny-llama", path=%(model)r); base.full_clean(); base.save()
+tenant = Tenant.objects.create(slug="acme", name="Acme", tokens_per_minute=1_000_000)
+dep = Deployment.objects.create(name="tiny", base_model=base, desired_state="running")
+dep.tenants.set([tenant])
+node = Node.objects.create(name="local", queue="node.local")
+Instance.objects.create(deployment=dep, node=node, port=%(port)d, state="ready",
+                        secret=%(secret)r)
+print(json.dumps({"key": ApiKey.objects.create_key(tenant=tenant, name="k")[1]}))
+"""
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster of our own, run as the postgres user (initdb refuses root)."""
+
+    def __init__(self) -> None:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+        if not found or shutil.which("runuser") is None:
+            pytest.skip("PostgreSQL server binaries or runuser not available")
+        self.bin = Path(found[-1]).parent
+        self.dir = Path(tempfile.mkdtemp(prefix="gw-pg-"))
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.url = f"postgres://postgres@127.0.0.1:{self.port}/gateway"
+        self._as_postgres(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+                          "--auth=trust", "-E", "UTF8")
+        self.start()
+        self._as_postgres(str(self.bin / "psql"), "-h", "127.0.0.1", "-p", str(self.port),
+                          "-U", "postgres", "-c", "CREATE DATABASE gateway")
+
+    def _as_postgres(self, *argv: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True,
+                       capture_output=True, cwd=self.dir)
+
+    def start(self) -> None:
+        self._as_postgres(
+            str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-w",
+            "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1", "start",
+        )
+
+    def stop(self) -> None:
+        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w",
+                          "stop")
+
+    def destroy(self) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", str(self.bin / "pg_ctl"), "-D",
+                        str(self.data), "-m", "immediate", "-w", "stop"], capture_output=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def test_usage_events_survive_postgresql_being_down_under_traffic(engine):
+    pg = ThrowawayPostgres()
+    stream = f"gw:usage-outage-{os.getpid()}"
+    env = {**os.environ, "DATABASE_URL": pg.url, "GATEWAY_REDIS_URL": REDIS_URL,
+           "GATEWAY_USAGE_STREAM": stream, "LOG_LEVEL": "WARNING"}
+    procs: list[subprocess.Popen] = []
+    try:
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        seed = SEED % {"model": str(MODELS / "tiny-llama"), "port": engine.port,
+                       "secret": engine.secret}
+        out = subprocess.run([sys.executable, "manage.py", "shell", "-c", seed], cwd=ROOT,
+                             env=env, check=True, capture_output=True, text=True).stdout
+        key = json.loads(out.strip().splitlines()[-1])["key"]
+        gateway = start_gateway(pg.url, workers=1, GATEWAY_USAGE_STREAM=stream)
+        procs.append(gateway.proc)
+        procs.append(subprocess.Popen(
+            [sys.executable, "manage.py", "usage_writer"], cwd=ROOT, env=env,
+            start_new_session=True, stdout=subprocess.DEVNULL,
+        ))
+        sent: dict[str, tuple[int, int]] = {}
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"model": "tiny-llama", "prompt": "The database is", "max_tokens": 5}
+
+        def traffic(seconds: float) -> int:
+            served = 0
+            with httpx.Client(base_url=gateway.url, headers=headers, timeout=30) as http:
+                until = time.monotonic() + seconds
+                while time.monotonic() < until:
+                    r = http.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    usage = r.json()["usage"]
+                    sent[r.headers["x-request-id"]] = (usage["prompt_tokens"],
+                                                       usage["completion_tokens"])
+                    served += 1
+            return served
+
+        assert traffic(3.0) > 0
+        pg.stop()
+        served_while_down = traffic(DOWN_SECONDS)
+        assert served_while_down > 0
+        pg.start()
+        traffic(3.0)
+
+        deadline = time.monotonic() + 90
+        stored: dict[str, tuple[int, int]] = {}
+        while time.monotonic() < deadline and len(stored) < len(sent):
+            time.sleep(1.0)
+            with psycopg.connect(pg.url.replace("postgres://", "postgresql://")) as conn:
+                rows = conn.execute(
+                    "SELECT request_id, prompt_tokens, completion_tokens "
+                    "FROM serving_app_usageevent WHERE endpoint = 'completions'"
+                ).fetchall()
+            stored = {rid: (p, c) for rid, p, c in rows}
+        missing = set(sent) - set(stored)
+        assert not missing, f"{len(missing)} of {len(sent)} usage events lost"
+        assert {rid: stored[rid] for rid in sent} == sent
+        with psycopg.connect(pg.url.replace("postgres://", "postgresql://")) as conn:
+            minute_total = conn.execute(
+                "SELECT sum(requests) FROM serving_app_usageminute WHERE model = 'tiny-llama'"
+            ).fetchone()[0]
+        assert minute_total == len(sent)
+        print(f"{len(sent)} requests, {served_while_down} while PostgreSQL was down, none lost")
+    finally:
+        for proc in reversed(procs):
+            kill_group(proc)
+        pg.destroy()

@@ -1,0 +1,197 @@
+"""Bad requests answered by the gateway itself, routing and retries, priority.
+
+Most of these point the instance at `InstantUpstream` (benchmarks/gateway_bench.py), a minimal
+OpenAI-shaped server in this process, because they must see exactly what reached an upstream
+(nothing, for a bad request; the body, for priority). A fake is used only for that; the prompt
+cap is also checked against the real engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from benchmarks.gateway_bench import InstantUpstream, serve_instant
+from serving_app.models import Instance
+from tests.gateway.conftest import MAX_BODY, free_port, make_world
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Upstream:
+    def __init__(self, status: int = 200) -> None:
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(serve_instant(self.port, status))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(5)
+        InstantUpstream.stats = {"paths": {}, "last_body": None}
+
+    @property
+    def generations(self) -> int:
+        paths = InstantUpstream.stats["paths"]
+        return paths.get("/v1/completions", 0) + paths.get("/v1/chat/completions", 0)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def upstream():
+    up = Upstream()
+    yield up
+    up.close()
+
+
+def post(gateway, secret: str, body, path: str = "/v1/chat/completions", **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(gateway.url + path, content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {secret}",
+                               "Content-Type": "application/json"}, **kw)
+
+
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b"{not json", 400, "invalid_json", None),
+        (b"[1, 2]", 400, "invalid_json", None),
+        ({**CHAT, "frobnicate": True}, 400, "unknown_parameter", "frobnicate"),
+        ({**CHAT, "max_tokens": "ten"}, 400, "invalid_type", "max_tokens"),
+        ({**CHAT, "temperature": "hot"}, 400, "invalid_type", "temperature"),
+        ({**CHAT, "stream": "yes"}, 400, "invalid_type", "stream"),
+        ({**CHAT, "priority": 0}, 400, "unknown_parameter", "priority"),
+        ({"model": "tiny-llama"}, 400, None, "messages"),
+        ({"messages": CHAT["messages"]}, 400, "missing_model", "model"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value",
+         "messages[0].role"),
+        ({**CHAT, "max_tokens": 0}, 400, "integer_below_min_value", "max_tokens"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, 400, "invalid_value",
+         "stream_options"),
+        ({**CHAT, "max_tokens": 101}, 400, "invalid_value", "max_tokens"),
+        ({**CHAT, "max_completion_tokens": 500}, 400, "invalid_value", "max_completion_tokens"),
+        ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, 400,
+         "context_length_exceeded", "messages"),
+        ({**CHAT, "messages": [{"role": "user", "content": "x" * (MAX_BODY + 1)}]}, 413,
+         "request_too_large", None),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors_and_never_reach_an_engine(
+    gateway, upstream, body, status, code, param
+):
+    world = make_world(upstream.port, "s", max_tokens_per_request=100, max_prompt_tokens=300)
+    response = post(gateway, world.acme_secret, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == code
+    assert error["param"] == param
+    assert response.headers["x-request-id"]
+    assert upstream.generations == 0
+
+
+def test_completions_prompt_types_are_checked(gateway, upstream):
+    world = make_world(upstream.port, "s")
+    for prompt in (5, [], [1, "a"], {"a": 1}):
+        response = post(gateway, world.acme_secret, {"model": "tiny-llama", "prompt": prompt},
+                        "/v1/completions")
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "prompt"
+    for prompt in ("a", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        response = post(gateway, world.acme_secret, {"model": "tiny-llama", "prompt": prompt},
+                        "/v1/completions")
+        assert response.status_code == 200, response.text
+    assert upstream.generations == 4
+
+
+def test_unknown_route_and_wrong_method(gateway, upstream):
+    world = make_world(upstream.port, "s")
+    response = post(gateway, world.acme_secret, CHAT, "/v1/embeddings")
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == "Invalid URL (POST /v1/embeddings)"
+    response = httpx.get(gateway.url + "/v1/chat/completions",
+                         headers={"Authorization": f"Bearer {world.acme_secret}"})
+    assert response.status_code == 405
+
+
+def test_priority_tier_is_sent_only_to_priority_deployments(gateway, upstream):
+    world = make_world(upstream.port, "s")
+    world.acme.priority_tier = 1
+    world.acme.save()
+    assert post(gateway, world.acme_secret, CHAT).status_code == 200
+    assert "priority" not in json.loads(InstantUpstream.stats["last_body"])
+    world.deployment.scheduling_policy = "priority"
+    world.deployment.save()
+    for _ in range(50):  # the catalog is re-read on the change
+        assert post(gateway, world.acme_secret, CHAT).status_code == 200
+        sent = json.loads(InstantUpstream.stats["last_body"])
+        if "priority" in sent:
+            break
+        threading.Event().wait(0.1)
+    assert sent["priority"] == 1
+    assert sent["model"] == "tiny-llama"
+
+
+def test_connection_failure_and_503_are_retried_on_another_instance(gateway, upstream):
+    world = make_world(free_port(), "s")  # the first instance listens nowhere
+    busy = Upstream(status=503)
+    try:
+        Instance.objects.create(deployment=world.deployment, node=world.instance.node,
+                                port=busy.port, ordinal=1, state="ready", secret="s")
+        Instance.objects.create(deployment=world.deployment, node=world.instance.node,
+                                port=upstream.port, ordinal=2, state="ready", secret="s")
+        for _ in range(100):  # wait for the catalog to show all three
+            response = post(gateway, world.acme_secret, CHAT)
+            if response.status_code == 200:
+                break
+            threading.Event().wait(0.1)
+        # Fewest in flight ties among the three: each request may meet any order of failures,
+        # and with two retries it always reaches the one that works.
+        statuses = {post(gateway, world.acme_secret, CHAT).status_code for _ in range(12)}
+        assert statuses == {200}
+    finally:
+        busy.close()
+
+
+@pytest.mark.engine
+def test_prompt_cap_uses_the_engines_token_count_not_the_estimate(gateway, engine):
+    """A prompt whose byte-based bound is above the cap but whose real token count is at the
+    cap is served; one token more is refused, before any generation."""
+
+    def messages(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    def tokens(text: str) -> int:
+        return httpx.post(engine.url + "/tokenize", json={
+            "model": "tiny-llama", "messages": messages(text)}).json()["count"]
+
+    text = "the " * 40
+    cap = tokens(text)
+    assert cap < len(text.encode()), "this tokenizer should merge common words"
+    longer = text + "the the the"
+    assert tokens(longer) > cap
+    world = make_world(engine.port, engine.secret, max_prompt_tokens=cap)
+    body = {**CHAT, "messages": messages(text), "max_tokens": 2}
+    assert post(gateway, world.acme_secret, body).status_code == 200
+    before = engine.metric("vllm:request_success_total")
+    response = post(gateway, world.acme_secret, {**body, "messages": messages(longer)})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert engine.metric("vllm:request_success_total") == before

@@ -1,0 +1,319 @@
+"""The tenant portal through Django's test client: tenant isolation (404), roles (403), keys,
+adapter uploads, members and the portal's dashboards."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+from django.urls import reverse
+
+from serving_app.models import AuditLog, LoraAdapter
+from tenants_app.models import ApiKey, Membership, Role
+from tests.factories import add_member, make_adapter_dir, make_deployment, make_user
+
+pytestmark = pytest.mark.django_db
+
+TENANT_PAGES = [
+    ("portal:tenant-home", []),
+    ("portal:dashboard", ["usage"]),
+    ("portal:dashboard", ["latency"]),
+    ("portal:dashboard-data", ["usage"]),
+    ("portal:keys", []),
+    ("portal:adapters", []),
+    ("portal:models", []),
+    ("portal:playground", []),
+    ("portal:members", []),
+]
+WRITES = [
+    ("portal:keys", [], {"name": "k"}),
+    ("portal:adapters", [], {"source": "path"}),
+    ("portal:playground-key", [], {}),
+    ("portal:members", [], {"username": "x", "role": "member"}),
+]
+
+
+@pytest.fixture
+def served(acme, globex, base_model):
+    """A deployment serving both tenants, so base models are allowed for adapters."""
+    return make_deployment(base_model, [acme.tenant, globex.tenant], name="shared",
+                           desired_state="running")
+
+
+@pytest.mark.parametrize(("name", "args"), TENANT_PAGES)
+def test_member_reads_own_tenant_pages(login, acme, name, args):
+    assert login(acme.viewer).get(reverse(name, args=["acme", *args])).status_code == 200
+
+
+@pytest.mark.parametrize(("name", "args"), TENANT_PAGES)
+def test_another_tenants_pages_answer_404(login, acme, globex, name, args):
+    assert login(acme.owner).get(reverse(name, args=["globex", *args])).status_code == 404
+
+
+@pytest.mark.parametrize(("name", "args", "data"), WRITES)
+def test_another_tenants_writes_answer_404(login, acme, globex, name, args, data):
+    response = login(acme.owner).post(reverse(name, args=["globex", *args]), data)
+    assert response.status_code == 404
+
+
+@pytest.mark.parametrize(("name", "args", "data"), WRITES)
+@pytest.mark.parametrize("role", ["member", "viewer"])
+def test_members_and_viewers_get_403_on_writes(login, acme, name, args, data, role):
+    response = login(getattr(acme, role)).post(reverse(name, args=["acme", *args]), data)
+    assert response.status_code == 403
+    assert not ApiKey.objects.exists()
+
+
+def test_signed_out_visitor_is_sent_to_sign_in(client, acme):
+    response = client.get(reverse("portal:tenant-home", args=["acme"]))
+    assert response.status_code == 302 and "/login/" in response["Location"]
+
+
+def test_user_in_several_tenants_picks_one(login, acme, globex):
+    add_member(globex.tenant, acme.member, Role.VIEWER)
+    response = login(acme.member).get(reverse("portal:home"))
+    body = response.content.decode()
+    assert response.status_code == 200
+    assert reverse("portal:tenant-home", args=["acme"]) in body
+    assert reverse("portal:tenant-home", args=["globex"]) in body
+
+
+def test_user_in_one_tenant_goes_straight_to_it(login, acme):
+    response = login(acme.member).get(reverse("portal:home"))
+    assert response["Location"] == reverse("portal:tenant-home", args=["acme"])
+
+
+def test_admin_creates_key_and_sees_secret_once(login, acme, served):
+    client = login(acme.admin)
+    response = client.post(reverse("portal:keys", args=["acme"]),
+                           {"name": "ci", "allowed_models": ["llama-mini"], "expires_in": "7"})
+    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
+    secret = response.context["secret"]
+    key = ApiKey.objects.get(name="ci")
+    assert ApiKey.objects.for_secret(secret) == key
+    assert key.allowed_models == ["llama-mini"] and key.expires_at is not None
+    assert secret in response.content.decode()
+    again = client.get(reverse("portal:keys", args=["acme"])).content.decode()
+    assert secret not in again and key.prefix in again
+    assert AuditLog.objects.get(action="create", object_type="tenants_app.ApiKey").via == "ui"
+
+
+def test_duplicate_key_name_is_refused_with_the_models_message(login, acme):
+    client = login(acme.owner)
+    client.post(reverse("portal:keys", args=["acme"]), {"name": "ci"})
+    response = client.post(reverse("portal:keys", args=["acme"]), {"name": "ci"})
+    assert response.status_code == 400
+    assert "already exists" in str(response.context["form"].errors)
+    assert ApiKey.objects.count() == 1
+
+
+def test_revoking_a_key(login, acme):
+    key, secret = ApiKey.objects.create_key(tenant=acme.tenant, name="old")
+    response = login(acme.admin).post(reverse("portal:key-revoke", args=["acme", key.pk]))
+    assert response.status_code == 302
+    assert ApiKey.objects.for_secret(secret) is None
+    assert AuditLog.objects.filter(action="revoke").count() == 1
+
+
+def test_cannot_revoke_another_tenants_key_through_own_tenant(login, acme, globex):
+    key, _ = ApiKey.objects.create_key(tenant=globex.tenant, name="theirs")
+    response = login(acme.owner).post(reverse("portal:key-revoke", args=["acme", key.pk]))
+    assert response.status_code == 404
+
+
+def test_playground_key_is_short_lived(login, acme):
+    response = login(acme.owner).post(reverse("portal:playground-key", args=["acme"]))
+    data = json.loads(response.content)
+    key = ApiKey.objects.for_secret(data["secret"])
+    assert key is not None and key.tenant == acme.tenant and key.expires_at is not None
+
+
+def test_models_page_has_sdk_and_curl_snippets_for_this_origin(login, acme, served):
+    body = login(acme.member).get(reverse("portal:models", args=["acme"])).content.decode()
+    assert 'base_url="http://testserver/v1"' in body
+    assert "curl http://testserver/v1/chat/completions" in body
+    assert '"model": "llama-mini"' in body
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+def _zip(folder: Path | None = None, *, prefix: str = "lora/", extra: dict | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        if folder is not None:
+            for path in folder.iterdir():
+                archive.write(path, prefix + path.name)
+        for name, data in (extra or {}).items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def _upload(client, content: bytes, name: str = "helpdesk", base_model=None):
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    return client.post(reverse("portal:adapters", args=["acme"]), {
+        "source": "upload", "name": name, "base_model": base_model.pk if base_model else "",
+        "archive": SimpleUploadedFile("adapter.zip", content, "application/zip"),
+    })
+
+
+@pytest.fixture
+def uploads(settings, tmp_path):
+    settings.VAR_DIR = tmp_path / "var"
+    return tmp_path / "var" / "uploads"
+
+
+def _left_behind(uploads: Path) -> list[Path]:
+    return [p for p in uploads.rglob("*") if p.is_file()] if uploads.exists() else []
+
+
+def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
+    login, acme, served, base_model, uploads, tmp_path
+):
+    folder = make_adapter_dir(tmp_path / "src", rank=8)
+    response = _upload(login(acme.admin), _zip(folder), base_model=base_model)
+    assert response.status_code == 302
+    adapter = LoraAdapter.objects.get(tenant=acme.tenant, name="helpdesk")
+    assert adapter.rank == 8 and adapter.target_modules == ["q_proj", "v_proj"]
+    assert Path(adapter.path).parent == uploads / "acme"
+    assert (Path(adapter.path) / "adapter_config.json").is_file()
+    assert not list((uploads / ".staging").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("broken", "Not a readable zip archive"),
+        ("escape", "points outside the adapter folder"),
+        ("absolute", "points outside the adapter folder"),
+        ("not-adapter", "holds no adapter_config.json"),
+        ("wrong-base", "trained for another base model"),
+        ("too-large", "the limit is"),
+        ("corrupt", "broken"),
+    ],
+)
+def test_bad_archives_are_refused_and_leave_nothing_behind(
+    login, acme, served, base_model, uploads, tmp_path, settings, case, message
+):
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    if case == "broken":
+        content = b"PK\x03\x04 definitely not a zip"
+    elif case == "escape":
+        content = _zip(good, extra={"../../evil.txt": "x"})
+    elif case == "absolute":
+        content = _zip(good, extra={"/etc/evil": "x"})
+    elif case == "not-adapter":
+        content = _zip(extra={"readme.txt": "hello"})
+    elif case == "wrong-base":
+        content = _zip(make_adapter_dir(tmp_path / "wide", hidden=256, rank=8))
+    elif case == "too-large":
+        settings.ADAPTER_UPLOAD_MAX_BYTES = 100
+        content = _zip(good)
+    else:
+        raw = bytearray(_zip(extra={"lora/adapter_config.json": "{" + "x" * 4000 + "}"}))
+        index = raw.find(b"xxxx")
+        raw[index:index + 4] = b"yyyy"  # the stored data no longer matches its CRC
+        content = bytes(raw)
+    response = _upload(login(acme.admin), content, base_model=base_model)
+    assert response.status_code == 400
+    assert message in str(response.context["upload_form"].errors)
+    assert not LoraAdapter.objects.exists()
+    assert _left_behind(uploads) == []
+
+
+def test_only_base_models_served_to_the_tenant_are_offered(login, acme, base_model, tmp_path):
+    response = login(acme.admin).get(reverse("portal:adapters", args=["acme"]))
+    assert list(response.context["upload_form"].fields["base_model"].queryset) == []
+
+
+def test_register_from_path_uses_the_models_validation(login, acme, served, base_model):
+    response = login(acme.admin).post(reverse("portal:adapters", args=["acme"]), {
+        "source": "path", "name": "x", "base_model": base_model.pk, "path": "relative/path",
+    })
+    assert response.status_code == 400
+    assert response.context["path_form"].errors["path"] == [
+        "Must be an absolute path on the node hosts."
+    ]
+
+
+def test_register_from_path_refuses_a_duplicate_name(login, acme, served, base_model, tmp_path):
+    folder = make_adapter_dir(tmp_path / "src")
+    data = {"source": "path", "name": "x", "base_model": base_model.pk, "path": str(folder)}
+    client = login(acme.admin)
+    assert client.post(reverse("portal:adapters", args=["acme"]), data).status_code == 302
+    response = client.post(reverse("portal:adapters", args=["acme"]), data)
+    assert response.status_code == 400
+    assert LoraAdapter.objects.count() == 1
+
+
+# ----------------------------------------------------------------------------- members
+
+
+def test_owner_adds_a_member(login, acme):
+    make_user("newbie")
+    response = login(acme.owner).post(reverse("portal:members", args=["acme"]),
+                                      {"username": "newbie", "role": "member"})
+    assert response.status_code == 302
+    assert Membership.objects.get(user__username="newbie").role == "member"
+
+
+def test_admin_cannot_make_an_owner(login, acme):
+    make_user("newbie")
+    response = login(acme.admin).post(reverse("portal:members", args=["acme"]),
+                                      {"username": "newbie", "role": "owner"})
+    assert response.status_code == 403
+    member = Membership.objects.get(user=acme.member)
+    response = login(acme.admin).post(reverse("portal:member", args=["acme", member.pk]),
+                                      {"role": "owner"})
+    assert response.status_code == 403
+
+
+def test_admin_cannot_demote_or_remove_an_owner(login, acme):
+    owner = Membership.objects.get(user=acme.owner)
+    client = login(acme.admin)
+    url = reverse("portal:member", args=["acme", owner.pk])
+    assert client.post(url, {"role": "member"}).status_code == 403
+    assert client.post(url, {"action": "remove"}).status_code == 403
+
+
+def test_last_owner_cannot_step_down(login, acme):
+    owner = Membership.objects.get(user=acme.owner)
+    response = login(acme.owner).post(reverse("portal:member", args=["acme", owner.pk]),
+                                      {"role": "member"}, follow=True)
+    assert "keep at least one owner" in response.content.decode()
+    owner.refresh_from_db()
+    assert owner.role == "owner"
+
+
+def test_unknown_user_and_duplicate_membership_are_refused(login, acme):
+    client = login(acme.owner)
+    url = reverse("portal:members", args=["acme"])
+    assert "No user is called ghost" in str(
+        client.post(url, {"username": "ghost", "role": "member"}).context["form"].errors)
+    response = client.post(url, {"username": "acme-member", "role": "member"})
+    assert response.status_code == 400 and "already exists" in str(response.context["form"].errors)
+
+
+# ----------------------------------------------------------------------------- dashboards
+
+
+def test_portal_dashboard_shows_only_this_tenants_usage(login, acme, globex, usage):
+    usage(acme.tenant, requests=7)
+    usage(globex.tenant, requests=99)
+    data = json.loads(login(acme.viewer).get(
+        reverse("portal:dashboard-data", args=["acme", "usage"]), {"range": "1h"}).content)
+    names = {t["name"] for t in data["figures"]["requests"]["data"]}
+    assert names == {"acme"}
+    assert "globex" not in data["tables"] and "Globex" not in data["tables"]
+
+
+def test_portal_home_shows_budget_consumption(login, acme, usage):
+    acme.tenant.monthly_token_budget = 10_000
+    acme.tenant.save()
+    usage(acme.tenant, requests=10, prompt=100, completion=50)  # 1,500 tokens
+    body = login(acme.member).get(reverse("portal:tenant-home", args=["acme"])).content.decode()
+    assert "1,500" in body and "15.0%" in body and "8,500" in body
