@@ -95,6 +95,7 @@ def main() -> None:
                 raise SystemExit("node agent did not register; see /tmp/lifecycle-bench-logs")
             time.sleep(0.2)
         manual, console, own = [], [], []
+        http = httpx.Client()  # one pooled client: both paths poll /health at the same cost
         for round_no in range(1, args.rounds + 1):
             # 1. By hand: the same command line and environment the node agent would use.
             probe = Instance(deployment=deployment, port=18990)
@@ -103,7 +104,7 @@ def main() -> None:
             launched = supervisor.launch(spec.argv, spec.env, logs / f"manual-{round_no}.log")
             while True:
                 try:
-                    if httpx.get("http://127.0.0.1:18990/health", timeout=1).status_code == 200:
+                    if http.get("http://127.0.0.1:18990/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -137,11 +138,11 @@ def main() -> None:
                 if spawned and healthy is None and row and row["port"]:
                     try:
                         url = f"http://127.0.0.1:{row['port']}/health"
-                        if httpx.get(url, timeout=0.5).status_code == 200:
+                        if http.get(url, timeout=0.5).status_code == 200:
                             healthy = time.monotonic()
                     except httpx.HTTPError:
                         pass
-                time.sleep(0.02)
+                time.sleep(0.05)
             ready = time.monotonic()
             console.append(ready - started)
             own.append((spawned - started) + (ready - (healthy or ready)))

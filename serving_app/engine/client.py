@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import httpx
+
+_lock = threading.Lock()
+_shared: httpx.Client | None = None
+
+
+def _http() -> httpx.Client:
+    """One pooled client per process: a new httpx.Client per call loads the TLS trust store,
+    which costs more CPU than the health check itself (and steals it from starting engines)."""
+    global _shared
+    with _lock:
+        if _shared is None:
+            _shared = httpx.Client(timeout=5.0)
+        return _shared
 
 
 @dataclass
@@ -22,21 +36,21 @@ class EngineClient:
 
     def healthy(self, timeout: float | None = None) -> bool:
         try:
-            response = httpx.get(f"{self.base_url}/health", timeout=timeout or self.timeout)
+            response = _http().get(f"{self.base_url}/health", timeout=timeout or self.timeout)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
     def models(self) -> list[dict]:
-        response = httpx.get(f"{self.base_url}/v1/models", headers=self.headers,
-                             timeout=self.timeout)
+        response = _http().get(f"{self.base_url}/v1/models", headers=self.headers,
+                               timeout=self.timeout)
         response.raise_for_status()
         return response.json().get("data", [])
 
     def _post(self, path: str, body: dict) -> EngineReply:
         try:
-            response = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers,
-                                  timeout=max(self.timeout, 60.0))
+            response = _http().post(f"{self.base_url}{path}", json=body, headers=self.headers,
+                                    timeout=max(self.timeout, 60.0))
         except httpx.HTTPError as exc:
             return EngineReply(False, 0, f"engine unreachable: {exc}")
         return EngineReply(response.is_success, response.status_code, response.text[:2000])
@@ -48,7 +62,7 @@ class EngineClient:
         return self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
     def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict:
-        response = httpx.post(
+        response = _http().post(
             f"{self.base_url}/v1/completions", headers=self.headers, timeout=60.0,
             json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
         )
