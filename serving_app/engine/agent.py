@@ -180,6 +180,16 @@ def start_instance(instance_id: int, config: AgentConfig | None = None) -> str:
         return "missing"
     if instance.node.name != config.name:
         return "not-mine"
+    # Watched from before it leaves pending, so the supervision loop never judges an engine
+    # that this task is still launching.
+    _watching.add(instance.pk)
+    try:
+        return _start(instance, config)
+    finally:
+        _watching.discard(instance.pk)
+
+
+def _start(instance: Instance, config: AgentConfig) -> str:
     if not instance.transition([State.PENDING], State.STARTING, started_at=timezone.now(),
                                last_error="", exit_code=None, health_failures=0, log_tail=""):
         return f"skipped ({instance.state})"
@@ -208,11 +218,7 @@ def start_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     )
     instance.pid = launched.pid
     instance.log_path = launched.log_path
-    _watching.add(instance.pk)
-    try:
-        return wait_until_ready(instance, [a.engine_name for a in adapters])
-    finally:
-        _watching.discard(instance.pk)
+    return wait_until_ready(instance, [a.engine_name for a in adapters])
 
 
 def wait_until_ready(instance: Instance, adapters: list[str] | None = None) -> str:
@@ -378,8 +384,8 @@ def supervise_once(config: AgentConfig) -> None:
                                 health_failures=failures)
     # Instances adopted while starting have no task watching them.
     for instance in Instance.objects.filter(node__name=config.name, state=State.STARTING):
-        if instance.pk in _watching:
-            continue
+        if instance.pk in _watching or instance.pid is None:
+            continue  # a start task is on it (or, without a pid, still launching it)
         if not supervisor.is_alive(instance.pid):
             _fail(instance, "The engine exited during start.", expected=[State.STARTING])
         elif EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):

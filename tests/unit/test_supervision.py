@@ -141,3 +141,10 @@ def test_log_tail_follows_a_running_engine(ready_instance, config):
     assert agent.refresh_log_tails(config) == 1
     assert Instance.objects.get(pk=ready_instance.pk).log_tail.endswith("engine line two")
     assert agent.refresh_log_tails(config) == 0  # unchanged log, no write
+
+
+def test_an_engine_still_being_launched_is_not_judged(ready_instance, config):
+    """Between pending -> starting and the launch, there is no pid yet: not a dead engine."""
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STARTING, pid=None)
+    agent.supervise_once(config)
+    assert Instance.objects.get(pk=ready_instance.pk).state == State.STARTING
