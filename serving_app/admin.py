@@ -9,6 +9,7 @@ from django.utils.html import format_html
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
+from serving_app.engine.launch import mask_secret
 from serving_app.lifecycle import deployment_changed
 from serving_app.models import (
     AuditLog,
@@ -139,11 +140,8 @@ class InstanceAdmin(admin.ModelAdmin):
 
     @admin.display(description="Command")
     def command_line(self, obj: Instance) -> str:
-        parts = list(obj.command)
-        for i, arg in enumerate(parts[:-1]):
-            if arg == "--api-key":
-                parts[i + 1] = "********"
-        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", " ".join(parts))
+        return format_html("<pre style='white-space:pre-wrap'>{}</pre>",
+                           " ".join(mask_secret(obj.command)))
 
     @admin.display(description="Log tail")
     def log(self, obj: Instance) -> str:

@@ -25,6 +25,7 @@ from django.views.generic import CreateView, DetailView, ListView, TemplateView,
 
 from serving_app import audit
 from serving_app.dashboards import figures, panels, queries
+from serving_app.engine.launch import mask_secret
 from serving_app.forms import (
     AuditFilterForm,
     BaseModelForm,
@@ -550,11 +551,8 @@ class InstanceDetailView(StaffRequiredMixin, DetailView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        command = list(self.object.command)
-        for i, arg in enumerate(command[:-1]):
-            if arg == "--api-key":
-                command[i + 1] = "********"
-        context.update(command=" ".join(command), log=log_tail(self.object))
+        context.update(command=" ".join(mask_secret(self.object.command)),
+                       log=log_tail(self.object))
         return context
 
 

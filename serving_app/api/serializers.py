@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 from rest_framework.serializers import as_serializer_error
 
+from serving_app.engine.launch import mask_secret
 from serving_app.models import (
     AuditLog,
     BaseModel,
@@ -137,11 +138,7 @@ class InstanceSerializer(serializers.ModelSerializer):
 
     def get_command(self, instance: Instance) -> list[str]:
         """The exact command line, with the instance's API key masked."""
-        masked = list(instance.command)
-        for i, arg in enumerate(masked[:-1]):
-            if arg == "--api-key":
-                masked[i + 1] = "********"
-        return masked
+        return mask_secret(instance.command)
 
 
 class InstanceBriefSerializer(serializers.ModelSerializer):

@@ -24,11 +24,16 @@ class LaunchSpec:
     env: dict[str, str] = field(default_factory=dict)
 
     def masked_argv(self) -> list[str]:
-        masked = list(self.argv)
-        for i, arg in enumerate(masked[:-1]):
-            if arg == "--api-key":
-                masked[i + 1] = "********"
-        return masked
+        return mask_secret(self.argv)
+
+
+def mask_secret(argv: list[str]) -> list[str]:
+    """The command line with the instance's engine API key hidden, fit to show an operator."""
+    masked = list(argv)
+    for i, arg in enumerate(masked[:-1]):
+        if arg == "--api-key":
+            masked[i + 1] = "********"
+    return masked
 
 
 def engine_python(engine_env: str) -> str:
