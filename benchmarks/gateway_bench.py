@@ -9,6 +9,13 @@
 2. A minimal upstream that answers instantly (`InstantUpstream`, a raw asyncio HTTP server in its
    own process): the gateway's own cost per request and its requests per second per worker.
 
+These machines are noisy (other processes come and go, and the CPU engine's own latency swings
+by tens of percent from one second to the next), so direct and gateway are measured interleaved
+rather than one after the other: one at a time, requests alternate between the two (paired
+samples); at higher concurrency, short slices alternate (direct, gateway, gateway, direct, ...)
+and the ratio is of the totals. `--seconds` is the time per side. The gateway worker's CPU time
+per request (from /proc) is printed as well: it does not depend on how busy the machine is.
+
 The gateway runs as `uvicorn console.asgi:application` with one worker (uvloop, httptools), a
 tenant with RPM and TPM limits (so admission and settlement both run: two Redis round trips),
 against its own SQLite database under var/ and Redis DB 11 (both only hold the benchmark's
@@ -167,49 +174,97 @@ def kill_group(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
-async def load(url: str, headers: dict, body: dict, concurrency: int, seconds: float) -> dict:
-    """Closed loop: `concurrency` clients, each sending the next request when one returns."""
+def _pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p * len(values)))] * 1000 if values else float("nan")
+
+
+def _summary(latencies: list[float], elapsed: float, failures: int) -> dict:
+    return {
+        "requests": len(latencies),
+        "failures": failures,
+        "rps": len(latencies) / elapsed if elapsed else 0.0,
+        "p50_ms": _pct(latencies, 0.50),
+        "p99_ms": _pct(latencies, 0.99),
+        "mean_ms": statistics.fmean(latencies) * 1000 if latencies else float("nan"),
+    }
+
+
+async def _warm(session, url: str, headers: dict, payload: bytes, n: int) -> None:
+    for _ in range(n):
+        async with session.post(url, data=payload, headers=headers) as r:
+            await r.read()
+
+
+async def paired(sides: dict[str, tuple[str, dict]], body: dict, seconds: float) -> dict:
+    """One request at a time, alternating between the sides: paired samples under the same
+    conditions. `seconds` per side. Throughput one at a time is 1 / mean latency."""
     import aiohttp
 
-    latencies: list[float] = []
-    failures = 0
     payload = json.dumps(body).encode()
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        # Warm up connections (and the gateway's caches) first.
-        for _ in range(min(concurrency, 8)):
-            async with session.post(url, data=payload, headers=headers) as r:
-                await r.read()
-        stop_at = time.perf_counter() + seconds
-
-        async def client() -> None:
-            nonlocal failures
-            while time.perf_counter() < stop_at:
+    latencies: dict[str, list[float]] = {name: [] for name in sides}
+    failures = dict.fromkeys(sides, 0)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as session:
+        for url, headers in sides.values():
+            await _warm(session, url, headers, payload, 4)
+        stop_at = time.perf_counter() + seconds * len(sides)
+        while time.perf_counter() < stop_at:
+            for name, (url, headers) in sides.items():
                 t0 = time.perf_counter()
                 async with session.post(url, data=payload, headers=headers) as r:
                     await r.read()
                     ok = r.status == 200
                 if ok:
-                    latencies.append(time.perf_counter() - t0)
+                    latencies[name].append(time.perf_counter() - t0)
                 else:
-                    failures += 1
+                    failures[name] += 1
+    return {name: _summary(latencies[name], sum(latencies[name]), failures[name])
+            for name in sides}
 
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    latencies.sort()
 
-    def pct(p: float) -> float:
-        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1000
+async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: int,
+                 seconds: float, slices: int) -> dict:
+    """Closed loop, `concurrency` clients, in alternating slices (A B B A A B ...) of
+    seconds / slices each; a slice ends when its last request returns."""
+    import aiohttp
 
-    return {
-        "requests": len(latencies),
-        "failures": failures,
-        "rps": len(latencies) / elapsed,
-        "p50_ms": pct(0.50),
-        "p99_ms": pct(0.99),
-        "mean_ms": statistics.fmean(latencies) * 1000,
-    }
+    payload = json.dumps(body).encode()
+    names = list(sides)
+    latencies: dict[str, list[float]] = {name: [] for name in names}
+    failures = dict.fromkeys(names, 0)
+    elapsed = dict.fromkeys(names, 0.0)
+    connector = aiohttp.TCPConnector(limit=concurrency * len(sides))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for url, headers in sides.values():
+            await _warm(session, url, headers, payload, min(concurrency, 8))
+        order = []
+        for i in range(slices):
+            order += names if i % 2 == 0 else names[::-1]
+        for name in order:
+            url, headers = sides[name]
+            stop_at = time.perf_counter() + seconds / slices
+
+            async def client(name=name, url=url, headers=headers, stop_at=stop_at) -> None:
+                while time.perf_counter() < stop_at:
+                    t0 = time.perf_counter()
+                    async with session.post(url, data=payload, headers=headers) as r:
+                        await r.read()
+                        ok = r.status == 200
+                    if ok:
+                        latencies[name].append(time.perf_counter() - t0)
+                    else:
+                        failures[name] += 1
+
+            started = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+            elapsed[name] += time.perf_counter() - started
+    return {name: _summary(latencies[name], elapsed[name], failures[name]) for name in names}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- setup -----------------------------------------------------------------------------------------
@@ -241,6 +296,8 @@ def main() -> int:
     parser.add_argument("--only", choices=("engine", "instant"), default=None)
     parser.add_argument("--seconds", type=float, default=10.0, help="per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--slices", type=int, default=4,
+                        help="alternating slices per side above one at a time")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/11")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     args = parser.parse_args()
@@ -296,36 +353,52 @@ def main() -> int:
         gw_headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         direct_headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
         wait_http(f"http://127.0.0.1:{gw_port}/v1/models", 60, gw_headers)
+        gateway_pid = procs[-1].pid
         for kind, port in upstreams.items():
             if kind == "engine":
                 wait_http(f"http://127.0.0.1:{port}/health", 240)
             model = "tiny-llama" if kind == "engine" else "instant"
             body = {**BODY, "model": model}
+            sides = {
+                "direct": (f"http://127.0.0.1:{port}/v1/completions", direct_headers),
+                "gateway": (f"http://127.0.0.1:{gw_port}/v1/completions", gw_headers),
+            }
             for concurrency in args.concurrency:
-                direct = asyncio.run(load(f"http://127.0.0.1:{port}/v1/completions",
-                                          direct_headers, body, concurrency, args.seconds))
-                via = asyncio.run(load(f"http://127.0.0.1:{gw_port}/v1/completions",
-                                       gw_headers, body, concurrency, args.seconds))
+                cpu0 = cpu_seconds(gateway_pid)
+                if concurrency == 1:
+                    got = asyncio.run(paired(sides, body, args.seconds))
+                else:
+                    got = asyncio.run(sliced(sides, body, concurrency, args.seconds, args.slices))
+                cpu = cpu_seconds(gateway_pid) - cpu0
+                direct, via = got["direct"], got["gateway"]
+                handled = via["requests"] + via["failures"]
                 row = {
                     "direct": direct, "gateway": via,
-                    "throughput_ratio": via["rps"] / direct["rps"],
+                    "throughput_ratio": via["rps"] / direct["rps"] if direct["rps"] else 0.0,
                     "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
                     "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
+                    "gateway_cpu_ms_per_request": cpu * 1000 / handled if handled else None,
                 }
                 results[f"{kind}@{concurrency}"] = row
                 print(f"{kind:8} c={concurrency:<3} direct {direct['rps']:7.1f} rps "
                       f"p50 {direct['p50_ms']:6.2f} p99 {direct['p99_ms']:6.2f} ms | gateway "
                       f"{via['rps']:7.1f} rps p50 {via['p50_ms']:6.2f} p99 {via['p99_ms']:6.2f} ms"
                       f" | ratio {row['throughput_ratio']:.2f} added p50 "
-                      f"{row['added_p50_ms']:+.2f} p99 {row['added_p99_ms']:+.2f} ms", flush=True)
+                      f"{row['added_p50_ms']:+.2f} p99 {row['added_p99_ms']:+.2f} ms"
+                      f" | gateway CPU {row['gateway_cpu_ms_per_request'] or 0:.3f} ms/request"
+                      f" | failures {direct['failures']}/{via['failures']}", flush=True)
         if "instant@1" in results:
             row = results["instant@1"]
-            print(f"gateway's own cost per request (instant upstream, c=1): "
-                  f"{row['added_p50_ms']:.3f} ms at p50")
-        best = max((r["gateway"]["rps"] for k, r in results.items() if k.startswith("instant")),
-                   default=None)
-        if best:
-            print(f"gateway requests/s per worker (instant upstream): {best:.0f}")
+            print(f"gateway's own cost per request (instant upstream, one at a time): "
+                  f"{row['added_p50_ms']:.3f} ms added at p50, "
+                  f"{row['gateway_cpu_ms_per_request']:.3f} ms of gateway CPU")
+        instant = [r for k, r in results.items() if k.startswith("instant")]
+        if instant:
+            best = max(r["gateway"]["rps"] for r in instant)
+            cpu = min(r["gateway_cpu_ms_per_request"] or 1e9 for r in instant)
+            print(f"gateway requests/s per worker (instant upstream): {best:.0f} measured "
+                  f"(sharing 2 cores with the load generator and the upstream); "
+                  f"{1000 / cpu:.0f} per fully used core from its CPU time per request")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
     finally:

@@ -3,9 +3,12 @@ platform admin exist beside them."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
+from django.db import OperationalError
+from django.db.backends.base.operations import BaseDatabaseOperations
 from rest_framework.test import APIClient
 
 from tenants_app.models import Role, Tenant
@@ -69,3 +72,25 @@ def base_model(db, tmp_path):
 def _fast_password_hashing(settings):
     """PBKDF2 at full strength costs ~0.3 s a user on these machines; tests need no strength."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flush_survives_deadlocks():
+    """Gateway and agent processes read the test database while transactional tests flush it.
+    The flush is one TRUNCATE of every table, and a reader's join can lock the same tables in
+    the other order: PostgreSQL then aborts one of the two ("deadlock detected"). When the
+    flush is the one aborted, it is run again (nothing was truncated: it rolled back)."""
+    original = BaseDatabaseOperations.execute_sql_flush
+
+    def execute_sql_flush(self, sql_list):
+        for attempt in range(5):
+            try:
+                return original(self, sql_list)
+            except OperationalError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+    BaseDatabaseOperations.execute_sql_flush = execute_sql_flush
+    yield
+    BaseDatabaseOperations.execute_sql_flush = original

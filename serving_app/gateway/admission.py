@@ -15,6 +15,7 @@ The clock is Redis's own (`TIME`), so every worker and host agrees on the window
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -158,16 +159,39 @@ def seconds_to_month_end(now: datetime | None = None) -> int:
     return max(1, int((nxt - now).total_seconds()))
 
 
+class _Month:
+    """This month's key and end, recomputed once the month is over (not at every request)."""
+
+    key = ""
+    ends_at = 0.0
+
+    @classmethod
+    def current(cls) -> tuple[str, float]:
+        now = time.time()
+        if now >= cls.ends_at:
+            at = datetime.fromtimestamp(now, UTC)
+            cls.key, cls.ends_at = month_key(at), now + seconds_to_month_end(at)
+            _tenant_keys.clear()
+        return cls.key, cls.ends_at
+
+
+_tenant_keys: dict[int, list[str]] = {}
+
+
 def tenant_keys(tenant_id: int) -> list[str]:
-    tag = f"gw:{{t{tenant_id}}}"
-    return [
-        f"{tag}:rpm",
-        f"{tag}:tpm",
-        f"{tag}:tpmv",
-        f"{tag}:tpms",
-        f"{tag}:conc",
-        f"{tag}:budget:{month_key()}",
-    ]
+    month, _ = _Month.current()
+    keys = _tenant_keys.get(tenant_id)
+    if keys is None:
+        tag = f"gw:{{t{tenant_id}}}"
+        keys = _tenant_keys[tenant_id] = [
+            f"{tag}:rpm",
+            f"{tag}:tpm",
+            f"{tag}:tpmv",
+            f"{tag}:tpms",
+            f"{tag}:conc",
+            f"{tag}:budget:{month}",
+        ]
+    return keys
 
 
 @dataclass(slots=True)
@@ -263,5 +287,5 @@ def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, 
         window_ms,
         lease_ms,
         tenant.month_used,
-        seconds_to_month_end() + 7 * 86400,
+        max(1, int(_Month.current()[1] - time.time())) + 7 * 86400,
     ]

@@ -59,6 +59,7 @@ class Context:
     reserved: int = 0
     ttft_ms: float | None = None
     ticket: Ticket | None = None
+    complete: bool = False  # the last byte of the response is being sent
     rate_headers: dict[str, str] = field(default_factory=dict)
 
     def event(self) -> dict[str, Any]:
@@ -308,7 +309,9 @@ class GatewayApp:
             options["include_usage"] = True
             body["stream_options"] = options
         body["model"] = target0.upstream_model
-        await _until_disconnect(self._proxy(send, ctx, parsed, route, candidates, tenant), receive)
+        await _until_disconnect(
+            self._proxy(send, ctx, parsed, route, candidates, tenant), receive, ctx
+        )
 
     async def _exact_prompt(self, parsed: ParsedRequest, candidate) -> int:
         assert self.upstream is not None
@@ -383,7 +386,7 @@ class GatewayApp:
                 try:
                     await self._relay(send, ctx, parsed, route, resp)
                 finally:
-                    resp.close()
+                    resp.close(drain=1.0 if ctx.complete else 0.0)
                 return
             finally:
                 self.router.release(inst.id)
@@ -414,6 +417,7 @@ class GatewayApp:
                 "headers": [(b"content-type", JSON), (b"content-length", str(len(raw)).encode()),
                             *base_headers],
             })
+            ctx.complete = True
             await send({"type": "http.response.body", "body": raw})
             return
 
@@ -428,7 +432,7 @@ class GatewayApp:
         chunks = 0
         final = b""
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.chunks():
                 if ctx.ttft_ms is None:
                     ctx.ttft_ms = round((time.perf_counter() - ctx.started) * 1000.0, 3)
                 out = relay.feed(chunk)
@@ -455,6 +459,7 @@ class GatewayApp:
                         "more_body": True})
         if relay.usage:
             ctx.prompt_tokens, ctx.completion_tokens = relay.usage
+        ctx.complete = True
         await send({"type": "http.response.body", "body": final + relay.flush()})
 
 
@@ -533,32 +538,35 @@ async def _send_json(send, status: int, body: bytes, request_id: str, headers: d
     await send({"type": "http.response.body", "body": body})
 
 
-async def _wait_disconnect(receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(work, receive) -> None:
+async def _until_disconnect(work, receive, ctx: Context) -> None:
     """Run `work`; if the client disconnects first, cancel it (which closes the upstream
-    request, and vLLM aborts a request whose connection closes)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    request, and vLLM aborts a request whose connection closes). The watcher cancels this task
+    itself (one task per request, not two); a disconnect after the response is complete
+    (`ctx.complete`) is not one."""
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not ctx.complete:
+                    gone = True
+                    current.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await work
     except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
+        if gone:
+            current.uncancel()
+            raise ClientDisconnected from None
         raise
-    if task.done():
+    finally:
         watcher.cancel()
-        task.result()
-        return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    raise ClientDisconnected
 
 
 application = GatewayApp()

@@ -43,6 +43,7 @@ class GatewayCache:
         # lands afterwards cannot bring back what they removed.
         self._key_changed_at: dict[str, float] = {}
         self._tenant_status: dict[int, tuple[bool, float]] = {}
+        self._catalog_changed_at = 0.0  # the last catalog or tenant message
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-db")
         self._refresh_wanted = asyncio.Event()
         self._waiters: list[asyncio.Future] = []
@@ -136,9 +137,11 @@ class GatewayCache:
             await asyncio.wait_for(asyncio.shield(done), timeout)
 
     async def refresh_if_older(self, seconds: float = 0.25) -> bool:
-        """Re-read a catalog older than `seconds` (when a name or an instance is missing: it
-        may have just been added). Bounded, so bad requests cannot hammer the database."""
-        if time.monotonic() - self.snapshot.loaded_at < seconds:
+        """Re-read a catalog older than `seconds`, or older than the last change announced
+        (when a name or an instance is missing: it may have just been added). Bounded, so bad
+        requests cannot hammer the database."""
+        loaded = self.snapshot.loaded_at
+        if time.monotonic() - loaded < seconds and loaded > self._catalog_changed_at:
             return False
         await self.refresh_now()
         return True
@@ -229,9 +232,11 @@ class GatewayCache:
             tenant_id = int(message.get("id") or 0)
             active = message.get("status") == "active"
             self._tenant_status[tenant_id] = (active, now)
+            self._catalog_changed_at = now
             current = self.snapshot.tenants.get(tenant_id)
             if current is not None:
                 self.snapshot.tenants[tenant_id] = dataclasses.replace(current, active=active)
             self._refresh_wanted.set()
         elif kind == "catalog":
+            self._catalog_changed_at = now
             self._refresh_wanted.set()

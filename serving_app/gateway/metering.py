@@ -15,21 +15,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from serving_app.gateway import admission
 from serving_app.gateway.admission import Decision
 from serving_app.gateway.catalog import TenantEntry
 from serving_app.gateway.config import GatewayConfig
+from serving_app.gateway.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
 
 log = logging.getLogger(__name__)
 
 _NO_KEYS = ["gw:{none}:tpm", "gw:{none}:tpmv", "gw:{none}:tpms", "gw:{none}:conc", "gw:{none}:b"]
+ADMIT_SCRIPT = Script(admission.ADMIT_LUA)
+SETTLE_SCRIPT = Script(admission.SETTLE_LUA)
 
-
-class RedisUnavailable(Exception):
-    """Redis could not be reached within GATEWAY_REDIS_TIMEOUT_SECONDS."""
+__all__ = ["Meter", "RedisUnavailable", "Ticket"]
 
 
 @dataclass(slots=True)
@@ -46,21 +44,8 @@ class Ticket:
 class Meter:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        # A bounded pool: past it, a request waits (up to the Redis timeout) for a connection
-        # rather than opening one more.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.redis_url,
-            max_connections=256,
-            timeout=config.redis_timeout,
-            socket_timeout=config.redis_timeout,
-            socket_connect_timeout=config.redis_timeout,
-        )
-        self.redis = aioredis.Redis(connection_pool=pool)
-        self._admit = self.redis.register_script(admission.ADMIT_LUA)
-        self._settle = self.redis.register_script(admission.SETTLE_LUA)
+        self.redis = PipelinedRedis(config.redis_url, config.redis_timeout)
         self.buffer: deque[str] = deque(maxlen=config.event_buffer_max)
-        self._settles: list[tuple[list, list, str, asyncio.Future]] = []
-        self._batches: set[asyncio.Task] = set()
         self._flusher: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -72,8 +57,7 @@ class Meter:
             with contextlib.suppress(BaseException):
                 await self._flusher
         await self._flush()
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
+        await self.redis.aclose()
 
     async def admit(
         self, tenant: TenantEntry, request_id: str, need: int
@@ -83,18 +67,16 @@ class Meter:
             tenant, request_id, need, self.config.window_ms, self.config.lease_ms
         )
         try:
-            raw = await self._admit(keys=keys, args=args)
-        except (RedisError, OSError) as exc:
+            raw = await self.redis.run_script(ADMIT_SCRIPT, keys, args)
+        except RedisReplyError as exc:
             raise RedisUnavailable(str(exc)) from exc
         decision = Decision(*(int(v) for v in raw))
         ticket = Ticket(tenant, keys, request_id, need, decision.code == admission.ADMIT)
         return ticket, decision
 
     async def settle(self, ticket: Ticket | None, actual: int, event: dict[str, Any]) -> None:
-        """Replace the reservation by `actual` tokens, free the lease, append the event.
-
-        Settlements of requests that end in the same event-loop turn go to Redis in one
-        pipeline (still one round trip each at most; fewer under load)."""
+        """Replace the reservation by `actual` tokens, free the lease, append the event (one
+        script: one round trip, pipelined with every other request's on the connection)."""
         payload = json.dumps(event, separators=(",", ":"))
         if ticket is not None and ticket.admitted:
             tenant = ticket.tenant
@@ -105,46 +87,23 @@ class Meter:
         else:
             keys = [*_NO_KEYS, self.config.usage_stream]
             args = ["", 0, 0, "0", "0", "0", payload]
-        done = asyncio.get_running_loop().create_future()
-        self._settles.append((keys, args, payload, done))
-        if len(self._settles) == 1:
-            asyncio.get_running_loop().call_soon(self._start_settle_batch)
-        await done
-
-    def _start_settle_batch(self) -> None:
-        batch, self._settles = self._settles, []
-        task = asyncio.ensure_future(self._settle_batch(batch))
-        self._batches.add(task)
-        task.add_done_callback(self._batches.discard)
-
-    async def _settle_batch(self, batch: list) -> None:
         try:
-            if len(batch) == 1:
-                keys, args, _, _ = batch[0]
-                await self._settle(keys=keys, args=args)
-            else:
-                pipe = self.redis.pipeline(transaction=False)
-                for keys, args, _, _ in batch:
-                    await self._settle(keys=keys, args=args, client=pipe)
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            # Leases expire and the token log slides on its own; the events must not be lost.
-            log.warning("%d usage events kept in memory, Redis unreachable: %s", len(batch), exc)
-            self.buffer.extend(payload for _, _, payload, _ in batch)
-        finally:
-            for *_, done in batch:
-                if not done.done():
-                    done.set_result(None)
+            await self.redis.run_script(SETTLE_SCRIPT, keys, args)
+        except (RedisUnavailable, RedisReplyError) as exc:
+            # Leases expire and the token log slides on its own; the event must not be lost.
+            if not self.buffer:
+                log.warning("usage events kept in memory, Redis unreachable: %s", exc)
+            self.buffer.append(payload)
 
     async def _flush(self) -> None:
         while self.buffer:
             batch = [self.buffer[i] for i in range(min(500, len(self.buffer)))]
-            pipe = self.redis.pipeline(transaction=False)
-            for payload in batch:
-                pipe.xadd(self.config.usage_stream, {"e": payload})
             try:
-                await pipe.execute()
-            except (RedisError, OSError):
+                await asyncio.gather(*(
+                    self.redis.execute(b"XADD", self.config.usage_stream, b"*", b"e", payload)
+                    for payload in batch
+                ))
+            except (RedisUnavailable, RedisReplyError):
                 return
             for _ in batch:
                 self.buffer.popleft()

@@ -1,71 +1,58 @@
-"""The upstream side: one shared aiohttp session per worker, and the stream relay that reads the
-engine's usage out of a stream (and strips it when the client did not ask for it)."""
+"""The upstream side: one connection pool per worker (`http1.Pool`), and the stream relay that
+reads the engine's usage out of a stream (and strips it when the client did not ask for it)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import aiohttp
-
 from serving_app.gateway.config import GatewayConfig
+from serving_app.gateway.http1 import Pool, Response
 
-# Failures before the engine answered, which are safe to retry on another instance.
-RETRYABLE = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-    ConnectionError,
-)
+# Failures before the engine answered, which are safe to retry on another instance: refused,
+# unreachable, closed before answering (`http1.UpstreamDisconnected`), and timeouts.
+RETRYABLE = (OSError,)
 
 
 class Upstream:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: Pool | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0, ttl_dns_cache=300, keepalive_timeout=60, enable_cleanup_closed=True
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=self.config.upstream_timeout, sock_connect=self.config.connect_timeout
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        self.pool = Pool(self.config.connect_timeout, self.config.upstream_timeout)
 
     async def stop(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.pool is not None:
+            self.pool.close()
 
-    async def post(self, url: str, secret: str, body: bytes, request_id: str):
+    async def post(self, url: str, secret: str, body: bytes, request_id: str) -> Response:
         """Send the request; returns once the response headers are in."""
-        assert self.session is not None
-        return await self.session.post(
-            url,
-            data=body,
-            headers={
-                "Authorization": f"Bearer {secret}",
-                "Content-Type": "application/json",
-                "X-Request-Id": request_id,
-            },
-        )
+        assert self.pool is not None
+        headers = (
+            f"Authorization: Bearer {secret}\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\n"
+        ).encode("latin-1")
+        return await self.pool.post(url, headers, body)
 
     async def tokenize(self, base_url: str, secret: str, payload: dict[str, Any]) -> int:
         """The engine's exact prompt token count (its /tokenize endpoint: no generation)."""
-        assert self.session is not None
-        async with self.session.post(
-            base_url + "/tokenize",
-            data=json.dumps(payload),
-            headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
-        ) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status != 200 or not isinstance(data, dict) or "count" not in data:
-                raise ValueError(f"tokenize answered {resp.status}")
-            return int(data["count"])
+        assert self.pool is not None
+        headers = f"Authorization: Bearer {secret}\r\nContent-Type: application/json\r\n"
+        resp = await self.pool.post(
+            base_url + "/tokenize", headers.encode("latin-1"), json.dumps(payload).encode()
+        )
+        try:
+            raw = await resp.read()
+        finally:
+            resp.close()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if resp.status != 200 or not isinstance(data, dict) or "count" not in data:
+            raise ValueError(f"tokenize answered {resp.status}")
+        return int(data["count"])
 
 
 def read_usage(body: bytes) -> tuple[int, int] | None:

@@ -174,6 +174,27 @@ def test_cache_applies_revocations_and_suspensions_from_messages():
     asyncio.run(scenario())
 
 
+def test_a_fresh_snapshot_older_than_a_catalog_message_is_re_read_on_a_miss():
+    """A name missing from a snapshot read just before a deployment was announced is re-read,
+    not answered 404 because the snapshot is young."""
+
+    async def scenario():
+        cache = GatewayCache(CONFIG)
+        reads = []
+
+        async def refresh_now(timeout: float = 5.0) -> None:
+            reads.append(time.monotonic())
+
+        cache.refresh_now = refresh_now
+        cache.snapshot = Snapshot(loaded_at=time.monotonic())
+        assert await cache.refresh_if_older() is False  # young, nothing announced since
+        cache.apply(json.dumps({"type": "catalog"}))
+        assert await cache.refresh_if_older() is True
+        assert len(reads) == 1
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.django_db
 def test_usage_stream_writes_are_redis_round_trips_not_database_writes(django_assert_num_queries):
     """Settling a request touches Redis only."""

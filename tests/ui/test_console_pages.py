@@ -211,13 +211,15 @@ def test_instance_panel_and_log_tail(login, platform_admin, acme, base_model, tm
     deployment = make_deployment(base_model, [acme.tenant])
     log = tmp_path / "engine.log"
     log.write_text("INFO starting\nINFO Application startup complete.\n")
-    instance = Instance.objects.create(deployment=deployment, state=Instance.State.STARTING,
-                                       log_path=str(log), command=["vllm", "--api-key", "s3"])
+    instance = Instance.objects.create(
+        deployment=deployment, state=Instance.State.STARTING, log_path=str(log),
+        command=["vllm", "--api-key", "engine-secret-Zq7"],
+    )
     client = login(platform_admin)
     panel = client.get(reverse("console:deployment-instances", args=[deployment.pk]))
     assert b'data-instance-state="starting"' in panel.content
     page = client.get(reverse("console:instance-detail", args=[instance.pk])).content
-    assert b"Application startup complete." in page and b"s3" not in page
+    assert b"Application startup complete." in page and b"engine-secret-Zq7" not in page
     assert b"startup complete" in client.get(
         reverse("console:instance-log", args=[instance.pk])).content
 
