@@ -14,9 +14,11 @@ by tens of percent from one second to the next), so direct and gateway are measu
 rather than one after the other: one at a time, requests alternate between the two (paired
 samples); at higher concurrency, short slices alternate (direct, gateway, gateway, direct, ...)
 and the ratio is of the totals. `--seconds` is the time per side. The gateway worker's CPU time
-per request (from /proc) is printed as well: it does not depend on how busy the machine is.
+per request (from /proc, less its idle background CPU measured first) is printed as well: it
+depends much less on how busy the machine is than latencies do.
 
-The gateway runs as `uvicorn console.asgi:application` with one worker (uvloop, httptools), a
+The gateway runs as `uvicorn console.asgi:application` with `--workers` workers (default one;
+uvloop, httptools), a
 tenant with RPM and TPM limits (so admission and settlement both run: two Redis round trips),
 against its own SQLite database under var/ and Redis DB 11 (both only hold the benchmark's
 data). Everything listens on 127.0.0.1; every phase is bounded in time.
@@ -174,6 +176,9 @@ def kill_group(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
+FAILED: list[tuple[str, int, bytes]] = []  # (side, status, body) of every failed request
+
+
 def _pct(values: list[float], p: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(p * len(values)))] * 1000 if values else float("nan")
@@ -212,14 +217,20 @@ async def paired(sides: dict[str, tuple[str, dict]], body: dict, seconds: float)
             for name, (url, headers) in sides.items():
                 t0 = time.perf_counter()
                 async with session.post(url, data=payload, headers=headers) as r:
-                    await r.read()
+                    answer = await r.read()
                     ok = r.status == 200
+                    if not ok:
+                        FAILED.append((name, r.status, answer[:300]))
                 if ok:
                     latencies[name].append(time.perf_counter() - t0)
                 else:
                     failures[name] += 1
-    return {name: _summary(latencies[name], sum(latencies[name]), failures[name])
-            for name in sides}
+    out = {name: _summary(latencies[name], sum(latencies[name]), failures[name])
+           for name in sides}
+    first, second = (latencies[name] for name in sides)
+    diffs = [b - a for a, b in zip(first, second, strict=False)]
+    out["paired_median_diff_ms"] = statistics.median(diffs) * 1000 if diffs else float("nan")
+    return out
 
 
 async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: int,
@@ -233,6 +244,7 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
     latencies: dict[str, list[float]] = {name: [] for name in names}
     failures = dict.fromkeys(names, 0)
     elapsed = dict.fromkeys(names, 0.0)
+    per_slice: dict[str, list[float]] = {name: [] for name in names}
     connector = aiohttp.TCPConnector(limit=concurrency * len(sides))
     async with aiohttp.ClientSession(connector=connector) as session:
         for url, headers in sides.values():
@@ -248,23 +260,40 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
                 while time.perf_counter() < stop_at:
                     t0 = time.perf_counter()
                     async with session.post(url, data=payload, headers=headers) as r:
-                        await r.read()
+                        answer = await r.read()
                         ok = r.status == 200
+                        if not ok:
+                            FAILED.append((name, r.status, answer[:300]))
                     if ok:
                         latencies[name].append(time.perf_counter() - t0)
                     else:
                         failures[name] += 1
 
-            started = time.perf_counter()
+            started, before = time.perf_counter(), len(latencies[name])
             await asyncio.gather(*(client() for _ in range(concurrency)))
-            elapsed[name] += time.perf_counter() - started
-    return {name: _summary(latencies[name], elapsed[name], failures[name]) for name in names}
+            took = time.perf_counter() - started
+            elapsed[name] += took
+            per_slice[name].append(round((len(latencies[name]) - before) / took, 1))
+    out = {name: _summary(latencies[name], elapsed[name], failures[name]) for name in names}
+    out["slices_rps"] = per_slice
+    return out
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a process and its live children (uvicorn's workers), from
+    Linux's /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 # -- setup -----------------------------------------------------------------------------------------
@@ -276,8 +305,8 @@ args = json.loads(sys.argv[1])
 Instance.objects.all().delete(); Deployment.objects.all().delete()
 ApiKey.objects.all().delete(); Tenant.objects.all().delete(); BaseModel.objects.all().delete()
 base = BaseModel(name="tiny-llama", path=args["model"]); base.full_clean(); base.save()
-tenant = Tenant.objects.create(slug="bench", name="Bench", requests_per_minute=10_000_000,
-                               tokens_per_minute=1_000_000_000)
+limits = dict(requests_per_minute=10_000_000, tokens_per_minute=1_000_000_000)
+tenant = Tenant.objects.create(slug="bench", name="Bench", **(limits if args["limits"] else {}))
 node, _ = Node.objects.get_or_create(name="bench", defaults={"queue": "node.bench"})
 for kind, port in args["upstreams"].items():
     dep = Deployment.objects.create(name=f"bench-{kind}", base_model=base if kind == "engine"
@@ -299,6 +328,11 @@ def main() -> int:
     parser.add_argument("--slices", type=int, default=4,
                         help="alternating slices per side above one at a time")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/11")
+    parser.add_argument("--workers", type=int, default=1, help="gateway (uvicorn) workers")
+    parser.add_argument("--engine-nice", type=int, default=0,
+                        help="run the engine at this CPU niceness (both sides alike)")
+    parser.add_argument("--no-limits", action="store_true",
+                        help="a tenant without limits: no admission round trip (for comparison)")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     args = parser.parse_args()
     python = sys.executable
@@ -320,8 +354,9 @@ def main() -> int:
             port = free_port()
             engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                           "VLLM_NO_USAGE_STATS": "1"}
+            nice = ["nice", "-n", str(args.engine_nice)] if args.engine_nice else []
             procs.append(subprocess.Popen(
-                [str(ROOT / "var/engine-venv/bin/python"), "-m",
+                [*nice, str(ROOT / "var/engine-venv/bin/python"), "-m",
                  "vllm.entrypoints.openai.api_server", "--model",
                  str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
                  "--dtype", "float32", "--max-model-len", "1024", "--api-key", secret,
@@ -340,20 +375,27 @@ def main() -> int:
         out = subprocess.run(
             [python, "manage.py", "shell", "-c", SEED.replace("sys.argv[1]", repr(json.dumps(
                 {"model": str(ROOT / "var/models/tiny-llama"), "upstreams": upstreams,
-                 "secret": secret})))],
+                 "secret": secret, "limits": not args.no_limits})))],
             cwd=ROOT, env=env, check=True, capture_output=True, text=True,
         ).stdout
         key = json.loads(out.strip().splitlines()[-1])["key"]
         gw_port = free_port()
         procs.append(subprocess.Popen(
             [python, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
-             "--port", str(gw_port), "--workers", "1", "--loop", "uvloop", "--http",
+             "--port", str(gw_port), "--workers", str(args.workers), "--loop", "uvloop", "--http",
              "httptools", "--no-access-log", "--log-level", "warning"],
             cwd=ROOT, env=env, start_new_session=True))
         gw_headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         direct_headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
         wait_http(f"http://127.0.0.1:{gw_port}/v1/models", 60, gw_headers)
         gateway_pid = procs[-1].pid
+        # Background work (catalog re-reads, the invalidation listener) costs CPU with no
+        # traffic too: measured here, then taken out of the per-request figure.
+        idle0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
+        time.sleep(6.0)
+        idle_rate = (cpu_seconds(gateway_pid) - idle0) / (time.perf_counter() - t0)
+        print(f"gateway idle CPU: {idle_rate * 100:.1f}% of a core", flush=True)
+        results["gateway_idle_cpu_fraction"] = idle_rate
         for kind, port in upstreams.items():
             if kind == "engine":
                 wait_http(f"http://127.0.0.1:{port}/health", 240)
@@ -364,16 +406,18 @@ def main() -> int:
                 "gateway": (f"http://127.0.0.1:{gw_port}/v1/completions", gw_headers),
             }
             for concurrency in args.concurrency:
-                cpu0 = cpu_seconds(gateway_pid)
+                cpu0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
                 if concurrency == 1:
                     got = asyncio.run(paired(sides, body, args.seconds))
                 else:
                     got = asyncio.run(sliced(sides, body, concurrency, args.seconds, args.slices))
-                cpu = cpu_seconds(gateway_pid) - cpu0
+                cpu = cpu_seconds(gateway_pid) - cpu0 - idle_rate * (time.perf_counter() - t0)
                 direct, via = got["direct"], got["gateway"]
                 handled = via["requests"] + via["failures"]
                 row = {
                     "direct": direct, "gateway": via,
+                    "paired_median_diff_ms": got.get("paired_median_diff_ms"),
+                    "slices_rps": got.get("slices_rps"),
                     "throughput_ratio": via["rps"] / direct["rps"] if direct["rps"] else 0.0,
                     "added_p50_ms": via["p50_ms"] - direct["p50_ms"],
                     "added_p99_ms": via["p99_ms"] - direct["p99_ms"],
@@ -387,18 +431,28 @@ def main() -> int:
                       f"{row['added_p50_ms']:+.2f} p99 {row['added_p99_ms']:+.2f} ms"
                       f" | gateway CPU {row['gateway_cpu_ms_per_request'] or 0:.3f} ms/request"
                       f" | failures {direct['failures']}/{via['failures']}", flush=True)
+                if row["slices_rps"]:
+                    print(f"{'':8} c={concurrency:<3} requests/s per slice: " + "; ".join(
+                        f"{k} {v}" for k, v in row["slices_rps"].items()), flush=True)
+                if row["paired_median_diff_ms"] is not None:
+                    print(f"{'':8} c=1   median of paired differences (gateway - direct): "
+                          f"{row['paired_median_diff_ms']:+.2f} ms", flush=True)
         if "instant@1" in results:
             row = results["instant@1"]
             print(f"gateway's own cost per request (instant upstream, one at a time): "
                   f"{row['added_p50_ms']:.3f} ms added at p50, "
                   f"{row['gateway_cpu_ms_per_request']:.3f} ms of gateway CPU")
-        instant = [r for k, r in results.items() if k.startswith("instant")]
+        instant = [r for k, r in results.items() if k.startswith("instant@")]
         if instant:
             best = max(r["gateway"]["rps"] for r in instant)
             cpu = min(r["gateway_cpu_ms_per_request"] or 1e9 for r in instant)
-            print(f"gateway requests/s per worker (instant upstream): {best:.0f} measured "
+            print(f"gateway requests/s with {args.workers} worker(s) (instant upstream): "
+                  f"{best:.0f} measured "
                   f"(sharing 2 cores with the load generator and the upstream); "
-                  f"{1000 / cpu:.0f} per fully used core from its CPU time per request")
+                  f"{1000 / cpu:.0f} per worker on a fully used core from its CPU time per "
+                  "request")
+        for side, status, text in FAILED[:10]:
+            print(f"failed request ({side}): {status} {text.decode(errors='replace')}")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
     finally:

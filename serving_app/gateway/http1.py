@@ -22,6 +22,9 @@ from urllib.parse import urlsplit
 import httptools
 
 MAX_IDLE_PER_ENGINE = 256
+# Idle connections older than this are not reused: the engine (uvicorn) closes them after 5 s,
+# and one taken just as it does so would cost a retry.
+IDLE_SECONDS = 4.0
 READ_HIGH_WATER = 1 << 20  # buffered body bytes before reading from the engine pauses
 
 
@@ -156,6 +159,7 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.closed = False
         self.reused = False
+        self.idle_since = 0.0
         self.received_any = False
         self._paused = False
 
@@ -237,6 +241,12 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             self.transport.abort()
 
+    def close(self) -> None:
+        """An idle connection, closed politely (FIN rather than RST)."""
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
 
 class Pool:
     """Idle keep-alive connections per engine (`scheme://host:port`), most recent first."""
@@ -283,11 +293,16 @@ class Pool:
     def close(self) -> None:
         for idle in self._idle.values():
             while idle:
-                idle.pop().abort()
+                idle.pop().close()
 
     # -- connections ----------------------------------------------------------------------------
     def _take(self, key: tuple) -> _Connection | None:
         idle = self._idle.get(key)
+        if not idle:
+            return None
+        too_old = asyncio.get_running_loop().time() - IDLE_SECONDS
+        while idle and idle[0].idle_since < too_old:  # the oldest are at the left
+            idle.popleft().close()
         while idle:
             conn = idle.pop()
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
@@ -312,6 +327,7 @@ class Pool:
         if len(idle) >= MAX_IDLE_PER_ENGINE:
             conn.abort()
             return
+        conn.idle_since = asyncio.get_running_loop().time()
         idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:

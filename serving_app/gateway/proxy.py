@@ -55,10 +55,18 @@ class Upstream:
         return int(data["count"])
 
 
+_DECODER = json.JSONDecoder()
+
+
 def read_usage(body: bytes) -> tuple[int, int] | None:
+    """The engine's token counts from a completion body. Only the `usage` object is decoded
+    (the last `"usage":` in the body: inside a JSON string its quotes would be escaped)."""
+    at = body.rfind(b'"usage":')
+    if at < 0:
+        return None
     try:
-        usage = json.loads(body).get("usage")
-    except (ValueError, AttributeError):
+        usage, _ = _DECODER.raw_decode(body[at + 8 :].decode("utf-8", "replace").lstrip())
+    except ValueError:
         return None
     if not isinstance(usage, dict):
         return None

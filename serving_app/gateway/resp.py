@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 import hiredis
 
 CLIENT_NAME = b"llm-console-gateway"
+GRACE_SECONDS = 0.05
 
 
 class RedisUnavailable(Exception):
@@ -151,8 +152,17 @@ class PipelinedRedis:
         finally:
             timer.cancel()
 
-    def _expire(self, conn: _Protocol, future: asyncio.Future, seen: int) -> None:
+    def _expire(self, conn: _Protocol, future: asyncio.Future, seen: int,
+                second_look: bool = False) -> None:
         if future.done():
+            return
+        if not second_look:
+            # After the whole process was held up (a busy or paused host), due timers run
+            # before the event loop reads its sockets: the reply may be waiting unread. Judge
+            # only after the loop has polled once more.
+            asyncio.get_running_loop().call_later(
+                GRACE_SECONDS, self._expire, conn, future, seen, True
+            )
             return
         future.set_exception(RedisUnavailable(f"no reply from Redis within {self.timeout}s"))
         if conn.received == seen:  # nothing came back at all since: treat the peer as dead
