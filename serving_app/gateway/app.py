@@ -21,6 +21,7 @@ from serving_app.gateway.cache import GatewayCache
 from serving_app.gateway.catalog import KeyEntry, Route, TenantEntry
 from serving_app.gateway.config import GatewayConfig
 from serving_app.gateway.errors import GatewayError
+from serving_app.gateway.http1 import UpstreamBroken
 from serving_app.gateway.metering import Meter, RedisUnavailable, Ticket
 from serving_app.gateway.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
 from serving_app.gateway.routing import Router
@@ -397,7 +398,17 @@ class GatewayApp:
             (k.encode(), v.encode()) for k, v in ctx.rate_headers.items()
         ]
         if resp.status != 200 or not parsed.stream:
-            raw = await resp.read()
+            try:
+                raw = await resp.read()
+            except TimeoutError as exc:
+                raise GatewayError(
+                    504, "The engine did not finish in time.", code="upstream_timeout"
+                ) from exc
+            except UpstreamBroken as exc:
+                log.warning("response from instance %s broke: %r", ctx.instance_id, exc)
+                raise GatewayError(
+                    502, "The engine's response ended early.", code="upstream_broken"
+                ) from exc
             ctx.status = resp.status
             if resp.status == 200:
                 usage = read_usage(raw)

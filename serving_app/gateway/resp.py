@@ -101,8 +101,9 @@ class _Protocol(asyncio.Protocol):
 
 
 class PipelinedRedis:
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, name: bytes = CLIENT_NAME) -> None:
         self.timeout = timeout
+        self.name = name
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}")
@@ -200,7 +201,7 @@ class PipelinedRedis:
             if self._db:
                 await self._send(protocol, hiredis.pack_command((b"SELECT", self._db)))
             # So that operators can tell the gateway's connections apart in CLIENT LIST.
-            await self._send(protocol, hiredis.pack_command((b"CLIENT", b"SETNAME", CLIENT_NAME)))
+            await self._send(protocol, hiredis.pack_command((b"CLIENT", b"SETNAME", self.name)))
         except RedisReplyError as exc:
             protocol.abort()
             raise RedisUnavailable(f"Redis refused the connection: {exc}") from exc

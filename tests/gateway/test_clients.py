@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import pytest
@@ -15,7 +16,6 @@ import redis
 
 from serving_app.gateway.http1 import Pool, UpstreamBroken, UpstreamDisconnected
 from serving_app.gateway.resp import (
-    CLIENT_NAME,
     PipelinedRedis,
     RedisReplyError,
     RedisUnavailable,
@@ -66,10 +66,11 @@ def test_a_killed_connection_fails_its_commands_and_the_next_one_reconnects():
     admin = redis.Redis.from_url(REDIS_URL)
 
     async def scenario():
-        client = PipelinedRedis(REDIS_URL, 2.0)
+        name = f"test-{os.getpid()}-{time.monotonic_ns()}"
+        client = PipelinedRedis(REDIS_URL, 2.0, name=name.encode())
         try:
             assert await client.execute("PING") == b"PONG"
-            mine = [c for c in admin.client_list() if c["name"] == CLIENT_NAME.decode()]
+            mine = [c for c in admin.client_list() if c["name"] == name]
             assert len(mine) == 1
             slow = asyncio.ensure_future(client.execute("BLPOP", "gw:test:never", 5))
             await asyncio.sleep(0.1)

@@ -195,3 +195,43 @@ def test_prompt_cap_uses_the_engines_token_count_not_the_estimate(gateway, engin
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert engine.metric("vllm:request_success_total") == before
+
+
+class BreakingUpstream(Upstream):
+    """Answers 200 with a body that stops half-way (an engine that dies mid-response)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def serve(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: 500\r\n\r\n{\"id\": \"cmpl-1\", \"choi")
+            await writer.drain()
+            writer.close()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(
+                asyncio.start_server(serve, "127.0.0.1", self.port))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(5)
+
+
+def test_a_response_that_breaks_half_way_is_a_502_in_openais_shape(gateway):
+    broken = BreakingUpstream()
+    try:
+        world = make_world(broken.port, "s")
+        response = post(gateway, world.acme_secret, CHAT)
+        assert response.status_code == 502, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "upstream_broken")
+        assert response.headers["x-request-id"].startswith("req-")
+    finally:
+        broken.close()
