@@ -381,6 +381,11 @@ class GatewayApp:
                     raise GatewayError(
                         502, "The engine could not be reached.", code="upstream_unreachable"
                     ) from exc
+                except UpstreamBroken as exc:  # it began answering: not safe to send twice
+                    log.warning("response head from instance %s broke: %r", inst.id, exc)
+                    raise GatewayError(
+                        502, "The engine's response ended early.", code="upstream_broken"
+                    ) from exc
                 if resp.status == 503 and retry_left:
                     resp.close()
                     continue

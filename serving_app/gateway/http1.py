@@ -263,6 +263,8 @@ class Pool:
         once the response's status and headers are in (within `timeout` of the call)."""
         target = self._targets.get(url)
         if target is None:
+            if len(self._targets) > 10_000:  # instances come and go: keep the cache bounded
+                self._targets.clear()
             target = self._targets[url] = _split(url)
         key, path, host_header = target
         request = b"".join((

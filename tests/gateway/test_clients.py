@@ -234,6 +234,11 @@ def test_refused_silent_and_broken_engines_fail_with_the_documented_errors():
     async def hang_up(n, writer):
         return "close"
 
+    async def half_head(n, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-")
+        await writer.drain()
+        return "close"
+
     async def scenario():
         pool = Pool(0.5, 0.5)
         with pytest.raises(OSError):
@@ -245,6 +250,9 @@ def test_refused_silent_and_broken_engines_fail_with_the_documented_errors():
             assert time.monotonic() - started < 2.0
         async with Server(hang_up) as server:
             with pytest.raises(UpstreamDisconnected):
+                await pool.post(server.url + "/x", b"", b"{}")
+        async with Server(half_head) as server:
+            with pytest.raises(UpstreamBroken):  # it began answering: not retried
                 await pool.post(server.url + "/x", b"", b"{}")
         async with Server(broken) as server:
             resp = await pool.post(server.url + "/x", b"", b"{}")
