@@ -331,6 +331,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, help="gateway (uvicorn) workers")
     parser.add_argument("--engine-nice", type=int, default=0,
                         help="run the engine at this CPU niceness (both sides alike)")
+    parser.add_argument("--gateway-nice", type=int, default=0,
+                        help="run the gateway at this CPU niceness (negative needs root)")
     parser.add_argument("--no-limits", action="store_true",
                         help="a tenant without limits: no admission round trip (for comparison)")
     parser.add_argument("--json", default="", help="also write the figures to this file")
@@ -380,10 +382,11 @@ def main() -> int:
         ).stdout
         key = json.loads(out.strip().splitlines()[-1])["key"]
         gw_port = free_port()
+        gateway_nice = ["nice", "-n", str(args.gateway_nice)] if args.gateway_nice else []
         procs.append(subprocess.Popen(
-            [python, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
-             "--port", str(gw_port), "--workers", str(args.workers), "--loop", "uvloop", "--http",
-             "httptools", "--no-access-log", "--log-level", "warning"],
+            [*gateway_nice, python, "-m", "uvicorn", "console.asgi:application", "--host",
+             "127.0.0.1", "--port", str(gw_port), "--workers", str(args.workers), "--loop",
+             "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
             cwd=ROOT, env=env, start_new_session=True))
         gw_headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         direct_headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
