@@ -201,6 +201,20 @@ async def _warm(session, url: str, headers: dict, payload: bytes, n: int) -> Non
             await r.read()
 
 
+async def _timed(session, name: str, url: str, headers: dict, payload: bytes,
+                 latencies: dict, failures: dict) -> None:
+    """One request: its latency if it answered 200, else a failure (kept in FAILED)."""
+    t0 = time.perf_counter()
+    async with session.post(url, data=payload, headers=headers) as r:
+        answer = await r.read()
+        status = r.status
+    if status == 200:
+        latencies[name].append(time.perf_counter() - t0)
+    else:
+        failures[name] += 1
+        FAILED.append((name, status, answer[:300]))
+
+
 async def paired(sides: dict[str, tuple[str, dict]], body: dict, seconds: float) -> dict:
     """One request at a time, alternating between the sides: paired samples under the same
     conditions. `seconds` per side. Throughput one at a time is 1 / mean latency."""
@@ -215,16 +229,7 @@ async def paired(sides: dict[str, tuple[str, dict]], body: dict, seconds: float)
         stop_at = time.perf_counter() + seconds * len(sides)
         while time.perf_counter() < stop_at:
             for name, (url, headers) in sides.items():
-                t0 = time.perf_counter()
-                async with session.post(url, data=payload, headers=headers) as r:
-                    answer = await r.read()
-                    ok = r.status == 200
-                    if not ok:
-                        FAILED.append((name, r.status, answer[:300]))
-                if ok:
-                    latencies[name].append(time.perf_counter() - t0)
-                else:
-                    failures[name] += 1
+                await _timed(session, name, url, headers, payload, latencies, failures)
     out = {name: _summary(latencies[name], sum(latencies[name]), failures[name])
            for name in sides}
     first, second = (latencies[name] for name in sides)
@@ -258,16 +263,7 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
 
             async def client(name=name, url=url, headers=headers, stop_at=stop_at) -> None:
                 while time.perf_counter() < stop_at:
-                    t0 = time.perf_counter()
-                    async with session.post(url, data=payload, headers=headers) as r:
-                        answer = await r.read()
-                        ok = r.status == 200
-                        if not ok:
-                            FAILED.append((name, r.status, answer[:300]))
-                    if ok:
-                        latencies[name].append(time.perf_counter() - t0)
-                    else:
-                        failures[name] += 1
+                    await _timed(session, name, url, headers, payload, latencies, failures)
 
             started, before = time.perf_counter(), len(latencies[name])
             await asyncio.gather(*(client() for _ in range(concurrency)))
