@@ -165,11 +165,13 @@ def wait_http(url: str, timeout: float, headers: dict | None = None) -> None:
     raise RuntimeError(f"{url} did not come up within {timeout}s")
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """Stop a process started in its own session, and everything it started: SIGTERM, then
+    SIGKILL after `grace` seconds (also used by the gateway tests' fixtures)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(15)
+        proc.wait(grace)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

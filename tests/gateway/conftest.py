@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ import redis
 from django.db import connection
 from django.test import override_settings
 
+from benchmarks.gateway_bench import free_port, kill_group
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from tenants_app.models import ApiKey, Tenant
 
@@ -33,23 +32,6 @@ MODELS = ROOT / "var" / "models"
 REDIS_URL = "redis://127.0.0.1:6379/9"
 ENGINE_SECRET = "gateway-test-engine-secret"
 MAX_BODY = 64 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
 
 
 def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
