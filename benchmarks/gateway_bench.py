@@ -11,17 +11,32 @@
 
 These machines are noisy (other processes come and go, and the CPU engine's own latency swings
 by tens of percent from one second to the next), so direct and gateway are measured interleaved
-rather than one after the other: one at a time, requests alternate between the two (paired
+rather than one after the other: one at a time, requests alternate between the sides (paired
 samples); at higher concurrency, short slices alternate (direct, gateway, gateway, direct, ...)
 and the ratio is of the totals. `--seconds` is the time per side. The gateway worker's CPU time
-per request (from /proc, less its idle background CPU measured first) is printed as well: it
-depends much less on how busy the machine is than latencies do.
+per request (from /proc, less its idle background CPU measured first) is printed as well, and at
+higher concurrency the whole machine's CPU per request on each side (from /proc/stat).
+
+Scheduling. vLLM's CPU backend busy-waits: its worker (pinned to core 0) and its scheduler
+process (on the "reserved" core 1) spin in `sched_yield()` loops between steps. On a 2-core
+machine nothing else then gets a CPU reliably: measured with pidstat under 32 concurrent
+requests, the load generator got under 2% of a CPU while waiting in the run queue 90% of the
+time or more, and the engine's throughput swung between about 300 and 30 requests/s from one
+second to the next, direct as much as through the gateway (`nice` did not help; real-time
+scheduling did). vLLM's own advice for CPU serving is to leave cores to the frontend; there are
+none to spare here. So by default (as root) the load generator, the gateway, the relay, the
+instant upstream and a Redis that the benchmark starts for itself run with SCHED_RR priority 10
+(`--realtime`, 0 for normal scheduling): they get a CPU whenever they are runnable, as on a host
+with cores to spare, and their CPU time still comes out of the engine's, every side alike, so
+the gateway's cost is counted (see the whole-machine CPU per request).
+
+`--relay` adds a third side: a bare TCP relay in its own process (no HTTP parsing, no limits),
+the cheapest proxy there can be, to show what one more process hop costs here.
 
 The gateway runs as `uvicorn console.asgi:application` with `--workers` workers (default one;
-uvloop, httptools), a
-tenant with RPM and TPM limits (so admission and settlement both run: two Redis round trips),
-against its own SQLite database under var/ and Redis DB 11 (both only hold the benchmark's
-data). Everything listens on 127.0.0.1; every phase is bounded in time.
+uvloop, httptools), a tenant with RPM and TPM limits (so admission and settlement both run: two
+Redis round trips), against its own SQLite database under var/ and the benchmark's own Redis
+(`--redis-url` to use another). Everything listens on 127.0.0.1; every phase is bounded in time.
 """
 
 from __future__ import annotations
@@ -146,6 +161,62 @@ def _instant_main(port: int) -> None:
     asyncio.run(main())
 
 
+# -- the byte relay ------------------------------------------------------------------------------
+class _Pipe(asyncio.Protocol):
+    """One direction's receiving end: whatever arrives is written to `peer` as it comes."""
+
+    def __init__(self, peer=None) -> None:
+        self.peer = peer
+        self.pending = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.peer is None:
+            self.pending += data
+        else:
+            self.peer.write(data)
+
+    def connection_lost(self, exc) -> None:
+        if self.peer is not None:
+            self.peer.close()
+
+
+def _relay_main(port: int, upstream: int) -> None:
+    """A TCP relay between the load generator and the engine: no HTTP parsing, no admission, no
+    metering; the cheapest proxy there can be. Measured as its own side to show what one extra
+    hop through a process costs on this machine, apart from what the gateway does."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        class Client(_Pipe):
+            def connection_made(self, transport) -> None:
+                super().connection_made(transport)
+                loop.create_task(self.connect())
+
+            async def connect(self) -> None:
+                up_transport, _ = await loop.create_connection(
+                    lambda: _Pipe(self.transport), "127.0.0.1", upstream)
+                self.peer = up_transport
+                if self.pending:
+                    up_transport.write(self.pending)
+                    self.pending = b""
+
+        server = await loop.create_server(Client, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
 # -- helpers ---------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -163,6 +234,20 @@ def wait_http(url: str, timeout: float, headers: dict | None = None) -> None:
                 return
         time.sleep(0.3)
     raise RuntimeError(f"{url} did not come up within {timeout}s")
+
+
+def wait_redis(url: str, timeout: float) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
@@ -234,9 +319,12 @@ async def paired(sides: dict[str, tuple[str, dict]], body: dict, seconds: float)
                 await _timed(session, name, url, headers, payload, latencies, failures)
     out = {name: _summary(latencies[name], sum(latencies[name]), failures[name])
            for name in sides}
-    first, second = (latencies[name] for name in sides)
-    diffs = [b - a for a, b in zip(first, second, strict=False)]
-    out["paired_median_diff_ms"] = statistics.median(diffs) * 1000 if diffs else float("nan")
+    first, *others = sides
+    for other in others:
+        diffs = [b - a for a, b in zip(latencies[first], latencies[other], strict=False)]
+        out[f"paired_median_diff_ms_{other}"] = (
+            statistics.median(diffs) * 1000 if diffs else float("nan"))
+    out["paired_median_diff_ms"] = out.get("paired_median_diff_ms_gateway")
     return out
 
 
@@ -251,6 +339,7 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
     latencies: dict[str, list[float]] = {name: [] for name in names}
     failures = dict.fromkeys(names, 0)
     elapsed = dict.fromkeys(names, 0.0)
+    busy = dict.fromkeys(names, 0.0)
     per_slice: dict[str, list[float]] = {name: [] for name in names}
     connector = aiohttp.TCPConnector(limit=concurrency * len(sides))
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -267,14 +356,27 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
                 while time.perf_counter() < stop_at:
                     await _timed(session, name, url, headers, payload, latencies, failures)
 
-            started, before = time.perf_counter(), len(latencies[name])
+            started, before, busy0 = time.perf_counter(), len(latencies[name]), machine_busy()
             await asyncio.gather(*(client() for _ in range(concurrency)))
             took = time.perf_counter() - started
             elapsed[name] += took
+            busy[name] += machine_busy() - busy0
             per_slice[name].append(round((len(latencies[name]) - before) / took, 1))
     out = {name: _summary(latencies[name], elapsed[name], failures[name]) for name in names}
+    for name in names:
+        done = len(latencies[name]) + failures[name]
+        out[name]["machine_busy_fraction"] = busy[name] / elapsed[name] / os.cpu_count()
+        out[name]["machine_cpu_ms_per_request"] = busy[name] * 1000 / done if done else None
     out["slices_rps"] = per_slice
     return out
+
+
+def machine_busy() -> float:
+    """Seconds of CPU the whole machine has been busy (every core: all but idle and iowait),
+    from Linux's /proc/stat."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(f) for f in fields]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -325,31 +427,47 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--slices", type=int, default=4,
                         help="alternating slices per side above one at a time")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/11")
+    parser.add_argument("--redis-url", default="",
+                        help="the gateway's Redis (default: one the benchmark starts itself)")
     parser.add_argument("--workers", type=int, default=1, help="gateway (uvicorn) workers")
+    parser.add_argument("--realtime", type=int, default=10 if os.geteuid() == 0 else 0,
+                        help="SCHED_RR priority of the load generator, gateway, relay, instant "
+                             "upstream and the benchmark's Redis; 0 = normal scheduling "
+                             "(default 10 as root: see the module docstring)")
     parser.add_argument("--engine-nice", type=int, default=0,
-                        help="run the engine at this CPU niceness (both sides alike)")
-    parser.add_argument("--gateway-nice", type=int, default=0,
-                        help="run the gateway at this CPU niceness (negative needs root)")
+                        help="run the engine at this CPU niceness (every side alike)")
+    parser.add_argument("--relay", action="store_true",
+                        help="a third side: a bare TCP relay in front of the engine (no HTTP, no "
+                             "limits), what one extra process hop costs on this machine")
     parser.add_argument("--no-limits", action="store_true",
                         help="a tenant without limits: no admission round trip (for comparison)")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     args = parser.parse_args()
     python = sys.executable
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
-           "DATABASE_URL": f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}",
-           "GATEWAY_REDIS_URL": args.redis_url, "LOG_LEVEL": "WARNING",
-           "GATEWAY_USAGE_STREAM": "gw:bench-usage"}
+    rt = ["chrt", "-r", str(args.realtime)] if args.realtime else []
     secret = "bench-engine-secret"
     procs: list[subprocess.Popen] = []
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"realtime_priority": args.realtime}
     upstreams: dict[str, int] = {}
     try:
         import redis
 
-        client = redis.Redis.from_url(args.redis_url)
+        redis_url = args.redis_url
+        if not redis_url:
+            redis_port = free_port()
+            procs.append(subprocess.Popen(
+                [*rt, "redis-server", "--bind", "127.0.0.1", "--port", str(redis_port),
+                 "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+                start_new_session=True, stdout=subprocess.DEVNULL))
+            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+            wait_redis(redis_url, 10)
+        client = redis.Redis.from_url(redis_url)
         client.delete("gw:bench-usage")
         client.close()
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
+               "DATABASE_URL": f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}",
+               "GATEWAY_REDIS_URL": redis_url, "LOG_LEVEL": "WARNING",
+               "GATEWAY_USAGE_STREAM": "gw:bench-usage"}
         if args.only in (None, "engine"):
             port = free_port()
             engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -364,10 +482,17 @@ def main() -> int:
                 env=engine_env, start_new_session=True, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL))
             upstreams["engine"] = port
+            if args.relay:
+                relay_port = free_port()
+                procs.append(subprocess.Popen(
+                    [*rt, python, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                     f"from benchmarks.gateway_bench import _relay_main; "
+                     f"_relay_main({relay_port}, {port})"],
+                    start_new_session=True))
         if args.only in (None, "instant"):
             port = free_port()
             procs.append(subprocess.Popen(
-                [python, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                [*rt, python, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
                  f"from benchmarks.gateway_bench import _instant_main; _instant_main({port})"],
                 start_new_session=True))
             upstreams["instant"] = port
@@ -380,9 +505,8 @@ def main() -> int:
         ).stdout
         key = json.loads(out.strip().splitlines()[-1])["key"]
         gw_port = free_port()
-        gateway_nice = ["nice", "-n", str(args.gateway_nice)] if args.gateway_nice else []
         procs.append(subprocess.Popen(
-            [*gateway_nice, python, "-m", "uvicorn", "console.asgi:application", "--host",
+            [*rt, python, "-m", "uvicorn", "console.asgi:application", "--host",
              "127.0.0.1", "--port", str(gw_port), "--workers", str(args.workers), "--loop",
              "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
             cwd=ROOT, env=env, start_new_session=True))
@@ -397,15 +521,17 @@ def main() -> int:
         idle_rate = (cpu_seconds(gateway_pid) - idle0) / (time.perf_counter() - t0)
         print(f"gateway idle CPU: {idle_rate * 100:.1f}% of a core", flush=True)
         results["gateway_idle_cpu_fraction"] = idle_rate
+        if args.realtime:  # after every child started: the engine must not inherit it
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(args.realtime))
         for kind, port in upstreams.items():
             if kind == "engine":
                 wait_http(f"http://127.0.0.1:{port}/health", 240)
             model = "tiny-llama" if kind == "engine" else "instant"
             body = {**BODY, "model": model}
-            sides = {
-                "direct": (f"http://127.0.0.1:{port}/v1/completions", direct_headers),
-                "gateway": (f"http://127.0.0.1:{gw_port}/v1/completions", gw_headers),
-            }
+            sides = {"direct": (f"http://127.0.0.1:{port}/v1/completions", direct_headers)}
+            if kind == "engine" and args.relay:
+                sides["relay"] = (f"http://127.0.0.1:{relay_port}/v1/completions", direct_headers)
+            sides["gateway"] = (f"http://127.0.0.1:{gw_port}/v1/completions", gw_headers)
             for concurrency in args.concurrency:
                 cpu0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
                 if concurrency == 1:
@@ -432,6 +558,24 @@ def main() -> int:
                       f"{row['added_p50_ms']:+.2f} p99 {row['added_p99_ms']:+.2f} ms"
                       f" | gateway CPU {row['gateway_cpu_ms_per_request'] or 0:.3f} ms/request"
                       f" | failures {direct['failures']}/{via['failures']}", flush=True)
+                if "relay" in got:
+                    relay = got["relay"]
+                    row["relay"] = relay
+                    row["relay_throughput_ratio"] = (
+                        relay["rps"] / direct["rps"] if direct["rps"] else 0.0)
+                    print(f"{'':8} c={concurrency:<3} relay {relay['rps']:7.1f} rps p50 "
+                          f"{relay['p50_ms']:6.2f} p99 {relay['p99_ms']:6.2f} ms | ratio "
+                          f"{row['relay_throughput_ratio']:.2f} added p50 "
+                          f"{relay['p50_ms'] - direct['p50_ms']:+.2f} ms | gateway / relay "
+                          f"{via['rps'] / relay['rps'] if relay['rps'] else 0:.2f}", flush=True)
+                    if got.get("paired_median_diff_ms_relay") is not None:
+                        print(f"{'':8} c=1   median of paired differences (relay - direct): "
+                              f"{got['paired_median_diff_ms_relay']:+.2f} ms", flush=True)
+                if "machine_cpu_ms_per_request" in direct:
+                    print(f"{'':8} c={concurrency:<3} whole-machine CPU per request: " + "; ".join(
+                        f"{name} {got[name]['machine_cpu_ms_per_request']:.2f} ms "
+                        f"({got[name]['machine_busy_fraction'] * 100:.0f}% busy)"
+                        for name in sides), flush=True)
                 if row["slices_rps"]:
                     print(f"{'':8} c={concurrency:<3} requests/s per slice: " + "; ".join(
                         f"{k} {v}" for k, v in row["slices_rps"].items()), flush=True)
