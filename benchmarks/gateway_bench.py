@@ -14,21 +14,19 @@ by tens of percent from one second to the next), so direct and gateway are measu
 rather than one after the other: one at a time, requests alternate between the sides (paired
 samples); at higher concurrency, short slices alternate (direct, gateway, gateway, direct, ...)
 and the ratio is of the totals. `--seconds` is the time per side. The gateway worker's CPU time
-per request (from /proc, less its idle background CPU measured first) is printed as well, and at
-higher concurrency the whole machine's CPU per request on each side (from /proc/stat).
+per request (from /proc, less its idle background CPU measured first) is printed as well.
 
 Scheduling. vLLM's CPU backend busy-waits: its worker (pinned to core 0) and its scheduler
 process (on the "reserved" core 1) spin in `sched_yield()` loops between steps. On a 2-core
 machine nothing else then gets a CPU reliably: measured with pidstat under 32 concurrent
 requests, the load generator got under 2% of a CPU while waiting in the run queue 90% of the
 time or more, and the engine's throughput swung between about 300 and 30 requests/s from one
-second to the next, direct as much as through the gateway (`nice` did not help; real-time
-scheduling did). vLLM's own advice for CPU serving is to leave cores to the frontend; there are
-none to spare here. So by default (as root) the load generator, the gateway, the relay, the
-instant upstream and a Redis that the benchmark starts for itself run with SCHED_RR priority 10
-(`--realtime`, 0 for normal scheduling): they get a CPU whenever they are runnable, as on a host
-with cores to spare, and their CPU time still comes out of the engine's, every side alike, so
-the gateway's cost is counted (see the whole-machine CPU per request).
+second to the next, direct as much as through the gateway (`nice` did not help). Node agents
+therefore launch CPU engines under SCHED_IDLE (`ENGINE_CPU_SCHEDULING`, serving_app/engine/
+launch.py), and so does this benchmark (`--engine-scheduling normal` for the old behaviour).
+`--realtime N` instead runs the load generator, the gateway, the relay, the instant upstream and
+the benchmark's Redis at SCHED_RR priority N (as root): another way to give them a CPU whenever
+they are runnable; their CPU time still comes out of the engine's, every side alike.
 
 `--relay` adds a third side: a bare TCP relay in its own process (no HTTP parsing, no limits),
 the cheapest proxy there can be, to show what one more process hop costs here.
@@ -339,7 +337,6 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
     latencies: dict[str, list[float]] = {name: [] for name in names}
     failures = dict.fromkeys(names, 0)
     elapsed = dict.fromkeys(names, 0.0)
-    busy = dict.fromkeys(names, 0.0)
     per_slice: dict[str, list[float]] = {name: [] for name in names}
     connector = aiohttp.TCPConnector(limit=concurrency * len(sides))
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -356,27 +353,14 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
                 while time.perf_counter() < stop_at:
                     await _timed(session, name, url, headers, payload, latencies, failures)
 
-            started, before, busy0 = time.perf_counter(), len(latencies[name]), machine_busy()
+            started, before = time.perf_counter(), len(latencies[name])
             await asyncio.gather(*(client() for _ in range(concurrency)))
             took = time.perf_counter() - started
             elapsed[name] += took
-            busy[name] += machine_busy() - busy0
             per_slice[name].append(round((len(latencies[name]) - before) / took, 1))
     out = {name: _summary(latencies[name], elapsed[name], failures[name]) for name in names}
-    for name in names:
-        done = len(latencies[name]) + failures[name]
-        out[name]["machine_busy_fraction"] = busy[name] / elapsed[name] / os.cpu_count()
-        out[name]["machine_cpu_ms_per_request"] = busy[name] * 1000 / done if done else None
     out["slices_rps"] = per_slice
     return out
-
-
-def machine_busy() -> float:
-    """Seconds of CPU the whole machine has been busy (every core: all but idle and iowait),
-    from Linux's /proc/stat."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    ticks = [int(f) for f in fields]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -430,12 +414,12 @@ def main() -> int:
     parser.add_argument("--redis-url", default="",
                         help="the gateway's Redis (default: one the benchmark starts itself)")
     parser.add_argument("--workers", type=int, default=1, help="gateway (uvicorn) workers")
-    parser.add_argument("--realtime", type=int, default=10 if os.geteuid() == 0 else 0,
+    parser.add_argument("--realtime", type=int, default=0,
                         help="SCHED_RR priority of the load generator, gateway, relay, instant "
-                             "upstream and the benchmark's Redis; 0 = normal scheduling "
-                             "(default 10 as root: see the module docstring)")
-    parser.add_argument("--engine-nice", type=int, default=0,
-                        help="run the engine at this CPU niceness (every side alike)")
+                             "upstream and the benchmark's Redis (root); 0 = normal scheduling")
+    parser.add_argument("--engine-scheduling", choices=("idle", "normal"), default="idle",
+                        help="the engine's CPU scheduling policy; idle (SCHED_IDLE) is what node "
+                             "agents use for CPU engines (ENGINE_CPU_SCHEDULING)")
     parser.add_argument("--relay", action="store_true",
                         help="a third side: a bare TCP relay in front of the engine (no HTTP, no "
                              "limits), what one extra process hop costs on this machine")
@@ -447,7 +431,8 @@ def main() -> int:
     rt = ["chrt", "-r", str(args.realtime)] if args.realtime else []
     secret = "bench-engine-secret"
     procs: list[subprocess.Popen] = []
-    results: dict[str, Any] = {"realtime_priority": args.realtime}
+    results: dict[str, Any] = {"realtime_priority": args.realtime,
+                               "engine_scheduling": args.engine_scheduling}
     upstreams: dict[str, int] = {}
     try:
         import redis
@@ -472,9 +457,10 @@ def main() -> int:
             port = free_port()
             engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                           "VLLM_NO_USAGE_STATS": "1"}
-            nice = ["nice", "-n", str(args.engine_nice)] if args.engine_nice else []
+            # As node agents launch CPU engines (serving_app.engine.launch.CPU_IDLE_PREFIX).
+            sched = ["chrt", "--idle", "0"] if args.engine_scheduling == "idle" else []
             procs.append(subprocess.Popen(
-                [*nice, str(ROOT / "var/engine-venv/bin/python"), "-m",
+                [*sched, str(ROOT / "var/engine-venv/bin/python"), "-m",
                  "vllm.entrypoints.openai.api_server", "--model",
                  str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
                  "--dtype", "float32", "--max-model-len", "1024", "--api-key", secret,
@@ -571,11 +557,6 @@ def main() -> int:
                     if got.get("paired_median_diff_ms_relay") is not None:
                         print(f"{'':8} c=1   median of paired differences (relay - direct): "
                               f"{got['paired_median_diff_ms_relay']:+.2f} ms", flush=True)
-                if "machine_cpu_ms_per_request" in direct:
-                    print(f"{'':8} c={concurrency:<3} whole-machine CPU per request: " + "; ".join(
-                        f"{name} {got[name]['machine_cpu_ms_per_request']:.2f} ms "
-                        f"({got[name]['machine_busy_fraction'] * 100:.0f}% busy)"
-                        for name in sides), flush=True)
                 if row["slices_rps"]:
                     print(f"{'':8} c={concurrency:<3} requests/s per slice: " + "; ".join(
                         f"{k} {v}" for k, v in row["slices_rps"].items()), flush=True)

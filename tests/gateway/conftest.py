@@ -23,6 +23,7 @@ from django.db import connection
 from django.test import override_settings
 
 from benchmarks.gateway_bench import free_port, kill_group
+from serving_app.engine.launch import CPU_IDLE_PREFIX
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from tenants_app.models import ApiKey, Tenant
 
@@ -76,7 +77,8 @@ class Engine:
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory) -> Engine:
-    """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session)."""
+    """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session),
+    launched at the scheduling class node agents give CPU engines."""
     if not (ROOT / "var" / "engine-venv" / ".engine-install-complete").exists():
         pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
     port = free_port()
@@ -85,7 +87,7 @@ def engine(tmp_path_factory) -> Engine:
            "VLLM_NO_USAGE_STATS": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+            [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
              "--model", str(MODELS / "tiny-llama"), "--served-model-name", "tiny-llama",
              "--dtype", "float32", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
              "--lora-modules", f"acme--style={MODELS / 'tiny-llama-lora-a'}",

@@ -30,7 +30,8 @@ def test_engine_settings_map_to_flags(tenant, base_model, settings):
     instance = Instance.objects.create(deployment=deployment, port=18555)
     spec = build_launch_spec(deployment, instance, engine_env="/opt/engine", host="127.0.0.1")
     argv = spec.argv
-    assert argv[:3] == ["/opt/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:6] == ["chrt", "--idle", "0",
+                        "/opt/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(argv, "--model") == base_model.path
     assert flag(argv, "--served-model-name") == "llama-mini"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "18555")
@@ -49,6 +50,15 @@ def test_engine_settings_map_to_flags(tenant, base_model, settings):
     assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
     assert "********" in spec.masked_argv() and instance.secret not in spec.masked_argv()
+
+
+def test_cpu_engines_run_idle_class_unless_configured_otherwise(tenant, base_model, settings):
+    deployment = make_deployment(base_model, [tenant], name="d")
+    instance = Instance.objects.create(deployment=deployment, port=1)
+    assert build_launch_spec(deployment, instance, engine_env="/e").argv[:4] == [
+        "chrt", "--idle", "0", "/e/bin/python"]
+    settings.ENGINE_CPU_SCHEDULING = "normal"
+    assert build_launch_spec(deployment, instance, engine_env="/e").argv[0] == "/e/bin/python"
 
 
 def test_defaults_use_the_models_context_and_prefix_caching(tenant, base_model):
@@ -83,6 +93,7 @@ def test_gpus_mig_and_mps_environment(tenant, base_model):
     instance = Instance.objects.create(deployment=deployment, port=1, gpu_memory_fraction=0.5)
     spec = build_launch_spec(deployment, instance, gpus=[gpu0, gpu1])
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1"
+    assert spec.argv[0] != "chrt"  # GPU engines keep normal scheduling
     assert flag(spec.argv, "--gpu-memory-utilization") == "0.5"
     assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
 
