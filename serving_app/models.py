@@ -464,7 +464,10 @@ class Deployment(models.Model):
 
 
 def new_instance_secret() -> str:
-    return secrets.token_urlsafe(24)
+    """The engine's API key. Hex, because the engine's argument parser reads a value that begins
+    with "-" as an option (`--api-key -x...`: "expected at least one argument"), which URL-safe
+    base64 produced for one instance in 64: that instance could never start."""
+    return secrets.token_hex(24)
 
 
 class InstanceQuerySet(models.QuerySet):

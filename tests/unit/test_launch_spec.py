@@ -61,6 +61,12 @@ def test_cpu_engines_run_idle_class_unless_configured_otherwise(tenant, base_mod
     assert build_launch_spec(deployment, instance, engine_env="/e").argv[0] == "/e/bin/python"
 
 
+def test_instance_secrets_never_look_like_an_option():
+    from serving_app.models import new_instance_secret
+
+    assert not any(new_instance_secret().startswith("-") for _ in range(2000))
+
+
 def test_defaults_use_the_models_context_and_prefix_caching(tenant, base_model):
     deployment = make_deployment(base_model, [tenant], name="d")
     spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1))
