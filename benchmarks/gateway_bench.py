@@ -194,15 +194,21 @@ def _relay_main(port: int, upstream: int) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        connecting: set[asyncio.Task] = set()
 
         class Client(_Pipe):
             def connection_made(self, transport) -> None:
                 super().connection_made(transport)
-                loop.create_task(self.connect())
+                task = loop.create_task(self.connect())
+                connecting.add(task)
+                task.add_done_callback(connecting.discard)
 
             async def connect(self) -> None:
                 up_transport, _ = await loop.create_connection(
                     lambda: _Pipe(self.transport), "127.0.0.1", upstream)
+                if self.transport.is_closing():  # the client left while we connected
+                    up_transport.close()
+                    return
                 self.peer = up_transport
                 if self.pending:
                     up_transport.write(self.pending)
