@@ -126,3 +126,20 @@ def test_placement_environment_wins_and_declared_gpus_keep_the_cpu_cache(tenant,
     spec = build_launch_spec(deployment, instance, gpus=[declared])
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "MIG-xyz"
     assert "VLLM_CPU_KVCACHE_SPACE" in spec.env
+
+
+def test_migration_renews_secrets_that_look_like_an_option(tenant, base_model):
+    from importlib import import_module
+
+    from django.apps import apps
+
+    renew = import_module("serving_app.migrations.0004_instance_secrets_not_options").renew
+    deployment = make_deployment(base_model, [tenant], name="d")
+    broken = Instance.objects.create(deployment=deployment, port=1)
+    fine = Instance.objects.create(deployment=deployment, port=2)
+    Instance.objects.filter(pk=broken.pk).update(secret="-dashed")
+    Instance.objects.filter(pk=fine.pk).update(secret="kept")
+    renew(apps, None)
+    renewed = Instance.objects.get(pk=broken.pk).secret
+    assert len(renewed) == 48 and not renewed.startswith("-")
+    assert Instance.objects.get(pk=fine.pk).secret == "kept"
