@@ -22,6 +22,7 @@ def tenant():
 
 def test_engine_settings_map_to_flags(tenant, base_model, settings):
     settings.ENGINE_CPU_KVCACHE_GIB = 2
+    settings.ENGINE_CPU_SCHEDULING = "idle"
     deployment = make_deployment(
         base_model, [tenant], name="chat", max_num_seqs=12, max_model_len=1024,
         max_num_batched_tokens=2048, gpu_memory_utilization=0.45, dtype="float32",
@@ -53,6 +54,7 @@ def test_engine_settings_map_to_flags(tenant, base_model, settings):
 
 
 def test_cpu_engines_run_idle_class_unless_configured_otherwise(tenant, base_model, settings):
+    settings.ENGINE_CPU_SCHEDULING = "idle"
     deployment = make_deployment(base_model, [tenant], name="d")
     instance = Instance.objects.create(deployment=deployment, port=1)
     assert build_launch_spec(deployment, instance, engine_env="/e").argv[:4] == [
