@@ -318,6 +318,23 @@ def sync_adapters(instance_id: int, config: AgentConfig | None = None) -> dict[s
     A load that fails leaves the engine serving; the error goes on the adapter and the instance.
     """
     config = config or current_config()
+    # Two syncs of one instance (the reconciler's and a periodic one, on this agent's threads)
+    # would each read, change and write the instance's adapter lists: one at a time, each
+    # reading what the previous one wrote.
+    with _sync_lock(instance_id):
+        return _sync_adapters(instance_id, config)
+
+
+_sync_locks: dict[int, threading.Lock] = {}
+_sync_locks_guard = threading.Lock()
+
+
+def _sync_lock(instance_id: int) -> threading.Lock:
+    with _sync_locks_guard:
+        return _sync_locks.setdefault(instance_id, threading.Lock())
+
+
+def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, str]:
     instance = Instance.objects.select_related("deployment", "node").filter(pk=instance_id).first()
     if instance is None or config is None or instance.state != State.READY:
         return {}

@@ -28,6 +28,12 @@ class EngineReply:
     text: str
 
 
+def already_loaded(reply: EngineReply) -> bool:
+    """vLLM's answer to loading a name it has: 400 "The lora adapter '...' has already been
+    loaded." (docs/engine-notes.md, section 4)."""
+    return reply.status == 400 and "has already been loaded" in reply.text
+
+
 class EngineClient:
     def __init__(self, base_url: str, api_key: str, timeout: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
@@ -56,7 +62,12 @@ class EngineClient:
         return EngineReply(response.is_success, response.status_code, response.text[:2000])
 
     def load_adapter(self, name: str, path: str) -> EngineReply:
-        return self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        """Load an adapter; one the engine already has counts as loaded (a load delivered twice
+        must not turn into an error)."""
+        reply = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if already_loaded(reply):
+            return EngineReply(True, reply.status, reply.text)
+        return reply
 
     def unload_adapter(self, name: str) -> EngineReply:
         return self._post("/v1/unload_lora_adapter", {"lora_name": name})
