@@ -246,7 +246,8 @@ def wait_redis(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            redis.Redis.from_url(url).ping()
+            with redis.Redis.from_url(url) as client:
+                client.ping()
             return
         except redis.ConnectionError:
             if time.monotonic() > deadline:

