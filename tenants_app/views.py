@@ -26,6 +26,7 @@ from serving_app import audit
 from serving_app.dashboards import queries
 from serving_app.gateway import invalidation as gateway_invalidation
 from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.views import CHARTS, dashboard_payload
 from tenants_app.forms import (
     AdapterPathForm,
@@ -239,8 +240,12 @@ class AdaptersView(TenantMixin, View):
     section = "adapters"
 
     def page(self, status: int = 200, **forms: Any) -> HttpResponse:
-        adapters = LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model") \
-            .prefetch_related("deployments")
+        adapters = list(LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model")
+                        .prefetch_related("deployments"))
+        staff = is_platform_admin(self.request.user)
+        for adapter in adapters:
+            # An engine's load error may name host paths; tenant users get them redacted.
+            adapter.shown_error = adapter.last_error if staff else redact_paths(adapter.last_error)
         forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
         forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
         return self.render("tenants_app/adapters.html", status=status, adapters=adapters, **forms)
