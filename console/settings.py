@@ -112,6 +112,9 @@ STATIC_ROOT = VAR_DIR / "staticfiles"
 
 LOGIN_URL = "/login/"
 
+# How long an invitation to join a tenant stays open (days).
+INVITATION_EXPIRY_DAYS = env_int("INVITATION_EXPIRY_DAYS", 7, minimum=1)
+
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 REST_FRAMEWORK = {

@@ -1,4 +1,4 @@
-"""Django admin for tenants, memberships and API keys (every change audited)."""
+"""Django admin for tenants, memberships, invitations and API keys (every change audited)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from django.contrib import admin, messages
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from tenants_app.models import ApiKey, Membership, Tenant
+from tenants_app.models import ApiKey, Invitation, Membership, Tenant
 
 
 class MembershipInline(admin.TabularInline):
@@ -38,6 +38,32 @@ class MembershipAdmin(AuditedAdmin):
     list_filter = ["role", "tenant"]
     search_fields = ["user__username", "tenant__slug"]
     autocomplete_fields = ["user", "tenant"]
+
+
+@admin.action(description="Revoke selected invitations")
+def revoke_invitations(modeladmin, request, queryset) -> None:
+    for invitation in queryset:
+        if invitation.revoke():
+            audit.record(request, "revoke", invitation,
+                         changes={"status": ["pending", "revoked"]}, via="admin")
+    messages.success(request, "Selected pending invitations are revoked.")
+
+
+@admin.register(Invitation)
+class InvitationAdmin(AuditedAdmin):
+    """Platform admins see whom an invitation resolved to; they add members directly instead
+    (Memberships), so invitations are created by tenant managers and only revoked here."""
+
+    list_display = ["invited_as", "tenant", "role", "status", "invitee", "invited_by",
+                    "expires_at", "created_at"]
+    list_filter = ["status", "role", "tenant"]
+    search_fields = ["invited_as", "tenant__slug", "invitee__username"]
+    readonly_fields = ["tenant", "invited_as", "invitee", "role", "status", "invited_by",
+                       "expires_at", "answered_at", "created_at"]
+    actions = [revoke_invitations]
+
+    def has_add_permission(self, request) -> bool:
+        return False
 
 
 class ApiKeyCreateForm(forms.ModelForm):

@@ -1,4 +1,4 @@
-"""Tenant portal forms: API keys, adapters (from a path or an uploaded archive), members.
+"""Tenant portal forms: API keys, adapters (from a path or an uploaded archive), invitations.
 
 Rows are validated by the models' `full_clean()`, as in the API. An uploaded adapter archive is
 checked before anything is written where the engines can see it: it must be a readable zip
@@ -19,13 +19,12 @@ from typing import IO, Any
 
 from django import forms
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.utils import timezone
 
 from serving_app.models import BaseModel, Deployment, LoraAdapter
-from tenants_app.models import Membership, Role, Tenant
+from tenants_app.models import Role, Tenant
 
 MAX_ARCHIVE_BYTES = 256 * 1024 * 1024
 MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
@@ -229,25 +228,11 @@ def unpack_adapter_archive(upload: IO[bytes], staging: Path) -> Path:
     )})
 
 
-class MemberAddForm(_ConstraintsMixin, forms.ModelForm):
-    username = forms.CharField(max_length=150)
+class InviteForm(forms.Form):
+    """Invite someone by username or email. Whether such a user exists is never said."""
 
-    class Meta:
-        model = Membership
-        fields = ["role"]
-
-    def __init__(self, *args: Any, tenant: Tenant, **kwargs: Any) -> None:
-        kwargs.setdefault("instance", Membership(tenant=tenant))
-        super().__init__(*args, **kwargs)
-        self.order_fields(["username", "role"])
-
-    def clean_username(self) -> str:
-        username = self.cleaned_data["username"]
-        user = get_user_model().objects.filter(username=username).first()
-        if user is None:
-            raise ValidationError(f"No user is called {username}.")
-        self.instance.user = user
-        return username
+    invited_as = forms.CharField(max_length=254, label="Username or email")
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
 class MemberRoleForm(forms.Form):
