@@ -24,7 +24,7 @@ from serving_app.redaction import (
     redact_value,
     visible_tenant_ids,
 )
-from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
 ARCH_FIELDS = list(BaseModel.ARCHITECTURE_FIELDS)
@@ -62,7 +62,7 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer):
 
 class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer):
     tenant = TenantSlugField()
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
 
     class Meta:
         model = LoraAdapter
@@ -196,7 +196,7 @@ class AdapterChoiceField(serializers.PrimaryKeyRelatedField):
 
 
 class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
     tenants = TenantSlugField(many=True)
     adapters = AdapterChoiceField(many=True, required=False)
     instances = InstanceBriefSerializer(many=True, read_only=True)

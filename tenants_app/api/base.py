@@ -53,7 +53,18 @@ class ValidatedModelSerializer(serializers.ModelSerializer):
         """Hook for checks that need the many-to-many values."""
 
 
-class TenantSlugField(serializers.SlugRelatedField):
+class LookupSlugField(serializers.SlugRelatedField):
+    """A related row chosen by a text field. A value the database cannot even compare (a NUL
+    character: PostgreSQL text cannot hold one) is the same field error as an unknown one,
+    instead of a database error and a 500."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, str) and "\x00" in data:
+            self.fail("does_not_exist", slug_name=self.slug_field, value=data.replace("\x00", ""))
+        return super().to_internal_value(data)
+
+
+class TenantSlugField(LookupSlugField):
     """A tenant chosen by slug, among the tenants the caller may see (others do not exist)."""
 
     def __init__(self, **kwargs: Any) -> None:

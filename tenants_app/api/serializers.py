@@ -8,7 +8,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.password_validation import validate_password
 from rest_framework import serializers
 
-from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import ApiKey, Invitation, Membership, Tenant
 
 User = get_user_model()
@@ -23,7 +23,7 @@ class TenantSerializer(ValidatedModelSerializer):
 
 class MembershipSerializer(ValidatedModelSerializer):
     tenant = TenantSlugField()
-    user = serializers.SlugRelatedField(slug_field="username", queryset=User.objects.all())
+    user = LookupSlugField(slug_field="username", queryset=User.objects.all())
 
     class Meta:
         model = Membership
