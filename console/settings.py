@@ -114,6 +114,9 @@ LOGIN_URL = "/login/"
 
 # How long an invitation to join a tenant stays open (days).
 INVITATION_EXPIRY_DAYS = env_int("INVITATION_EXPIRY_DAYS", 7, minimum=1)
+# Previous SECRET_KEYs, comma-separated, still accepted for signatures while a new one rolls out
+# (docs/security.md, "Rotating keys and secrets").
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
 
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 
