@@ -343,7 +343,12 @@ class InvitationQuerySet(TenantOwnedQuerySet):
         return self.filter(status=Invitation.Status.PENDING, expires_at__gt=timezone.now())
 
     def invite(
-        self, *, tenant: Tenant, invited_as: str, role: str, invited_by: AbstractBaseUser | None
+        self,
+        *,
+        tenant: Tenant,
+        invited_as: str,
+        role: str = Role.MEMBER,
+        invited_by: AbstractBaseUser | None = None,
     ) -> Invitation:
         """Invite whoever `invited_as` names; the result looks the same whether or not they
         exist. Refused (ValidationError) only for what the inviter already knows: a bad role, or

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from serving_app.models import Gpu, Node
 from tests.api.helpers import as_user
 
 pytestmark = pytest.mark.django_db
@@ -44,3 +45,19 @@ def test_nul_character_in_a_path_or_query_is_not_a_500(acme, platform_admin):
                     "/api/v1/audit-log/?object_id=%00"):
             response = client.get(url)
             assert response.status_code in (200, 400, 403, 404), (url, response.status_code)
+
+
+def test_huge_sample_window_is_capped_at_the_retention(platform_admin):
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    gpu = Gpu.objects.create(node=node, index=0, uuid="GPU-0", name="A100",
+                             memory_total_bytes=80 * 1024**3)
+    response = as_user(platform_admin).get(f"/api/v1/gpus/{gpu.pk}/samples/?hours=5.8e16")
+    assert response.status_code == 200
+    assert response.data["hours"] <= 24 * 366
+
+
+def test_invitation_without_a_role_is_for_a_member(acme):
+    response = as_user(acme.owner).post("/api/v1/invitations/",
+                                        {"tenant": "acme", "invited_as": "someone"},
+                                        format="json")
+    assert response.status_code == 201 and response.data["role"] == "member"

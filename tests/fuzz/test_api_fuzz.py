@@ -14,7 +14,7 @@ after-commit work a request schedules (reconciliation tasks, gateway invalidatio
 the process; the Celery broker and the gateway's Redis also point at their own Redis database
 (15) for the duration, in case something sends anyway.
 
-The run is bounded: `FUZZ_MAX_EXAMPLES` requests per operation and persona (default 12), no
+The run is bounded: `FUZZ_MAX_EXAMPLES` requests per operation and persona (default 25), no
 shrinking. It prints, per operation, how many requests were sent and how many were not 4xx.
 """
 
@@ -47,7 +47,7 @@ from tests.factories import make_adapter, make_deployment, make_user
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.django_db]
 
-MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", "12"))
+MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", "25"))
 ISOLATED_REDIS = "redis://127.0.0.1:6379/15"
 # Sign-in endpoints are left out: fuzzing them means wrong passwords, which login throttling
 # rightly counts, and they are not what this test is about.
