@@ -160,3 +160,12 @@ def test_portal_pages_show_no_co_tenant_or_host_detail(shared):
         for secret in (*HOST_SECRETS, "globex", "initech", shared["adapters"]["acme"].path,
                        shared["deployment"].base_model.path):
             assert secret not in text, (url, secret)
+
+
+def test_filtering_by_another_tenants_slug_does_not_reveal_what_it_shares(shared):
+    client = as_user(shared["acme"].viewer)
+    assert results(client.get("/api/v1/deployments/?tenants__slug=globex")) == []
+    assert results(client.get("/api/v1/deployments/?tenants__slug=initech")) == []
+    assert len(results(client.get("/api/v1/deployments/?tenants__slug=acme"))) == 1
+    staff = as_user(make_user("staff-filter", staff=True))
+    assert len(results(staff.get("/api/v1/deployments/?tenants__slug=initech"))) == 1
