@@ -385,8 +385,10 @@ class Invitation(models.Model):
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
     invited_as = models.CharField(max_length=254, help_text="A username or an email address.")
+    # SET_NULL, not CASCADE: an invitation that vanished with its user would tell the inviter
+    # that the user existed.
     invitee = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
         related_name="invitations",
     )
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
