@@ -3,6 +3,7 @@ platform admin exist beside them."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -94,3 +95,33 @@ def _flush_survives_deadlocks():
     BaseDatabaseOperations.execute_sql_flush = execute_sql_flush
     yield
     BaseDatabaseOperations.execute_sql_flush = original
+
+
+# -- skips that would hide a layer ------------------------------------------------------------
+def _is_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say loudly which tests were skipped and why; in CI (CI=true) any skip fails the run: a
+    layer the suite is meant to exercise (engine, gateway, browser, PostgreSQL) was not."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.section(f"{len(skipped)} TESTS SKIPPED: these layers were not tested",
+                             sep="!", red=True, bold=True)
+    for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
+        terminalreporter.line(f"{count:5} skipped: {reason}", red=True)
+    if _is_ci():
+        terminalreporter.line("CI=true: a skipped test fails the run", red=True, bold=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _is_ci() and exitstatus == 0:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and reporter.stats.get("skipped"):
+            session.exitstatus = 1

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from django.conf import settings
 from django.db import connection
 from django.test import override_settings
 
@@ -28,7 +29,8 @@ from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Nod
 from tenants_app.models import ApiKey, Tenant
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
+ENGINE_VENV = Path(settings.ENGINE_VENV)
+ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
 MODELS = ROOT / "var" / "models"
 REDIS_URL = "redis://127.0.0.1:6379/9"
 ENGINE_SECRET = "gateway-test-engine-secret"
@@ -79,7 +81,7 @@ class Engine:
 def engine(tmp_path_factory) -> Engine:
     """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session),
     launched at the scheduling class node agents give CPU engines."""
-    if not (ROOT / "var" / "engine-venv" / ".engine-install-complete").exists():
+    if not (ENGINE_VENV / ".engine-install-complete").exists():
         pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"

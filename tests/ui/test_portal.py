@@ -22,6 +22,7 @@ TENANT_PAGES = [
     ("portal:dashboard", ["usage"]),
     ("portal:dashboard", ["latency"]),
     ("portal:dashboard-data", ["usage"]),
+    ("portal:dashboard-data", ["latency"]),
     ("portal:keys", []),
     ("portal:adapters", []),
     ("portal:models", []),
@@ -309,6 +310,24 @@ def test_portal_dashboard_shows_only_this_tenants_usage(login, acme, globex, usa
     names = {t["name"] for t in data["figures"]["requests"]["data"]}
     assert names == {"acme"}
     assert "globex" not in data["tables"] and "Globex" not in data["tables"]
+
+
+def test_portal_latency_dashboard_shows_only_this_tenants_figures_and_rows(
+    login, acme, globex, usage
+):
+    usage(acme.tenant, model="acme-model", latency_ms=200.0)
+    usage(globex.tenant, model="globex-secret-model", latency_ms=900.0)
+    data = json.loads(login(acme.viewer).get(
+        reverse("portal:dashboard-data", args=["acme", "latency"]), {"range": "1h"}).content)
+    traces = [t for fig in data["figures"].values() for t in fig["data"]]
+    assert traces, "the latency figures have no data"
+    names = {t.get("name") for t in traces} - {None, "", "all tenants", "objective"}
+    assert "globex" not in names and "Globex" not in names
+    assert "acme-model" in data["tables"]
+    assert "globex" not in data["tables"].lower() and "globex-secret-model" not in data["tables"]
+    # The percentiles of acme's own traffic: nothing of globex's 900 ms requests in them.
+    values = [v for t in traces for v in (t.get("y") or []) if isinstance(v, int | float)]
+    assert values and max(values) < 900
 
 
 def test_portal_home_shows_budget_consumption(login, acme, usage):
