@@ -8,6 +8,7 @@ import json
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.urls import reverse
 
 from serving_app.gateway.catalog import TenantEntry, load_snapshot
 from serving_app.gateway.errors import GatewayError
@@ -135,3 +136,33 @@ def test_a_body_that_parsed_but_cannot_be_re_encoded_is_a_400_too():
         encode_body({"model": "m", "metadata": {"a": deep}})
     assert (caught.value.status, caught.value.code) == (400, "invalid_json")
     assert encode_body({"model": "m", "cache_salt": "x"}) == b'{"model":"m","cache_salt":"x"}'
+
+
+@pytest.mark.django_db
+def test_the_console_tenant_page_says_whom_the_prefix_cache_is_shared_with(
+    client, platform_admin, acme
+):
+    client.force_login(platform_admin)
+    url = reverse("console:tenant-detail", args=["acme"])
+    assert "prefix cache its own" in client.get(url).content.decode()
+    acme.tenant.prefix_cache_group = PrefixCacheGroup.objects.create(name="dept")
+    acme.tenant.save()
+    assert "prefix cache shared with group dept" in client.get(url).content.decode()
+
+
+@pytest.mark.django_db
+def test_admin_shows_a_groups_tenants_and_rotates_its_secret(client, platform_admin, acme):
+    group = PrefixCacheGroup.objects.create(name="dept")
+    Tenant.objects.filter(pk=acme.tenant.pk).update(prefix_cache_group=group)
+    client.force_login(platform_admin)
+    page = client.get(reverse("admin:tenants_app_prefixcachegroup_change", args=[group.pk]))
+    assert page.status_code == 200 and "acme" in page.content.decode()
+    assert group.cache_secret not in page.content.decode()
+    old = group.cache_secret
+    response = client.post(
+        reverse("admin:tenants_app_prefixcachegroup_changelist"),
+        {"action": "rotate_cache_secret", "_selected_action": [group.pk]},
+    )
+    assert response.status_code == 302
+    group.refresh_from_db()
+    assert group.cache_secret != old and len(group.cache_secret) == 64
