@@ -14,7 +14,7 @@ from tenants_app.models import Tenant
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-SECRET_FIELDS = {"secret_hash", "password", "secret"}
+SECRET_FIELDS = {"secret_hash", "password", "secret", "cache_secret"}
 
 
 def _plain(value: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Django admin for tenants, memberships and API keys (every change audited)."""
+"""Django admin for tenants, memberships, API keys and prefix-cache sharing groups (every change
+audited)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from django.contrib import admin, messages
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from tenants_app.models import ApiKey, Membership, Tenant
+from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Tenant, new_cache_secret
 
 
 class MembershipInline(admin.TabularInline):
@@ -27,9 +28,43 @@ class TenantAdmin(AuditedAdmin):
         "tokens_per_minute",
         "monthly_token_budget",
     ]
-    list_filter = ["status", "priority_tier"]
+    list_filter = ["status", "priority_tier", "prefix_cache_group"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
+
+
+class GroupTenantInline(admin.TabularInline):
+    model = Tenant
+    fk_name = "prefix_cache_group"
+    fields = ["slug", "name", "status"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+    verbose_name_plural = "tenants (add one from its tenant page)"
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.action(description="Rotate the prefix-cache secret (members stop sharing old blocks)")
+def rotate_cache_secret(modeladmin, request, queryset) -> None:
+    for group in queryset:
+        group.cache_secret = new_cache_secret()
+        group.save(update_fields=["cache_secret"])  # the gateway re-reads its catalog
+        audit.record(request, "rotate_secret", group, via="admin")
+    messages.success(request, "New secrets set; members share only blocks cached from now on.")
+
+
+@admin.register(PrefixCacheGroup)
+class PrefixCacheGroupAdmin(AuditedAdmin):
+    """Tenants in one group share prefix-cache blocks on the engines they share (and so can
+    learn from timing which prefixes the others sent); everyone else is isolated."""
+
+    list_display = ["name", "description", "created_at"]
+    search_fields = ["name", "description"]
+    inlines = [GroupTenantInline]
+    actions = [rotate_cache_secret]
 
 
 @admin.register(Membership)

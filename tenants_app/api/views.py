@@ -1,4 +1,4 @@
-"""Management API views for tenants, memberships, API keys and users."""
+"""Management API views for tenants, memberships, API keys, prefix-cache groups and users."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.api.serializers import (
     ApiKeySerializer,
     MembershipSerializer,
+    PrefixCacheGroupSerializer,
     TenantSerializer,
     UserSerializer,
 )
-from tenants_app.models import ApiKey, Membership, Role, Tenant
+from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Role, Tenant
 
 
 class TenantViewSet(ScopedModelViewSet):
@@ -95,6 +96,19 @@ class ApiKeyViewSet(ScopedModelViewSet):
             )
         gateway_invalidation.key_changed(key)
         return Response(self.get_serializer(key).data)
+
+
+class PrefixCacheGroupViewSet(ScopedModelViewSet):
+    """Prefix-cache sharing groups (platform admins only). A tenant joins one through its
+    `prefix_cache_group` field; members share cached prompt prefixes on shared engines."""
+
+    queryset = PrefixCacheGroup.objects.all()
+    serializer_class = PrefixCacheGroupSerializer
+    permission_classes = [IsStaff]
+    lookup_field = "name"
+
+    def get_queryset(self) -> QuerySet:
+        return PrefixCacheGroup.objects.prefetch_related("tenants").order_by("name")
 
 
 class UserViewSet(ScopedModelViewSet):
