@@ -27,3 +27,20 @@ def test_a_deployment_serving_one_tenant_is_absent_from_the_others_catalog(tmp_p
     assert set(snapshot.routes[acme.pk]) == {"shared-base", "acme-only", "style"}
     assert set(snapshot.routes[globex.pk]) == {"shared-base", "tone"}
     assert snapshot.routes[acme.pk]["style"].targets[0].adapter == "acme--style"
+
+
+def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
+    from datetime import timedelta
+
+    from serving_app.gateway.catalog import month_start
+    from serving_app.usage import UsageHour
+
+    acme = make_tenant("acme", monthly_token_budget=10_000)
+    start = month_start()
+    UsageHour.objects.create(bucket=start, tenant=acme, model="m", prompt_tokens=100,
+                             completion_tokens=20)
+    UsageHour.objects.create(bucket=start + timedelta(hours=5), tenant=acme, model="n",
+                             prompt_tokens=3, completion_tokens=4)
+    UsageHour.objects.create(bucket=start - timedelta(hours=1), tenant=acme, model="m",
+                             prompt_tokens=5000, completion_tokens=5000)  # last month
+    assert load_snapshot().tenants[acme.pk].month_used == 127

@@ -204,3 +204,7 @@ def test_client_disconnect_cancels_the_upstream_request(world, gateway, engine):
     assert engine.metric("vllm:generation_tokens_total") - generated_before < 1000
     event = wait_for_events([request_id])[request_id]
     assert (event.status_code, event.error_code) == (499, "client_disconnected")
+    # Charged: the prompt's bound ("Go on" is 5 bytes + 4 template tokens) plus the chunks
+    # relayed before the disconnect was seen (the engine's own count never came).
+    assert event.prompt_tokens == 9
+    assert event.completion_tokens < 1000
