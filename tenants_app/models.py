@@ -97,6 +97,11 @@ class Tenant(models.Model):
         help_text="GPU memory this tenant's deployments may reserve. Empty: unlimited.",
     )
     latency_objective_ms = _positive(help_text="p95 latency objective, drawn on dashboards.")
+    storage_quota_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Disk its uploaded adapters may take, in MiB. Empty: TENANT_STORAGE_QUOTA_MB.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -106,7 +111,7 @@ class Tenant(models.Model):
     EDITABLE_FIELDS = (
         "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
         "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
-        "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
+        "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms", "storage_quota_mb",
     )
 
     class Meta:

@@ -6,8 +6,10 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail
 from rest_framework.serializers import as_serializer_error
 
+from serving_app import storage
 from serving_app.engine.launch import mask_secret
 from serving_app.models import (
     AuditLog,
@@ -60,7 +62,37 @@ class LoraAdapterSerializer(ValidatedModelSerializer):
                     raise serializers.ValidationError(
                         {field: "Cannot be changed; register a new adapter."}
                     )
-        return super().validate(attrs)
+        user = getattr(self.context.get("request"), "user", None)
+        staff = bool(getattr(user, "is_staff", False))
+        if "path" in attrs and not staff:
+            # Tenants never name host paths: their adapters' files come from uploads.
+            raise serializers.ValidationError({"path": PATH_FORBIDDEN})
+        try:
+            return super().validate(attrs)
+        except serializers.ValidationError as exc:
+            if staff or not isinstance(exc.detail, dict):
+                raise
+            raise serializers.ValidationError(_generic_host_path(exc.detail)) from exc
+
+
+PATH_FORBIDDEN = (
+    "Only platform admins set an adapter's path; upload the adapter's files in the portal."
+)
+
+
+def _generic_host_path(detail: dict[str, Any]) -> dict[str, Any]:
+    """Host-path problems (whether a folder exists, where it lies) as one generic message."""
+    out: dict[str, Any] = {}
+    for field, errors in detail.items():
+        items = errors if isinstance(errors, list) else [errors]
+        messages: list[Any] = []
+        for error in items:
+            if getattr(error, "code", None) == storage.HOST_PATH:
+                error = ErrorDetail(storage.GENERIC_PATH_ERROR, code=storage.HOST_PATH)
+            if error not in messages:
+                messages.append(error)
+        out[field] = messages
+    return out
 
 
 class GpuSerializer(serializers.ModelSerializer):

@@ -162,16 +162,16 @@ def _upload(client, content: bytes, name: str = "helpdesk", base_model=None):
 
 
 @pytest.fixture
-def uploads(settings, tmp_path):
-    settings.VAR_DIR = tmp_path / "var"
-    return tmp_path / "var" / "uploads"
+def uploads(settings):
+    """The tenant storage area the uploads go to (a folder apart from the model root)."""
+    return Path(settings.TENANT_STORAGE_ROOT)
 
 
 def _left_behind(uploads: Path) -> list[Path]:
     return [p for p in uploads.rglob("*") if p.is_file()] if uploads.exists() else []
 
 
-def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
+def test_uploaded_adapter_is_validated_and_stored_in_the_tenants_storage_area(
     login, acme, served, base_model, uploads, tmp_path
 ):
     folder = make_adapter_dir(tmp_path / "src", rank=8)
@@ -179,7 +179,7 @@ def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
     assert response.status_code == 302
     adapter = LoraAdapter.objects.get(tenant=acme.tenant, name="helpdesk")
     assert adapter.rank == 8 and adapter.target_modules == ["q_proj", "v_proj"]
-    assert Path(adapter.path).parent == uploads / "acme"
+    assert Path(adapter.path).parent == uploads.resolve() / f"tenant-{acme.tenant.pk}"
     assert (Path(adapter.path) / "adapter_config.json").is_file()
     assert not list((uploads / ".staging").iterdir())
 
@@ -191,6 +191,7 @@ def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
         ("escape", "points outside the adapter folder"),
         ("absolute", "points outside the adapter folder"),
         ("not-adapter", "holds no adapter_config.json"),
+        ("not-allowed", "which is not part of an adapter"),
         ("wrong-base", "trained for another base model"),
         ("too-large", "the limit is"),
         ("corrupt", "broken"),
@@ -207,7 +208,9 @@ def test_bad_archives_are_refused_and_leave_nothing_behind(
     elif case == "absolute":
         content = _zip(good, extra={"/etc/evil": "x"})
     elif case == "not-adapter":
-        content = _zip(extra={"readme.txt": "hello"})
+        content = _zip(extra={"README.md": "hello"})
+    elif case == "not-allowed":
+        content = _zip(good, extra={"lora/readme.txt": "hello"})
     elif case == "wrong-base":
         content = _zip(make_adapter_dir(tmp_path / "wide", hidden=256, rank=8))
     elif case == "too-large":
@@ -230,8 +233,20 @@ def test_only_base_models_served_to_the_tenant_are_offered(login, acme, base_mod
     assert list(response.context["upload_form"].fields["base_model"].queryset) == []
 
 
-def test_register_from_path_uses_the_models_validation(login, acme, served, base_model):
-    response = login(acme.admin).post(reverse("portal:adapters", args=["acme"]), {
+def test_register_from_path_is_for_platform_admins_only(login, acme, served, base_model,
+                                                       tmp_path):
+    folder = make_adapter_dir(tmp_path / "src")
+    data = {"source": "path", "name": "x", "base_model": base_model.pk, "path": str(folder)}
+    response = login(acme.owner).get(reverse("portal:adapters", args=["acme"]))
+    assert "path_form" not in response.context and 'id="path-form"' not in response.text
+    assert login(acme.owner).post(reverse("portal:adapters", args=["acme"]),
+                                  data).status_code == 403
+    assert not LoraAdapter.objects.exists()
+
+
+def test_register_from_path_uses_the_models_validation(login, platform_admin, acme, served,
+                                                       base_model):
+    response = login(platform_admin).post(reverse("portal:adapters", args=["acme"]), {
         "source": "path", "name": "x", "base_model": base_model.pk, "path": "relative/path",
     })
     assert response.status_code == 400
@@ -240,10 +255,11 @@ def test_register_from_path_uses_the_models_validation(login, acme, served, base
     ]
 
 
-def test_register_from_path_refuses_a_duplicate_name(login, acme, served, base_model, tmp_path):
+def test_register_from_path_refuses_a_duplicate_name(login, platform_admin, acme, served,
+                                                     base_model, tmp_path):
     folder = make_adapter_dir(tmp_path / "src")
     data = {"source": "path", "name": "x", "base_model": base_model.pk, "path": str(folder)}
-    client = login(acme.admin)
+    client = login(platform_admin)
     assert client.post(reverse("portal:adapters", args=["acme"]), data).status_code == 302
     response = client.post(reverse("portal:adapters", args=["acme"]), data)
     assert response.status_code == 400
