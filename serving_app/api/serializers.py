@@ -31,7 +31,7 @@ class BaseModelSerializer(ValidatedModelSerializer):
         model = BaseModel
         fields = ["id", "name", "path", "dtype", "quantization", *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
-        derived_fields = ARCH_FIELDS
+        derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()
 
 
 class LoraAdapterSerializer(ValidatedModelSerializer):
@@ -53,7 +53,7 @@ class LoraAdapterSerializer(ValidatedModelSerializer):
             "created_at",
         ]
         read_only_fields = ["id", "target_modules", "size_bytes", "last_error", "created_at"]
-        derived_fields = ["rank", "target_modules", "size_bytes"]
+        derived_fields = ["rank", "target_modules", "size_bytes", "path"]  # path: resolved
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if self.instance is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from django.urls import reverse
 
+from serving_app import storage
 from serving_app.models import AuditLog, LoraAdapter
 from tenants_app.models import ApiKey, Membership, Role
 from tests.factories import add_member, make_adapter_dir, make_deployment, make_user
@@ -264,6 +265,85 @@ def test_register_from_path_refuses_a_duplicate_name(login, platform_admin, acme
     response = client.post(reverse("portal:adapters", args=["acme"]), data)
     assert response.status_code == 400
     assert LoraAdapter.objects.count() == 1
+
+
+def test_a_comma_folder_in_an_archive_never_reaches_an_engine_path(
+    login, acme, served, base_model, uploads, tmp_path
+):
+    """Before: a sub-folder "a,b" in the zip became part of the adapter's path, and a comma in
+    --lora-modules makes vLLM exit at start, for every tenant on the engine."""
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    response = _upload(login(acme.admin), _zip(good, prefix="lora/a,b/"), base_model=base_model)
+    assert response.status_code == 400
+    assert "sub-folder" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+    # A top folder with a comma is only a container: the files land in a random folder.
+    response = _upload(login(acme.admin), _zip(good, prefix="a,b/"), base_model=base_model)
+    assert response.status_code == 302
+    assert "," not in LoraAdapter.objects.get(name="helpdesk").path
+
+
+@pytest.mark.parametrize("name", ["adapter_model.bin", "run.sh", "tokenizer.json"])
+def test_files_an_adapter_is_not_made_of_are_refused(login, acme, served, base_model, uploads,
+                                                     tmp_path, name):
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    response = _upload(login(acme.admin), _zip(good, extra={f"lora/{name}": "x"}),
+                       base_model=base_model)
+    assert response.status_code == 400
+    assert "not part of an adapter" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+
+
+def test_a_zip_bomb_over_the_unpacked_cap_is_refused(login, acme, served, base_model, uploads,
+                                                     tmp_path, settings):
+    settings.ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = 1024 * 1024
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.write(good / "adapter_config.json", "adapter_config.json")
+        archive.writestr("adapter_model.safetensors", b"\0" * (8 * 1024 * 1024))
+    assert len(buffer.getvalue()) < 64 * 1024  # 8 MiB of zeros, deflated
+    response = _upload(login(acme.admin), buffer.getvalue(), base_model=base_model)
+    assert response.status_code == 400
+    assert "the limit is 1,048,576" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+
+
+def test_uploads_over_the_tenants_quota_are_refused(login, acme, served, base_model, uploads,
+                                                    tmp_path, settings):
+    settings.TENANT_STORAGE_QUOTA_MB = 0  # the default: nothing; acme's own quota overrides it
+    acme.tenant.storage_quota_mb = 1
+    acme.tenant.save()
+    big = make_adapter_dir(tmp_path / "src", rank=160)  # 640 KiB of tensors
+    client = login(acme.admin)
+    assert _upload(client, _zip(big), name="first", base_model=base_model).status_code == 302
+    response = _upload(client, _zip(big), name="second", base_model=base_model)
+    assert response.status_code == 400
+    assert "storage quota" in str(response.context["upload_form"].errors)
+    assert LoraAdapter.objects.filter(tenant=acme.tenant).count() == 1
+    assert len(list(storage.tenant_area(acme.tenant.pk).iterdir())) == 1
+    # The page shows what is used against the quota.
+    page = client.get(reverse("portal:adapters", args=["acme"]))
+    assert page.context["storage"]["quota"] == 1024 * 1024
+    assert page.context["storage"]["used"] == LoraAdapter.objects.get(name="first").size_bytes
+    assert "1.0\xa0MB" in page.text or "1.0 MB" in page.text
+
+
+def test_uploads_with_corrupt_tensor_data_are_refused(login, acme, served, base_model, uploads,
+                                                      tmp_path):
+    folder = make_adapter_dir(tmp_path / "src", rank=8)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"trailing")  # the header still reads fine
+    response = _upload(login(acme.admin), _zip(folder), base_model=base_model)
+    assert response.status_code == 400
+    assert "trailing data" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+
+
+def test_portal_home_shows_storage_against_the_quota(login, acme, settings):
+    settings.TENANT_STORAGE_QUOTA_MB = 2
+    body = login(acme.viewer).get(reverse("portal:tenant-home", args=["acme"])).text
+    assert "Adapter storage" in body and "2.0" in body
 
 
 # ----------------------------------------------------------------------------- members
