@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
@@ -20,6 +21,7 @@ from serving_app.models import (
     LoraAdapter,
     Node,
 )
+from serving_app.uploads import allowed_base_models
 from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
@@ -76,7 +78,8 @@ class LoraAdapterSerializer(ValidatedModelSerializer):
 
 
 PATH_FORBIDDEN = (
-    "Only platform admins set an adapter's path; upload the adapter's files in the portal."
+    "Only platform admins set an adapter's path; upload the adapter's files instead "
+    "(POST /api/v1/adapters/upload/, or the portal)."
 )
 
 
@@ -93,6 +96,36 @@ def _generic_host_path(detail: dict[str, Any]) -> dict[str, Any]:
                 messages.append(error)
         out[field] = messages
     return out
+
+
+class AdapterUploadSerializer(serializers.Serializer):
+    """A zipped adapter folder for one of the caller's tenants (how tenants register adapters:
+    they never name a host path)."""
+
+    tenant = TenantSlugField()
+    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    name = serializers.SlugField(max_length=100)
+    archive = serializers.FileField(help_text="A .zip of the adapter folder.")
+
+    def validate_archive(self, archive: Any) -> Any:
+        limit = settings.ADAPTER_UPLOAD_MAX_BYTES
+        if archive.size > limit:
+            raise serializers.ValidationError(
+                f"The archive is {archive.size:,} bytes; the limit is {limit:,} bytes."
+            )
+        return archive
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        tenant = attrs["tenant"]
+        if not allowed_base_models(tenant).filter(pk=attrs["base_model"].pk).exists():
+            raise serializers.ValidationError(
+                {"base_model": f"No deployment serving {tenant.slug} runs this base model."}
+            )
+        if LoraAdapter.objects.for_tenant(tenant).filter(name=attrs["name"]).exists():
+            raise serializers.ValidationError(
+                {"name": f"This tenant already has an adapter named {attrs['name']}."}
+            )
+        return attrs
 
 
 class GpuSerializer(serializers.ModelSerializer):

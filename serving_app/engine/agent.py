@@ -478,7 +478,10 @@ def supervise_once(config: AgentConfig) -> None:
         if not supervisor.is_alive(instance.pid):
             _fail(instance, "The engine exited during start.", expected=[State.STARTING])
         elif EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):
-            adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            # Only the adapters it was started with: the start may have left some out.
+            command = " ".join(instance.command or [])
+            adapters = [a.engine_name for a in instance.deployment.adapters.all()
+                        if a.engine_name in command]
             instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
                                 loaded_adapters=adapters)
 

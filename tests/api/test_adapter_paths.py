@@ -6,17 +6,20 @@ boundary existed, and shows it refused.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.core.files.uploadedfile import SimpleUploadedFile
 
 from serving_app import storage
 from serving_app.models import BaseModel, LoraAdapter
 from tests.api.helpers import as_user
-from tests.factories import make_adapter, make_adapter_dir, make_model_dir
+from tests.factories import make_adapter, make_adapter_dir, make_deployment, make_model_dir
 
 pytestmark = pytest.mark.django_db
 
@@ -198,3 +201,52 @@ def test_model_roots_default_to_the_demos_models(tmp_path):
     """The default, before the tests' own root is added: var/models of the checkout."""
     assert Path(settings.BASE_DIR, "var", "models") in [Path(r) for r in settings.MODEL_ROOTS]
     assert os.fspath(tmp_path) in [os.fspath(r) for r in settings.MODEL_ROOTS]
+
+
+class TestUploadThroughTheApi:
+    @staticmethod
+    def _zip(folder: Path, extra: dict | None = None) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            for path in folder.iterdir():
+                archive.write(path, f"lora/{path.name}")
+            for name, data in (extra or {}).items():
+                archive.writestr(name, data)
+        return buffer.getvalue()
+
+    def _post(self, user, content: bytes, base: BaseModel, tenant: str = "acme", name="notes"):
+        return as_user(user).post("/api/v1/adapters/upload/", {
+            "tenant": tenant, "base_model": base.name, "name": name,
+            "archive": SimpleUploadedFile("a.zip", content, "application/zip"),
+        }, format="multipart")
+
+    def test_an_owner_uploads_into_the_tenants_own_area(self, acme, base_model, tmp_path):
+        make_deployment(base_model, [acme.tenant])
+        response = self._post(acme.owner, self._zip(make_adapter_dir(tmp_path, rank=16)),
+                              base_model)
+        assert response.status_code == 201, response.data
+        adapter = LoraAdapter.objects.get(pk=response.data["id"])
+        assert adapter.rank == 16
+        assert Path(adapter.path).parent == storage.tenant_area(acme.tenant.pk)
+
+    def test_members_get_403_and_other_tenants_do_not_exist(self, acme, globex, base_model,
+                                                          tmp_path):
+        make_deployment(base_model, [acme.tenant, globex.tenant])
+        content = self._zip(make_adapter_dir(tmp_path))
+        assert self._post(acme.member, content, base_model).status_code == 403
+        response = self._post(acme.owner, content, base_model, tenant="globex")
+        assert response.status_code == 400 and "tenant" in response.data
+        assert not LoraAdapter.objects.exists()
+
+    def test_a_base_model_not_served_to_the_tenant_is_refused(self, acme, base_model, tmp_path):
+        response = self._post(acme.owner, self._zip(make_adapter_dir(tmp_path)), base_model)
+        assert response.status_code == 400
+        assert "No deployment serving acme" in str(response.data["base_model"])
+
+    def test_a_bad_archive_is_refused_and_leaves_nothing(self, acme, base_model, tmp_path):
+        make_deployment(base_model, [acme.tenant])
+        content = self._zip(make_adapter_dir(tmp_path), extra={"lora/adapter_model.bin": "x"})
+        response = self._post(acme.owner, content, base_model)
+        assert response.status_code == 400
+        assert "not part of an adapter" in str(response.data["archive"])
+        assert not [p for p in storage.storage_root().rglob("*") if p.is_file()]
