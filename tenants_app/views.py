@@ -287,6 +287,21 @@ class AdaptersView(TenantMixin, View):
         return redirect("portal:adapters", slug=slug)
 
 
+class AdapterDeleteView(TenantMixin, View):
+    """Delete one of the tenant's adapters. Its deployments stop offering it at once; the
+    engines unload it at the next reconcile round, and its uploaded files go after that
+    (`AdapterFileRemoval`)."""
+
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        adapter = get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
+        audit.record(request, "delete", adapter, changes=audit.snapshot(adapter), via=VIA)
+        adapter.delete()
+        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
+                                  "no engine has it loaded.")
+        return redirect("portal:adapters", slug=slug)
+
+
 # ----------------------------------------------------------------------------- models
 
 

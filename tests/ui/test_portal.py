@@ -12,9 +12,9 @@ import pytest
 from django.urls import reverse
 
 from serving_app import storage
-from serving_app.models import AuditLog, LoraAdapter
+from serving_app.models import AdapterFileRemoval, AuditLog, Instance, LoraAdapter
 from tenants_app.models import ApiKey, Membership, Role
-from tests.factories import add_member, make_adapter_dir, make_deployment, make_user
+from tests.factories import add_member, make_adapter, make_adapter_dir, make_deployment, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -31,6 +31,7 @@ TENANT_PAGES = [
 ]
 WRITES = [
     ("portal:keys", [], {"name": "k"}),
+    ("portal:adapter-delete", [1], {}),
     ("portal:adapters", [], {"source": "path"}),
     ("portal:playground-key", [], {}),
     ("portal:members", [], {"username": "x", "role": "member"}),
@@ -344,6 +345,36 @@ def test_portal_home_shows_storage_against_the_quota(login, acme, settings):
     settings.TENANT_STORAGE_QUOTA_MB = 2
     body = login(acme.viewer).get(reverse("portal:tenant-home", args=["acme"])).text
     assert "Adapter storage" in body and "2.0" in body
+
+
+def test_deleting_an_adapter_removes_its_uploaded_files_once_no_engine_has_it(
+    login, acme, served, base_model, uploads, tmp_path
+):
+    client = login(acme.admin)
+    assert _upload(client, _zip(make_adapter_dir(tmp_path / "src")), base_model=base_model) \
+        .status_code == 302
+    adapter = LoraAdapter.objects.get(name="helpdesk")
+    served.adapters.add(adapter)
+    instance = Instance.objects.create(deployment=served, state="ready",
+                                       loaded_adapters=[adapter.engine_name])
+    folder = Path(adapter.path)
+    response = client.post(reverse("portal:adapter-delete", args=["acme", adapter.pk]))
+    assert response.status_code == 302
+    assert not LoraAdapter.objects.exists()
+    assert AuditLog.objects.filter(action="delete", object_type="serving_app.LoraAdapter",
+                                   via="ui").exists()
+    AdapterFileRemoval.objects.remove_released()
+    assert folder.is_dir()  # the engine still has it
+    Instance.objects.filter(pk=instance.pk).update(loaded_adapters=[])
+    AdapterFileRemoval.objects.remove_released()
+    assert not folder.exists()
+
+
+def test_another_tenants_adapter_cannot_be_deleted(login, acme, globex, base_model, tmp_path):
+    theirs = make_adapter(globex.tenant, base_model, tmp_path / "g")
+    response = login(acme.owner).post(reverse("portal:adapter-delete", args=["acme", theirs.pk]))
+    assert response.status_code == 404
+    assert LoraAdapter.objects.filter(pk=theirs.pk).exists()
 
 
 # ----------------------------------------------------------------------------- members
