@@ -64,7 +64,8 @@ class AdapterPathForm(_ConstraintsMixin, forms.ModelForm):
     class Meta:
         model = LoraAdapter
         fields = ["base_model", "name", "path", "rank"]
-        help_texts = {"path": "Absolute path of the adapter folder, the same on every node host."}
+        help_texts = {"path": "Absolute path of the adapter folder under one of the model roots "
+                              "(MODEL_ROOTS), the same on every node host."}
 
     def __init__(self, *args: Any, tenant: Tenant, **kwargs: Any) -> None:
         kwargs.setdefault("instance", LoraAdapter(tenant=tenant))
