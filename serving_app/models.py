@@ -241,6 +241,8 @@ class AdapterFileRemovalQuerySet(models.QuerySet):
             if folder is not None and folder.exists():
                 try:
                     shutil.rmtree(folder)
+                except FileNotFoundError:
+                    pass  # a concurrent round removed it first
                 except OSError as exc:
                     AdapterFileRemoval.objects.filter(pk=record.pk).update(
                         last_error=f"Could not remove the files: {exc}")

@@ -65,7 +65,10 @@ def resolve_folder(path_text: str) -> Path:
     path = Path(path_text)
     if not path.is_absolute():
         raise host_path_error("Must be an absolute path on the node hosts.")
-    resolved = path.resolve()
+    try:
+        resolved = path.resolve()
+    except (OSError, ValueError) as exc:  # a symlink loop, a NUL byte
+        raise host_path_error(f"{path} cannot be resolved: {exc}.") from exc
     if not resolved.is_dir():
         raise host_path_error(f"{path} is not a folder.")
     return resolved

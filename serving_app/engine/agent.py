@@ -201,6 +201,7 @@ def adapter_problem(adapter: LoraAdapter, deployment: Deployment) -> tuple[str, 
                 message = (f"Its {module} shapes do not match the base model {base.name}: it "
                            "was trained for another model.")
                 return message, message
+    adapter.path = str(folder)  # the engine is given the folder that was checked (in memory)
     return None
 
 
