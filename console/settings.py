@@ -182,6 +182,22 @@ PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
 PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))
 GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)
 
+# Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
+# path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
+# admins register base models and adapters from folders under MODEL_ROOTS. Both must be the same
+# paths on the console and on every node host (a shared filesystem on more than one host).
+TENANT_STORAGE_ROOT = Path(env_str("TENANT_STORAGE_ROOT", str(VAR_DIR / "tenant-storage")))
+MODEL_ROOTS = [Path(p) for p in env_list("MODEL_ROOTS", [str(BASE_DIR / "var" / "models")])]
+# What each tenant's adapters may take on disk, in MiB (a tenant's own setting overrides it).
+TENANT_STORAGE_QUOTA_MB = env_int("TENANT_STORAGE_QUOTA_MB", 1024, minimum=0)
+# The largest adapter archive accepted, and the most its files may unpack to, in MiB. A LoRA
+# adapter of a 7-8B model at rank 64 is about 160 MiB; a zip that unpacks to more than this is
+# refused before anything is written.
+ADAPTER_UPLOAD_MAX_BYTES = env_int("ADAPTER_UPLOAD_MAX_MB", 256, minimum=1) * 1024 * 1024
+ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = (
+    env_int("ADAPTER_UPLOAD_MAX_UNPACKED_MB", 512, minimum=1) * 1024 * 1024
+)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

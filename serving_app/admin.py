@@ -12,6 +12,7 @@ from serving_app.admin_audit import AuditedAdmin
 from serving_app.engine.launch import mask_secret
 from serving_app.lifecycle import deployment_changed
 from serving_app.models import (
+    AdapterFileRemoval,
     AuditLog,
     BaseModel,
     Deployment,
@@ -212,3 +213,11 @@ class UsageRollupAdmin(ReadOnlyAdmin):
     list_display = ["bucket", "tenant", "model", "requests", "errors", "rate_limited",
                     "prompt_tokens", "completion_tokens"]
     list_filter = ["tenant", "model"]
+
+
+@admin.register(AdapterFileRemoval)
+class AdapterFileRemovalAdmin(ReadOnlyAdmin):
+    """Deleted adapters' files waiting until no engine has them (removed by the reconciler)."""
+
+    list_display = ["engine_name", "path", "requested_at", "removed_at", "last_error"]
+    list_filter = ["removed_at"]

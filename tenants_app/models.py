@@ -147,6 +147,11 @@ class Tenant(models.Model):
     )
     # Never shown: whoever knew it could compute this tenant's salts.
     cache_secret = models.CharField(max_length=64, default=new_cache_secret, editable=False)
+    storage_quota_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Disk its uploaded adapters may take, in MiB. Empty: TENANT_STORAGE_QUOTA_MB.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -157,7 +162,7 @@ class Tenant(models.Model):
         "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
         "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
         "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
-        "prefix_cache_group",
+        "prefix_cache_group", "storage_quota_mb",
     )
 
     class Meta:

@@ -28,8 +28,10 @@ class TestBaseModels:
         assert response.data["weight_bytes"] > 0
 
     def test_path_that_holds_no_model_is_a_field_error(self, platform_admin, tmp_path):
+        (tmp_path / "empty").mkdir()
         response = as_user(platform_admin).post(
-            "/api/v1/base-models/", {"name": "mini", "path": str(tmp_path)}, format="json"
+            "/api/v1/base-models/", {"name": "mini", "path": str(tmp_path / "empty")},
+            format="json",
         )
         assert response.status_code == 400
         assert "not a model folder" in str(response.data["path"])
@@ -60,9 +62,11 @@ class TestBaseModels:
 
 
 class TestAdapters:
-    def test_owner_registers_an_adapter(self, acme, base_model, tmp_path):
+    def test_platform_admin_registers_an_adapter_from_a_model_root(
+        self, platform_admin, acme, base_model, tmp_path
+    ):
         folder = make_adapter_dir(tmp_path, rank=16)
-        response = as_user(acme.owner).post(
+        response = as_user(platform_admin).post(
             "/api/v1/adapters/",
             {
                 "tenant": "acme",
@@ -76,9 +80,11 @@ class TestAdapters:
         assert response.data["rank"] == 16
         assert response.data["target_modules"] == ["q_proj", "v_proj"]
 
-    def test_adapter_for_another_base_model_is_a_field_error(self, acme, base_model, tmp_path):
+    def test_adapter_for_another_base_model_is_a_field_error(
+        self, platform_admin, base_model, acme, tmp_path
+    ):
         folder = make_adapter_dir(tmp_path, hidden=4096)
-        response = as_user(acme.admin).post(
+        response = as_user(platform_admin).post(
             "/api/v1/adapters/",
             {"tenant": "acme", "base_model": base_model.name, "name": "x", "path": str(folder)},
             format="json",
@@ -87,9 +93,9 @@ class TestAdapters:
         assert "another base model" in str(response.data["base_model"])
         assert not LoraAdapter.objects.exists()
 
-    def test_rank_mismatch_is_a_field_error(self, acme, base_model, tmp_path):
+    def test_rank_mismatch_is_a_field_error(self, platform_admin, acme, base_model, tmp_path):
         folder = make_adapter_dir(tmp_path, rank=8)
-        response = as_user(acme.admin).post(
+        response = as_user(platform_admin).post(
             "/api/v1/adapters/",
             {
                 "tenant": "acme",

@@ -73,8 +73,8 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     cluster.start_control()
     cluster.start_agent("cpu-a")
     register_model(platform_admin)
-    lora_a = register_adapter(acme.owner, "acme", "support", MODELS / "tiny-llama-lora-a")
-    lora_b = register_adapter(acme.admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
+    lora_a = register_adapter(platform_admin, "acme", "support", MODELS / "tiny-llama-lora-a")
+    lora_b = register_adapter(platform_admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
     deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]])
     client = as_user(platform_admin)
     assert client.post(f"/api/v1/deployments/{deployment['id']}/start/").status_code == 200
@@ -91,7 +91,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     assert api_view["log_tail"]
 
     # A third adapter at runtime, without a restart.
-    lora_c = register_adapter(acme.owner, "acme", "legal", MODELS / "tiny-llama-lora-c")
+    lora_c = register_adapter(platform_admin, "acme", "legal", MODELS / "tiny-llama-lora-c")
     response = client.patch(f"/api/v1/deployments/{deployment['id']}/",
                             {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]},
                             format="json")
@@ -104,7 +104,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     # An adapter that fails to load leaves the engine serving, with the error on the adapter.
     broken_dir = tmp_path / "broken-adapter"
     shutil.copytree(MODELS / "tiny-llama-lora-c", broken_dir)
-    broken = register_adapter(acme.owner, "acme", "broken", broken_dir)
+    broken = register_adapter(platform_admin, "acme", "broken", broken_dir)
     weights = broken_dir / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:200])
     client.patch(f"/api/v1/deployments/{deployment['id']}/",
@@ -224,7 +224,7 @@ def test_engine_that_exits_at_start_fails_then_crash_loops(cluster, platform_adm
 
 def test_adapter_for_another_base_model_is_refused(platform_admin, acme, db):
     register_model(platform_admin)
-    response = as_user(acme.owner).post(
+    response = as_user(platform_admin).post(
         "/api/v1/adapters/",
         {"tenant": "acme", "base_model": "tiny-llama", "name": "wide",
          "path": str(MODELS / "tiny-wide-lora")},
