@@ -8,7 +8,6 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 from rest_framework.serializers import as_serializer_error
 
-from serving_app.engine.launch import mask_secret
 from serving_app.models import (
     AuditLog,
     BaseModel,
@@ -107,7 +106,6 @@ class NodeSerializer(ValidatedModelSerializer):
 class InstanceSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    command = serializers.SerializerMethodField()
 
     class Meta:
         model = Instance
@@ -135,10 +133,6 @@ class InstanceSerializer(serializers.ModelSerializer):
             "created_at",
         ]
         read_only_fields = fields
-
-    def get_command(self, instance: Instance) -> list[str]:
-        """The exact command line, with the instance's API key masked."""
-        return mask_secret(instance.command)
 
 
 class InstanceBriefSerializer(serializers.ModelSerializer):

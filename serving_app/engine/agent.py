@@ -104,8 +104,8 @@ def heartbeat(config: AgentConfig) -> None:
 def adopt(config: AgentConfig) -> dict[str, int]:
     """Take back the engines of this node that survived an agent restart; never start twins.
 
-    An engine still running with its instance's secret and port keeps its pid and state; one
-    that is gone is marked failed for the reconciler to restart.
+    An engine still running with its instance's secret (in its environment) and port keeps its
+    pid and state; one that is gone is marked failed for the reconciler to restart.
     """
     counts = {"adopted": 0, "lost": 0, "stopped": 0}
     for instance in Instance.objects.filter(
@@ -209,10 +209,11 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         gpus=list(instance.gpus.all()), adapters=adapters,
     )
     try:
-        launched = supervisor.launch(spec.argv, spec.env, log_path)
+        launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
     except OSError as exc:
         _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
         return "failed"
+    # What is recorded is shown to operators: the command and environment without the secret.
     Instance.objects.filter(pk=instance.pk).update(
         pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
     )
