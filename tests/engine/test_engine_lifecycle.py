@@ -81,7 +81,10 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     register_model(platform_admin)
     lora_a = register_adapter(acme.owner, "acme", "support", MODELS / "tiny-llama-lora-a")
     lora_b = register_adapter(acme.admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
-    deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]])
+    # Five slots: on CPU one stays spare, so the runtime loads below (a third and a broken
+    # fourth adapter) reach the engine rather than being refused for want of a slot.
+    deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]],
+                                   max_loras=5)
     client = as_user(platform_admin)
     assert client.post(f"/api/v1/deployments/{deployment['id']}/start/").status_code == 200
 
