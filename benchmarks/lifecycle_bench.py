@@ -101,7 +101,8 @@ def main() -> None:
             probe = Instance(deployment=deployment, port=18990)
             spec = build_launch_spec(deployment, probe, engine_env=str(ROOT / "var/engine-venv"))
             started = time.monotonic()
-            launched = supervisor.launch(spec.argv, spec.env, logs / f"manual-{round_no}.log")
+            launched = supervisor.launch(spec.argv, spec.process_env(),
+                                         logs / f"manual-{round_no}.log")
             while True:
                 try:
                     if http.get("http://127.0.0.1:18990/health", timeout=1).status_code == 200:

@@ -7,6 +7,7 @@ reconciler change Instance state only through conditional updates (`Instance.tra
 from __future__ import annotations
 
 import secrets
+import shlex
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -701,6 +702,12 @@ class Instance(models.Model):
 
                 catalog_changed()
         return bool(updated)
+
+    @property
+    def command_line(self) -> str:
+        """The engine's command as a shell would take it (it holds no secret: the engine's key
+        is in its environment only)."""
+        return shlex.join(self.command or [])
 
     @property
     def base_url(self) -> str:

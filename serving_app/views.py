@@ -25,7 +25,6 @@ from django.views.generic import CreateView, DetailView, ListView, TemplateView,
 
 from serving_app import audit, storage
 from serving_app.dashboards import figures, panels, queries
-from serving_app.engine.launch import mask_secret
 from serving_app.forms import (
     AuditFilterForm,
     BaseModelForm,
@@ -553,8 +552,7 @@ class InstanceDetailView(StaffRequiredMixin, DetailView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update(command=" ".join(mask_secret(self.object.command)),
-                       log=log_tail(self.object))
+        context.update(command=self.object.command_line, log=log_tail(self.object))
         return context
 
 

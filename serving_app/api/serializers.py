@@ -11,7 +11,6 @@ from rest_framework.exceptions import ErrorDetail
 from rest_framework.serializers import as_serializer_error
 
 from serving_app import storage
-from serving_app.engine.launch import mask_secret
 from serving_app.models import (
     AuditLog,
     BaseModel,
@@ -172,7 +171,6 @@ class NodeSerializer(ValidatedModelSerializer):
 class InstanceSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    command = serializers.SerializerMethodField()
 
     class Meta:
         model = Instance
@@ -200,10 +198,6 @@ class InstanceSerializer(serializers.ModelSerializer):
             "created_at",
         ]
         read_only_fields = fields
-
-    def get_command(self, instance: Instance) -> list[str]:
-        """The exact command line, with the instance's API key masked."""
-        return mask_secret(instance.command)
 
 
 class InstanceBriefSerializer(serializers.ModelSerializer):

@@ -25,7 +25,7 @@ from django.utils import timezone
 from serving_app import storage
 from serving_app.engine import supervisor
 from serving_app.engine.client import EngineClient
-from serving_app.engine.launch import build_launch_spec
+from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
@@ -111,8 +111,8 @@ def heartbeat(config: AgentConfig) -> None:
 def adopt(config: AgentConfig) -> dict[str, int]:
     """Take back the engines of this node that survived an agent restart; never start twins.
 
-    An engine still running with its instance's secret and port keeps its pid and state; one
-    that is gone is marked failed for the reconciler to restart.
+    An engine still running with its instance's secret (in its environment) and port keeps its
+    pid and state; one that is gone is marked failed for the reconciler to restart.
     """
     counts = {"adopted": 0, "lost": 0, "stopped": 0}
     for instance in Instance.objects.filter(
@@ -268,10 +268,11 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         gpus=list(instance.gpus.all()), adapters=adapters,
     )
     try:
-        launched = supervisor.launch(spec.argv, spec.env, log_path)
+        launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
     except OSError as exc:
         _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
         return "failed"
+    # What is recorded is shown to operators: the command and environment without the secret.
     Instance.objects.filter(pk=instance.pk).update(
         pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
     )
@@ -408,10 +409,26 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
               instance.deployment.adapters.select_related("tenant", "base_model")}
     loaded = set(instance.loaded_adapters)
     errors = dict(instance.adapter_errors)
+    capacity = adapter_capacity(instance.command, instance.gpus.all())
     client = EngineClient(instance.base_url, instance.secret)
     outcome: dict[str, str] = {}
+    # Unloads first: they free slots for the loads.
+    for name in sorted(loaded - set(wanted)):
+        reply = client.unload_adapter(name)
+        if reply.ok or reply.status == 404:
+            loaded.discard(name)
+            outcome[name] = "unloaded"
     for name, adapter in wanted.items():
-        if name in loaded or name in errors:
+        if name in loaded or (name in errors and not errors[name].startswith(NO_FREE_SLOT)):
+            continue  # a load that failed is not retried on this engine; a refusal is
+        if capacity is not None and len(loaded) >= capacity:
+            message = (f"{NO_FREE_SLOT} on {instance}: a CPU engine keeps its last LoRA slot "
+                       f"spare (a full last slot would apply this adapter to other tenants' "
+                       f"base-model requests), so it holds at most {capacity} adapter(s); "
+                       f"restart the deployment to start with a slot for every adapter.")
+            errors[name] = message
+            outcome[name] = "refused"
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
         problem = adapter_problem(adapter, instance.deployment)
         if problem is not None:
@@ -424,6 +441,7 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         reply = client.load_adapter(name, adapter.path)
         if reply.ok:
             loaded.add(name)
+            errors.pop(name, None)
             outcome[name] = "loaded"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error="")
         else:
@@ -431,11 +449,6 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             errors[name] = message
             outcome[name] = "failed"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
-    for name in sorted(loaded - set(wanted)):
-        reply = client.unload_adapter(name)
-        if reply.ok or reply.status == 404:
-            loaded.discard(name)
-            outcome[name] = "unloaded"
     for name in list(errors):
         if name not in wanted:
             errors.pop(name)
@@ -443,6 +456,9 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         loaded_adapters=sorted(loaded), adapter_errors=errors
     )
     return outcome
+
+
+NO_FREE_SLOT = "No free adapter slot"
 
 
 # -- supervision --------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from serving_app.engine.launch import build_launch_spec
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 from tests.factories import make_adapter, make_adapter_dir, make_deployment, make_model_dir
@@ -232,17 +233,19 @@ class TestDeployments:
 
 
 class TestInstances:
-    def test_instance_command_masks_the_secret(self, platform_admin, acme, base_model):
+    def test_instance_shows_its_command_and_environment_and_no_secret(
+        self, platform_admin, acme, base_model
+    ):
         deployment = make_deployment(base_model, [acme.tenant])
-        instance = Instance.objects.create(
-            deployment=deployment,
-            command=["python", "--api-key", "s3cret", "--port", "1"],
-            log_tail="line one\nline two",
-        )
-        data = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/").data
-        assert data["command"] == ["python", "--api-key", "********", "--port", "1"]
+        instance = Instance.objects.create(deployment=deployment, port=1,
+                                           log_tail="line one\nline two")
+        spec = build_launch_spec(deployment, instance)  # recorded as the node agent records it
+        Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env)
+        response = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/")
+        data = response.data
+        assert data["command"] == spec.argv and data["environment"] == spec.env
         assert data["log_tail"].endswith("line two")
-        assert "secret" not in data
+        assert "secret" not in data and instance.secret not in response.content.decode()
         assert_forbidden_for([acme.owner], "get", f"/api/v1/instances/{instance.pk}/")
 
 
