@@ -270,6 +270,10 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
 
+# JSON only: DRF's browsable API pages run an inline event handler that the policy above
+# blocks. Swagger UI at /api/docs/ is the API's page for a browser.
+REST_FRAMEWORK["DEFAULT_RENDERER_CLASSES"] = ["rest_framework.renderers.JSONRenderer"]
+
 # API tokens (django-rest-knox): stored as a hash, sent once, expiring after API_TOKEN_TTL_HOURS.
 REST_KNOX = {
     "TOKEN_TTL": timedelta(hours=env_float("API_TOKEN_TTL_HOURS", 10.0, minimum=0.01)),
