@@ -103,3 +103,29 @@ def test_deploy_check_warns_without_the_tls_settings(tmp_path):
     assert "security.W004" in output and "security.W008" in output
     # The cookies are secure by default once DEBUG is off.
     assert "security.W012" not in output and "security.W016" not in output
+
+
+HEADER_PROBE = """
+import django
+django.setup()
+from django.test import Client
+response = Client().get("/login/")
+for name in ("Content-Security-Policy", "Content-Security-Policy-Report-Only"):
+    print(name, "=", response.headers.get(name))
+"""
+
+
+def test_csp_report_uri_and_report_only_come_from_the_environment(tmp_path):
+    environ = _clean_environment(DEBUG="true", CONSOLE_VAR_DIR=str(tmp_path))
+    enforced = _run(["-c", HEADER_PROBE], {**environ, "CSP_REPORT_URI": "/csp-reports/"})
+    assert enforced.returncode == 0, enforced.stderr
+    assert "Content-Security-Policy = " in enforced.stdout
+    assert re.search(r"script-src 'self'(;|$)", enforced.stdout, re.M)
+    assert "report-uri /csp-reports/" in enforced.stdout
+    assert "Content-Security-Policy-Report-Only = None" in enforced.stdout
+
+    reported = _run(["-c", HEADER_PROBE], {**environ, "CSP_REPORT_ONLY": "true"})
+    assert reported.returncode == 0, reported.stderr
+    assert "Content-Security-Policy = None" in reported.stdout
+    assert "Content-Security-Policy-Report-Only = " in reported.stdout
+    assert re.search(r"script-src 'self'(;|$)", reported.stdout, re.M)
