@@ -8,7 +8,7 @@ login pages' do, so the endpoint cannot be used to guess passwords faster than t
 from __future__ import annotations
 
 from django.contrib.auth import authenticate
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from knox.views import LoginView
 from rest_framework import serializers, status
 from rest_framework.permissions import AllowAny
@@ -30,8 +30,12 @@ class TokenLoginView(LoginView):
 
     @extend_schema(
         request=CredentialsSerializer,
-        responses={200: inline_serializer("Token", {"token": serializers.CharField(),
-                                                    "expiry": serializers.DateTimeField()})},
+        responses={
+            200: inline_serializer("Token", {"token": serializers.CharField(),
+                                             "expiry": serializers.DateTimeField()}),
+            400: OpenApiResponse(description="Missing fields, or wrong username or password."),
+            429: OpenApiResponse(description="Too many failed attempts: locked out for a while."),
+        },
     )
     def post(self, request: Request, format: str | None = None) -> Response:
         credentials = CredentialsSerializer(data=request.data)
