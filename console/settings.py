@@ -250,8 +250,9 @@ MIDDLEWARE += [
 # Login throttling (django-axes) for /login/, /admin/login/ and the API token endpoint: after
 # LOGIN_FAILURE_LIMIT failed attempts for one username from one IP address, that pair is refused
 # (429) for LOGIN_COOLOFF_MINUTES, whatever the password. A successful login resets the count.
-# The address is the connection's (REMOTE_ADDR): behind a proxy, that is the proxy's, so the
-# lockout then holds per username.
+# The address is REMOTE_ADDR: behind a proxy, uvicorn's --proxy-headers with the proxy in
+# --forwarded-allow-ips makes it the client's (from X-Forwarded-For); otherwise it is the proxy's
+# and the lockout holds per username.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
