@@ -261,7 +261,7 @@ AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("LOGIN_COOLOFF_MINUTES", 15.0, minimum=0.1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
-AXES_HTTP_RESPONSE_CODE = 429
+AXES_LOCKOUT_CALLABLE = "console.lockout.lockout_response"  # 429 + Retry-After; JSON for the API
 AXES_VERBOSE = False  # no banner on every manage.py command
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -50,6 +50,9 @@ def test_forty_wrong_passwords_then_the_right_one_is_refused(endpoint):
     response = _login_attempt(client, endpoint, "victim", PASSWORD)
     assert response.status_code == 429
     assert not _signed_in(client, endpoint, response)
+    assert int(response["Retry-After"]) == settings.AXES_COOLOFF_TIME.total_seconds()
+    if endpoint == "token":
+        assert "Too many failed sign-ins" in response.json()["detail"]
 
     elsewhere = Client()
     response = _login_attempt(elsewhere, endpoint, "victim", PASSWORD, address="198.51.100.2")
