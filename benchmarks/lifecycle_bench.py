@@ -31,6 +31,7 @@ os.environ.update({
     "DJANGO_SETTINGS_MODULE": "console.settings", "RECONCILE_INTERVAL_SECONDS": "5",
     "ENGINE_LOG_DIR": "/tmp/lifecycle-bench-logs", "NODE_HEARTBEAT_SECONDS": "1",
 })
+os.environ.setdefault("DEBUG", "true")  # a development run: the development SECRET_KEY
 
 
 def ensure_database() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
+from django.template.response import TemplateResponse
+from django.utils.cache import add_never_cache_headers
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
@@ -129,4 +131,21 @@ class ApiKeyAdmin(AuditedAdmin):
         )
         form.instance = key
         request._audit_before = None
-        messages.warning(request, f"The key's secret, shown this once (copy it now): {secret}")
+        # Shown by response_add on a page of its own, never through messages (a cookie or the
+        # session would carry it beyond this one response).
+        request._new_api_key = (key, secret)
+
+    def response_add(self, request, obj, post_url_continue=None):
+        created = getattr(request, "_new_api_key", None)
+        if created is None:
+            return super().response_add(request, obj, post_url_continue)
+        key, secret = created
+        response = TemplateResponse(
+            request,
+            "admin/tenants_app/apikey/secret.html",
+            {**self.admin_site.each_context(request), "opts": self.opts, "key": key,
+             "secret": secret, "title": "API key created"},
+        )
+        # no-store (with no-cache, must-revalidate, private): no browser or proxy keeps the page.
+        add_never_cache_headers(response)
+        return response

@@ -12,6 +12,8 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import models
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import permissions, serializers, viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.serializers import as_serializer_error
@@ -53,6 +55,7 @@ class ValidatedModelSerializer(serializers.ModelSerializer):
         """Hook for checks that need the many-to-many values."""
 
 
+@extend_schema_field(OpenApiTypes.STR)
 class TenantSlugField(serializers.SlugRelatedField):
     """A tenant chosen by slug, among the tenants the caller may see (others do not exist)."""
 

@@ -133,7 +133,14 @@ class UserSerializer(serializers.ModelSerializer):
         ]
 
     def validate_password(self, value: str) -> str:
-        validate_password(value)
+        # Checked against the user as it will be saved: the similarity validator compares the
+        # password with the username, names and email.
+        current = self.instance or User()
+        candidate = User(**{
+            name: self.initial_data.get(name, getattr(current, name))
+            for name in ("username", "email", "first_name", "last_name")
+        })
+        validate_password(value, user=candidate)
         return value
 
     def create(self, validated_data: dict[str, Any]):
