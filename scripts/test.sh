@@ -19,11 +19,21 @@ fi
 
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+export DEBUG="${DEBUG:-true}"  # manage.py below, and the processes the tests start
 
 echo "[test] ruff check"
 .venv/bin/ruff check .
 echo "[test] migrations complete"
 .venv/bin/python manage.py makemigrations --check --dry-run
+# The fast part of the mutation check (scripts/mutation_check.py): deliberate breakages the
+# suite must catch. Run before the suite (its pytest runs go to var/mutation-logs), and only for
+# the whole suite, not when test paths are given.
+paths_given=0
+for arg in "$@"; do [[ "$arg" != -* ]] && paths_given=1; done
+if [[ $paths_given -eq 0 ]]; then
+    echo "[test] mutation check (fast breakages)"
+    .venv/bin/python scripts/mutation_check.py --fast
+fi
 echo "[test] pytest"
 set +e
 .venv/bin/pytest "$@"

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 # Never copied into an entry. `invitee`: the user an invitation's text resolved to, which tenant
 # admins reading their audit log must not learn (it would tell them the username exists).
-SECRET_FIELDS = {"secret_hash", "password", "secret", "invitee"}
+SECRET_FIELDS = {"secret_hash", "password", "secret", "invitee", "cache_secret"}
 
 
 def _plain(value: Any) -> Any:

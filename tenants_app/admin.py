@@ -1,13 +1,23 @@
-"""Django admin for tenants, memberships, invitations and API keys (every change audited)."""
+"""Django admin for tenants, memberships, invitations, API keys and prefix-cache sharing groups
+(every change audited)."""
 
 from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
+from django.template.response import TemplateResponse
+from django.utils.cache import add_never_cache_headers
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from tenants_app.models import ApiKey, Invitation, Membership, Tenant
+from tenants_app.models import (
+    ApiKey,
+    Invitation,
+    Membership,
+    PrefixCacheGroup,
+    Tenant,
+    new_cache_secret,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -27,9 +37,43 @@ class TenantAdmin(AuditedAdmin):
         "tokens_per_minute",
         "monthly_token_budget",
     ]
-    list_filter = ["status", "priority_tier"]
+    list_filter = ["status", "priority_tier", "prefix_cache_group"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
+
+
+class GroupTenantInline(admin.TabularInline):
+    model = Tenant
+    fk_name = "prefix_cache_group"
+    fields = ["slug", "name", "status"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+    verbose_name_plural = "tenants (add one from its tenant page)"
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.action(description="Rotate the prefix-cache secret (members stop sharing old blocks)")
+def rotate_cache_secret(modeladmin, request, queryset) -> None:
+    for group in queryset:
+        group.cache_secret = new_cache_secret()
+        group.save(update_fields=["cache_secret"])  # the gateway re-reads its catalog
+        audit.record(request, "rotate_secret", group, via="admin")
+    messages.success(request, "New secrets set; members share only blocks cached from now on.")
+
+
+@admin.register(PrefixCacheGroup)
+class PrefixCacheGroupAdmin(AuditedAdmin):
+    """Tenants in one group share prefix-cache blocks on the engines they share (and so can
+    learn from timing which prefixes the others sent); everyone else is isolated."""
+
+    list_display = ["name", "description", "created_at"]
+    search_fields = ["name", "description"]
+    inlines = [GroupTenantInline]
+    actions = [rotate_cache_secret]
 
 
 @admin.register(Membership)
@@ -120,4 +164,21 @@ class ApiKeyAdmin(AuditedAdmin):
         )
         form.instance = key
         request._audit_before = None
-        messages.warning(request, f"The key's secret, shown this once (copy it now): {secret}")
+        # Shown by response_add on a page of its own, never through messages (a cookie or the
+        # session would carry it beyond this one response).
+        request._new_api_key = (key, secret)
+
+    def response_add(self, request, obj, post_url_continue=None):
+        created = getattr(request, "_new_api_key", None)
+        if created is None:
+            return super().response_add(request, obj, post_url_continue)
+        key, secret = created
+        response = TemplateResponse(
+            request,
+            "admin/tenants_app/apikey/secret.html",
+            {**self.admin_site.each_context(request), "opts": self.opts, "key": key,
+             "secret": secret, "title": "API key created"},
+        )
+        # no-store (with no-cache, must-revalidate, private): no browser or proxy keeps the page.
+        add_never_cache_headers(response)
+        return response

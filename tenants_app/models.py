@@ -7,6 +7,7 @@ nothing else in the codebase filters tenant data by hand.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -64,6 +65,45 @@ class TenantQuerySet(models.QuerySet):
         return self.filter(memberships__user=user, memberships__role__in=MANAGER_ROLES).distinct()
 
 
+def new_cache_secret() -> str:
+    """A random secret from which a tenant's (or a sharing group's) prefix-cache salt is derived."""
+    return secrets.token_hex(32)
+
+
+def prefix_cache_salt(secret: str, client_salt: str | None = None) -> str:
+    """The `cache_salt` the gateway sends to engines for requests keyed by `secret`.
+
+    vLLM only reuses prefix-cache blocks between requests with equal salts, so a salt nobody
+    else can produce keeps a tenant's cached prefixes (and what their timing reveals) its own.
+    A client's own salt is mixed in, never used alone: any salt a client picks maps into its
+    tenant's (or group's) space, which no other tenant can reach without the secret. The two
+    messages differ in their first byte, so no client salt yields the plain salt.
+    """
+    message = b"t" if client_salt is None else b"c" + client_salt.encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+class PrefixCacheGroup(models.Model):
+    """Tenants that share prefix-cache blocks on the engines they share (one department's several
+    tenants, say). Managed by platform admins; a tenant in no group shares with nobody. What one
+    member of a group sends can be told from time-to-first-token by the others."""
+
+    name = models.SlugField(max_length=50, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    cache_secret = models.CharField(
+        max_length=64, default=new_cache_secret, editable=False,
+        help_text="Secret the group's members derive their prefix-cache salt from.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "prefix-cache sharing group"
+
+    def __str__(self) -> str:
+        return self.name
+
+
 def _positive(null_ok: bool = True, **kwargs) -> models.PositiveIntegerField:
     return models.PositiveIntegerField(
         null=null_ok, blank=null_ok, validators=[MinValueValidator(1)], **kwargs
@@ -100,6 +140,21 @@ class Tenant(models.Model):
         help_text="GPU memory this tenant's deployments may reserve. Empty: unlimited.",
     )
     latency_objective_ms = _positive(help_text="p95 latency objective, drawn on dashboards.")
+    prefix_cache_group = models.ForeignKey(
+        PrefixCacheGroup,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="tenants",
+        help_text="Share engines' prefix cache with this group's tenants. Empty: with nobody.",
+    )
+    # Never shown: whoever knew it could compute this tenant's salts.
+    cache_secret = models.CharField(max_length=64, default=new_cache_secret, editable=False)
+    storage_quota_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Disk its uploaded adapters may take, in MiB. Empty: TENANT_STORAGE_QUOTA_MB.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -110,6 +165,7 @@ class Tenant(models.Model):
         "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
         "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
         "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
+        "prefix_cache_group", "storage_quota_mb",
     )
 
     class Meta:
@@ -145,6 +201,12 @@ class Tenant(models.Model):
     @property
     def is_active(self) -> bool:
         return self.status == self.Status.ACTIVE
+
+    @property
+    def prefix_cache_secret(self) -> str:
+        """The secret this tenant's prefix-cache salt comes from: its group's, else its own."""
+        group = self.prefix_cache_group
+        return group.cache_secret if group is not None else self.cache_secret
 
     def role_of(self, user: AbstractBaseUser) -> str | None:
         """The user's role in this tenant, 'platform' for staff, None for outsiders."""

@@ -21,6 +21,8 @@ urlpatterns = [
     path("<slug:slug>/keys/<int:pk>/revoke/", views.ApiKeyRevokeView.as_view(),
          name="key-revoke"),
     path("<slug:slug>/adapters/", views.AdaptersView.as_view(), name="adapters"),
+    path("<slug:slug>/adapters/<int:pk>/delete/", views.AdapterDeleteView.as_view(),
+         name="adapter-delete"),
     path("<slug:slug>/models/", views.ModelsView.as_view(), name="models"),
     path("<slug:slug>/playground/", views.PlaygroundView.as_view(), name="playground"),
     path("<slug:slug>/playground/key/", views.PlaygroundKeyView.as_view(),

@@ -22,7 +22,7 @@ from django.utils import timezone
 from django.views import View
 from django.views.generic import TemplateView
 
-from serving_app import audit
+from serving_app import audit, storage
 from serving_app.dashboards import queries
 from serving_app.gateway import invalidation as gateway_invalidation
 from serving_app.models import Deployment, Instance, LoraAdapter
@@ -161,6 +161,15 @@ def catalog(tenant: Tenant) -> list[dict[str, Any]]:
     return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))
 
 
+def storage_usage(tenant: Tenant) -> dict[str, Any]:
+    """What the tenant's adapters take on disk against its storage quota."""
+    used = LoraAdapter.objects.storage_used(tenant)
+    quota = storage.quota_bytes(tenant)
+    pct = round(100 * used / quota, 1) if quota else 100.0
+    return {"used": used, "quota": quota, "pct": pct, "bar": min(pct, 100),
+            "left": max(quota - used, 0)}
+
+
 class TenantHomeView(TenantMixin, View):
     section = "home"
 
@@ -180,6 +189,7 @@ class TenantHomeView(TenantMixin, View):
             load=queries.current_load().get(tenant.pk, {}),
             models=catalog(tenant),
             keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
+            storage=storage_usage(tenant),
         )
 
 
@@ -275,9 +285,13 @@ class AdaptersView(TenantMixin, View):
         for adapter in adapters:
             # An engine's load error may name host paths; tenant users get them redacted.
             adapter.shown_error = adapter.last_error if staff else redact_paths(adapter.last_error)
-        forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
+        # Tenants never name host paths: registering a folder on the hosts is for platform
+        # admins (who see the portal as every tenant does).
+        if staff:
+            forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
         forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
-        return self.render("tenants_app/adapters.html", status=status, adapters=adapters, **forms)
+        return self.render("tenants_app/adapters.html", status=status, adapters=adapters,
+                           storage=storage_usage(self.tenant), **forms)
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         return self.page()
@@ -285,7 +299,8 @@ class AdaptersView(TenantMixin, View):
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
         if request.POST.get("source") == "upload":
-            form = AdapterUploadForm(request.POST, request.FILES, tenant=self.tenant)
+            form = AdapterUploadForm(request.POST, request.FILES, tenant=self.tenant,
+                                     user=request.user)
             if not form.is_valid():
                 return self.page(status=400, upload_form=form)
             try:
@@ -293,6 +308,9 @@ class AdaptersView(TenantMixin, View):
             except ValidationError:
                 return self.page(status=400, upload_form=form)
         else:
+            if not request.user.is_staff:
+                raise PermissionDenied("Only platform admins register adapters from a path; "
+                                       "upload the adapter's files instead.")
             form = AdapterPathForm(request.POST, tenant=self.tenant)
             if not form.is_valid():
                 return self.page(status=400, path_form=form)
@@ -300,6 +318,21 @@ class AdaptersView(TenantMixin, View):
         audit.record(request, "create", adapter, changes=audit.snapshot(adapter), via=VIA)
         messages.success(request, f"Adapter {adapter.name} registered (rank {adapter.rank}, "
                                   f"{', '.join(adapter.target_modules)}).")
+        return redirect("portal:adapters", slug=slug)
+
+
+class AdapterDeleteView(TenantMixin, View):
+    """Delete one of the tenant's adapters. Its deployments stop offering it at once; the
+    engines unload it at the next reconcile round, and its uploaded files go after that
+    (`AdapterFileRemoval`)."""
+
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        adapter = get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
+        audit.record(request, "delete", adapter, changes=audit.snapshot(adapter), via=VIA)
+        adapter.delete()
+        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
+                                  "no engine has it loaded.")
         return redirect("portal:adapters", slug=slug)
 
 

@@ -3,6 +3,7 @@ platform admin exist beside them."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -69,6 +70,16 @@ def base_model(db, tmp_path):
 
 
 @pytest.fixture(autouse=True)
+def _storage_roots(settings, tmp_path, tmp_path_factory):
+    """Each test's own folder is a model root beside the configured ones (the generated tiny
+    model under var/models): factories write model and adapter folders under tmp_path, as a
+    platform admin's would be under MODEL_ROOTS. The tenant storage area is a folder apart, so
+    that a tenant's area is never also a model root."""
+    settings.MODEL_ROOTS = [*settings.MODEL_ROOTS, tmp_path]
+    settings.TENANT_STORAGE_ROOT = tmp_path_factory.mktemp("tenant-storage")
+
+
+@pytest.fixture(autouse=True)
 def _fast_password_hashing(settings):
     """PBKDF2 at full strength costs ~0.3 s a user on these machines; tests need no strength."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
@@ -94,3 +105,33 @@ def _flush_survives_deadlocks():
     BaseDatabaseOperations.execute_sql_flush = execute_sql_flush
     yield
     BaseDatabaseOperations.execute_sql_flush = original
+
+
+# -- skips that would hide a layer ------------------------------------------------------------
+def _is_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say loudly which tests were skipped and why; in CI (CI=true) any skip fails the run: a
+    layer the suite is meant to exercise (engine, gateway, browser, PostgreSQL) was not."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.section(f"{len(skipped)} TESTS SKIPPED: these layers were not tested",
+                             sep="!", red=True, bold=True)
+    for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
+        terminalreporter.line(f"{count:5} skipped: {reason}", red=True)
+    if _is_ci():
+        terminalreporter.line("CI=true: a skipped test fails the run", red=True, bold=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _is_ci() and exitstatus == 0:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and reporter.stats.get("skipped"):
+            session.exitstatus = 1

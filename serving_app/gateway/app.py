@@ -25,7 +25,7 @@ from serving_app.gateway.http1 import UpstreamBroken
 from serving_app.gateway.metering import Meter, RedisUnavailable, Ticket
 from serving_app.gateway.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
 from serving_app.gateway.routing import Router
-from serving_app.gateway.validation import ParsedRequest, parse_request
+from serving_app.gateway.validation import ParsedRequest, encode_body, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,9 @@ class GatewayApp:
                     raise admission.refusal(tenant, decision, need)
                 ctx.ticket = ticket
 
+        # Prefix-cache isolation: engines reuse cached blocks only between equal salts, so every
+        # request carries its tenant's (or sharing group's); a client's own salt is mixed in.
+        body["cache_salt"] = tenant.salt_for(body.get("cache_salt"))
         if parsed.stream:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
@@ -365,7 +368,7 @@ class GatewayApp:
                     body["priority"] = tenant.priority
                 else:
                     body.pop("priority", None)
-                encoded[target.priority] = json.dumps(body, separators=(",", ":")).encode()
+                encoded[target.priority] = encode_body(body)
             retry_left = len(tried) <= self.config.upstream_retries
             self.router.acquire(inst.id)
             try:

@@ -14,16 +14,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import lru_cache
 
 from django.db import connection
 from django.db.models import F, Sum
 
-from tenants_app.models import ApiKey, Tenant
+from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
 
 
 @dataclass(frozen=True, slots=True)
 class TenantEntry:
-    """A tenant's status, priority and limits (None: unlimited)."""
+    """A tenant's status, priority and limits (None: unlimited), and its prefix-cache salt:
+    `cache_salt` goes with every engine request; a client's own salt is combined with
+    `cache_secret` (its sharing group's, if any) by `salt_for()`."""
 
     id: int
     slug: str
@@ -36,6 +39,14 @@ class TenantEntry:
     max_tokens: int | None
     max_prompt: int | None
     month_used: int = 0
+    cache_secret: str = field(default="", repr=False)
+    cache_salt: str = field(default="", repr=False)
+
+    def salt_for(self, client_salt: str | None) -> str:
+        """The `cache_salt` to send upstream for a request that carried `client_salt`."""
+        if client_salt is None:
+            return self.cache_salt
+        return prefix_cache_salt(self.cache_secret, client_salt)
 
     @property
     def admission_needed(self) -> bool:
@@ -122,7 +133,8 @@ def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
         .annotate(used=Sum(F("prompt_tokens") + F("completion_tokens")))
     }
     tenants: dict[int, TenantEntry] = {}
-    for t in Tenant.objects.all():
+    for t in Tenant.objects.select_related("prefix_cache_group"):
+        secret = t.prefix_cache_secret
         tenants[t.pk] = TenantEntry(
             id=t.pk,
             slug=t.slug,
@@ -135,6 +147,8 @@ def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
             max_tokens=t.max_tokens_per_request,
             max_prompt=t.max_prompt_tokens,
             month_used=budgets.get(t.pk, 0),
+            cache_secret=secret,
+            cache_salt=_tenant_salt(secret),
         )
 
     routes: dict[int, dict[str, Route]] = {}
@@ -191,6 +205,12 @@ def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
         instances={k: tuple(v) for k, v in instances.items()},
         loaded_at=time.monotonic(),
     )
+
+
+@lru_cache(maxsize=65536)
+def _tenant_salt(secret: str) -> str:
+    # The snapshot is re-read every few seconds; a tenant's salt changes only with its secret.
+    return prefix_cache_salt(secret)
 
 
 def _add(catalog: dict[str, Route], route: Route) -> None:

@@ -48,6 +48,13 @@ post_save.connect(_tenant_saved, sender="tenants_app.Tenant", dispatch_uid="gw-t
 post_delete.connect(
     _tenant_deleted, sender="tenants_app.Tenant", dispatch_uid="gw-tenant-deleted"
 )
+# Deleting a group moves its tenants out of it with an UPDATE (no tenant signal): re-read all.
+post_save.connect(
+    _catalog_changed, sender="tenants_app.PrefixCacheGroup", dispatch_uid="gw-cache-group-saved"
+)
+post_delete.connect(
+    _catalog_changed, sender="tenants_app.PrefixCacheGroup", dispatch_uid="gw-cache-group-deleted"
+)
 for _model in ("Deployment", "LoraAdapter", "Instance", "Node", "BaseModel"):
     post_save.connect(
         _catalog_changed, sender=f"serving_app.{_model}", dispatch_uid=f"gw-{_model}-saved"

@@ -4,7 +4,8 @@ Fields are those of OpenAI's API and the vLLM sampling extras its OpenAI server 
 unknown field is refused like OpenAI does ("Unrecognized request argument supplied"), a wrongly
 typed one with `invalid_type`. Fields that would let a tenant step outside its lane (`priority`,
 `request_id`, a custom `chat_template`, raw `prompt_embeds`, KV-transfer parameters) are refused
-too: the gateway sets what must be set.
+too: the gateway sets what must be set. A client's `cache_salt` is accepted but never sent as is:
+the gateway combines it with the tenant's secret (`TenantEntry.salt_for`).
 
 Prompt tokens are estimated without the engine's tokenizer as a safe upper bound: every tokenizer
 vLLM serves emits at most one token per UTF-8 byte of text (byte-level BPE and SentencePiece with
@@ -147,18 +148,36 @@ class ParsedRequest:
     prompt_upper: int
 
 
+def _unparsable(reason: str) -> GatewayError:
+    return invalid(
+        f"We could not parse the JSON body of your request ({reason}). The OpenAI API expects "
+        "a JSON payload.",
+        code="invalid_json",
+    )
+
+
+_TOO_DEEP = "it is nested too deeply"
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
+    except RecursionError as exc:  # a body nested deeper than the interpreter's stack allows
+        raise _unparsable(_TOO_DEEP) from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(
-            f"We could not parse the JSON body of your request ({exc}). The OpenAI API expects "
-            "a JSON payload.",
-            code="invalid_json",
-        ) from exc
+        raise _unparsable(str(exc)) from exc
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_json")
     return body
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The body as sent upstream. A body parsed just below the recursion limit may not encode
+    from a deeper stack: that is the client's unparsable body, not a gateway failure."""
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError as exc:
+        raise _unparsable(_TOO_DEEP) from exc
 
 
 def _check_fields(body: dict[str, Any], fields: dict[str, Check]) -> None:
@@ -263,9 +282,21 @@ def _completion_prompts(prompt: Any) -> tuple[int, int]:
 
 def parse_request(endpoint: str, raw: bytes) -> ParsedRequest:
     """Check a chat or completions body; raise a GatewayError (400) for a bad one."""
+    try:
+        return _parse_request(endpoint, raw)
+    except RecursionError as exc:  # measuring a deeply nested field (`_bytes`)
+        raise _unparsable(_TOO_DEEP) from exc
+
+
+def _parse_request(endpoint: str, raw: bytes) -> ParsedRequest:
     body = parse_json(raw)
     chat = endpoint == "chat.completions"
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    if body.get("cache_salt") == "":  # as vLLM refuses it (the gateway never sends it as is)
+        raise invalid(
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            param="cache_salt", code="invalid_value",
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("You must provide a model parameter.", param="model", code="missing_model")

@@ -13,6 +13,8 @@ from typing import Any
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import models
 from django.http import Http404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import permissions, serializers, viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.serializers import as_serializer_error
@@ -65,6 +67,7 @@ class LookupSlugField(serializers.SlugRelatedField):
         return super().to_internal_value(data)
 
 
+@extend_schema_field(OpenApiTypes.STR)
 class TenantSlugField(LookupSlugField):
     """A tenant chosen by slug, among the tenants the caller may see (others do not exist)."""
 

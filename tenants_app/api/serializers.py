@@ -1,4 +1,4 @@
-"""Serializers for tenants, memberships, API keys and users."""
+"""Serializers for tenants, memberships, API keys, prefix-cache sharing groups and users."""
 
 from __future__ import annotations
 
@@ -9,16 +9,37 @@ from django.contrib.auth.password_validation import validate_password
 from rest_framework import serializers
 
 from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
-from tenants_app.models import ApiKey, Invitation, Membership, Tenant
+from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
 
 User = get_user_model()
 
 
 class TenantSerializer(ValidatedModelSerializer):
+    prefix_cache_group = serializers.SlugRelatedField(
+        slug_field="name", queryset=PrefixCacheGroup.objects.all(), allow_null=True,
+        required=False, help_text="Sharing group (platform admins only). Null: shares with nobody.",
+    )
+
     class Meta:
         model = Tenant
         fields = ["id", *Tenant.EDITABLE_FIELDS, "created_at", "updated_at"]
         read_only_fields = ["id", "created_at", "updated_at"]
+
+    def to_representation(self, tenant: Tenant) -> dict[str, Any]:
+        data = super().to_representation(tenant)
+        request = self.context.get("request")
+        if request is None or not request.user.is_staff:
+            data.pop("prefix_cache_group", None)  # who shares with whom is the platform's
+        return data
+
+
+class PrefixCacheGroupSerializer(ValidatedModelSerializer):
+    tenants = serializers.SlugRelatedField(slug_field="slug", many=True, read_only=True)
+
+    class Meta:
+        model = PrefixCacheGroup
+        fields = ["id", "name", "description", "tenants", "created_at"]
+        read_only_fields = ["id", "created_at"]
 
 
 class MembershipSerializer(ValidatedModelSerializer):
@@ -157,7 +178,14 @@ class UserSerializer(serializers.ModelSerializer):
         ]
 
     def validate_password(self, value: str) -> str:
-        validate_password(value)
+        # Checked against the user as it will be saved: the similarity validator compares the
+        # password with the username, names and email.
+        current = self.instance or User()
+        candidate = User(**{
+            name: self.initial_data.get(name, getattr(current, name))
+            for name in ("username", "email", "first_name", "last_name")
+        })
+        validate_password(value, user=candidate)
         return value
 
     def create(self, validated_data: dict[str, Any]):

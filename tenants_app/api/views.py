@@ -1,4 +1,4 @@
-"""Management API views for tenants, memberships, API keys and users."""
+"""Management API views for tenants, memberships, API keys, prefix-cache groups and users."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from tenants_app.api.serializers import (
     ApiKeySerializer,
     InvitationSerializer,
     MembershipSerializer,
+    PrefixCacheGroupSerializer,
     ReceivedInvitationSerializer,
     TenantSerializer,
     UserSerializer,
 )
-from tenants_app.models import ApiKey, Invitation, Membership, Role, Tenant
+from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
 
 
 def check_owner_grant(user, tenant: Tenant, role: str | None) -> None:
@@ -180,6 +181,19 @@ class ApiKeyViewSet(ScopedModelViewSet):
             )
         gateway_invalidation.key_changed(key)
         return Response(self.get_serializer(key).data)
+
+
+class PrefixCacheGroupViewSet(ScopedModelViewSet):
+    """Prefix-cache sharing groups (platform admins only). A tenant joins one through its
+    `prefix_cache_group` field; members share cached prompt prefixes on shared engines."""
+
+    queryset = PrefixCacheGroup.objects.all()
+    serializer_class = PrefixCacheGroupSerializer
+    permission_classes = [IsStaff]
+    lookup_field = "name"
+
+    def get_queryset(self) -> QuerySet:
+        return PrefixCacheGroup.objects.prefetch_related("tenants").order_by("name")
 
 
 class UserViewSet(ScopedModelViewSet):

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from django.conf import settings
 from django.db import connection
 from django.test import override_settings
 
@@ -28,11 +29,13 @@ from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Nod
 from tenants_app.models import ApiKey, Tenant
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
+ENGINE_VENV = Path(settings.ENGINE_VENV)
+ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
 MODELS = ROOT / "var" / "models"
 REDIS_URL = "redis://127.0.0.1:6379/9"
 ENGINE_SECRET = "gateway-test-engine-secret"
 MAX_BODY = 64 * 1024
+PRIVATE_MODEL = "tiny-llama-private"
 
 
 def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -79,7 +82,7 @@ class Engine:
 def engine(tmp_path_factory) -> Engine:
     """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session),
     launched at the scheduling class node agents give CPU engines."""
-    if not (ROOT / "var" / "engine-venv" / ".engine-install-complete").exists():
+    if not (ENGINE_VENV / ".engine-install-complete").exists():
         pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
     port = free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
@@ -88,7 +91,9 @@ def engine(tmp_path_factory) -> Engine:
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(MODELS / "tiny-llama"), "--served-model-name", "tiny-llama",
+             "--model", str(MODELS / "tiny-llama"),
+             # The second name lets a deployment that serves one tenant alone use this engine.
+             "--served-model-name", "tiny-llama", PRIVATE_MODEL,
              "--dtype", "float32", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
              "--lora-modules", f"acme--style={MODELS / 'tiny-llama-lora-a'}",
              f"globex--tone={MODELS / 'tiny-llama-lora-b'}",
@@ -201,6 +206,20 @@ def make_world(upstream_port: int, secret: str, **acme_limits) -> World:
     acme_key, acme_secret = ApiKey.objects.create_key(tenant=acme, name="acme-key")
     _, globex_secret = ApiKey.objects.create_key(tenant=globex, name="globex-key")
     return World(base, acme, globex, deployment, instance, acme_key, acme_secret, globex_secret)
+
+
+def add_private_deployment(world: World) -> Deployment:
+    """A running deployment that serves acme alone (`PRIVATE_MODEL`), on the world's engine."""
+    private = BaseModel.objects.create(name=PRIVATE_MODEL, path=world.base.path)
+    deployment = Deployment.objects.create(
+        name="tiny-private", base_model=private, desired_state="running", max_model_len=1024
+    )
+    deployment.tenants.set([world.acme])
+    Instance.objects.create(
+        deployment=deployment, node=world.instance.node, port=world.instance.port,
+        state="ready", secret=world.instance.secret,
+    )
+    return deployment
 
 
 @pytest.fixture

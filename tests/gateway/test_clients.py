@@ -73,7 +73,9 @@ def test_a_killed_connection_fails_its_commands_and_the_next_one_reconnects():
             mine = [c for c in admin.client_list() if c["name"] == name]
             assert len(mine) == 1
             slow = asyncio.ensure_future(client.execute("BLPOP", "gw:test:never", 5))
-            await asyncio.sleep(0.1)
+            while not any(c["name"] == name and c["cmd"] == "blpop"
+                          for c in admin.client_list()):
+                await asyncio.sleep(0.01)  # until Redis has the BLPOP in hand
             admin.client_kill(mine[0]["addr"])
             with pytest.raises(RedisUnavailable):
                 await slow
@@ -126,6 +128,7 @@ class Server:
         self.handler = handler
         self.connections = 0
         self.requests = 0
+        self.closed = 0  # connections this server closed after an answer
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -148,6 +151,7 @@ class Server:
                 self.requests += 1
                 if await self.handler(self.requests, writer) == "close":
                     writer.close()
+                    self.closed += 1
                     return
 
 
@@ -173,24 +177,34 @@ def test_connections_are_kept_alive_and_reused():
 
 
 def test_chunked_stream_is_relayed_chunk_by_chunk():
-    async def handler(n, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        for part in (b"data: 1\n\n", b"data: 2\n\n"):
-            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
-            await writer.drain()
-            await asyncio.sleep(0.2)
-        writer.write(b"0\r\n\r\n")
+    """The server sends its second chunk only after the client has read the first: a client that
+    waited for the whole body would never get it (and the server would give up waiting)."""
 
     async def scenario():
+        first_read = asyncio.Event()
+        waited_out = []
+
+        async def handler(n, writer):
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i, part in enumerate((b"data: 1\n\n", b"data: 2\n\n")):
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+                if n == 1 and i == 0:
+                    try:
+                        await asyncio.wait_for(first_read.wait(), 5.0)
+                    except TimeoutError:
+                        waited_out.append(True)
+            writer.write(b"0\r\n\r\n")
+
         async with Server(handler) as server:
-            pool = Pool(1.0, 5.0)
+            pool = Pool(1.0, 10.0)
             resp = await pool.post(server.url + "/x", b"", b"{}")
             seen = []
-            started = time.monotonic()
             async for chunk in resp.chunks():
-                seen.append((chunk, round(time.monotonic() - started, 1)))
-            assert [c for c, _ in seen] == [b"data: 1\n\n", b"data: 2\n\n"]
-            assert seen[0][1] < 0.15  # the first came before the server was done
+                seen.append(chunk)
+                first_read.set()
+            assert seen == [b"data: 1\n\n", b"data: 2\n\n"]
+            assert waited_out == []  # the first chunk arrived before the server was done
             resp.close()
             resp = await pool.post(server.url + "/x", b"", b"{}")  # same connection again
             await resp.read()
@@ -215,7 +229,8 @@ def test_an_idle_connection_the_engine_closed_is_replaced_without_an_error():
                 assert resp.status == 200
                 await resp.read()
                 resp.close()
-                await asyncio.sleep(0.05)
+                while server.closed < min(server.requests, 1):
+                    await asyncio.sleep(0.01)  # until the engine side has closed the first
             assert server.requests == 3 and server.connections == 2
             pool.close()
 
@@ -310,7 +325,8 @@ def test_a_stream_closed_at_its_last_event_keeps_the_connection_once_the_end_arr
                 assert chunk.endswith(b"data: [DONE]\n\n")
                 break
             resp.close(drain=1.0)
-            await asyncio.sleep(0.3)
+            while not any(pool._idle.values()):
+                await asyncio.sleep(0.01)  # until the chunked end arrived and freed it
             resp = await pool.post(server.url + "/x", b"", b"{}")
             await resp.read()
             resp.close()

@@ -35,7 +35,8 @@ dep.tenants.set([tenant])
 node = Node.objects.create(name="local", queue="node.local")
 Instance.objects.create(deployment=dep, node=node, port=%(port)d, state="ready",
                         secret=%(secret)r)
-print(json.dumps({"key": ApiKey.objects.create_key(tenant=tenant, name="k")[1]}))
+print(json.dumps({"key": ApiKey.objects.create_key(tenant=tenant, name="k")[1],
+                  "unseen": ApiKey.objects.create_key(tenant=tenant, name="unseen")[1]}))
 """
 
 
@@ -91,7 +92,8 @@ def test_usage_events_survive_postgresql_being_down_under_traffic(engine):
                        "secret": engine.secret}
         out = subprocess.run([sys.executable, "manage.py", "shell", "-c", seed], cwd=ROOT,
                              env=env, check=True, capture_output=True, text=True).stdout
-        key = json.loads(out.strip().splitlines()[-1])["key"]
+        keys = json.loads(out.strip().splitlines()[-1])
+        key, unseen = keys["key"], keys["unseen"]
         gateway = start_gateway(pg.url, workers=1, GATEWAY_USAGE_STREAM=stream)
         procs.append(gateway.proc)
         procs.append(subprocess.Popen(
@@ -119,8 +121,25 @@ def test_usage_events_survive_postgresql_being_down_under_traffic(engine):
         pg.stop()
         served_while_down = traffic(DOWN_SECONDS)
         assert served_while_down > 0
+        # A key this worker never saw cannot be checked while the database is down: 503, in
+        # OpenAI's shape, never a 401 that would tell the client its key is bad.
+        first_seen = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30,
+                                headers={"Authorization": f"Bearer {unseen}"})
+        assert first_seen.status_code == 503, first_seen.text
+        assert first_seen.json()["error"]["code"] == "unavailable"
         pg.start()
         traffic(3.0)
+        deadline = time.monotonic() + 30
+        while True:  # the same key once the database is back: read, then served
+            r = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30,
+                           headers={"Authorization": f"Bearer {unseen}"})
+            if r.status_code == 200:
+                usage = r.json()["usage"]
+                sent[r.headers["x-request-id"]] = (usage["prompt_tokens"],
+                                                   usage["completion_tokens"])
+                break
+            assert r.status_code == 503 and time.monotonic() < deadline, r.text
+            time.sleep(0.2)
 
         deadline = time.monotonic() + 90
         stored: dict[str, tuple[int, int]] = {}

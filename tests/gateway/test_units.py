@@ -176,7 +176,11 @@ def test_cache_applies_revocations_and_suspensions_from_messages():
 
 def test_a_fresh_snapshot_older_than_a_catalog_message_is_re_read_on_a_miss():
     """A name missing from a snapshot read just before a deployment was announced is re-read,
-    not answered 404 because the snapshot is young."""
+    not answered 404 because the snapshot is young.
+
+    Stand-in: `refresh_now` is replaced by a recorder, because what is tested is the cache's
+    decision to re-read; the read itself (`load_snapshot`) is tested against the database in
+    test_catalog.py and end to end in test_requests.py."""
 
     async def scenario():
         cache = GatewayCache(CONFIG)

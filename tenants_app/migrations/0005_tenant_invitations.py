@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tenants_app', '0001_initial'),
+        ('tenants_app', '0004_drop_plaintext_api_tokens'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

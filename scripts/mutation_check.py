@@ -1,0 +1,206 @@
+"""Apply small deliberate breakages to a scratch copy of the project and check that the tests
+meant to catch each one fail.
+
+    .venv/bin/python scripts/mutation_check.py            # every breakage (engine ones too)
+    .venv/bin/python scripts/mutation_check.py --fast     # only those caught without an engine
+    .venv/bin/python scripts/mutation_check.py --list
+    .venv/bin/python scripts/mutation_check.py --only killpg-to-kill
+
+Each breakage names a file, the exact text it replaces (which must still be in the file: a
+breakage whose text moved fails the check, so the list is kept up to date with the code) and the
+tests that must notice. The scratch copy is the working tree's files (tracked and untracked, not
+ignored) with `var/` and `.venv` linked in; the tests run there against a database of their own
+(`test_mutation`, kept between runs). Before any breakage, the same tests run once on the
+unbroken copy and must pass, so a "caught" breakage is never a test that fails anyway.
+
+Exit status 0 when every breakage was caught. pytest's output for each run goes to
+`var/mutation-logs/<name>.log`, not to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGS = ROOT / "var" / "mutation-logs"
+
+
+@dataclass(frozen=True)
+class Breakage:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    engine: bool = False  # needs the real vLLM engine (not run with --fast)
+
+
+BREAKAGES = (
+    Breakage(
+        "killpg-to-kill",
+        "serving_app/engine/supervisor.py",
+        "os.killpg(pgid, signal.SIGTERM)",
+        "os.kill(pgid, signal.SIGTERM)",
+        ("tests/unit/test_process_groups.py",),
+    ),
+    Breakage(
+        "sigkill-leader-only",
+        "serving_app/engine/supervisor.py",
+        "os.killpg(pgid, signal.SIGKILL)",
+        "os.kill(pgid, signal.SIGKILL)",
+        ("tests/unit/test_process_groups.py",),
+    ),
+    Breakage(
+        "no-orphan-cleanup",
+        "serving_app/engine/agent.py",
+        "                supervisor.stop(instance.pid, grace_seconds=2)\n",
+        "                pass\n",
+        ("tests/unit/test_process_groups.py",),
+    ),
+    Breakage(
+        "no-spare-lora-slot",
+        "serving_app/engine/launch.py",
+        "max_loras = max(max_loras, len(adapters) + 1)",
+        "max_loras = max_loras",
+        ("tests/unit/test_lora_slots.py",),
+    ),
+    Breakage(
+        "portal-panel-all-tenants",
+        "serving_app/dashboards/panels.py",
+        "    series = queries.latency_series(trange, ids, model)\n"
+        "    rows = queries.latency_table(trange, ids)\n",
+        "    series = queries.latency_series(trange, None, model)\n"
+        "    rows = queries.latency_table(trange, None)\n",
+        ("tests/ui/test_portal.py",),
+    ),
+    Breakage(
+        "gateway-any-tenant-any-deployment",
+        "serving_app/gateway/catalog.py",
+        "        for tenant_id in served:\n",
+        "        for tenant_id in tenants:\n",
+        ("tests/gateway/test_catalog.py",),
+    ),
+    Breakage(
+        "api-revoke-no-invalidation",
+        "tenants_app/api/views.py",
+        "        gateway_invalidation.key_changed(key)\n",
+        "        pass\n",
+        ("tests/api/test_key_invalidation.py",),
+    ),
+    Breakage(
+        "admission-no-tpm-check",
+        "serving_app/gateway/admission.py",
+        "  if used + need > tpm then",
+        "  if false then",
+        ("tests/gateway/test_units.py",),
+    ),
+    Breakage(
+        "for-user-no-tenant-filter",
+        "tenants_app/models.py",
+        "        return self.filter(tenant__memberships__user=user).distinct()",
+        "        return self.all()",
+        ("tests/api/test_api_keys.py", "tests/api/test_serving_api.py"),
+    ),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in files:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = ROOT / rel
+        if not src.is_file() or rel in ("var", ".venv"):
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    for linked in ("var", ".venv"):
+        (dest / linked).symlink_to(ROOT / linked)
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], log_name: str) -> int:
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    url = env.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+    env["DATABASE_URL"] = url.rsplit("/", 1)[0] + "/mutation"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with (LOGS / f"{log_name}.log").open("wb") as log:
+        return subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", *tests, "-x", "-q",
+             "-p", "no:cacheprovider", "--reuse-db"],
+            cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT,
+        ).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fast", action="store_true", help="skip breakages that need an engine")
+    parser.add_argument("--only", action="append", default=[], help="run only this breakage")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+
+    chosen = [b for b in BREAKAGES
+              if (not args.fast or not b.engine) and (not args.only or b.name in args.only)]
+    if args.list:
+        for b in BREAKAGES:
+            print(f"{b.name:36} {'engine' if b.engine else 'fast  '} {b.path}  {' '.join(b.tests)}")
+        return 0
+    unknown = set(args.only) - {b.name for b in BREAKAGES}
+    if unknown:
+        print(f"unknown breakage(s): {', '.join(sorted(unknown))}")
+        return 2
+
+    problems: list[str] = []
+    for b in chosen:
+        text = (ROOT / b.path).read_text()
+        if b.old not in text:
+            problems.append(f"{b.name}: the text to break is no longer in {b.path}")
+    if problems:
+        print("\n".join(problems))
+        return 2
+
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        copy = Path(tmp)
+        scratch_copy(copy)
+        tests = tuple(dict.fromkeys(t for b in chosen for t in b.tests))
+        started = time.monotonic()
+        if run_tests(copy, tests, "unbroken") != 0:
+            print(f"the unbroken tests fail: see {LOGS / 'unbroken.log'}")
+            return 1
+        print(f"[mutation] unbroken: {len(tests)} test files pass "
+              f"({time.monotonic() - started:.0f} s)")
+        survived = []
+        for b in chosen:
+            target = copy / b.path
+            original = target.read_text()
+            target.write_text(original.replace(b.old, b.new))
+            started = time.monotonic()
+            try:
+                code = run_tests(copy, b.tests, b.name)
+            finally:
+                target.write_text(original)
+            verdict = {0: "SURVIVED", 1: "caught"}.get(code, f"error (pytest exit {code})")
+            print(f"[mutation] {b.name:36} {verdict:10} {time.monotonic() - started:5.0f} s")
+            if code != 1:
+                survived.append(b.name)
+    if survived:
+        print(f"[mutation] not caught: {', '.join(survived)} (logs in {LOGS})")
+        return 1
+    print(f"[mutation] all {len(chosen)} breakages caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The gateway's catalog (read from the database, no engine needed): a tenant's catalog holds only
+the deployments that serve that tenant and that tenant's own adapters."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving_app.gateway.catalog import load_snapshot
+from tests.factories import make_adapter, make_base_model, make_deployment, make_tenant
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_deployment_serving_one_tenant_is_absent_from_the_others_catalog(tmp_path):
+    acme, globex = make_tenant("acme"), make_tenant("globex")
+    shared_model = make_base_model(tmp_path / "models", "shared-base")
+    private_model = make_base_model(tmp_path / "models", "acme-only")
+    style = make_adapter(acme, shared_model, tmp_path / "adapters", name="style")
+    tone = make_adapter(globex, shared_model, tmp_path / "adapters", name="tone")
+    make_deployment(shared_model, [acme, globex], name="shared", desired_state="running",
+                    adapters=[style, tone])
+    make_deployment(private_model, [acme], name="private", desired_state="running")
+    make_deployment(make_base_model(tmp_path / "models", "stopped-one"), [globex],
+                    name="stopped", desired_state="stopped")
+
+    snapshot = load_snapshot()
+    assert set(snapshot.routes[acme.pk]) == {"shared-base", "acme-only", "style"}
+    assert set(snapshot.routes[globex.pk]) == {"shared-base", "tone"}
+    assert snapshot.routes[acme.pk]["style"].targets[0].adapter == "acme--style"
+
+
+def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
+    from datetime import timedelta
+
+    from serving_app.gateway.catalog import month_start
+    from serving_app.usage import UsageHour
+
+    acme = make_tenant("acme", monthly_token_budget=10_000)
+    start = month_start()
+    UsageHour.objects.create(bucket=start, tenant=acme, model="m", prompt_tokens=100,
+                             completion_tokens=20)
+    UsageHour.objects.create(bucket=start + timedelta(hours=5), tenant=acme, model="n",
+                             prompt_tokens=3, completion_tokens=4)
+    UsageHour.objects.create(bucket=start - timedelta(hours=1), tenant=acme, model="m",
+                             prompt_tokens=5000, completion_tokens=5000)  # last month
+    assert load_snapshot().tenants[acme.pk].month_used == 127
