@@ -1,22 +1,57 @@
-"""Glue between desired-state changes and the background work that converges them."""
+"""The one place that queues background work: by task name, once the current transaction commits.
+
+Nothing else queues Celery work, and nothing here imports a task module: the task modules
+(`serving_app/tasks.py`, `serving_app/gateway/tasks.py`) import the node agent and the reconciler,
+which queue work themselves, so importing the tasks back would be an import cycle. A task is
+named here and registered under that name by its module; the worker that consumes the queue runs
+it. Sending after commit means a worker never reads a row older than the change that asked for it.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from celery import current_app
 from django.db import transaction
+
+CONTROL_QUEUE = "control"
+
+# Task names: `<app>.<what it does>`, registered by `serving_app.tasks`.
+START_INSTANCE = "serving.start_instance"
+STOP_INSTANCE = "serving.stop_instance"
+SYNC_ADAPTERS = "serving.sync_adapters"
+RECONCILE_DEPLOYMENT = "serving.reconcile_deployment"
+RECONCILE_ALL = "serving.reconcile_all"
+REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
+# Registered by `serving_app.gateway.tasks` (scheduled by beat).
+DRAIN_USAGE_EVENTS = "serving_app.gateway.drain_usage_events"
+NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
+
+
+def enqueue(name: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
+    """Queue task `name` with `args` on `queue` once the current transaction (if any) commits.
+
+    A signature by name, not an imported task: in a process that registered the task (a worker,
+    or any process with `CELERY_TASK_ALWAYS_EAGER`) it runs through the task's own `apply_async`,
+    elsewhere it is sent by name."""
+    signature = current_app.signature(name, args=args, queue=queue)
+    transaction.on_commit(signature.apply_async)
 
 
 def deployment_changed(deployment_id: int) -> None:
     """Reconcile the deployment as soon as the change that called this commits."""
-    from serving_app.tasks import reconcile_deployment
+    enqueue(RECONCILE_DEPLOYMENT, deployment_id)
 
-    transaction.on_commit(
-        lambda: reconcile_deployment.apply_async((deployment_id,), queue="control")
-    )
+
+def instance_task(name: str, instance_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` to run `name` (one of NODE_TASKS) on an
+    instance, once the change that called this commits."""
+    if name not in NODE_TASKS:
+        raise ValueError(f"{name} is not a node agent task")
+    enqueue(name, instance_id, queue=node_queue)
 
 
 def adapter_files_released() -> None:
     """Try to remove a deleted adapter's files once the deletion commits (the reconciler tries
     again each round while an engine still has the adapter)."""
-    from serving_app.tasks import remove_adapter_files
-
-    transaction.on_commit(lambda: remove_adapter_files.apply_async(queue="control"))
+    enqueue(REMOVE_ADAPTER_FILES)

@@ -21,6 +21,7 @@ from django.db.models.signals import post_delete
 from django.utils import timezone
 
 from serving_app import lifecycle, storage
+from serving_app.gateway import invalidation as gateway_invalidation
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
@@ -698,9 +699,7 @@ class Instance(models.Model):
             if new == self.State.READY or self.State.READY in expected:
                 # The gateway routes to ready instances: tell its workers now, not at their
                 # next periodic refresh.
-                from serving_app.gateway.invalidation import catalog_changed
-
-                catalog_changed()
+                gateway_invalidation.catalog_changed()
         return bool(updated)
 
     @property

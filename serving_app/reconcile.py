@@ -17,7 +17,9 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from serving_app import lifecycle
 from serving_app.models import AdapterFileRemoval, Deployment, Instance
+from serving_app.placement.service import place_replicas
 
 log = logging.getLogger(__name__)
 State = Instance.State
@@ -25,14 +27,10 @@ PENDING_REDISPATCH_SECONDS = 30
 
 
 def _dispatch(task_name: str, instance: Instance) -> None:
-    from serving_app import tasks
-
-    task = getattr(tasks, task_name)
-    queue = instance.node.queue if instance.node_id else None
-    if queue is None:
+    """Ask the instance's node agent to run `task_name` once this round commits."""
+    if instance.node_id is None:
         return
-    instance_id = instance.pk
-    transaction.on_commit(lambda: task.apply_async((instance_id,), queue=queue))
+    lifecycle.instance_task(task_name, instance.pk, instance.node.queue)
 
 
 def request_stop(instance: Instance) -> None:
@@ -42,7 +40,7 @@ def request_stop(instance: Instance) -> None:
         instance.transition([instance.state], State.STOPPED, port=None)
         return
     if instance.transition([instance.state], State.STOPPING):
-        _dispatch("stop_instance", instance)
+        _dispatch(lifecycle.STOP_INSTANCE, instance)
 
 
 def backoff_seconds(recent_restarts: int) -> float:
@@ -84,18 +82,16 @@ def handle_failed(instance: Instance) -> None:
                            restart_history=[*recent, now.isoformat()], next_restart_at=None,
                            pid=None):
         log.info("restarting %s (restart %s)", instance, instance.restarts)
-        _dispatch("start_instance", instance)
+        _dispatch(lifecycle.START_INSTANCE, instance)
 
 
 def place_and_start(deployment: Deployment, ordinals: list[int]) -> list[Instance]:
     """Place all the new instances or none (the reason goes on the deployment), then start them."""
-    from serving_app.placement.service import place_replicas
-
     instances, reason = place_replicas(deployment, ordinals)
     if reason:
         log.info("%s not placed: %s", deployment, reason)
     for instance in instances:
-        _dispatch("start_instance", instance)
+        _dispatch(lifecycle.START_INSTANCE, instance)
     return instances
 
 
@@ -132,7 +128,7 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
             ):
                 # The start task may have been lost with a node agent: it is safe to send again.
                 Instance.objects.filter(pk=instance.pk).update(state_changed_at=timezone.now())
-                _dispatch("start_instance", instance)
+                _dispatch(lifecycle.START_INSTANCE, instance)
 
         used = {i.ordinal for i in keep}
         ordinals: list[int] = []
@@ -152,7 +148,7 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
                 continue
             errors = set(instance.adapter_errors)
             if set(instance.loaded_adapters) != wanted - errors or errors - wanted:
-                _dispatch("sync_adapters", instance)
+                _dispatch(lifecycle.SYNC_ADAPTERS, instance)
                 counts["adapters"] += 1
     return counts
 

@@ -1,41 +1,76 @@
 """Celery tasks. Node tasks go to the queue of the instance's node (`node.<name>`); the
-reconciler runs on `control`. Each takes ids, re-reads its rows and is safe to run twice."""
+reconciler runs on `control`. Each takes ids, re-reads its rows and is safe to run twice.
+
+Only this module (and `serving_app.gateway.tasks`) imports the node agent and the reconciler to
+run them; everything that queues work does so by name through `serving_app.lifecycle`. A task
+that meets the database, Redis or the broker briefly down retries with exponential backoff
+(each re-run is safe: the work is conditional on the state it expects).
+"""
 
 from __future__ import annotations
 
-from celery import shared_task
+import os
+from typing import Any
 
-from serving_app import reconcile
+import redis
+from celery import shared_task
+from celery.signals import worker_ready, worker_shutdown
+from django.db import InterfaceError, OperationalError
+from kombu.exceptions import OperationalError as BrokerError
+
+from serving_app import lifecycle, reconcile
 from serving_app.engine import agent
 from serving_app.gateway.tasks import drain_usage_events  # noqa: F401 (registers the task)
 from serving_app.models import AdapterFileRemoval
 
+# Failures that pass by themselves: a restarted PostgreSQL, Redis or broker.
+TRANSIENT = (OperationalError, InterfaceError, redis.ConnectionError, redis.TimeoutError,
+             BrokerError)
+RETRY: dict[str, Any] = {
+    "autoretry_for": TRANSIENT, "retry_backoff": 2, "retry_backoff_max": 60,
+    "retry_jitter": True, "max_retries": 6,
+}
 
-@shared_task(name="serving.start_instance", acks_late=True)
+
+@shared_task(name=lifecycle.START_INSTANCE, acks_late=True, **RETRY)
 def start_instance(instance_id: int) -> str:
     return agent.start_instance(instance_id)
 
 
-@shared_task(name="serving.stop_instance", acks_late=True)
+@shared_task(name=lifecycle.STOP_INSTANCE, acks_late=True, **RETRY)
 def stop_instance(instance_id: int) -> str:
     return agent.stop_instance(instance_id)
 
 
-@shared_task(name="serving.sync_adapters", acks_late=True)
+@shared_task(name=lifecycle.SYNC_ADAPTERS, acks_late=True, **RETRY)
 def sync_adapters(instance_id: int) -> dict[str, str]:
     return agent.sync_adapters(instance_id)
 
 
-@shared_task(name="serving.reconcile_deployment")
+@shared_task(name=lifecycle.RECONCILE_DEPLOYMENT, **RETRY)
 def reconcile_deployment(deployment_id: int) -> dict[str, int]:
     return reconcile.reconcile_deployment(deployment_id)
 
 
-@shared_task(name="serving.reconcile_all")
+# Periodic: a round missed while the database is down is simply the next round.
+@shared_task(name=lifecycle.RECONCILE_ALL)
 def reconcile_all() -> int:
     return reconcile.reconcile_all()
 
 
-@shared_task(name="serving.remove_adapter_files")
+@shared_task(name=lifecycle.REMOVE_ADAPTER_FILES, **RETRY)
 def remove_adapter_files() -> int:
     return AdapterFileRemoval.objects.remove_released()
+
+
+@worker_ready.connect
+def _start_node_agent(sender: Any = None, **kwargs: Any) -> None:
+    """A worker started with NODE_NAME is that host's node agent."""
+    if os.environ.get("NODE_NAME"):
+        agent.start_agent()
+
+
+@worker_shutdown.connect
+def _stop_node_agent(sender: Any = None, **kwargs: Any) -> None:
+    if os.environ.get("NODE_NAME"):
+        agent.stop_agent()

@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
-from serving_app import audit, storage
+from serving_app import audit, lifecycle, storage
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
     AuditLogSerializer,
@@ -151,9 +151,7 @@ class DeploymentViewSet(ScopedModelViewSet):
 
     def after_action(self, deployment: Deployment, name: str) -> None:
         """Hook for the engine lifecycle: enqueue reconciliation after commit."""
-        from serving_app.lifecycle import deployment_changed
-
-        deployment_changed(deployment.pk)
+        lifecycle.deployment_changed(deployment.pk)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])

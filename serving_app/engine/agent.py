@@ -19,10 +19,10 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections
 from django.utils import timezone
 
-from serving_app import storage
+from serving_app import lifecycle, storage
 from serving_app.engine import supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
@@ -33,6 +33,8 @@ from serving_app.modelfiles import (
     read_model,
 )
 from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.placement import inventory
+from serving_app.placement.sync import store_inventory
 
 log = logging.getLogger(__name__)
 State = Instance.State
@@ -84,11 +86,6 @@ def register(config: AgentConfig) -> Node:
 
 def report_inventory(node: Node, config: AgentConfig) -> None:
     """Record the node's GPUs: read through NVML, or declared in NODE_GPUS for hosts without."""
-    try:
-        from serving_app.placement import inventory
-        from serving_app.placement.sync import store_inventory
-    except ImportError:  # placement not wired yet
-        return
     if not config.gpus:
         gpus = []
         source = Node.InventorySource.DECLARED
@@ -333,15 +330,8 @@ def _fail(instance: Instance, reason: str, *, expected=None, exit_code: int | No
     )
     if changed:
         log.warning("%s failed: %s", instance, reason)
-        _ask_reconcile(instance.deployment_id)
+        lifecycle.deployment_changed(instance.deployment_id)
     return changed
-
-
-def _ask_reconcile(deployment_id: int) -> None:
-    from serving_app.tasks import reconcile_deployment
-
-    transaction.on_commit(lambda: reconcile_deployment.apply_async((deployment_id,),
-                                                                   queue="control"))
 
 
 def _refresh_log_tail(instance: Instance) -> None:

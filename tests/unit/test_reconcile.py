@@ -45,7 +45,7 @@ def test_missing_replicas_are_placed_and_started(sent, node, deployment):
     assert counts["started"] == 2
     assert [(i.ordinal, i.node_id, i.state) for i in instances] == [
         (0, node.pk, State.PENDING), (1, node.pk, State.PENDING)]
-    assert sorted(sent) == sorted(("start_instance", i.pk) for i in instances)
+    assert sorted(sent) == sorted(("serving.start_instance", i.pk) for i in instances)
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == [] and len(active(deployment)) == 2  # converged: nothing more to do
@@ -84,7 +84,7 @@ def test_scale_down_stops_the_highest_ordinals(sent, node, deployment):
     reconcile.reconcile_deployment(deployment.pk)
     states = {i.ordinal: i.state for i in deployment.instances.all()}
     assert states == {0: State.READY, 1: State.STOPPING}
-    assert [task for task, _ in sent] == ["stop_instance"]
+    assert [task for task, _ in sent] == ["serving.stop_instance"]
 
 
 def test_stop_stops_everything_and_pending_without_process_stops_at_once(sent, node,
@@ -97,7 +97,7 @@ def test_stop_stops_everything_and_pending_without_process_stops_at_once(sent, n
     reconcile.reconcile_deployment(deployment.pk)
     assert Instance.objects.get(pk=first.pk).state == State.STOPPING
     assert Instance.objects.get(pk=second.pk).state == State.STOPPED
-    assert sent == [("stop_instance", first.pk)]
+    assert sent == [("serving.stop_instance", first.pk)]
 
 
 def test_restart_replaces_instances_of_the_old_generation(sent, node, deployment):
@@ -135,7 +135,7 @@ def test_failed_instance_restarts_after_exponential_backoff(sent, node, deployme
     instance.refresh_from_db()
     assert (instance.state, instance.restarts, len(instance.restart_history)) == (
         State.PENDING, 1, 3)
-    assert sent == [("start_instance", instance.pk)]
+    assert sent == [("serving.start_instance", instance.pk)]
 
 
 def test_backoff_is_capped_at_five_minutes(settings):
@@ -181,7 +181,7 @@ def test_adapter_changes_ask_ready_instances_to_sync(sent, node, deployment, tmp
     deployment.adapters.add(adapter)
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
-    assert sorted(task for task, _ in sent) == ["sync_adapters", "sync_adapters"]
+    assert sorted(task for task, _ in sent) == ["serving.sync_adapters", "serving.sync_adapters"]
     Instance.objects.filter(deployment=deployment).update(adapter_errors={
         adapter.engine_name: "HTTP 400"})
     sent.clear()
