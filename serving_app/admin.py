@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from django import forms
+from collections.abc import Callable
+
 from django.contrib import admin, messages
-from django.core.exceptions import ValidationError
 from django.utils.html import format_html
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from serving_app.lifecycle import deployment_changed
+from serving_app.forms import DeploymentForm
 from serving_app.models import (
     AdapterFileRemoval,
     AuditLog,
@@ -60,21 +60,14 @@ class GpuAdmin(AuditedAdmin):
     list_filter = ["node", "mig_mode"]
 
 
-class DeploymentForm(forms.ModelForm):
-    class Meta:
-        model = Deployment
-        exclude = ["created_by"]
+class DeploymentAdminForm(DeploymentForm):
+    """The console's deployment form (the same validation and the same save, which asks the
+    reconciler), with every editable field and the admin's own widgets."""
 
-    def clean(self):
-        data = super().clean()
-        if not self.errors:
-            candidate = self.instance
-            try:
-                candidate.check_relations(data.get("tenants") or [], data.get("adapters") or [])
-            except ValidationError as exc:
-                for field, errors in exc.message_dict.items():
-                    self.add_error(field if field in self.fields else None, errors)
-        return data
+    class Meta(DeploymentForm.Meta):
+        fields = "__all__"
+        exclude = ["created_by"]
+        widgets: dict = {}
 
 
 class InstanceInline(admin.TabularInline):
@@ -89,15 +82,11 @@ class InstanceInline(admin.TabularInline):
         return False
 
 
-def _desired_state_action(name: str, state: str | None):
+def _desired_state_action(name: str, method: Callable[[Deployment], dict]):
     @admin.action(description=f"{name.capitalize()} selected deployments")
     def run(modeladmin, request, queryset) -> None:
         for deployment in queryset:
-            if name == "restart":
-                deployment.request_restart()
-            deployment.set_desired_state(state or Deployment.DesiredState.RUNNING)
-            audit.record(request, name, deployment, via="admin")
-            deployment_changed(deployment.pk)
+            audit.record(request, name, deployment, changes=method(deployment), via="admin")
         messages.success(
             request, f"{name.capitalize()} recorded for {queryset.count()} deployments."
         )
@@ -108,7 +97,7 @@ def _desired_state_action(name: str, state: str | None):
 
 @admin.register(Deployment)
 class DeploymentAdmin(AuditedAdmin):
-    form = DeploymentForm
+    form = DeploymentAdminForm
     list_display = [
         "name",
         "base_model",
@@ -122,10 +111,16 @@ class DeploymentAdmin(AuditedAdmin):
     readonly_fields = ["generation"]
     inlines = [InstanceInline]
     actions = [
-        _desired_state_action("start", Deployment.DesiredState.RUNNING),
-        _desired_state_action("stop", Deployment.DesiredState.STOPPED),
-        _desired_state_action("restart", None),
+        _desired_state_action("start", Deployment.start),
+        _desired_state_action("stop", Deployment.stop),
+        _desired_state_action("restart", Deployment.restart),
     ]
+
+    def save_model(self, request, obj, form, change) -> None:
+        # Tenants and adapters are set by save_related() in the same transaction, before the
+        # reconciler that save_settings() asks for runs (after commit).
+        self.remember_before(request, obj, change)
+        obj.save_settings()
 
 
 @admin.register(Instance)

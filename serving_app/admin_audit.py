@@ -11,10 +11,15 @@ class AuditedAdmin(admin.ModelAdmin):
     """Records create/update/delete (with the changed fields, many-to-many included)."""
 
     def save_model(self, request, obj, form, change) -> None:
+        self.remember_before(request, obj, change)
+        super().save_model(request, obj, form, change)
+
+    def remember_before(self, request, obj, change) -> None:
+        """Keep the stored row for the diff (a subclass that saves through a model method calls
+        this before it)."""
         request._audit_before = (
             audit.snapshot(type(obj).objects.get(pk=obj.pk)) if change and obj.pk else None
         )
-        super().save_model(request, obj, form, change)
 
     def save_related(self, request, form, formsets, change) -> None:
         super().save_related(request, form, formsets, change)

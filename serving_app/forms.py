@@ -95,6 +95,14 @@ class DeploymentForm(forms.ModelForm):
         except ValidationError as exc:
             self._update_errors(exc)
 
+    def save(self, commit: bool = True) -> Deployment:
+        """Save through `Deployment.save_settings()`, which also asks the reconciler."""
+        if not commit:
+            return super().save(commit=False)
+        tenants, adapters = self.relations()
+        self.instance.save_settings(tenants=tenants, adapters=adapters)
+        return self.instance
+
     def relations(self) -> tuple[list[Tenant], list[LoraAdapter]]:
         """The many-to-many choices of a valid form (an unsaved row cannot hold them)."""
         return list(self.cleaned_data.get("tenants", [])), list(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models
+from django.db import models, transaction
 from django.db.models.signals import post_delete
 from django.utils import timezone
 
@@ -586,8 +586,68 @@ class Deployment(models.Model):
     def lora_enabled(self) -> bool:
         return self.adapters.exists()
 
-    def set_desired_state(self, state: str) -> bool:
-        """Record what should run; True if it changed."""
+    # -- workflows: each one transaction that asks the reconciler once it commits. They return
+    # the change made ({field: [before, after]}, empty when nothing changed) for the audit entry.
+    def start(self) -> dict[str, list]:
+        """Ask for the deployment to run."""
+        return self._change_desired_state(self.DesiredState.RUNNING)
+
+    def stop(self) -> dict[str, list]:
+        """Ask for every instance of the deployment to stop."""
+        return self._change_desired_state(self.DesiredState.STOPPED)
+
+    def restart(self) -> dict[str, list]:
+        """Replace every instance (a new generation) and ask for the deployment to run."""
+        with transaction.atomic():
+            before = self._locked().generation
+            Deployment.objects.filter(pk=self.pk).update(
+                generation=models.F("generation") + 1,
+                desired_state=self.DesiredState.RUNNING, updated_at=timezone.now(),
+            )
+            self.refresh_from_db(fields=["generation", "desired_state", "updated_at"])
+            lifecycle.deployment_changed(self.pk)
+        return {"generation": [before, self.generation]}
+
+    def scale_to(self, replicas: int) -> dict[str, list]:
+        """Ask for `replicas` instances (0 to 64)."""
+        if not 0 <= replicas <= 64:
+            raise ValidationError({"replicas": "Must be between 0 and 64."})
+        with transaction.atomic():
+            before = self._locked().replicas
+            Deployment.objects.filter(pk=self.pk).exclude(replicas=replicas).update(
+                replicas=replicas, updated_at=timezone.now()
+            )
+            self.replicas = replicas
+            lifecycle.deployment_changed(self.pk)
+        return {"replicas": [before, replicas]}
+
+    def save_settings(self, tenants: Iterable[Tenant] | None = None,
+                      adapters: Iterable[LoraAdapter] | None = None) -> None:
+        """Save edited settings (and the tenants and adapters when given; None leaves them to a
+        caller that sets them in the same transaction, as the Django admin does), then ask the
+        reconciler to roll them out."""
+        with transaction.atomic():
+            self.save()
+            if tenants is not None:
+                self.tenants.set(tenants)
+            if adapters is not None:
+                self.adapters.set(adapters)
+            lifecycle.deployment_changed(self.pk)
+
+    def _change_desired_state(self, state: str) -> dict[str, list]:
+        with transaction.atomic():
+            before = self._locked().desired_state
+            changed = self._set_desired_state(state)
+            lifecycle.deployment_changed(self.pk)
+        return {"desired_state": [before, state]} if changed else {}
+
+    def _locked(self) -> Deployment:
+        """The row as committed, locked until the surrounding transaction ends."""
+        return Deployment.objects.select_for_update().only(
+            "desired_state", "generation", "replicas").get(pk=self.pk)
+
+    def _set_desired_state(self, state: str) -> bool:
+        """Record what should run, without asking the reconciler; True if it changed."""
         changed = (
             Deployment.objects.filter(pk=self.pk)
             .exclude(desired_state=state)
@@ -595,18 +655,6 @@ class Deployment(models.Model):
         )
         self.desired_state = state
         return bool(changed)
-
-    def request_restart(self) -> None:
-        Deployment.objects.filter(pk=self.pk).update(
-            generation=models.F("generation") + 1, updated_at=timezone.now()
-        )
-        self.refresh_from_db(fields=["generation"])
-
-    def scale_to(self, replicas: int) -> None:
-        if not 0 <= replicas <= 64:
-            raise ValidationError({"replicas": "Must be between 0 and 64."})
-        Deployment.objects.filter(pk=self.pk).update(replicas=replicas, updated_at=timezone.now())
-        self.replicas = replicas
 
 
 def new_instance_secret() -> str:

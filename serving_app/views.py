@@ -33,7 +33,6 @@ from serving_app.forms import (
     ScaleForm,
     TenantForm,
 )
-from serving_app.lifecycle import deployment_changed
 from serving_app.models import AuditLog, BaseModel, Deployment, Instance, LoraAdapter, Node
 from serving_app.placement import service
 from tenants_app.models import Tenant
@@ -221,12 +220,8 @@ class AuditedUpdateView(StaffRequiredMixin, UpdateView):
         self.object = form.save()
         changes = audit.diff(before, audit.snapshot(self.object))
         audit.record(self.request, "update", self.object, changes=changes, via=VIA)
-        self.after_update(self.object)
         messages.success(self.request, f"{self.noun.capitalize()} {self.object} saved.")
         return redirect(self.get_success_url())
-
-    def after_update(self, obj: Any) -> None:
-        """Hook for the follow-up work a change needs."""
 
 
 # ----------------------------------------------------------------------------- tenants
@@ -412,9 +407,6 @@ class DeploymentUpdateView(DeploymentFormMixin, AuditedUpdateView):
         context["cancel_url"] = reverse("console:deployment-detail", args=[self.object.pk])
         return context
 
-    def after_update(self, obj: Deployment) -> None:
-        deployment_changed(obj.pk)
-
 
 class DeploymentPlanView(StaffRequiredMixin, View):
     """The memory plan and placement of the form's (unsaved) values: `dry_run`, nothing saved."""
@@ -457,28 +449,21 @@ def _plan_view(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeploymentActionView(StaffRequiredMixin, View):
-    """Start, stop or restart: record the desired state, audit, then reconcile after commit."""
+    """Start, stop or restart: the deployment's own method records it and asks the reconciler."""
+
+    ACTIONS = {
+        "start": (Deployment.start, "Starting"),
+        "stop": (Deployment.stop, "Stopping"),
+        "restart": (Deployment.restart, "Restarting"),
+    }
 
     def post(self, request: HttpRequest, pk: int, action: str) -> HttpResponse:
         deployment = get_object_or_404(Deployment, pk=pk)
-        if action == "start" or action == "stop":
-            state = (
-                Deployment.DesiredState.RUNNING if action == "start"
-                else Deployment.DesiredState.STOPPED
-            )
-            before = deployment.desired_state
-            changed = deployment.set_desired_state(state)
-            changes = {"desired_state": [before, state]} if changed else {}
-        elif action == "restart":
-            before = deployment.generation
-            deployment.request_restart()
-            deployment.set_desired_state(Deployment.DesiredState.RUNNING)
-            changes = {"generation": [before, deployment.generation]}
-        else:
+        if action not in self.ACTIONS:
             raise Http404(f"Unknown action {action!r}.")
+        method, note = self.ACTIONS[action]
+        changes = method(deployment)
         audit.record(request, action, deployment, changes=changes, via=VIA)
-        deployment_changed(deployment.pk)
-        note = {"start": "Starting", "stop": "Stopping", "restart": "Restarting"}[action]
         return _after_action(request, deployment, f"{note} {deployment.name}.")
 
 
@@ -489,15 +474,12 @@ class DeploymentScaleView(StaffRequiredMixin, View):
         if not form.is_valid():
             error = "; ".join(e for errs in form.errors.values() for e in errs)
             return _after_action(request, deployment, f"Not scaled: {error}", level="error")
-        before = deployment.replicas
         try:
-            deployment.scale_to(form.cleaned_data["replicas"])
+            changes = deployment.scale_to(form.cleaned_data["replicas"])
         except ValidationError as exc:
             return _after_action(request, deployment, f"Not scaled: {exc.messages[0]}",
                                  level="error")
-        audit.record(request, "scale", deployment,
-                     changes={"replicas": [before, deployment.replicas]}, via=VIA)
-        deployment_changed(deployment.pk)
+        audit.record(request, "scale", deployment, changes=changes, via=VIA)
         return _after_action(request, deployment,
                              f"Scaling {deployment.name} to {deployment.replicas}.")
 

@@ -118,9 +118,9 @@ class ApiKeyCreateForm(forms.ModelForm):
 
 @admin.action(description="Revoke selected keys")
 def revoke_keys(modeladmin, request, queryset) -> None:
-    for key in queryset:
-        if key.revoke():
-            audit.record(request, "revoke", key, via="admin")
+    for key in queryset.revoke():
+        audit.record(request, "revoke", key,
+                     changes={"revoked_at": [None, str(key.revoked_at)]}, via="admin")
     messages.success(request, "Selected keys are revoked.")
 
 

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.validators import MinValueValidator
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 from django.utils import timezone
+
+from tenants_app.signals import api_keys_revoked
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -235,6 +237,28 @@ class TenantOwnedQuerySet(models.QuerySet):
         return self.filter(tenant__memberships__user=user).distinct()
 
 
+class MembershipQuerySet(TenantOwnedQuerySet):
+    def check_owner_grant(self, actor: AbstractBaseUser, tenant: Tenant,
+                          role: str | None) -> None:
+        """Only an owner (or a platform admin) makes, demotes, removes or invites an owner."""
+        if role == Role.OWNER and tenant.role_of(actor) not in ("platform", Role.OWNER):
+            raise PermissionDenied("Only an owner can make someone an owner.")
+
+    def check_change(self, actor: AbstractBaseUser, membership: Membership,
+                     role: str | None = None) -> None:
+        """May `actor` change `membership` to `role` (or remove it, when `role` is None)? An
+        owner's membership is changed only by an owner."""
+        if membership.role == Role.OWNER:
+            self.check_owner_grant(actor, membership.tenant, Role.OWNER)
+        self.check_owner_grant(actor, membership.tenant, role)
+
+    def lock_owners(self, tenant_id: int) -> None:
+        """Lock the tenant's owner memberships until the transaction ends: two owners demoting
+        or removing each other at once must not leave the tenant without one."""
+        list(self.select_for_update().filter(tenant_id=tenant_id, role=Role.OWNER)
+             .values_list("pk", flat=True))
+
+
 class Membership(models.Model):
     """A user's role in one tenant. Platform admins are staff users and need none."""
 
@@ -245,7 +269,7 @@ class Membership(models.Model):
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(auto_now_add=True)
 
-    objects = TenantOwnedQuerySet.as_manager()
+    objects = MembershipQuerySet.as_manager()
 
     class Meta:
         ordering = ["tenant__slug", "user__username"]
@@ -276,6 +300,27 @@ class Membership(models.Model):
         if self.role == Role.OWNER and self._is_last_owner():
             raise ValidationError("A tenant must keep at least one owner; add another owner first.")
 
+    def change_role(self, role: str, *, by: AbstractBaseUser) -> dict[str, list]:
+        """Give the member `role` as `by` (PermissionDenied: only an owner touches owners;
+        ValidationError: the tenant keeps an owner). Returns the change."""
+        Membership.objects.check_change(by, self, role)
+        with transaction.atomic():
+            Membership.objects.lock_owners(self.tenant_id)
+            before = Membership.objects.values_list("role", flat=True).get(pk=self.pk)
+            self.role = role
+            self.full_clean()
+            self.save(update_fields=["role"])
+        return {"role": [before, role]}
+
+    def remove(self, *, by: AbstractBaseUser) -> None:
+        """Remove the member as `by`, under the same rules as `change_role()`."""
+        Membership.objects.check_change(by, self)
+        with transaction.atomic():
+            Membership.objects.lock_owners(self.tenant_id)
+            self.role = Membership.objects.values_list("role", flat=True).get(pk=self.pk)
+            self.check_deletable()
+            self.delete()
+
 
 KEY_PREFIX = "lcsk-"
 
@@ -295,6 +340,29 @@ class ApiKeyQuerySet(TenantOwnedQuerySet):
         key.full_clean()
         key.save()
         return key, secret
+
+    def revoke(self) -> list[ApiKey]:
+        """Revoke the keys of this queryset in one transaction and announce every one of them
+        (the gateway's workers drop them at once); returns the keys this call revoked (those
+        already revoked are announced again, not returned)."""
+        ids = list(self.values_list("pk", flat=True))
+        with transaction.atomic():
+            # Locked by id: a `for_user()` queryset is DISTINCT, which FOR UPDATE refuses. A
+            # concurrent revoke waits here and then finds the keys already revoked.
+            keys = list(ApiKey.objects.select_for_update().select_related("tenant")
+                        .filter(pk__in=ids).order_by("pk"))
+            now = timezone.now()
+            revoked = [key for key in keys if key.revoked_at is None]
+            ApiKey.objects.filter(pk__in=[k.pk for k in revoked], revoked_at__isnull=True).update(
+                revoked_at=now)
+            for key in revoked:
+                key.revoked_at = now
+            if keys:
+                api_keys_revoked.send(sender=ApiKey, keys=keys)
+        return revoked
+
+    # Not on the manager: `ApiKey.objects.revoke()` would revoke every key; say `.filter(...)`.
+    revoke.queryset_only = True  # type: ignore[attr-defined]
 
     def for_secret(self, secret: str) -> ApiKey | None:
         """The usable key with this secret: not revoked, not expired, its tenant active."""
@@ -364,12 +432,11 @@ class ApiKey(models.Model):
         return not self.allowed_models or public_name in self.allowed_models
 
     def revoke(self) -> bool:
-        """Revoke the key; False when it already was."""
-        updated = ApiKey.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
-            revoked_at=timezone.now()
-        )
+        """Revoke the key and announce it to the gateway's workers; False when it already was
+        revoked (it is announced again all the same)."""
+        revoked = ApiKey.objects.filter(pk=self.pk).revoke()
         self.refresh_from_db(fields=["revoked_at"])
-        return bool(updated)
+        return bool(revoked)
 
 
 def invitation_lifetime() -> timedelta:

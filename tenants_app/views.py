@@ -24,7 +24,6 @@ from django.views.generic import TemplateView
 
 from serving_app import audit, storage
 from serving_app.dashboards import queries
-from serving_app.gateway import invalidation as gateway_invalidation
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.views import CHARTS, dashboard_payload
@@ -268,7 +267,6 @@ class ApiKeyRevokeView(TenantMixin, View):
             audit.record(request, "revoke", key,
                          changes={"revoked_at": [None, str(key.revoked_at)]}, via=VIA)
             messages.success(request, f"Key {key.name} revoked.")
-        gateway_invalidation.key_changed(key)
         return redirect("portal:keys", slug=slug)
 
 
@@ -398,8 +396,7 @@ class MembersView(TenantMixin, View):
                            is_owner=self.role in ("platform", Role.OWNER))
 
     def check_owner_grant(self, role: str | None) -> None:
-        if role == Role.OWNER and self.role not in ("platform", Role.OWNER):
-            raise PermissionDenied("Only an owner can make someone an owner.")
+        Membership.objects.check_owner_grant(self.request.user, self.tenant, role)
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         return self.page()
@@ -430,8 +427,7 @@ class InvitationRevokeView(MembersView):
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         self.require_manager()
         invitation = get_object_or_404(Invitation.objects.for_tenant(self.tenant), pk=pk)
-        if invitation.role == Role.OWNER:
-            self.check_owner_grant(Role.OWNER)
+        self.check_owner_grant(invitation.role)
         if invitation.revoke():
             audit.record(request, "revoke", invitation,
                          changes={"status": ["pending", "revoked"]}, via=VIA)
@@ -445,17 +441,15 @@ class MemberChangeView(MembersView):
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         self.require_manager()
         membership = get_object_or_404(Membership.objects.for_tenant(self.tenant), pk=pk)
-        if membership.role == Role.OWNER:
-            self.check_owner_grant(Role.OWNER)
+        Membership.objects.check_change(request.user, membership)
         if request.POST.get("action") == "remove":
+            before = audit.snapshot(membership)
             try:
-                membership.check_deletable()
+                membership.remove(by=request.user)
             except ValidationError as exc:
                 messages.error(request, exc.messages[0])
                 return redirect("portal:members", slug=slug)
-            audit.record(request, "delete", membership, changes=audit.snapshot(membership),
-                         via=VIA)
-            membership.delete()
+            audit.record(request, "delete", membership, changes=before, object_id=pk, via=VIA)
             messages.success(request, f"{membership.user.username} removed.")
             return redirect("portal:members", slug=slug)
         form = MemberRoleForm(request.POST)
@@ -463,15 +457,11 @@ class MemberChangeView(MembersView):
             messages.error(request, "Choose a valid role.")
             return redirect("portal:members", slug=slug)
         role = form.cleaned_data["role"]
-        self.check_owner_grant(role)
-        before = membership.role
-        membership.role = role
         try:
-            membership.full_clean()
+            changes = membership.change_role(role, by=request.user)
         except ValidationError as exc:
             messages.error(request, "; ".join(exc.messages))
             return redirect("portal:members", slug=slug)
-        membership.save()
-        audit.record(request, "update", membership, changes={"role": [before, role]}, via=VIA)
+        audit.record(request, "update", membership, changes=changes, via=VIA)
         messages.success(request, f"{membership.user.username} is now {role}.")
         return redirect("portal:members", slug=slug)

@@ -305,6 +305,22 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
             "updated_at",
         ]
 
+    def create(self, validated_data: dict[str, Any]) -> Deployment:
+        tenants = validated_data.pop("tenants", [])
+        adapters = validated_data.pop("adapters", [])
+        deployment = Deployment(**validated_data)
+        deployment.save_settings(tenants=tenants, adapters=adapters)
+        return deployment
+
+    def update(self, deployment: Deployment, validated_data: dict[str, Any]) -> Deployment:
+        """Save through `Deployment.save_settings()`, which also asks the reconciler."""
+        tenants = validated_data.pop("tenants", None)
+        adapters = validated_data.pop("adapters", None)
+        for name, value in validated_data.items():
+            setattr(deployment, name, value)
+        deployment.save_settings(tenants=tenants, adapters=adapters)
+        return deployment
+
     def validate_relations(self, candidate: Deployment, attrs: dict[str, Any]) -> None:
         instance = self.instance
         tenants = attrs.get("tenants", list(instance.tenants.all()) if instance else [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import django_filters
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import QuerySet
@@ -14,7 +16,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
-from serving_app import audit, lifecycle, storage
+from serving_app import audit, storage
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
     AuditLogSerializer,
@@ -139,56 +141,33 @@ class DeploymentViewSet(ScopedModelViewSet):
     def extra_create_fields(self) -> dict:
         return {"created_by": self.request.user}
 
-    def _state_action(self, request: Request, name: str, state: str) -> Response:
+    def _action(self, name: str, method: Callable[[Deployment], dict]) -> Response:
         deployment = self.get_object()
-        before = deployment.desired_state
-        if deployment.set_desired_state(state):
-            self.audited_action(name, deployment, {"desired_state": [before, state]})
-        else:
-            self.audited_action(name, deployment)
-        self.after_action(deployment, name)
+        self.audited_action(name, deployment, method(deployment))
         return Response(self.get_serializer(deployment).data)
-
-    def after_action(self, deployment: Deployment, name: str) -> None:
-        """Hook for the engine lifecycle: enqueue reconciliation after commit."""
-        lifecycle.deployment_changed(deployment.pk)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def start(self, request: Request, pk: str | None = None) -> Response:
-        return self._state_action(request, "start", Deployment.DesiredState.RUNNING)
+        return self._action("start", Deployment.start)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str | None = None) -> Response:
-        return self._state_action(request, "stop", Deployment.DesiredState.STOPPED)
+        return self._action("stop", Deployment.stop)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
-        deployment = self.get_object()
-        before = deployment.generation
-        deployment.request_restart()
-        deployment.set_desired_state(Deployment.DesiredState.RUNNING)
-        self.audited_action("restart", deployment, {"generation": [before, deployment.generation]})
-        self.after_action(deployment, "restart")
-        return Response(self.get_serializer(deployment).data)
+        return self._action("restart", Deployment.restart)
 
     @extend_schema(request=ScaleSerializer, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def scale(self, request: Request, pk: str | None = None) -> Response:
-        deployment = self.get_object()
         serializer = ScaleSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        before = deployment.replicas
-        deployment.scale_to(serializer.validated_data["replicas"])
-        self.audited_action("scale", deployment, {"replicas": [before, deployment.replicas]})
-        self.after_action(deployment, "scale")
-        return Response(self.get_serializer(deployment).data)
-
-    def perform_update(self, serializer) -> None:
-        super().perform_update(serializer)
-        self.after_action(serializer.instance, "update")
+        replicas = serializer.validated_data["replicas"]
+        return self._action("scale", lambda deployment: deployment.scale_to(replicas))
 
 
 class InstanceViewSet(viewsets.ReadOnlyModelViewSet):

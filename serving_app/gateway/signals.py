@@ -1,9 +1,9 @@
 """Receivers that publish gateway cache invalidations when keys, tenants or the catalog change.
 
 Connected when `serving_app.usage` is imported (with serving_app's models). Changes made with
-`QuerySet.update()` send no signal: `ApiKey.revoke()` is one, so the revoke endpoint calls
-`invalidation.key_changed()` itself, and instance state changes are picked up by the periodic
-catalog refresh (or an explicit `invalidation.catalog_changed()`).
+`QuerySet.update()` send no `post_save`: a revoke (`ApiKey.revoke()` and its queryset form) sends
+`tenants_app.signals.api_keys_revoked` instead, and instance state changes are picked up by the
+periodic catalog refresh (or an explicit `invalidation.catalog_changed()`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from django.db.models.signals import m2m_changed, post_delete, post_save
 
 from serving_app.gateway import invalidation
+from tenants_app.signals import api_keys_revoked
 
 _CATALOG_M2M = {"serving_app.Deployment_tenants", "serving_app.Deployment_adapters"}
 
@@ -23,6 +24,11 @@ def _key_saved(sender: Any, instance: Any, **kwargs: Any) -> None:
 
 def _key_deleted(sender: Any, instance: Any, **kwargs: Any) -> None:
     invalidation.key_changed(instance, deleted=True)
+
+
+def _keys_revoked(sender: Any, keys: list[Any], **kwargs: Any) -> None:
+    for key in keys:
+        invalidation.key_changed(key)
 
 
 def _tenant_saved(sender: Any, instance: Any, **kwargs: Any) -> None:
@@ -44,6 +50,7 @@ def _m2m_changed(sender: Any, action: str, **kwargs: Any) -> None:
 
 post_save.connect(_key_saved, sender="tenants_app.ApiKey", dispatch_uid="gw-key-saved")
 post_delete.connect(_key_deleted, sender="tenants_app.ApiKey", dispatch_uid="gw-key-deleted")
+api_keys_revoked.connect(_keys_revoked, dispatch_uid="gw-keys-revoked")
 post_save.connect(_tenant_saved, sender="tenants_app.Tenant", dispatch_uid="gw-tenant-saved")
 post_delete.connect(
     _tenant_deleted, sender="tenants_app.Tenant", dispatch_uid="gw-tenant-deleted"

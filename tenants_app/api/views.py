@@ -13,7 +13,6 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from serving_app import audit
-from serving_app.gateway import invalidation as gateway_invalidation
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.api.serializers import (
     ApiKeySerializer,
@@ -24,13 +23,7 @@ from tenants_app.api.serializers import (
     TenantSerializer,
     UserSerializer,
 )
-from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
-
-
-def check_owner_grant(user, tenant: Tenant, role: str | None) -> None:
-    """Only an owner (or a platform admin) makes, demotes, removes or invites an owner."""
-    if role == Role.OWNER and tenant.role_of(user) not in ("platform", Role.OWNER):
-        raise PermissionDenied("Only an owner can make someone an owner.")
+from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
 
 
 class TenantViewSet(ScopedModelViewSet):
@@ -60,9 +53,6 @@ class MembershipViewSet(ScopedModelViewSet):
     def get_queryset(self) -> QuerySet:
         return super().get_queryset().select_related("tenant", "user")
 
-    def _check_owner_grant(self, tenant: Tenant, role: str | None) -> None:
-        check_owner_grant(self.request.user, tenant, role)
-
     def create(self, request: Request, *args, **kwargs) -> Response:
         if not request.user.is_staff:
             raise PermissionDenied(
@@ -72,20 +62,20 @@ class MembershipViewSet(ScopedModelViewSet):
 
     def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
         data = serializer.validated_data
-        self._check_owner_grant(data["tenant"], data.get("role"))
+        Membership.objects.check_owner_grant(self.request.user, data["tenant"], data.get("role"))
         super().perform_create(serializer)
 
     def perform_update(self, serializer: drf_serializers.BaseSerializer) -> None:
         membership = serializer.instance
-        self._check_owner_grant(membership.tenant, serializer.validated_data.get("role"))
-        if membership.role == Role.OWNER:
-            self._check_owner_grant(membership.tenant, Role.OWNER)
-        super().perform_update(serializer)
+        role = serializer.validated_data.get("role", membership.role)
+        changes = membership.change_role(role, by=self.request.user)
+        audit.record(self.request, "update", membership,
+                     changes=changes if changes["role"][0] != role else {})
 
-    def before_destroy(self, membership: Membership) -> None:
-        if membership.role == Role.OWNER:
-            self._check_owner_grant(membership.tenant, Role.OWNER)
-        membership.check_deletable()
+    def perform_destroy(self, membership: Membership) -> None:
+        before, pk = audit.snapshot(membership), membership.pk
+        membership.remove(by=self.request.user)
+        audit.record(self.request, "delete", membership, changes=before, object_id=pk)
 
 
 class InvitationViewSet(ScopedModelViewSet):
@@ -104,7 +94,7 @@ class InvitationViewSet(ScopedModelViewSet):
 
     def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
         data = serializer.validated_data
-        check_owner_grant(self.request.user, data["tenant"], data.get("role"))
+        Membership.objects.check_owner_grant(self.request.user, data["tenant"], data.get("role"))
         self.check_write(data)
         invitation = serializer.save(invited_by=self.request.user)
         audit.record(self.request, "create", invitation, changes=audit.snapshot(invitation))
@@ -114,8 +104,7 @@ class InvitationViewSet(ScopedModelViewSet):
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
         self.check_write(invitation)
-        if invitation.role == Role.OWNER:
-            check_owner_grant(request.user, invitation.tenant, Role.OWNER)
+        Membership.objects.check_owner_grant(request.user, invitation.tenant, invitation.role)
         if invitation.revoke():
             audit.record(request, "revoke", invitation, changes={"status": ["pending", "revoked"]})
         return Response(self.get_serializer(invitation).data)
@@ -179,7 +168,6 @@ class ApiKeyViewSet(ScopedModelViewSet):
             audit.record(
                 request, "revoke", key, changes={"revoked_at": [None, str(key.revoked_at)]}
             )
-        gateway_invalidation.key_changed(key)
         return Response(self.get_serializer(key).data)
 
 

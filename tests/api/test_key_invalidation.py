@@ -1,5 +1,6 @@
-"""Revoking a key through the API tells every gateway worker at once (Redis pub/sub), so a revoked
-key stops working as soon as the change commits, not when the workers' caches expire."""
+"""Revoking a key (API, portal, the admin's bulk action, the queryset form) tells every gateway
+worker at once (Redis pub/sub), so a revoked key stops working as soon as the change commits, not
+when the workers' caches expire."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import time
 
 import pytest
 import redis
+from django.test import Client
+from django.urls import reverse
 
 from serving_app.gateway import invalidation
+from serving_app.models import AuditLog
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
 
@@ -44,4 +48,49 @@ def test_api_revoke_publishes_the_key_as_unusable(acme, channel,
     with django_capture_on_commit_callbacks(execute=True):
         response = as_user(acme.owner).post(f"/api/v1/api-keys/{key.pk}/revoke/")
     assert response.status_code == 200
+    assert next_message(channel) == {"type": "key", "hash": key.secret_hash, "usable": False}
+
+
+def drain(listener, count: int) -> list[dict]:
+    return [next_message(listener) for _ in range(count)]
+
+
+def test_admin_bulk_revoke_publishes_every_selected_key(acme, platform_admin, channel,
+                                                       django_capture_on_commit_callbacks):
+    """The admin's "revoke selected keys" action: each key announced, each revoke audited."""
+    keys = [ApiKey.objects.create_key(tenant=acme.tenant, name=f"k{i}")[0] for i in range(3)]
+    client = Client()
+    client.force_login(platform_admin)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(reverse("admin:tenants_app_apikey_changelist"), {
+            "action": "revoke_keys", "_selected_action": [k.pk for k in keys[:2]]})
+    assert response.status_code == 302
+    published = sorted(drain(channel, 2), key=lambda m: m["hash"])
+    expected = sorted(({"type": "key", "hash": k.secret_hash, "usable": False} for k in keys[:2]),
+                      key=lambda m: m["hash"])
+    assert published == expected
+    assert AuditLog.objects.filter(action="revoke", via="admin").count() == 2
+    assert ApiKey.objects.get(pk=keys[2].pk).revoked_at is None
+
+
+def test_queryset_revoke_revokes_once_and_announces_each_key(acme, channel,
+                                                            django_capture_on_commit_callbacks):
+    first, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="a")
+    second, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="b")
+    first.revoke()
+    with django_capture_on_commit_callbacks(execute=True):
+        revoked = ApiKey.objects.for_tenant(acme.tenant).revoke()
+    assert revoked == [second]  # the first was revoked already: announced again, not returned
+    assert {m["hash"] for m in drain(channel, 2)} == {first.secret_hash, second.secret_hash}
+    assert not hasattr(ApiKey.objects, "revoke"), "the manager must not revoke every key"
+
+
+def test_portal_revoke_publishes_the_key_as_unusable(acme, channel,
+                                                     django_capture_on_commit_callbacks):
+    key, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="k")
+    client = Client()
+    client.force_login(acme.owner)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(reverse("portal:key-revoke", args=[acme.tenant.slug, key.pk]))
+    assert response.status_code == 302
     assert next_message(channel) == {"type": "key", "hash": key.secret_hash, "usable": False}

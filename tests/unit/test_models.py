@@ -225,7 +225,7 @@ class TestDeployment:
     def test_scale_and_restart(self, base_model):
         deployment = make_deployment(base_model, [make_tenant("t18")])
         deployment.scale_to(3)
-        deployment.request_restart()
+        deployment.restart()
         deployment.refresh_from_db()
         assert (deployment.replicas, deployment.generation) == (3, 1)
         with pytest.raises(ValidationError):

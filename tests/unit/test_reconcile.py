@@ -92,7 +92,7 @@ def test_stop_stops_everything_and_pending_without_process_stops_at_once(sent, n
     reconcile.reconcile_deployment(deployment.pk)
     first, second = active(deployment)
     Instance.objects.filter(pk=first.pk).update(state=State.READY, pid=4242)
-    deployment.set_desired_state(Deployment.DesiredState.STOPPED)
+    deployment.stop()
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     assert Instance.objects.get(pk=first.pk).state == State.STOPPING
@@ -103,7 +103,7 @@ def test_stop_stops_everything_and_pending_without_process_stops_at_once(sent, n
 def test_restart_replaces_instances_of_the_old_generation(sent, node, deployment):
     reconcile.reconcile_deployment(deployment.pk)
     Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=1)
-    deployment.request_restart()
+    deployment.restart()
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     old = deployment.instances.filter(generation=0)

@@ -14,7 +14,6 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from serving_app import lifecycle
 from serving_app.models import BaseModel, Deployment, LoraAdapter
 from tenants_app.models import ApiKey, Membership, PriorityTier, Role, Tenant
 
@@ -142,8 +141,7 @@ class Command(BaseCommand):
         deployment.check_relations(tenants, adapters)
         deployment.adapters.set(adapters)
         if start:
-            deployment.set_desired_state(Deployment.DesiredState.RUNNING)
-            lifecycle.deployment_changed(deployment.pk)
+            deployment.start()
         self.stdout.write(
             self.style.SUCCESS(
                 f"seeded {len(tenants)} tenants, model {base.name}, deployment {deployment.name} "

@@ -1,0 +1,190 @@
+"""Deployment workflows are model methods that ask the reconciler once they commit; every front
+door (console page, API, Django admin edit and actions) goes through them, so none can forget it.
+
+`serving_app.lifecycle.enqueue` is replaced by a recorder here (what it sends is checked end to end
+with real workers in tests/engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.test import Client
+from django.urls import reverse
+
+from serving_app import lifecycle
+from serving_app.models import AuditLog, Deployment
+from tenants_app.models import Membership, Role
+from tests.api.helpers import as_user
+from tests.factories import add_member, make_adapter, make_deployment, make_user
+
+pytestmark = pytest.mark.django_db
+ROOT = Path(__file__).resolve().parents[2]
+RUNNING, STOPPED = Deployment.DesiredState.RUNNING, Deployment.DesiredState.STOPPED
+
+
+@pytest.fixture
+def queued(monkeypatch):
+    calls: list[tuple] = []
+    monkeypatch.setattr(lifecycle, "enqueue", lambda name, *args, **kw: calls.append((name, args)))
+    return calls
+
+
+@pytest.fixture
+def deployment(base_model, acme):
+    return make_deployment(base_model, [acme.tenant], name="chat")
+
+
+def reconciles(deployment: Deployment) -> tuple:
+    return (lifecycle.RECONCILE_DEPLOYMENT, (deployment.pk,))
+
+
+def admin_client(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_start_stop_record_the_change_once_and_ask_the_reconciler(deployment, queued):
+    assert deployment.start() == {"desired_state": [STOPPED, RUNNING]}
+    assert deployment.start() == {}  # delivered twice: nothing more to record
+    assert deployment.stop() == {"desired_state": [RUNNING, STOPPED]}
+    deployment.refresh_from_db()
+    assert deployment.desired_state == STOPPED
+    assert queued == [reconciles(deployment)] * 3
+
+
+def test_restart_raises_the_generation_and_runs(deployment, queued):
+    assert deployment.restart() == {"generation": [0, 1]}
+    deployment.refresh_from_db()
+    assert (deployment.generation, deployment.desired_state) == (1, RUNNING)
+    assert queued == [reconciles(deployment)]
+
+
+def test_scale_to_checks_the_range_and_asks_the_reconciler(deployment, queued):
+    assert deployment.scale_to(3) == {"replicas": [1, 3]}
+    deployment.refresh_from_db()
+    assert deployment.replicas == 3
+    with pytest.raises(ValidationError):
+        deployment.scale_to(65)
+    assert queued == [reconciles(deployment)]
+
+
+def test_save_settings_sets_relations_and_asks_the_reconciler(deployment, acme, globex, queued):
+    deployment.max_num_seqs = 7
+    deployment.save_settings(tenants=[acme.tenant, globex.tenant])
+    deployment.refresh_from_db()
+    assert deployment.max_num_seqs == 7
+    assert set(deployment.tenants.all()) == {acme.tenant, globex.tenant}
+    assert queued == [reconciles(deployment)]
+
+
+@pytest.mark.parametrize("action", ["start", "stop", "restart"])
+def test_every_front_door_action_asks_the_reconciler(deployment, platform_admin, queued,
+                                                     action):
+    as_user(platform_admin).post(f"/api/v1/deployments/{deployment.pk}/{action}/")
+    admin_client(platform_admin).post(
+        reverse("console:deployment-action", args=[deployment.pk, action]))
+    admin_client(platform_admin).post(
+        reverse("admin:serving_app_deployment_changelist"),
+        {"action": f"{action}_deployments", "_selected_action": [deployment.pk]})
+    assert queued == [reconciles(deployment)] * 3
+    vias = sorted(AuditLog.objects.filter(action=action).values_list("via", flat=True))
+    assert len(vias) == 3 and "admin" in vias
+
+
+def test_scale_through_console_and_api_asks_the_reconciler(deployment, platform_admin, queued):
+    response = as_user(platform_admin).post(f"/api/v1/deployments/{deployment.pk}/scale/",
+                                            {"replicas": 2}, format="json")
+    assert response.status_code == 200
+    admin_client(platform_admin).post(reverse("console:deployment-scale", args=[deployment.pk]),
+                                      {"replicas": 3})
+    deployment.refresh_from_db()
+    assert deployment.replicas == 3
+    assert queued == [reconciles(deployment)] * 2
+    changes = [e.changes for e in AuditLog.objects.filter(action="scale").order_by("pk")]
+    assert changes == [{"replicas": [1, 2]}, {"replicas": [2, 3]}]
+
+
+def test_editing_in_the_api_asks_the_reconciler(deployment, platform_admin, queued):
+    response = as_user(platform_admin).patch(f"/api/v1/deployments/{deployment.pk}/",
+                                             {"max_num_seqs": 9}, format="json")
+    assert response.status_code == 200, response.content
+    assert queued == [reconciles(deployment)]
+
+
+def test_editing_in_the_django_admin_asks_the_reconciler(deployment, platform_admin, acme,
+                                                         queued):
+    client = admin_client(platform_admin)
+    url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
+    form = client.get(url).context["adminform"].form
+    data = {name: value for name, value in form.initial.items() if value is not None}
+    data.update(tenants=[acme.tenant.pk], adapters=[], max_num_seqs=11,
+                **{"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
+    response = client.post(url, data)
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    deployment.refresh_from_db()
+    assert deployment.max_num_seqs == 11
+    assert queued == [reconciles(deployment)]
+    entry = AuditLog.objects.get(action="update", via="admin")
+    assert entry.changes["max_num_seqs"][1] == 11
+
+
+def test_the_django_admin_refuses_what_the_console_refuses(deployment, platform_admin, globex,
+                                                           base_model, tmp_path, queued):
+    """One form, one copy of the many-to-many rule: an adapter of a tenant not served."""
+    adapter = make_adapter(globex.tenant, base_model, tmp_path / "adapters")
+    client = admin_client(platform_admin)
+    url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
+    form = client.get(url).context["adminform"].form
+    data = {name: value for name, value in form.initial.items() if value is not None}
+    data.update(tenants=[t.pk for t in deployment.tenants.all()], adapters=[adapter.pk],
+                **{"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
+    response = client.post(url, data)
+    assert response.status_code == 200
+    assert "belongs to a tenant this deployment does not serve" in response.content.decode()
+    assert queued == []
+
+
+# -- memberships: the owner rules live on Membership's manager, used by the portal and the API
+
+
+def test_only_an_owner_changes_an_owner_or_makes_one(acme):
+    admin_membership = Membership.objects.get(tenant=acme.tenant, user=acme.admin)
+    owner_membership = Membership.objects.get(tenant=acme.tenant, user=acme.owner)
+    with pytest.raises(PermissionDenied):
+        admin_membership.change_role(Role.OWNER, by=acme.admin)
+    with pytest.raises(PermissionDenied):
+        owner_membership.change_role(Role.MEMBER, by=acme.admin)
+    with pytest.raises(PermissionDenied):
+        owner_membership.remove(by=acme.admin)
+    assert admin_membership.change_role(Role.OWNER, by=acme.owner) == {
+        "role": [Role.ADMIN, Role.OWNER]}
+
+
+def test_the_last_owner_stays(acme):
+    owner_membership = Membership.objects.get(tenant=acme.tenant, user=acme.owner)
+    with pytest.raises(ValidationError, match="at least one owner"):
+        owner_membership.change_role(Role.MEMBER, by=acme.owner)
+    with pytest.raises(ValidationError, match="at least one owner"):
+        owner_membership.remove(by=acme.owner)
+    assert Membership.objects.filter(tenant=acme.tenant, role=Role.OWNER).count() == 1
+
+
+def test_portal_and_api_refuse_an_admin_demoting_an_owner_alike(acme):
+    add_member(acme.tenant, make_user("acme-owner-2"), Role.OWNER)  # not the last owner
+    owner_membership = Membership.objects.get(tenant=acme.tenant, user=acme.owner)
+    api = as_user(acme.admin).patch(f"/api/v1/memberships/{owner_membership.pk}/",
+                                    {"role": Role.MEMBER}, format="json")
+    portal = admin_client(acme.admin).post(
+        reverse("portal:member", args=[acme.tenant.slug, owner_membership.pk]),
+        {"role": Role.MEMBER})
+    assert (api.status_code, portal.status_code) == (403, 403)
+    assert Membership.objects.get(pk=owner_membership.pk).role == Role.OWNER
+
+
+def test_the_owner_rule_has_one_copy():
+    sources = [path.read_text() for package in ("serving_app", "tenants_app")
+               for path in (ROOT / package).rglob("*.py")]
+    assert sum(text.count("Only an owner can make someone an owner") for text in sources) == 1
