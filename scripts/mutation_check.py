@@ -75,10 +75,10 @@ BREAKAGES = (
     Breakage(
         "portal-panel-all-tenants",
         "serving_app/dashboards/panels.py",
-        "    series = queries.latency_series(trange, ids, model)\n"
-        "    rows = queries.latency_table(trange, ids)\n",
-        "    series = queries.latency_series(trange, None, model)\n"
-        "    rows = queries.latency_table(trange, None)\n",
+        "    series = queries.latency_series(trange, tenants, model)\n"
+        "    rows = queries.latency_table(trange, tenants)\n",
+        "    series = queries.latency_series(trange, tenants.model.objects.all(), model)\n"
+        "    rows = queries.latency_table(trange, tenants.model.objects.all())\n",
         ("tests/ui/test_portal.py",),
     ),
     Breakage(

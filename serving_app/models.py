@@ -28,7 +28,7 @@ from serving_app.modelfiles import (
     read_adapter,
     read_model,
 )
-from tenants_app.models import Tenant, TenantOwnedQuerySet
+from tenants_app.models import SignedInQuerySet, StaffOnlyQuerySet, Tenant, TenantOwnedQuerySet
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -90,6 +90,8 @@ class BaseModel(models.Model):
         "num_kv_heads", "head_dim", "max_position_embeddings", "vocab_size", "torch_dtype",
         "weight_bytes",
     )
+
+    objects = SignedInQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]
@@ -343,6 +345,8 @@ class Node(models.Model):
     last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    objects = StaffOnlyQuerySet.as_manager()
+
     class Meta:
         ordering = ["name"]
 
@@ -388,6 +392,8 @@ class Gpu(models.Model):
     declared = models.BooleanField(default=False, help_text="From configuration, not NVML.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = StaffOnlyQuerySet.as_manager()
 
     class Meta:
         ordering = ["node__name", "index", "uuid"]
@@ -672,6 +678,10 @@ class InstanceQuerySet(models.QuerySet):
             return self.all()
         return self.filter(deployment__tenants__memberships__user=user).distinct()
 
+    def for_tenant(self, tenant: Tenant) -> InstanceQuerySet:
+        """Instances of the deployments that serve the tenant."""
+        return self.filter(deployment__tenants=tenant).distinct()
+
     def active(self) -> InstanceQuerySet:
         return self.exclude(state__in=Instance.TERMINAL_STATES)
 
@@ -770,6 +780,9 @@ class AuditLogQuerySet(models.QuerySet):
         if user.is_staff:
             return self.all()
         return self.filter(tenant__in=Tenant.objects.managed_by(user))
+
+    def for_tenant(self, tenant: Tenant) -> AuditLogQuerySet:
+        return self.filter(tenant=tenant)
 
 
 class AuditLog(models.Model):

@@ -12,10 +12,28 @@ from __future__ import annotations
 
 from django.db import models
 
+from tenants_app.models import Tenant, TenantOwnedQuerySet
+
 __all__ = ["UsageEvent", "UsageMinute", "UsageHour", "LATENCY_BUCKETS_MS"]
 
 # Upper bounds (ms) of the latency histogram kept in the rollups; a p95 can be read off them.
 LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+class UsageQuerySet(TenantOwnedQuerySet):
+    """Usage is tenant data: read it `for_user()`, `for_tenant()` or `in_scope()`."""
+
+    def in_scope(self, tenants: models.QuerySet[Tenant]) -> UsageQuerySet:
+        """The rows of an already-scoped tenant queryset (`Tenant.objects.for_user(user)`,
+        `.for_tenant(t)`, or `.all()` for platform admins). Ids or None are refused: a
+        forgotten argument must never read as "every tenant"."""
+        if not isinstance(tenants, models.QuerySet) or tenants.model is not Tenant:
+            raise TypeError("usage is scoped by a Tenant queryset, not by ids or None")
+        if not tenants.query.where and not tenants.query.is_sliced:
+            # Every tenant (a platform admin's view): rows of deleted tenants included, as the
+            # rollups keep them, and no subquery.
+            return self.all()
+        return self.filter(tenant__in=tenants)
 
 
 class UsageEvent(models.Model):
@@ -47,6 +65,8 @@ class UsageEvent(models.Model):
     )
     ttft_ms = models.FloatField(null=True, blank=True, help_text="Time to first token (streams).")
     latency_ms = models.FloatField(default=0.0)
+
+    objects = UsageQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
@@ -84,6 +104,8 @@ class UsageRollup(models.Model):
     latency_le_2500 = models.PositiveBigIntegerField(default=0)
     latency_le_5000 = models.PositiveBigIntegerField(default=0)
     latency_le_10000 = models.PositiveBigIntegerField(default=0)
+
+    objects = UsageQuerySet.as_manager()
 
     class Meta:
         abstract = True

@@ -133,8 +133,9 @@ class OverviewView(StaffRequiredMixin, TemplateView):
             for n in nodes
         ]
         deployments = list(_deployments_with_instances())
-        load = queries.current_load()
-        month = queries.month_used_tokens()
+        everyone = Tenant.objects.for_user(self.request.user)  # a platform admin: all tenants
+        load = queries.current_load(everyone)
+        month = queries.month_used_tokens(everyone)
         tenants = list(Tenant.objects.annotate(n_deployments=Count("deployments")))
         tenant_rows = []
         for tenant in tenants:
@@ -238,7 +239,7 @@ class TenantListView(StaffRequiredMixin, ListView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context["month"] = queries.month_used_tokens()
+        context["month"] = queries.month_used_tokens(Tenant.objects.for_user(self.request.user))
         return context
 
 
@@ -250,7 +251,8 @@ class TenantDetailView(StaffRequiredMixin, DetailView):
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         tenant = self.object
-        used = queries.month_used_tokens([tenant.pk]).get(tenant.pk, 0)
+        scope = Tenant.objects.for_tenant(tenant)
+        used = queries.month_used_tokens(scope).get(tenant.pk, 0)
         context.update(
             memberships=tenant.memberships.select_related("user").order_by("role"),
             keys=tenant.api_keys.all()[:20],
@@ -259,7 +261,7 @@ class TenantDetailView(StaffRequiredMixin, DetailView):
             month_tokens=used,
             budget_pct=round(100 * used / tenant.monthly_token_budget, 1)
             if tenant.monthly_token_budget else None,
-            load=queries.current_load().get(tenant.pk, {}),
+            load=queries.current_load(scope).get(tenant.pk, {}),
             storage_used=LoraAdapter.objects.storage_used(tenant),
             storage_quota=storage.quota_bytes(tenant),
         )
@@ -586,18 +588,18 @@ DASHBOARDS = {
 
 
 def dashboard_payload(
-    request: HttpRequest, name: str, tenant_ids: list[int] | None = None
+    request: HttpRequest, name: str, tenants: QuerySet[Tenant], *, portal: bool = False
 ) -> HttpResponse:
-    """The JSON a dashboard page polls: plotly figures plus its tables as HTML."""
+    """The JSON a dashboard page polls: plotly figures plus its tables as HTML, for `tenants`
+    (an already-scoped queryset: everyone for the console, the one tenant for its portal)."""
     trange = queries.get_range(request.GET.get("range"))
     if name == "usage":
-        panel = panels.usage_panel(trange, tenant_ids)
+        panel = panels.usage_panel(trange, tenants)
     elif name == "latency":
-        panel = panels.latency_panel(trange, tenant_ids, request.GET.get("model") or None)
+        panel = panels.latency_panel(trange, tenants, request.GET.get("model") or None)
     else:
         panel = panels.gpu_panel(trange)
-    tables = render_to_string(DASHBOARDS[name][1], {**panel, "range": trange,
-                                                    "portal": tenant_ids is not None},
+    tables = render_to_string(DASHBOARDS[name][1], {**panel, "range": trange, "portal": portal},
                               request=request)
     body = figures.to_json({"figures": panel["figures"], "tables": tables,
                             "range": trange.key})
@@ -617,7 +619,8 @@ class DashboardView(StaffRequiredMixin, TemplateView):
             ranges=queries.RANGES.values(),
             range=trange,
             data_url=reverse("console:dashboard-data", args=[name]),
-            models=queries.models_in_range(trange) if name == "latency" else [],
+            models=queries.models_in_range(trange, Tenant.objects.for_user(self.request.user))
+            if name == "latency" else [],
             model=self.request.GET.get("model", ""),
             charts=CHARTS[name],
         )
@@ -633,4 +636,4 @@ CHARTS = {
 
 class DashboardDataView(StaffRequiredMixin, View):
     def get(self, request: HttpRequest, name: str) -> HttpResponse:
-        return dashboard_payload(request, name)
+        return dashboard_payload(request, name, Tenant.objects.for_user(request.user))

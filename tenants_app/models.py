@@ -58,6 +58,9 @@ class TenantQuerySet(models.QuerySet):
             return self.all()
         return self.filter(memberships__user=user).distinct()
 
+    def for_tenant(self, tenant: Tenant) -> TenantQuerySet:
+        return self.filter(pk=tenant.pk)
+
     def managed_by(self, user: AbstractBaseUser) -> TenantQuerySet:
         """Tenants whose members, keys and adapters the user may change."""
         if not user.is_authenticated:
@@ -85,6 +88,22 @@ def prefix_cache_salt(secret: str, client_salt: str | None = None) -> str:
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
+class SignedInQuerySet(models.QuerySet):
+    """Platform rows every signed-in user may read (base models): scoped like tenant data, so
+    the API reads them the same way."""
+
+    def for_user(self, user: AbstractBaseUser) -> SignedInQuerySet:
+        return self.all() if user.is_authenticated else self.none()
+
+
+class StaffOnlyQuerySet(models.QuerySet):
+    """Platform rows only platform admins read (nodes, GPUs, sharing groups): for anyone else
+    `for_user()` is empty, whatever permission an endpoint forgot."""
+
+    def for_user(self, user: AbstractBaseUser) -> StaffOnlyQuerySet:
+        return self.all() if user.is_authenticated and user.is_staff else self.none()
+
+
 class PrefixCacheGroup(models.Model):
     """Tenants that share prefix-cache blocks on the engines they share (one department's several
     tenants, say). Managed by platform admins; a tenant in no group shares with nobody. What one
@@ -97,6 +116,8 @@ class PrefixCacheGroup(models.Model):
         help_text="Secret the group's members derive their prefix-cache salt from.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = StaffOnlyQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]

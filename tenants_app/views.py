@@ -14,7 +14,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.mixins import AccessMixin
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Count
+from django.db.models import Count, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse, reverse_lazy
@@ -105,6 +105,12 @@ class TenantMixin(PortalAccessMixin):
         return super().dispatch(request, *args, **kwargs)
 
     @property
+    def scope(self) -> QuerySet[Tenant]:
+        """This page's tenant as the scope of usage queries: the one tenant, as the user sees
+        it (a dashboard never reads "every tenant" here)."""
+        return Tenant.objects.for_user(self.request.user).for_tenant(self.tenant)
+
+    @property
     def can_manage(self) -> bool:
         return self.role in ("platform", *MANAGER_ROLES)
 
@@ -174,10 +180,10 @@ class TenantHomeView(TenantMixin, View):
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         tenant = self.tenant
-        used = queries.month_used_tokens([tenant.pk]).get(tenant.pk, 0)
+        used = queries.month_used_tokens(self.scope).get(tenant.pk, 0)
         budget = tenant.monthly_token_budget
         pct = round(100 * used / budget, 1) if budget else None
-        day = queries.usage_totals(queries.RANGES["24h"], [tenant.pk])
+        day = queries.usage_totals(queries.RANGES["24h"], self.scope)
         return self.render(
             "tenants_app/home.html",
             month_tokens=used,
@@ -185,7 +191,7 @@ class TenantHomeView(TenantMixin, View):
             budget_bar=min(pct, 100) if pct is not None else None,
             remaining=max(budget - used, 0) if budget else None,
             day=day[0] if day else None,
-            load=queries.current_load().get(tenant.pk, {}),
+            load=queries.current_load(self.scope).get(tenant.pk, {}),
             models=catalog(tenant),
             keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
             storage=storage_usage(tenant),
@@ -208,7 +214,7 @@ class TenantDashboardView(TenantMixin, View):
             ranges=queries.RANGES.values(),
             range=trange,
             data_url=reverse("portal:dashboard-data", args=[slug, name]),
-            models=queries.models_in_range(trange, [self.tenant.pk]) if name == "latency" else [],
+            models=queries.models_in_range(trange, self.scope) if name == "latency" else [],
             model=request.GET.get("model", ""),
             charts=CHARTS[name],
         )
@@ -216,7 +222,7 @@ class TenantDashboardView(TenantMixin, View):
 
 class TenantDashboardDataView(TenantMixin, View):
     def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
-        return dashboard_payload(request, name, tenant_ids=[self.tenant.pk])
+        return dashboard_payload(request, name, self.scope, portal=True)
 
 
 # ----------------------------------------------------------------------------- API keys

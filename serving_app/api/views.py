@@ -8,7 +8,7 @@ import django_filters
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, status, viewsets
+from rest_framework import permissions, status
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.parsers import FormParser, MultiPartParser
@@ -30,7 +30,7 @@ from serving_app.api.serializers import (
 )
 from serving_app.models import AuditLog, BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
 from serving_app.uploads import register_upload
-from tenants_app.api.base import IsStaff, ScopedModelViewSet
+from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyModelViewSet
 from tenants_app.models import Tenant
 
 
@@ -42,9 +42,6 @@ class BaseModelViewSet(ScopedModelViewSet):
     filterset_fields = ["name", "dtype", "quantization", "architecture"]
     write_role = "staff"
 
-    def get_queryset(self) -> QuerySet:
-        return BaseModel.objects.all()
-
 
 class LoraAdapterViewSet(ScopedModelViewSet):
     """A tenant's LoRA adapters. Owners and admins register and remove them."""
@@ -54,8 +51,8 @@ class LoraAdapterViewSet(ScopedModelViewSet):
     filterset_fields = {"tenant__slug": ["exact"], "base_model__name": ["exact"], "name": ["exact"]}
     write_role = "manager"
 
-    def get_queryset(self) -> QuerySet:
-        return super().get_queryset().select_related("tenant", "base_model")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("tenant", "base_model")
 
     @extend_schema(request={"multipart/form-data": AdapterUploadSerializer},
                    responses={201: LoraAdapterSerializer})
@@ -93,16 +90,19 @@ class NodeViewSet(ScopedModelViewSet):
     permission_classes = [IsStaff]
     filterset_fields = ["name", "cordoned", "inventory_source"]
 
-    def get_queryset(self) -> QuerySet:
-        return Node.objects.prefetch_related("gpus").order_by("name")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.prefetch_related("gpus").order_by("name")
 
 
-class GpuViewSet(viewsets.ReadOnlyModelViewSet):
+class GpuViewSet(ScopedReadOnlyModelViewSet):
     """GPUs as their node agents reported them (platform admins only)."""
 
-    queryset = Gpu.objects.select_related("node").order_by("node__name", "index")
+    queryset = Gpu.objects.all()
     serializer_class = GpuSerializer
     permission_classes = [IsStaff]
+
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("node").order_by("node__name", "index")
     filterset_fields = {"node__name": ["exact"], "mig_mode": ["exact"]}
 
 
@@ -130,12 +130,9 @@ class DeploymentViewSet(ScopedModelViewSet):
     filterset_class = DeploymentFilter
     write_role = "staff"
 
-    def get_queryset(self) -> QuerySet:
-        return (
-            super()
-            .get_queryset()
-            .select_related("base_model")
-            .prefetch_related("tenants", "adapters__tenant", "instances__node")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("base_model").prefetch_related(
+            "tenants", "adapters__tenant", "instances__node"
         )
 
     def extra_create_fields(self) -> dict:
@@ -170,20 +167,32 @@ class DeploymentViewSet(ScopedModelViewSet):
         return self._action("scale", lambda deployment: deployment.scale_to(replicas))
 
 
-class InstanceViewSet(viewsets.ReadOnlyModelViewSet):
+class InstanceViewSet(ScopedReadOnlyModelViewSet):
     """Engine processes as they run (platform admins only), with their command and log tail."""
 
-    queryset = Instance.objects.select_related("deployment", "node").prefetch_related("gpus")
+    queryset = Instance.objects.all()
     serializer_class = InstanceSerializer
     permission_classes = [IsStaff]
+
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("deployment", "node").prefetch_related("gpus")
     filterset_fields = {"deployment__name": ["exact"], "state": ["exact"], "node__name": ["exact"]}
 
 
-class AuditLogViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class CanReadAuditLog(permissions.BasePermission):
+    message = "Only tenant owners and admins may read the audit log."
+
+    def has_permission(self, request: Request, view: object) -> bool:
+        user = request.user
+        return bool(user.is_staff or Tenant.objects.managed_by(user).exists())
+
+
+class AuditLogViewSet(ScopedReadOnlyModelViewSet):
     """The audit trail: platform admins see all of it, tenant owners and admins their tenant's."""
 
     queryset = AuditLog.objects.all()
     serializer_class = AuditLogSerializer
+    permission_classes = [permissions.IsAuthenticated, CanReadAuditLog]
     filterset_fields = {
         "action": ["exact"],
         "object_type": ["exact"],
@@ -192,8 +201,5 @@ class AuditLogViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         "actor_label": ["exact"],
     }
 
-    def get_queryset(self) -> QuerySet:
-        user = self.request.user
-        if not user.is_staff and not Tenant.objects.managed_by(user).exists():
-            raise PermissionDenied("Only tenant owners and admins may read the audit log.")
-        return AuditLog.objects.for_user(user).select_related("tenant")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("tenant")

@@ -1,27 +1,29 @@
 """What each dashboard's data endpoint answers: its figures and the rows of its tables.
 
-Shared by the admin console (all tenants) and the tenant portal (one tenant: pass its id in
-`tenant_ids`); the views only parse the query string and render the table template.
+Shared by the admin console (`Tenant.objects.all()`) and the tenant portal (its one tenant, read
+through `Tenant.objects.for_user()`): `tenants` is an already-scoped Tenant queryset and has no
+default. The views only parse the query string and render the table template.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
+
+from django.db.models import QuerySet
 
 from serving_app.dashboards import figures, queries
 from serving_app.placement import service
+from tenants_app.models import Tenant
 
 
-def usage_panel(trange: queries.TimeRange, tenant_ids: Iterable[int] | None = None) -> dict:
-    ids = None if tenant_ids is None else list(tenant_ids)
-    tenants = queries.tenant_names(ids)
-    series = queries.usage_series(trange, ids)
-    totals = queries.usage_totals(trange, ids)
+def usage_panel(trange: queries.TimeRange, tenants: QuerySet[Tenant]) -> dict:
+    names = queries.tenant_names(tenants)
+    series = queries.usage_series(trange, tenants)
+    totals = queries.usage_totals(trange, tenants)
     return {
         "figures": {
-            "requests": figures.requests_figure(series, tenants),
-            "tokens": figures.tokens_figure(series, tenants),
+            "requests": figures.requests_figure(series, names),
+            "tokens": figures.tokens_figure(series, names),
         },
         "rows": totals,
         "total_requests": sum(r["requests"] for r in totals),
@@ -31,21 +33,20 @@ def usage_panel(trange: queries.TimeRange, tenant_ids: Iterable[int] | None = No
 
 def latency_panel(
     trange: queries.TimeRange,
-    tenant_ids: Iterable[int] | None = None,
+    tenants: QuerySet[Tenant],
     model: str | None = None,
 ) -> dict:
-    ids = None if tenant_ids is None else list(tenant_ids)
-    tenants = queries.tenant_names(ids)
-    series = queries.latency_series(trange, ids, model)
-    rows = queries.latency_table(trange, ids)
+    names = queries.tenant_names(tenants)
+    series = queries.latency_series(trange, tenants, model)
+    rows = queries.latency_table(trange, tenants)
     if model:
         rows = [r for r in rows if r["model"] == model]
     return {
         "figures": {
-            "percentiles": figures.percentiles_figure(series, tenants),
-            "p95": figures.p95_by_tenant_figure(series, tenants),
-            "ttft": figures.ttft_figure(series, tenants),
-            "errors": figures.error_rates_figure(series, tenants),
+            "percentiles": figures.percentiles_figure(series, names),
+            "p95": figures.p95_by_tenant_figure(series, names),
+            "ttft": figures.ttft_figure(series, names),
+            "errors": figures.error_rates_figure(series, names),
         },
         "rows": rows,
     }

@@ -5,19 +5,23 @@ range's display bins in Python. The last hour and day read the per-minute rollup
 ranges the per-hour one, so a 30-day chart reads at most 720 buckets per tenant and model.
 Percentiles come from the rollups' latency histogram (`LATENCY_BUCKETS_MS`), interpolated
 linearly inside a bucket; above the last bound the bucket's maximum latency is the upper end.
+
+Every usage query takes `tenants`, an already-scoped Tenant queryset (`Tenant.objects.for_user(
+user)`, `.for_tenant(t)`, or `.all()` for a platform admin's view): there is no default, and ids
+or None are refused, so no forgotten argument can show one tenant everyone's usage.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import BigIntegerField, F, FloatField, Func, Max, Sum, Value
+from django.db.models import BigIntegerField, F, FloatField, Func, Max, QuerySet, Sum, Value
 from django.db.models.functions import Cast
 from django.utils import timezone
 
@@ -111,16 +115,14 @@ def _rollup_rows(
     start: datetime,
     group_by: Sequence[str],
     counters: Sequence[str],
-    tenant_ids: Iterable[int] | None = None,
+    tenants: QuerySet[Tenant],
     model: str | None = None,
     with_max: bool = False,
     bin_seconds: int | None = None,
 ) -> list[dict[str, Any]]:
     """Summed counters grouped by `group_by`. With `bin_seconds` on PostgreSQL, `bucket` is
     folded into bins of that width in SQL (date_bin), so fewer rows come back."""
-    qs = rollup.objects.filter(bucket__gte=start)
-    if tenant_ids is not None:
-        qs = qs.filter(tenant_id__in=list(tenant_ids))
+    qs = rollup.objects.in_scope(tenants).filter(bucket__gte=start)
     if model:
         qs = qs.filter(model=model)
     # Sums of bigint columns are numeric in PostgreSQL; cast them back so no Decimal is built.
@@ -174,11 +176,16 @@ def percentile(hist: dict[str, float], q: float) -> float | None:
     return lower + (upper - lower) * min(max(rank - seen, 0) / overflow, 1.0)
 
 
-def tenant_names(tenant_ids: Iterable[int] | None = None) -> dict[int, Tenant]:
-    qs = Tenant.objects.all()
-    if tenant_ids is not None:
-        qs = qs.filter(pk__in=list(tenant_ids))
-    return {t.pk: t for t in qs.order_by("slug")}
+def tenant_names(tenants: QuerySet[Tenant]) -> dict[int, Tenant]:
+    """The scope's tenants by id, in slug order."""
+    return {t.pk: t for t in _tenants(tenants).order_by("slug")}
+
+
+def _tenants(tenants: QuerySet[Tenant]) -> QuerySet[Tenant]:
+    """The scope itself, checked like the usage rows are (a Tenant queryset, never ids)."""
+    if not isinstance(tenants, QuerySet) or tenants.model is not Tenant:
+        raise TypeError("dashboard queries are scoped by a Tenant queryset, not by ids or None")
+    return tenants
 
 
 # ----------------------------------------------------------------------------- usage
@@ -215,30 +222,29 @@ def _fold(
 
 
 def usage_series(
-    trange: TimeRange, tenant_ids: Iterable[int] | None = None, now: datetime | None = None
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
 ) -> Series:
     """Requests and tokens per bin, per tenant."""
     start, _ = trange.bounds(now)
     rows = _rollup_rows(
-        trange.rollup, start, ("bucket", "tenant_id"), USAGE_COUNTERS, tenant_ids=tenant_ids,
+        trange.rollup, start, ("bucket", "tenant_id"), USAGE_COUNTERS, tenants,
         bin_seconds=trange.bin_seconds,
     )
     return _fold(trange, rows, USAGE_COUNTERS, now)
 
 
 def usage_totals(
-    trange: TimeRange, tenant_ids: Iterable[int] | None = None, now: datetime | None = None
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
 ) -> list[dict[str, Any]]:
     """Per tenant: the range's totals, and the month's tokens against the monthly budget."""
     start, _ = trange.bounds(now)
-    ids = None if tenant_ids is None else list(tenant_ids)
     rows = {
         r["tenant_id"]: r
-        for r in _rollup_rows(trange.rollup, start, ("tenant_id",), USAGE_COUNTERS, ids)
+        for r in _rollup_rows(trange.rollup, start, ("tenant_id",), USAGE_COUNTERS, tenants)
     }
-    month = month_used_tokens(ids, now)
+    month = month_used_tokens(tenants, now)
     out = []
-    for tenant in tenant_names(ids).values():
+    for tenant in tenant_names(tenants).values():
         row = rows.get(tenant.pk) or _zero(USAGE_COUNTERS)
         used = month.get(tenant.pk, 0)
         budget = tenant.monthly_token_budget
@@ -259,13 +265,11 @@ def usage_totals(
     return out
 
 
-def month_used_tokens(
-    tenant_ids: Iterable[int] | None = None, now: datetime | None = None
-) -> dict[int, int]:
+def month_used_tokens(tenants: QuerySet[Tenant], now: datetime | None = None) -> dict[int, int]:
     """Prompt plus completion tokens since the month started, per tenant (the gateway's rule)."""
     rows = _rollup_rows(
         UsageHour, month_start(now), ("tenant_id",), ("prompt_tokens", "completion_tokens"),
-        tenant_ids,
+        tenants,
     )
     return {
         r["tenant_id"]: int((r["prompt_tokens"] or 0) + (r["completion_tokens"] or 0))
@@ -273,11 +277,13 @@ def month_used_tokens(
     }
 
 
-def current_load(minutes: int = 5, now: datetime | None = None) -> dict[int, dict[str, float]]:
+def current_load(
+    tenants: QuerySet[Tenant], minutes: int = 5, now: datetime | None = None
+) -> dict[int, dict[str, float]]:
     """Per tenant: requests and tokens per minute over the last few minutes."""
     now = now or timezone.now()
     start = (now - timedelta(minutes=minutes)).replace(second=0, microsecond=0)
-    rows = _rollup_rows(UsageMinute, start, ("tenant_id",), USAGE_COUNTERS)
+    rows = _rollup_rows(UsageMinute, start, ("tenant_id",), USAGE_COUNTERS, tenants)
     return {
         r["tenant_id"]: {
             "rpm": (r["requests"] or 0) / minutes,
@@ -326,14 +332,14 @@ class LatencySeries:
 
 def latency_series(
     trange: TimeRange,
-    tenant_ids: Iterable[int] | None = None,
+    tenants: QuerySet[Tenant],
     model: str | None = None,
     now: datetime | None = None,
 ) -> LatencySeries:
     """Percentiles, mean time to first token and error rates per bin: per tenant and overall."""
     start, _ = trange.bounds(now)
     rows = _rollup_rows(
-        trange.rollup, start, ("bucket", "tenant_id"), COUNTERS, tenant_ids, model, with_max=True,
+        trange.rollup, start, ("bucket", "tenant_id"), COUNTERS, tenants, model, with_max=True,
         bin_seconds=trange.bin_seconds,
     )
     folded = _fold(trange, rows, COUNTERS, now)
@@ -351,18 +357,17 @@ def latency_series(
 
 
 def latency_table(
-    trange: TimeRange, tenant_ids: Iterable[int] | None = None, now: datetime | None = None
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
 ) -> list[dict[str, Any]]:
     """Per tenant and model over the whole range: percentiles, TTFT, error rates, objective."""
     start, _ = trange.bounds(now)
-    ids = None if tenant_ids is None else list(tenant_ids)
     rows = _rollup_rows(
-        trange.rollup, start, ("tenant_id", "model"), COUNTERS, ids, with_max=True
+        trange.rollup, start, ("tenant_id", "model"), COUNTERS, tenants, with_max=True
     )
-    tenants = tenant_names({r["tenant_id"] for r in rows})
+    names = tenant_names(_tenants(tenants).filter(pk__in={r["tenant_id"] for r in rows}))
     out = []
     for row in rows:
-        tenant = tenants.get(row["tenant_id"])
+        tenant = names.get(row["tenant_id"])
         if tenant is None:
             continue
         counters = _zero(COUNTERS)
@@ -384,11 +389,9 @@ def latency_table(
     return out
 
 
-def models_in_range(trange: TimeRange, tenant_ids: Iterable[int] | None = None) -> list[str]:
+def models_in_range(trange: TimeRange, tenants: QuerySet[Tenant]) -> list[str]:
     start, _ = trange.bounds()
-    qs = trange.rollup.objects.filter(bucket__gte=start)
-    if tenant_ids is not None:
-        qs = qs.filter(tenant_id__in=list(tenant_ids))
+    qs = trange.rollup.objects.in_scope(tenants).filter(bucket__gte=start)
     return sorted(set(qs.order_by().values_list("model", flat=True).distinct()))
 
 

@@ -89,7 +89,48 @@ class IsStaff(permissions.BasePermission):
         return bool(request.user and request.user.is_authenticated and request.user.is_staff)
 
 
-class ScopedModelViewSet(viewsets.ModelViewSet):
+class ScopedQuerysetMixin:
+    """Rows are always read through the model's `for_user(request.user)`; no subclass can skip it.
+
+    A subclass narrows or prefetches in `safely_get_queryset(queryset)`, which receives the rows
+    already scoped. Overriding `get_queryset()` is refused when the class is defined. A view whose
+    rows are deliberately not read through `for_user()` says so by defining
+    `dangerously_get_queryset()` (as PostHog's API routing does), and a reviewer sees the word.
+    """
+
+    queryset: models.QuerySet
+    request: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for klass in cls.__mro__:
+            if klass is ScopedQuerysetMixin:
+                break
+            if "get_queryset" in klass.__dict__:
+                raise TypeError(
+                    f"{cls.__qualname__}: {klass.__qualname__} overrides get_queryset(), which "
+                    f"would skip for_user(); narrow the scoped rows in safely_get_queryset(), "
+                    f"or name a deliberate bypass dangerously_get_queryset()"
+                )
+
+    def get_queryset(self) -> models.QuerySet:
+        bypass = getattr(self, "dangerously_get_queryset", None)
+        if bypass is not None:
+            return bypass()
+        model = self.queryset.model
+        scoped = model.objects.for_user(self.request.user)
+        return self.safely_get_queryset(scoped.order_by(*model._meta.ordering or ["pk"]))
+
+    def safely_get_queryset(self, queryset: models.QuerySet) -> models.QuerySet:
+        """Narrow, annotate or prefetch the rows the user may see (already scoped)."""
+        return queryset
+
+
+class ScopedReadOnlyModelViewSet(ScopedQuerysetMixin, viewsets.ReadOnlyModelViewSet):
+    """A read-only viewset whose rows are always read through `for_user(request.user)`."""
+
+
+class ScopedModelViewSet(ScopedQuerysetMixin, viewsets.ModelViewSet):
     """A model viewset whose rows are always read through `for_user(request.user)`.
 
     `write_role`: "staff" (platform admins only) or "manager" (tenant owners and admins, and
@@ -98,11 +139,6 @@ class ScopedModelViewSet(viewsets.ModelViewSet):
 
     write_role = "staff"
     audit_actions = True
-
-    def get_queryset(self) -> models.QuerySet:
-        return self.queryset.model.objects.for_user(self.request.user).order_by(
-            *self.queryset.model._meta.ordering or ["pk"]
-        )
 
     def get_object(self) -> models.Model:
         # A text lookup (a tenant's slug) holding a NUL character matches nothing; PostgreSQL

@@ -5,7 +5,6 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, viewsets
 from rest_framework import serializers as drf_serializers
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
@@ -13,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from serving_app import audit
-from tenants_app.api.base import IsStaff, ScopedModelViewSet
+from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyModelViewSet
 from tenants_app.api.serializers import (
     ApiKeySerializer,
     InvitationSerializer,
@@ -50,8 +49,8 @@ class MembershipViewSet(ScopedModelViewSet):
     filterset_fields = {"tenant__slug": ["exact"], "role": ["exact"], "user__username": ["exact"]}
     write_role = "manager"
 
-    def get_queryset(self) -> QuerySet:
-        return super().get_queryset().select_related("tenant", "user")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("tenant", "user")
 
     def create(self, request: Request, *args, **kwargs) -> Response:
         if not request.user.is_staff:
@@ -89,8 +88,8 @@ class InvitationViewSet(ScopedModelViewSet):
     write_role = "manager"
     http_method_names = ["get", "post", "head", "options"]
 
-    def get_queryset(self) -> QuerySet:
-        return super().get_queryset().select_related("tenant", "invited_by")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("tenant", "invited_by")
 
     def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
         data = serializer.validated_data
@@ -110,15 +109,15 @@ class InvitationViewSet(ScopedModelViewSet):
         return Response(self.get_serializer(invitation).data)
 
 
-class ReceivedInvitationViewSet(
-    mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
-):
+class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet):
     """The signed-in user's open invitations, to accept or decline. Anyone else's is a 404."""
 
     serializer_class = ReceivedInvitationSerializer
     queryset = Invitation.objects.none()
 
-    def get_queryset(self) -> QuerySet:
+    def dangerously_get_queryset(self) -> QuerySet:
+        """Not the tenants' invitations (`for_user()`, what their managers see) but those
+        addressed to the signed-in user, who belongs to none of those tenants yet."""
         return (
             Invitation.objects.addressed_to(self.request.user)
             .select_related("tenant", "invited_by")
@@ -154,8 +153,8 @@ class ApiKeyViewSet(ScopedModelViewSet):
     ordering_fields = ["created_at", "name", "last_used_at"]
     write_role = "manager"
 
-    def get_queryset(self) -> QuerySet:
-        return super().get_queryset().select_related("tenant")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.select_related("tenant")
 
     def extra_create_fields(self) -> dict:
         return {"created_by": self.request.user}
@@ -180,8 +179,8 @@ class PrefixCacheGroupViewSet(ScopedModelViewSet):
     permission_classes = [IsStaff]
     lookup_field = "name"
 
-    def get_queryset(self) -> QuerySet:
-        return PrefixCacheGroup.objects.prefetch_related("tenants").order_by("name")
+    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+        return queryset.prefetch_related("tenants").order_by("name")
 
 
 class UserViewSet(ScopedModelViewSet):
@@ -192,5 +191,7 @@ class UserViewSet(ScopedModelViewSet):
     permission_classes = [IsStaff]
     filterset_fields = ["is_staff", "is_active", "username"]
 
-    def get_queryset(self) -> QuerySet:
+    def dangerously_get_queryset(self) -> QuerySet:
+        """Users are not tenant data and Django's user model has no `for_user()`: every user,
+        for platform admins only (`IsStaff`)."""
         return get_user_model().objects.order_by("username").prefetch_related("memberships__tenant")

@@ -15,6 +15,7 @@ from django.db import connection
 from django.utils import timezone
 
 from serving_app.dashboards import queries
+from tenants_app.models import Tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -28,10 +29,13 @@ def test_python_fold_draws_the_same_series_as_the_sql_fold(key, acme, globex, us
         usage(acme.tenant, minutes_ago=minutes_ago, requests=requests, latency_ms=120.0)
         usage(globex.tenant, minutes_ago=minutes_ago, requests=requests * 2, latency_ms=700.0)
     trange = queries.RANGES[key]
+    everyone = Tenant.objects.all()
     now = timezone.now()
-    in_sql = (queries.usage_series(trange, now=now), queries.latency_series(trange, now=now))
+    in_sql = (queries.usage_series(trange, everyone, now=now),
+              queries.latency_series(trange, everyone, now=now))
     monkeypatch.setattr(queries, "connection", SimpleNamespace(vendor="sqlite"))
-    in_python = (queries.usage_series(trange, now=now), queries.latency_series(trange, now=now))
+    in_python = (queries.usage_series(trange, everyone, now=now),
+                 queries.latency_series(trange, everyone, now=now))
     assert in_python == in_sql
     assert any(point["requests"] for per_bin in in_sql[0].by_tenant.values()
                for point in per_bin)
