@@ -12,6 +12,10 @@ import ast
 import importlib.util
 from pathlib import Path
 
+from celery import current_app
+
+from serving_app import lifecycle
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("console", "serving_app", "tenants_app")
 
@@ -140,3 +144,13 @@ def test_work_is_queued_only_through_the_lifecycle_module():
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
     # The beat schedule names its periodic tasks with signatures of the Celery app.
     assert [o for o in offenders if not o.startswith("console/celery.py")] == []
+
+
+def test_every_project_task_is_named_in_the_lifecycle_module():
+    """Work is queued by name, so every registered task's name is one of lifecycle's constants
+    (a renamed task would otherwise leave its senders queueing a name nobody consumes)."""
+    current_app.loader.import_default_modules()
+    registered = {name for name in current_app.tasks if not name.startswith("celery.")}
+    named = {value for key, value in vars(lifecycle).items()
+             if key.isupper() and isinstance(value, str) and key != "CONTROL_QUEUE"}
+    assert registered == named
