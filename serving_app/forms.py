@@ -97,7 +97,7 @@ class DeploymentForm(forms.ModelForm):
 
     def save(self, commit: bool = True) -> Deployment:
         """Save through `Deployment.save_settings()`, which also asks the reconciler."""
-        if not commit:
+        if not commit or self.errors:  # ModelForm's own save() refuses an invalid form
             return super().save(commit=False)
         tenants, adapters = self.relations()
         self.instance.save_settings(tenants=tenants, adapters=adapters)
