@@ -80,7 +80,7 @@ TEMPLATES = [
 ]
 
 
-def _database() -> dict:
+def _database() -> dj_database_url.DBConfig:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'console.sqlite3'}")
     try:
         config = dj_database_url.parse(url, conn_max_age=env_int("DB_CONN_MAX_AGE", 0, minimum=0))

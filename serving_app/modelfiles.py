@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 
 class ModelFilesError(ValueError):
@@ -276,7 +276,22 @@ def read_adapter(path_text: str) -> AdapterInfo:
     )
 
 
-def expected_module_shapes(arch: ModelArchitecture | object) -> dict[str, tuple[int, int]]:
+class Shapes(Protocol):
+    """What `expected_module_shapes` reads: a `ModelArchitecture` or a `BaseModel` row."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def expected_module_shapes(arch: Shapes) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each LoRA-targetable Llama-style module of a base model."""
     hidden = arch.hidden_size
     q_out = arch.num_attention_heads * arch.head_dim

@@ -74,11 +74,23 @@ def is_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie is dead for our purposes
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
+    fields = proc_stat(pid)
+    return fields is None or fields[0] != "Z"  # a zombie is dead for our purposes
+
+
+def pids() -> list[int]:
+    """Every process id on this host (Linux's /proc)."""
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, session, ...;
+    `man 5 proc` numbers them from 3), or None when the process is gone or unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True
+        return None
+    return fields or None
 
 
 def cmdline(pid: int) -> list[str]:
@@ -147,15 +159,10 @@ def _group_alive(pgid: int) -> bool:
 
 def _live_members(pgid: int) -> list[int]:
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
+    for pid in pids():
+        fields = proc_stat(pid)
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(pid)
     return members
 
 

@@ -26,7 +26,9 @@ from typing import Any
 
 SNAPSHOT_SCHEMA = 1
 
+# Bytes; the one definition of each, which placement and the dashboards import.
 GIB = 1024**3
+MIB = 1024**2
 _UNITS = {
     "b": 1,
     "kb": 1000,
@@ -280,9 +282,10 @@ def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
     """
     if nvml is None:
         try:
-            import pynvml as nvml  # optional dependency, only on GPU hosts
+            import pynvml  # optional dependency, only on GPU hosts
         except ImportError as exc:
             raise NvmlUnavailable(f"pynvml is not installed: {exc}") from exc
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...

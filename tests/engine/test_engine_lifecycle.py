@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-from pathlib import Path
 
 import httpx
 import pytest
@@ -67,10 +66,6 @@ def create_deployment(admin, **fields) -> dict:
     return response.data
 
 
-def all_pids() -> list[int]:
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-
-
 def port_is_free(port: int) -> bool:
     return supervisor.port_is_free(port)
 
@@ -102,7 +97,9 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     assert instance.secret not in json.dumps(api_view, default=str)
     assert "VLLM_API_KEY" not in instance.environment
     assert supervisor.environ(instance.pid)["VLLM_API_KEY"] == instance.secret
-    assert not [pid for pid in all_pids() if instance.secret in " ".join(supervisor.cmdline(pid))]
+    assert not [
+        pid for pid in supervisor.pids() if instance.secret in " ".join(supervisor.cmdline(pid))
+    ]
     modules = api_view["command"][api_view["command"].index("--lora-modules") + 1:][:2]
     assert sorted(json.loads(m)["name"] for m in modules) == ["acme--billing", "acme--support"]
     assert api_view["log_tail"]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,7 @@ class Engine:
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory) -> Engine:
+def engine(tmp_path_factory) -> Iterator[Engine]:
     """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session),
     launched at the scheduling class node agents give CPU engines."""
     if not (ENGINE_VENV / ".engine-install-complete").exists():

@@ -21,7 +21,9 @@ def _readme_production_environment() -> dict[str, str]:
     """The variables of the first code block under the README's "Running in production", with
     each `<placeholder>` replaced by a fresh random value (as an operator would generate)."""
     section = README.read_text().split("## Running in production", 1)[1]
-    block = re.search(r"```\w*\n(.*?)```", section, re.S).group(1)
+    match = re.search(r"```\w*\n(.*?)```", section, re.S)
+    assert match, "no code block under the README's 'Running in production'"
+    block = match.group(1)
     variables = {}
     for line in block.splitlines():
         line = line.strip()
