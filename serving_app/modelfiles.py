@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 
 class ModelFilesError(ValueError):
@@ -88,7 +88,7 @@ class AdapterInfo:
     module_shapes: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
 
-def _safetensors_header(handle: IO[bytes], name: str) -> tuple[int, dict]:
+def _safetensors_header(handle: IO[bytes], name: str) -> tuple[int, dict[str, Any]]:
     try:
         (length,) = struct.unpack("<Q", handle.read(8))
         if length <= 0 or length > 100 * 1024 * 1024:
@@ -174,7 +174,7 @@ def check_safetensors(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Children this agent process launched, so their exit codes can be reaped (a zombie would look
 # alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
-_children: dict[int, subprocess.Popen] = {}
+_children: dict[int, subprocess.Popen[bytes]] = {}
 _exit_codes: dict[int, int] = {}
 
 
@@ -209,7 +209,7 @@ def wait_port_free(port: int, host: str = "127.0.0.1", timeout: float = 10.0) ->
     return port_is_free(port, host)
 
 
-def log_tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 16384) -> str:
+def log_tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 16384) -> str:
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)

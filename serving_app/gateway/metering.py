@@ -46,7 +46,7 @@ class Meter:
         self.config = config
         self.redis = PipelinedRedis(config.redis_url, config.redis_timeout)
         self.buffer: deque[str] = deque(maxlen=config.event_buffer_max)
-        self._flusher: asyncio.Task | None = None
+        self._flusher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._flusher = asyncio.create_task(self._flush_loop(), name="gateway-event-flusher")
