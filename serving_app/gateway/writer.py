@@ -8,6 +8,10 @@ Redelivery after a crash between commit and acknowledgement is harmless: events 
 (unique `request_id`) are skipped, and rollups are incremented only for events inserted by the
 same transaction. The writer also stamps `ApiKey.last_used_at`, so the request path never writes
 to the database.
+
+Redis restarted empty (no persistence) or the stream deleted: the consumer group is gone and
+every read answers NOGROUP. The writer then creates the group again from the stream's start (id
+0), so every entry the stream holds now is read, and carries on; nothing needs a manual step.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ _COUNTERS = (
     *(f"latency_le_{b}" for b in LATENCY_BUCKETS_MS),
 )
 CLAIM_IDLE_MS = 60_000
+
+
+def _group_lost(exc: redis.ResponseError) -> bool:
+    """Redis lost the stream or its consumer group (a restart without persistence, a flush)."""
+    return str(exc).startswith("NOGROUP")
 
 
 def _event_row(event: dict[str, Any]) -> UsageEvent:
@@ -164,6 +173,7 @@ class UsageWriter:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.batch_size = batch_size or settings.GATEWAY_USAGE_BATCH_SIZE
         self._group_ready = False
+        self.group_recreated = 0  # how often Redis lost the group under this writer
 
     def _ensure_group(self) -> None:
         if self._group_ready:
@@ -175,6 +185,13 @@ class UsageWriter:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._group_ready = True
+
+    def _recreate_group(self, exc: redis.ResponseError) -> None:
+        log.warning("usage stream %s lost its consumer group (%s): creating it again from the "
+                    "stream's start", self.stream, exc)
+        self._group_ready = False
+        self.group_recreated += 1
+        self._ensure_group()
 
     def _next_batch(self, block_ms: int) -> list[tuple[bytes, dict]]:
         # 1. Our own pending entries (read before, not stored yet: the database was down).
@@ -201,7 +218,13 @@ class UsageWriter:
         """Persist one batch; returns the number of stream entries handled. Raises on a
         database error (the entries stay pending and are retried)."""
         self._ensure_group()
-        entries = self._next_batch(block_ms)
+        try:
+            entries = self._next_batch(block_ms)
+        except redis.ResponseError as exc:
+            if not _group_lost(exc):
+                raise
+            self._recreate_group(exc)
+            entries = self._next_batch(block_ms)
         if not entries:
             return 0
         ids = [entry_id for entry_id, _ in entries]
@@ -219,9 +242,23 @@ class UsageWriter:
         except DatabaseError:
             connection.close()
             self._persist_one_by_one(events)
-        self.redis.xack(self.stream, self.group, *ids)
-        self.redis.xdel(self.stream, *ids)
+        self._acknowledge(ids)
         return len(entries)
+
+    def _acknowledge(self, ids: list[bytes]) -> None:
+        """Remove stored entries from the stream. After a Redis restart between the read and
+        here they may be gone already (and the group with them); deleting them is still right:
+        they are stored, and ids of entries added since are later than any of these."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xack(self.stream, self.group, *ids)
+        pipe.xdel(self.stream, *ids)
+        try:
+            pipe.execute()
+        except redis.ResponseError as exc:
+            if not _group_lost(exc):
+                raise
+            self._recreate_group(exc)
+            self.redis.xdel(self.stream, *ids)
 
     def _persist_one_by_one(self, events: list[dict[str, Any]]) -> None:
         """A batch the database refuses (not a connection problem): keep every good event."""
