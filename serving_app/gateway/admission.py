@@ -8,7 +8,12 @@ Per tenant (keys share the `{t<id>}` hash tag):
   settlement replaces the reservation by the engine's real count;
 - concurrent requests: leases (sorted set scored by expiry), which expire by themselves if the
   gateway holding them dies;
-- the monthly token budget: a counter per month, seeded from the hourly rollups when missing.
+- the monthly token budget: a counter per month (reservations and settled tokens). When it is
+  missing (a new month, or Redis lost its data) it is seeded from what PostgreSQL has (this
+  month's hourly rollups, read with the catalog) plus what the usage stream still holds for the
+  tenant: a second counter per month, `unwritten`, that settlement raises by each event's tokens
+  and the writer lowers when it stores the event (in the same transaction as the XDEL). So a
+  Redis restart does not hand a tenant its month's tokens again.
 The clock is Redis's own (`TIME`), so every worker and host agrees on the window.
 """
 
@@ -97,7 +102,10 @@ if conc > 0 then
 end
 
 if budget > 0 then
-  redis.call('SET', KEYS[6], ARGV[9], 'NX', 'EX', ARGV[10])
+  if redis.call('EXISTS', KEYS[6]) == 0 then
+    local unwritten = math.max(0, tonumber(redis.call('GET', KEYS[7]) or '0'))
+    redis.call('SET', KEYS[6], tonumber(ARGV[9]) + unwritten, 'EX', ARGV[10])
+  end
   local spent = tonumber(redis.call('GET', KEYS[6]) or '0')
   if spent + need > budget then
     return {4, rpm_count, 0, used, 0, -1}
@@ -127,7 +135,9 @@ return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
 """
 
 # Settle a finished request and append its usage event, in one round trip. Idempotent for the
-# token log (the reservation is replaced, not decremented twice).
+# token log (the reservation is replaced, not decremented twice). For a tenant with a budget the
+# event's tokens also go to this month's `unwritten` counter (KEYS[7]), and the entry names that
+# counter and the tokens, so that the writer lowers it when the event is stored.
 SETTLE_LUA = """
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
@@ -143,7 +153,13 @@ if ARGV[5] == '1' then redis.call('ZREM', KEYS[4], rid) end
 if ARGV[6] == '1' and redis.call('EXISTS', KEYS[5]) == 1 then
   redis.call('INCRBY', KEYS[5], actual - reserved)
 end
-redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
+if ARGV[6] == '1' and actual > 0 then
+  redis.call('INCRBY', KEYS[7], actual)
+  redis.call('EXPIRE', KEYS[7], ARGV[8])
+  redis.call('XADD', KEYS[6], '*', 'e', ARGV[7], 'u', KEYS[7], 'n', actual)
+else
+  redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
+end
 return 1
 """
 
@@ -190,6 +206,7 @@ def tenant_keys(tenant_id: int) -> list[str]:
             f"{tag}:tpms",
             f"{tag}:conc",
             f"{tag}:budget:{month}",
+            f"{tag}:unwritten:{month}",
         ]
     return keys
 
@@ -287,5 +304,11 @@ def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, 
         window_ms,
         lease_ms,
         tenant.month_used,
-        max(1, int(_Month.current()[1] - time.time())) + 7 * 86400,
+        budget_ttl(),
     ]
+
+
+def budget_ttl() -> int:
+    """Seconds a month's budget counters are kept: past the month's end, so late settlements
+    still find them."""
+    return max(1, int(_Month.current()[1] - time.time())) + 7 * 86400

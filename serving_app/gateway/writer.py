@@ -44,6 +44,24 @@ _COUNTERS = (
 CLAIM_IDLE_MS = 60_000
 
 
+# Acknowledge and delete stored entries; for each entry actually deleted, lower the budget's
+# `unwritten` counter it names (see admission.SETTLE_LUA) by its tokens. Only an entry this Redis
+# still held counts: after a restart that lost the stream, the counter went with it.
+ACK_LUA = """
+local n = tonumber(ARGV[2])
+for i = 1, n do
+  local id = ARGV[2 + i]
+  local counter = ARGV[2 + n + 2 * i - 1]
+  local tokens = tonumber(ARGV[2 + n + 2 * i])
+  redis.call('XACK', KEYS[1], ARGV[1], id)
+  if redis.call('XDEL', KEYS[1], id) == 1 and counter ~= '' and tokens > 0 then
+    if redis.call('DECRBY', counter, tokens) <= 0 then redis.call('DEL', counter) end
+  end
+end
+return n
+"""
+
+
 def _group_lost(exc: redis.ResponseError) -> bool:
     """Redis lost the stream or its consumer group (a restart without persistence, a flush)."""
     return str(exc).startswith("NOGROUP")
@@ -173,6 +191,7 @@ class UsageWriter:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.batch_size = batch_size or settings.GATEWAY_USAGE_BATCH_SIZE
         self._group_ready = False
+        self._ack = self.redis.register_script(ACK_LUA)
         self.group_recreated = 0  # how often Redis lost the group under this writer
 
     def _ensure_group(self) -> None:
@@ -228,6 +247,9 @@ class UsageWriter:
         if not entries:
             return 0
         ids = [entry_id for entry_id, _ in entries]
+        counted: list[bytes | int] = []
+        for _, fields in entries:
+            counted += [fields.get(b"u", b""), int(fields.get(b"n", 0) or 0)]
         events = []
         for entry_id, fields in entries:
             try:
@@ -242,23 +264,22 @@ class UsageWriter:
         except DatabaseError:
             connection.close()
             self._persist_one_by_one(events)
-        self._acknowledge(ids)
+        self._acknowledge(ids, counted)
         return len(entries)
 
-    def _acknowledge(self, ids: list[bytes]) -> None:
-        """Remove stored entries from the stream. After a Redis restart between the read and
-        here they may be gone already (and the group with them); deleting them is still right:
-        they are stored, and ids of entries added since are later than any of these."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xack(self.stream, self.group, *ids)
-        pipe.xdel(self.stream, *ids)
+    def _acknowledge(self, ids: list[bytes], counted: list[bytes | int]) -> None:
+        """Remove stored entries from the stream (one script, atomic with the budget's
+        `unwritten` counters). After a Redis restart between the read and here they may be gone
+        already, and the group with them: the group is created again and the script run once
+        more (it deletes nothing then); ids of entries added since are later than these."""
+        args = [self.group, len(ids), *ids, *counted]
         try:
-            pipe.execute()
+            self._ack(keys=[self.stream], args=args)
         except redis.ResponseError as exc:
             if not _group_lost(exc):
                 raise
             self._recreate_group(exc)
-            self.redis.xdel(self.stream, *ids)
+            self._ack(keys=[self.stream], args=args)
 
     def _persist_one_by_one(self, events: list[dict[str, Any]]) -> None:
         """A batch the database refuses (not a connection problem): keep every good event."""

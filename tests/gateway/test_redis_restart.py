@@ -9,20 +9,37 @@ acknowledged is lost.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import uuid
 
+import httpx
 import pytest
+import redis
 from django.db import connection
 
+from benchmarks.gateway_bench import kill_group
+from serving_app.gateway import admission
+from serving_app.gateway.catalog import load_snapshot, month_start
+from serving_app.gateway.config import GatewayConfig
+from serving_app.gateway.metering import Meter
 from serving_app.gateway.writer import UsageWriter
-from serving_app.usage import UsageEvent
-from tests.gateway.conftest import PrivateRedis, wait_until
+from serving_app.usage import UsageEvent, UsageHour
+from tests.factories import make_tenant
+from tests.gateway.conftest import (
+    ROOT,
+    PrivateRedis,
+    _test_database_url,
+    make_world,
+    start_gateway,
+    wait_until,
+)
 
 STREAM = "gw:usage"
 GROUP = "usage-writer"
+SHIPPED_CONFIG = ROOT / "deploy" / "redis.conf"
 
 
 def event(request_id: str | None = None, **fields) -> dict:
@@ -97,3 +114,212 @@ def test_writer_reads_every_entry_of_a_stream_that_vanished_and_came_back(privat
     assert writer.drain() == 5
     assert {e["id"] for e in meanwhile} <= stored_ids()
     assert writer.group_recreated == 1
+
+
+def meter_config(server: PrivateRedis) -> GatewayConfig:
+    return GatewayConfig(
+        redis_url=server.url, fail_open=False, redis_timeout=1.0, max_body_bytes=1 << 20,
+        key_ttl=60, negative_key_ttl=5, catalog_refresh=2, connect_timeout=1,
+        upstream_timeout=60, upstream_retries=2, usage_stream=STREAM, event_buffer_max=100,
+    )
+
+
+def serve(server: PrivateRedis, tenant_id: int, requests: list[tuple[int, int]]) -> list[int]:
+    """Admit and settle requests (reserved, actual tokens) for the tenant as the catalog now
+    sees it, like the gateway does; returns the admission codes."""
+    entry = load_snapshot().tenants[tenant_id]
+
+    async def scenario() -> list[int]:
+        meter = Meter(meter_config(server))
+        codes = []
+        try:
+            for reserved, actual in requests:
+                rid = uuid.uuid4().hex
+                ticket, decision = await meter.admit(entry, rid, reserved)
+                codes.append(decision.code)
+                if ticket.admitted:
+                    await meter.settle(ticket, actual, event(
+                        rid, tenant=tenant_id, prompt=actual, completion=0))
+        finally:
+            await meter.redis.aclose()
+        return codes
+
+    return asyncio.run(scenario())
+
+
+def spent(server: PrivateRedis, tenant_id: int) -> int:
+    return int(server.client().get(admission.tenant_keys(tenant_id)[5]) or 0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_budget_lost_with_redis_is_reseeded_from_postgres_plus_what_the_stream_still_holds(
+    private_redis,
+):
+    acme = make_tenant("acme", monthly_token_budget=1000)
+    UsageHour.objects.create(bucket=month_start(), tenant=acme, model="m", prompt_tokens=300,
+                             completion_tokens=0)
+    writer = UsageWriter(private_redis.client(), stream=STREAM, group=GROUP, consumer="w1")
+    assert serve(private_redis, acme.pk, [(50, 40)]) == [admission.ADMIT]
+    writer.drain()  # 40 tokens in PostgreSQL now
+    assert serve(private_redis, acme.pk, [(100, 60), (30, 25)]) == [admission.ADMIT] * 2
+    assert spent(private_redis, acme.pk) == 300 + 40 + 60 + 25  # 85 still in the stream
+
+    # The counter is lost but the stream kept its 85 unwritten tokens: counted in the seed.
+    private_redis.client().delete(admission.tenant_keys(acme.pk)[5])
+    assert serve(private_redis, acme.pk, [(10, 10)]) == [admission.ADMIT]
+    assert spent(private_redis, acme.pk) == 300 + 40 + 85 + 10
+
+    # Everything stored, then Redis restarts empty: PostgreSQL alone has it all.
+    writer.drain()
+    assert not private_redis.client().keys("*unwritten*")
+    private_redis.kill()
+    private_redis.start()
+    assert serve(private_redis, acme.pk, [(5, 5)]) == [admission.ADMIT]
+    assert spent(private_redis, acme.pk) == 300 + 40 + 85 + 10 + 5
+    # No second month's budget: what is left refuses a request larger than it.
+    assert serve(private_redis, acme.pk, [(1000 - 440 + 1, 1)]) == [admission.BUDGET]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_full_redis_refuses_admission_as_the_failure_policy_says(tmp_path):
+    """`maxmemory` reached with `noeviction`: Redis refuses writes (OOM); admission cannot record
+    the request and raises RedisUnavailable, which the gateway turns into the policy's answer
+    (closed: 503 `limits_unavailable`). Nothing already in Redis is evicted."""
+    from serving_app.gateway.metering import RedisUnavailable
+
+    server = PrivateRedis(tmp_path, None, "--maxmemory", "3mb", "--maxmemory-policy",
+                          "noeviction")
+    server.start()
+    try:
+        client = server.client()
+        client.xadd(STREAM, {"e": json.dumps(event("kept"))})
+        filler = "x" * 100_000
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(1000):
+                client.set(f"filler:{i}", filler)
+        acme = make_tenant("acme", requests_per_minute=100)
+        entry = load_snapshot().tenants[acme.pk]
+
+        async def admit() -> None:
+            meter = Meter(meter_config(server))
+            try:
+                await meter.admit(entry, "r1", 1)
+            finally:
+                await meter.redis.aclose()
+
+        with pytest.raises(RedisUnavailable, match="maxmemory"):
+            asyncio.run(admit())
+        assert client.xlen(STREAM) == 1  # the stream is never evicted
+    finally:
+        server.stop()
+
+
+class Traffic:
+    """Completions through the gateway in a loop until stopped; keeps the ids of the successful
+    ones (200) and fails on any answer but 200 or the closed policy's 503."""
+
+    def __init__(self, url: str, secret: str) -> None:
+        self.url, self.secret = url, secret
+        self.served: list[str] = []
+        self.refused = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": "tiny-llama", "prompt": "Redis is", "max_tokens": 2}
+        try:
+            with httpx.Client(base_url=self.url, timeout=60,
+                              headers={"Authorization": f"Bearer {self.secret}"}) as http:
+                while not self._stop.is_set():
+                    r = http.post("/v1/completions", json=body)
+                    if r.status_code == 200:
+                        self.served.append(r.headers["x-request-id"])
+                    else:
+                        assert r.status_code == 503, r.text
+                        assert r.json()["error"]["code"] == "limits_unavailable"
+                        self.refused += 1
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def start(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def until_served(self, n: int) -> None:
+        target = len(self.served) + n
+        wait_until(lambda: self.error is not None or len(self.served) >= target, 120,
+                   f"{n} more requests served")
+        assert self.error is None, self.error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert self.error is None, self.error
+
+
+def _crash_under_traffic(engine, server: PrivateRedis, *, pause_first: bool):
+    """Traffic through a gateway and a running writer; Redis SIGKILLed under it and started
+    again. Returns (served ids, ids unwritten in the stream at the kill, budget key, writer)."""
+    world = make_world(engine.port, engine.secret, requests_per_minute=100_000,
+                       monthly_token_budget=10**9)
+    gateway = start_gateway(_test_database_url(), GATEWAY_REDIS_URL=server.url,
+                            GATEWAY_REDIS_FAILURE_POLICY="closed",
+                            GATEWAY_REDIS_TIMEOUT_SECONDS="0.5")
+    try:
+        with RunningWriter(server) as writer:
+            traffic = Traffic(gateway.url, world.acme_secret).start()
+            try:
+                traffic.until_served(5)
+                client = server.client()
+                if pause_first:
+                    # Hold every write (they get no reply: the gateway keeps those events) so
+                    # that what the stream holds now is exactly what the kill can lose.
+                    client.client_pause(60_000, all=False)
+                unwritten = {json.loads(f[b"e"])["id"] for _, f in client.xrange(STREAM)}
+                server.kill()
+                server.start()
+                traffic.until_served(5)
+            finally:
+                traffic.stop()
+            served = set(traffic.served)
+            wait_until(lambda: served - unwritten <= stored_ids(), 60, "served events stored")
+            # The lag goes back to zero: nothing left unwritten in the stream.
+            wait_until(lambda: server.client().xlen(STREAM) == 0, 60, "stream emptied")
+    finally:
+        kill_group(gateway.proc)
+    return served, unwritten, admission.tenant_keys(world.acme.pk)[5], writer
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_redis_killed_with_the_shipped_settings_loses_no_usage_event_nor_budget(
+    engine, tmp_path
+):
+    server = PrivateRedis(tmp_path, SHIPPED_CONFIG)
+    server.start()
+    try:
+        served, _, budget_key, writer = _crash_under_traffic(engine, server, pause_first=False)
+        stored = stored_ids()
+        assert served <= stored  # every successful response has its event, once (unique id)
+        assert writer.group_recreated == 0  # the AOF brought the consumer group back
+        assert not server.client().keys("*unwritten*")
+
+        # With nothing in flight, a tenant's remaining budget is the same after a crash.
+        before = int(server.client().get(budget_key))
+        server.kill()
+        server.start()
+        assert int(server.client().get(budget_key)) == before
+    finally:
+        server.stop()
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_redis_killed_without_persistence_loses_at_most_the_unwritten_events(
+    engine, private_redis
+):
+    served, unwritten, _, writer = _crash_under_traffic(engine, private_redis, pause_first=True)
+    lost = served - stored_ids()
+    assert lost <= unwritten
+    assert writer.group_recreated >= 1  # it recovered by itself
