@@ -42,23 +42,34 @@ _COUNTERS = (
     *(f"latency_le_{b}" for b in LATENCY_BUCKETS_MS),
 )
 CLAIM_IDLE_MS = 60_000
+NO_COUNTER = b"gw:{none}:u"  # entries without a budget counter (never incremented)
 
 
 # Acknowledge and delete stored entries; for each entry actually deleted, lower the budget's
 # `unwritten` counter it names (see admission.SETTLE_LUA) by its tokens. Only an entry this Redis
 # still held counts: after a restart that lost the stream, the counter went with it.
-ACK_LUA = """
-local n = tonumber(ARGV[2])
+# KEYS: the stream, then each entry's counter; ARGV: the group, the ids, then the tokens.
+# `allow-oom`: a full Redis (noeviction) must still let the writer empty the stream.
+ACK_LUA = """#!lua flags=allow-oom
+local n = #KEYS - 1
 for i = 1, n do
-  local id = ARGV[2 + i]
-  local counter = ARGV[2 + n + 2 * i - 1]
-  local tokens = tonumber(ARGV[2 + n + 2 * i])
+  local id = ARGV[1 + i]
+  local tokens = tonumber(ARGV[1 + n + i])
   redis.call('XACK', KEYS[1], ARGV[1], id)
-  if redis.call('XDEL', KEYS[1], id) == 1 and counter ~= '' and tokens > 0 then
-    if redis.call('DECRBY', counter, tokens) <= 0 then redis.call('DEL', counter) end
+  if redis.call('XDEL', KEYS[1], id) == 1 and tokens > 0 then
+    if redis.call('DECRBY', KEYS[1 + i], tokens) <= 0 then redis.call('DEL', KEYS[1 + i]) end
   end
 end
 return n
+"""
+
+
+# Create the consumer group from the stream's start (the stream too, if missing). A script so that
+# it runs on a full Redis too (XGROUP CREATE alone is refused there).
+CREATE_GROUP_LUA = """#!lua flags=allow-oom
+local ok = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(ok) == 'table' and ok.err and not string.find(ok.err, 'BUSYGROUP') then return ok end
+return 1
 """
 
 
@@ -192,17 +203,14 @@ class UsageWriter:
         self.batch_size = batch_size or settings.GATEWAY_USAGE_BATCH_SIZE
         self._group_ready = False
         self._ack = self.redis.register_script(ACK_LUA)
+        self._create_group = self.redis.register_script(CREATE_GROUP_LUA)
         self.group_recreated = 0  # how often Redis lost the group under this writer
 
     def _ensure_group(self) -> None:
         if self._group_ready:
             return
-        try:
-            # From the stream's start: events appended before any writer existed count too.
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        # From the stream's start: events appended before any writer existed count too.
+        self._create_group(keys=[self.stream], args=[self.group])
         self._group_ready = True
 
     def _recreate_group(self, exc: redis.ResponseError) -> None:
@@ -247,9 +255,8 @@ class UsageWriter:
         if not entries:
             return 0
         ids = [entry_id for entry_id, _ in entries]
-        counted: list[bytes | int] = []
-        for _, fields in entries:
-            counted += [fields.get(b"u", b""), int(fields.get(b"n", 0) or 0)]
+        counters = [fields.get(b"u") or NO_COUNTER for _, fields in entries]
+        tokens = [int(fields.get(b"n") or 0) for _, fields in entries]
         events = []
         for entry_id, fields in entries:
             try:
@@ -264,22 +271,23 @@ class UsageWriter:
         except DatabaseError:
             connection.close()
             self._persist_one_by_one(events)
-        self._acknowledge(ids, counted)
+        self._acknowledge(ids, counters, tokens)
         return len(entries)
 
-    def _acknowledge(self, ids: list[bytes], counted: list[bytes | int]) -> None:
+    def _acknowledge(self, ids: list[bytes], counters: list[bytes], tokens: list[int]) -> None:
         """Remove stored entries from the stream (one script, atomic with the budget's
         `unwritten` counters). After a Redis restart between the read and here they may be gone
         already, and the group with them: the group is created again and the script run once
         more (it deletes nothing then); ids of entries added since are later than these."""
-        args = [self.group, len(ids), *ids, *counted]
+        keys = [self.stream, *counters]
+        args = [self.group, *ids, *tokens]
         try:
-            self._ack(keys=[self.stream], args=args)
+            self._ack(keys=keys, args=args)
         except redis.ResponseError as exc:
             if not _group_lost(exc):
                 raise
             self._recreate_group(exc)
-            self._ack(keys=[self.stream], args=args)
+            self._ack(keys=keys, args=args)
 
     def _persist_one_by_one(self, events: list[dict[str, Any]]) -> None:
         """A batch the database refuses (not a connection problem): keep every good event."""

@@ -181,35 +181,32 @@ def test_budget_lost_with_redis_is_reseeded_from_postgres_plus_what_the_stream_s
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_full_redis_refuses_admission_as_the_failure_policy_says(tmp_path):
-    """`maxmemory` reached with `noeviction`: Redis refuses writes (OOM); admission cannot record
-    the request and raises RedisUnavailable, which the gateway turns into the policy's answer
-    (closed: 503 `limits_unavailable`). Nothing already in Redis is evicted."""
+def test_a_full_redis_refuses_admission_and_still_lets_the_writer_empty_the_stream(tmp_path):
+    """Redis over `maxmemory` with `noeviction` (the shipped policy): writes that need memory are
+    refused (OOM), so admission cannot record the request and raises RedisUnavailable, which the
+    gateway turns into the failure policy's answer (closed: 503 `limits_unavailable`). Nothing
+    is evicted, and the writer can still store and delete what the stream holds."""
     from serving_app.gateway.metering import RedisUnavailable
 
-    server = PrivateRedis(tmp_path, None, "--maxmemory", "3mb", "--maxmemory-policy",
-                          "noeviction")
+    server = PrivateRedis(tmp_path, SHIPPED_CONFIG)
     server.start()
     try:
         client = server.client()
-        client.xadd(STREAM, {"e": json.dumps(event("kept"))})
-        filler = "x" * 100_000
+        acme = make_tenant("acme", requests_per_minute=100, monthly_token_budget=10_000)
+        assert serve(server, acme.pk, [(20, 10), (20, 10)]) == [admission.ADMIT] * 2
+        assert int(client.get(admission.tenant_keys(acme.pk)[6])) == 20  # unwritten tokens
+        client.mset({f"filler:{i}": "x" * 1000 for i in range(2000)})
+        client.config_set("maxmemory", "1mb")  # now well over it: Redis is full
         with pytest.raises(redis.exceptions.OutOfMemoryError):
-            for i in range(1000):
-                client.set(f"filler:{i}", filler)
-        acme = make_tenant("acme", requests_per_minute=100)
-        entry = load_snapshot().tenants[acme.pk]
-
-        async def admit() -> None:
-            meter = Meter(meter_config(server))
-            try:
-                await meter.admit(entry, "r1", 1)
-            finally:
-                await meter.redis.aclose()
-
+            client.set("one-more", "x")
         with pytest.raises(RedisUnavailable, match="maxmemory"):
-            asyncio.run(admit())
-        assert client.xlen(STREAM) == 1  # the stream is never evicted
+            serve(server, acme.pk, [(20, 10)])
+        assert client.xlen(STREAM) == 2  # nothing evicted
+
+        writer = UsageWriter(client, stream=STREAM, group=GROUP, consumer="w1")
+        assert writer.drain() == 2
+        assert client.xlen(STREAM) == 0 and UsageEvent.objects.count() == 2
+        assert not client.exists(admission.tenant_keys(acme.pk)[6])
     finally:
         server.stop()
 
