@@ -33,7 +33,10 @@ TPM = 2
 CONCURRENCY = 3
 BUDGET = 4
 
-ADMIT_LUA = """
+# `#!lua` (Redis 7 script flags): a full Redis (noeviction) refuses the whole script up front, so
+# admission fails as the failure policy says. Without flags Redis would let a script that has
+# already run one write (ZREMRANGEBYSCORE) go on writing, depending on the tenant's limits.
+ADMIT_LUA = """#!lua
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
@@ -138,7 +141,9 @@ return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
 # token log (the reservation is replaced, not decremented twice). For a tenant with a budget the
 # event's tokens also go to this month's `unwritten` counter (KEYS[7]), and the entry names that
 # counter and the tokens, so that the writer lowers it when the event is stored.
-SETTLE_LUA = """
+# `allow-oom`: a request admitted before Redis filled up still settles and appends its event
+# (Redis grows past maxmemory by at most the requests in flight; admission stops new ones).
+SETTLE_LUA = """#!lua flags=allow-oom
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
 local reserved = tonumber(ARGV[3])
