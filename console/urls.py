@@ -1,4 +1,5 @@
-"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs."""
+"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs, and the
+liveness and readiness probes (`/healthz`, `/readyz`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
+from serving_app import views as console_views
 from serving_app.api import views as serving_views
 from tenants_app.api import views as tenant_views
 
@@ -26,10 +28,13 @@ router.register("instances", serving_views.InstanceViewSet)
 router.register("audit-log", serving_views.AuditLogViewSet)
 
 urlpatterns = [
+    path("healthz", console_views.healthz, name="healthz"),
+    path("readyz", console_views.readyz, name="readyz"),
     path("", include("serving_app.urls")),
     path("portal/", include("tenants_app.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
+    path("api/v1/", include("serving_app.api.health_views")),
     path("api/v1/", include(router.urls)),
     path("api/v1/auth/token/", obtain_auth_token, name="api-token"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

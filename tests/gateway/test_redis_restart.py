@@ -30,12 +30,12 @@ from serving_app.usage import UsageEvent, UsageHour
 from tests.factories import make_tenant
 from tests.gateway.conftest import (
     ROOT,
-    PrivateRedis,
     _test_database_url,
     make_world,
     start_gateway,
     wait_until,
 )
+from tests.redis_server import PrivateRedis
 
 STREAM = "gw:usage"
 GROUP = "usage-writer"
