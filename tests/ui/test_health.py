@@ -106,3 +106,13 @@ def test_redis_unreachable_makes_readyz_fail_and_every_console_page_show_the_ban
     redis_for_health.start()
     health._cached = None
     assert Client().get("/readyz").status_code == 200
+
+
+@pytest.mark.django_db
+def test_the_writers_probe_exits_nonzero_while_it_is_behind(redis_for_health):
+    from django.core.management import CommandError, call_command
+
+    call_command("usage_writer", check=True)  # healthy: returns
+    old_event(redis_for_health, 120)
+    with pytest.raises(CommandError, match="Metering is behind"):
+        call_command("usage_writer", check=True)
