@@ -114,6 +114,10 @@ if budget > 0 then
     return {4, rpm_count, 0, used, 0, -1}
   end
   redis.call('INCRBY', KEYS[6], need)
+  -- Which reservation the counter holds, so that settlement after a Redis loss (and a re-seed
+  -- without it) does not take back tokens that were never added.
+  redis.call('HSET', KEYS[3], 'b:' .. rid, need)
+  redis.call('PEXPIRE', KEYS[3], window + lease)
 end
 
 if rpm > 0 then
@@ -146,7 +150,6 @@ return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
 SETTLE_LUA = """#!lua flags=allow-oom
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
-local reserved = tonumber(ARGV[3])
 if ARGV[4] == '1' then
   local old = tonumber(redis.call('HGET', KEYS[2], rid))
   if old then
@@ -155,8 +158,12 @@ if ARGV[4] == '1' then
   end
 end
 if ARGV[5] == '1' then redis.call('ZREM', KEYS[4], rid) end
-if ARGV[6] == '1' and redis.call('EXISTS', KEYS[5]) == 1 then
-  redis.call('INCRBY', KEYS[5], actual - reserved)
+if ARGV[6] == '1' then
+  local held = tonumber(redis.call('HGET', KEYS[2], 'b:' .. rid))
+  if held then redis.call('HDEL', KEYS[2], 'b:' .. rid) end
+  if redis.call('EXISTS', KEYS[5]) == 1 then
+    redis.call('INCRBY', KEYS[5], actual - (held or 0))
+  end
 end
 if ARGV[6] == '1' and actual > 0 then
   redis.call('INCRBY', KEYS[7], actual)

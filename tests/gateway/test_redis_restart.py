@@ -181,6 +181,40 @@ def test_budget_lost_with_redis_is_reseeded_from_postgres_plus_what_the_stream_s
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_request_admitted_before_a_redis_loss_is_charged_its_tokens_after_the_reseed(
+    private_redis,
+):
+    """Its reservation went with the old counter: settling must not take it back from the new
+    one (that would hand the tenant the reservation as extra budget)."""
+    from serving_app.gateway.metering import RedisUnavailable
+
+    acme = make_tenant("acme", monthly_token_budget=1000)
+    UsageHour.objects.create(bucket=month_start(), tenant=acme, model="m", prompt_tokens=200,
+                             completion_tokens=0)
+    entry = load_snapshot().tenants[acme.pk]
+
+    async def scenario() -> None:
+        meter = Meter(meter_config(private_redis))
+        try:
+            in_flight, _ = await meter.admit(entry, "in-flight", 300)
+            assert spent(private_redis, acme.pk) == 200 + 300
+            private_redis.kill()
+            private_redis.start()
+            try:
+                other, _ = await meter.admit(entry, "after", 50)
+            except RedisUnavailable:  # the old connection, found dead (a request refused)
+                other, _ = await meter.admit(entry, "after", 50)  # re-seeds: 200 + 50
+            await meter.settle(in_flight, 120, event("in-flight", tenant=acme.pk))
+            assert spent(private_redis, acme.pk) == 200 + 50 + 120
+            await meter.settle(other, 40, event("after", tenant=acme.pk))
+            assert spent(private_redis, acme.pk) == 200 + 120 + 40
+        finally:
+            await meter.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_full_redis_refuses_admission_and_still_lets_the_writer_empty_the_stream(tmp_path):
     """Redis over `maxmemory` with `noeviction` (the shipped policy): writes that need memory are
     refused (OOM), so admission cannot record the request and raises RedisUnavailable, which the
