@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 from benchmarks.gateway_bench import free_port, kill_group
@@ -181,6 +181,13 @@ class World:
 
 
 def make_world(upstream_port: int, secret: str, **acme_limits) -> World:
+    # One transaction: a gateway re-reads its catalog every 0.5 s here, and one read between
+    # the deployment's creation and its adapters' would show the deployment without them.
+    with transaction.atomic():
+        return _make_world(upstream_port, secret, **acme_limits)
+
+
+def _make_world(upstream_port: int, secret: str, **acme_limits) -> World:
     base = BaseModel(name="tiny-llama", path=str(MODELS / "tiny-llama"))
     base.full_clean()
     base.save()
