@@ -113,6 +113,12 @@ STATIC_ROOT = VAR_DIR / "staticfiles"
 
 LOGIN_URL = "/login/"
 
+# How long an invitation to join a tenant stays open (days).
+INVITATION_EXPIRY_DAYS = env_int("INVITATION_EXPIRY_DAYS", 7, minimum=1)
+# Previous SECRET_KEYs, comma-separated, still accepted for signatures while a new one rolls out
+# (docs/security.md, "Rotating keys and secrets").
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
+
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 REST_FRAMEWORK = {
@@ -125,11 +131,14 @@ REST_FRAMEWORK = {
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "console.api.CappedLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "console.api.exception_handler",
 }
+
+# The largest page a list endpoint answers (`?limit=` above it gets this many).
+API_MAX_PAGE_SIZE = env_int("API_MAX_PAGE_SIZE", 500, minimum=1)
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM Console management API",

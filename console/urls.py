@@ -14,6 +14,10 @@ from tenants_app.api.auth import TokenLoginView
 router = DefaultRouter()
 router.register("tenants", tenant_views.TenantViewSet)
 router.register("memberships", tenant_views.MembershipViewSet)
+router.register("invitations", tenant_views.InvitationViewSet)
+router.register(
+    "my-invitations", tenant_views.ReceivedInvitationViewSet, basename="received-invitation"
+)
 router.register("api-keys", tenant_views.ApiKeyViewSet)
 router.register("users", tenant_views.UserViewSet)
 router.register("prefix-cache-groups", tenant_views.PrefixCacheGroupViewSet)

@@ -1,5 +1,5 @@
-"""Django admin for tenants, memberships, API keys and prefix-cache sharing groups (every change
-audited)."""
+"""Django admin for tenants, memberships, invitations, API keys and prefix-cache sharing groups
+(every change audited)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from django.utils.cache import add_never_cache_headers
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Tenant, new_cache_secret
+from tenants_app.models import (
+    ApiKey,
+    Invitation,
+    Membership,
+    PrefixCacheGroup,
+    Tenant,
+    new_cache_secret,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -75,6 +82,32 @@ class MembershipAdmin(AuditedAdmin):
     list_filter = ["role", "tenant"]
     search_fields = ["user__username", "tenant__slug"]
     autocomplete_fields = ["user", "tenant"]
+
+
+@admin.action(description="Revoke selected invitations")
+def revoke_invitations(modeladmin, request, queryset) -> None:
+    for invitation in queryset:
+        if invitation.revoke():
+            audit.record(request, "revoke", invitation,
+                         changes={"status": ["pending", "revoked"]}, via="admin")
+    messages.success(request, "Selected pending invitations are revoked.")
+
+
+@admin.register(Invitation)
+class InvitationAdmin(AuditedAdmin):
+    """Platform admins see whom an invitation resolved to; they add members directly instead
+    (Memberships), so invitations are created by tenant managers and only revoked here."""
+
+    list_display = ["invited_as", "tenant", "role", "status", "invitee", "invited_by",
+                    "expires_at", "created_at"]
+    list_filter = ["status", "role", "tenant"]
+    search_fields = ["invited_as", "tenant__slug", "invitee__username"]
+    readonly_fields = ["tenant", "invited_as", "invitee", "role", "status", "invited_by",
+                       "expires_at", "answered_at", "created_at"]
+    actions = [revoke_invitations]
+
+    def has_add_permission(self, request) -> bool:
+        return False
 
 
 class ApiKeyCreateForm(forms.ModelForm):

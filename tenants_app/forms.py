@@ -1,5 +1,5 @@
 """Tenant portal forms: API keys, adapters (uploaded archives; a path only for platform admins),
-members.
+invitations.
 
 Rows are validated by the models' `full_clean()`, as in the API. An uploaded adapter goes
 through `serving_app.uploads.register_upload()`, the same workflow as the API's upload.
@@ -12,14 +12,13 @@ from typing import Any
 
 from django import forms
 from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from serving_app import storage
 from serving_app.models import BaseModel, LoraAdapter
 from serving_app.uploads import allowed_base_models, register_upload
-from tenants_app.models import Membership, Role, Tenant
+from tenants_app.models import Role, Tenant
 
 EXPIRY_CHOICES = [("", "Never"), ("1", "1 day"), ("7", "7 days"), ("30", "30 days"),
                   ("90", "90 days")]
@@ -120,25 +119,11 @@ class AdapterUploadForm(forms.Form):
             raise exc from None
 
 
-class MemberAddForm(_ConstraintsMixin, forms.ModelForm):
-    username = forms.CharField(max_length=150)
+class InviteForm(forms.Form):
+    """Invite someone by username or email. Whether such a user exists is never said."""
 
-    class Meta:
-        model = Membership
-        fields = ["role"]
-
-    def __init__(self, *args: Any, tenant: Tenant, **kwargs: Any) -> None:
-        kwargs.setdefault("instance", Membership(tenant=tenant))
-        super().__init__(*args, **kwargs)
-        self.order_fields(["username", "role"])
-
-    def clean_username(self) -> str:
-        username = self.cleaned_data["username"]
-        user = get_user_model().objects.filter(username=username).first()
-        if user is None:
-            raise ValidationError(f"No user is called {username}.")
-        self.instance.user = user
-        return username
+    invited_as = forms.CharField(max_length=254, label="Username or email")
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
 class MemberRoleForm(forms.Form):

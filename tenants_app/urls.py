@@ -10,6 +10,8 @@ app_name = "portal"
 
 urlpatterns = [
     path("", views.PortalHomeView.as_view(), name="home"),
+    re_path(r"^invitations/(?P<pk>\d+)/(?P<answer>accept|decline)/$",
+            views.InvitationAnswerView.as_view(), name="invitation-answer"),
     path("<slug:slug>/", views.TenantHomeView.as_view(), name="tenant-home"),
     re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/$",
             views.TenantDashboardView.as_view(), name="dashboard"),
@@ -27,4 +29,6 @@ urlpatterns = [
          name="playground-key"),
     path("<slug:slug>/members/", views.MembersView.as_view(), name="members"),
     path("<slug:slug>/members/<int:pk>/", views.MemberChangeView.as_view(), name="member"),
+    path("<slug:slug>/invitations/<int:pk>/revoke/", views.InvitationRevokeView.as_view(),
+         name="invitation-revoke"),
 ]

@@ -26,15 +26,16 @@ from serving_app import audit, storage
 from serving_app.dashboards import queries
 from serving_app.gateway import invalidation as gateway_invalidation
 from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.views import CHARTS, dashboard_payload
 from tenants_app.forms import (
     AdapterPathForm,
     AdapterUploadForm,
     ApiKeyForm,
-    MemberAddForm,
+    InviteForm,
     MemberRoleForm,
 )
-from tenants_app.models import MANAGER_ROLES, ApiKey, Membership, Role, Tenant
+from tenants_app.models import MANAGER_ROLES, ApiKey, Invitation, Membership, Role, Tenant
 
 VIA = "ui"
 PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
@@ -50,17 +51,46 @@ class PortalAccessMixin(AccessMixin):
 
 
 class PortalHomeView(PortalAccessMixin, TemplateView):
-    """Pick a tenant (a user in one tenant goes straight to it)."""
+    """Pick a tenant (a user in one tenant with no open invitation goes straight to it), and
+    answer the invitations addressed to you."""
 
     template_name = "tenants_app/pick.html"
 
     def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         tenants = list(Tenant.objects.for_user(request.user).order_by("name"))
-        if len(tenants) == 1:
+        invitations = list(Invitation.objects.addressed_to(request.user)
+                           .select_related("tenant", "invited_by").order_by("-created_at"))
+        if len(tenants) == 1 and not invitations:
             return redirect("portal:tenant-home", slug=tenants[0].slug)
         roles = dict(request.user.memberships.values_list("tenant_id", "role"))
         return render(request, self.template_name,
-                      {"choices": [(t, roles.get(t.pk, "platform")) for t in tenants]})
+                      {"choices": [(t, roles.get(t.pk, "platform")) for t in tenants],
+                       "invitations": invitations})
+
+
+class InvitationAnswerView(PortalAccessMixin, View):
+    """Accept or decline an invitation addressed to you (anyone else's is a 404)."""
+
+    def post(self, request: HttpRequest, pk: int, answer: str) -> HttpResponse:
+        invitation = get_object_or_404(
+            Invitation.objects.addressed_to(request.user).select_related("tenant"), pk=pk
+        )
+        if answer == "decline":
+            if invitation.decline(request.user):
+                audit.record(request, "decline", invitation,
+                             changes={"status": ["pending", "declined"]}, via=VIA)
+            messages.success(request, f"Invitation to {invitation.tenant.name} declined.")
+            return redirect("portal:home")
+        try:
+            membership = invitation.accept(request.user)
+        except ValidationError as exc:
+            messages.error(request, exc.messages[0])
+            return redirect("portal:home")
+        audit.record(request, "accept", invitation, changes={"status": ["pending", "accepted"]},
+                     via=VIA)
+        audit.record(request, "create", membership, changes=audit.snapshot(membership), via=VIA)
+        messages.success(request, f"You joined {invitation.tenant.name} as {membership.role}.")
+        return redirect("portal:tenant-home", slug=invitation.tenant.slug)
 
 
 class TenantMixin(PortalAccessMixin):
@@ -249,11 +279,15 @@ class AdaptersView(TenantMixin, View):
     section = "adapters"
 
     def page(self, status: int = 200, **forms: Any) -> HttpResponse:
-        adapters = LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model") \
-            .prefetch_related("deployments")
+        adapters = list(LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model")
+                        .prefetch_related("deployments"))
+        staff = is_platform_admin(self.request.user)
+        for adapter in adapters:
+            # An engine's load error may name host paths; tenant users get them redacted.
+            adapter.shown_error = adapter.last_error if staff else redact_paths(adapter.last_error)
         # Tenants never name host paths: registering a folder on the hosts is for platform
         # admins (who see the portal as every tenant does).
-        if self.request.user.is_staff:
+        if staff:
             forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
         forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
         return self.render("tenants_app/adapters.html", status=status, adapters=adapters,
@@ -349,13 +383,18 @@ class PlaygroundKeyView(TenantMixin, View):
 
 
 class MembersView(TenantMixin, View):
+    """The tenant's members and invitations. Owners and admins invite by username or email; the
+    page answers the same whether or not that user exists."""
+
     section = "members"
 
-    def page(self, form: MemberAddForm | None = None, status: int = 200) -> HttpResponse:
+    def page(self, form: InviteForm | None = None, status: int = 200) -> HttpResponse:
         memberships = Membership.objects.for_tenant(self.tenant).select_related("user") \
             .order_by("user__username")
+        invitations = Invitation.objects.for_tenant(self.tenant).select_related("invited_by") \
+            .order_by("-created_at")[:50]
         return self.render("tenants_app/members.html", status=status, memberships=memberships,
-                           form=form or MemberAddForm(tenant=self.tenant), roles=Role.choices,
+                           invitations=invitations, form=form or InviteForm(), roles=Role.choices,
                            is_owner=self.role in ("platform", Role.OWNER))
 
     def check_owner_grant(self, role: str | None) -> None:
@@ -367,13 +406,36 @@ class MembersView(TenantMixin, View):
 
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
-        form = MemberAddForm(request.POST, tenant=self.tenant)
+        form = InviteForm(request.POST)
         if not form.is_valid():
             return self.page(form, status=400)
         self.check_owner_grant(form.cleaned_data["role"])
-        membership = form.save()
-        audit.record(request, "create", membership, changes=audit.snapshot(membership), via=VIA)
-        messages.success(request, f"{membership.user.username} added as {membership.role}.")
+        try:
+            invitation = Invitation.objects.invite(
+                tenant=self.tenant, invited_as=form.cleaned_data["invited_as"],
+                role=form.cleaned_data["role"], invited_by=request.user,
+            )
+        except ValidationError as exc:
+            for field, errors in exc.message_dict.items():
+                for error in errors:
+                    form.add_error(field if field in form.fields else None, error)
+            return self.page(form, status=400)
+        audit.record(request, "create", invitation, changes=audit.snapshot(invitation), via=VIA)
+        messages.success(request, f"Invitation for {invitation.invited_as} created; it is open "
+                                  f"until {invitation.expires_at:%Y-%m-%d %H:%M} UTC.")
+        return redirect("portal:members", slug=slug)
+
+
+class InvitationRevokeView(MembersView):
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        invitation = get_object_or_404(Invitation.objects.for_tenant(self.tenant), pk=pk)
+        if invitation.role == Role.OWNER:
+            self.check_owner_grant(Role.OWNER)
+        if invitation.revoke():
+            audit.record(request, "revoke", invitation,
+                         changes={"status": ["pending", "revoked"]}, via=VIA)
+            messages.success(request, f"Invitation for {invitation.invited_as} revoked.")
         return redirect("portal:members", slug=slug)
 
 

@@ -20,24 +20,52 @@ from serving_app.models import (
     LoraAdapter,
     Node,
 )
+from serving_app.redaction import (
+    is_platform_admin,
+    redact_paths,
+    redact_value,
+    visible_tenant_ids,
+)
 from serving_app.uploads import allowed_base_models
-from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
 ARCH_FIELDS = list(BaseModel.ARCHITECTURE_FIELDS)
 
 
-class BaseModelSerializer(ValidatedModelSerializer):
+class ViewerMixin:
+    """Who reads this representation: platform admins see every field, tenant users less
+    (serving_app.redaction). Without a request the reader counts as a tenant user."""
+
+    context: dict[str, Any]
+
+    @property
+    def viewer_is_staff(self) -> bool:
+        request = self.context.get("request")
+        return is_platform_admin(getattr(request, "user", None))
+
+    def viewer_tenant_ids(self) -> frozenset[int]:
+        request = self.context.get("request")
+        return visible_tenant_ids(request) if request is not None else frozenset()
+
+
+class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer):
     class Meta:
         model = BaseModel
         fields = ["id", "name", "path", "dtype", "quantization", *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
         derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()
 
+    def to_representation(self, base_model: BaseModel) -> dict[str, Any]:
+        data = super().to_representation(base_model)
+        if not self.viewer_is_staff:
+            data.pop("path", None)
+        return data
 
-class LoraAdapterSerializer(ValidatedModelSerializer):
+
+class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer):
     tenant = TenantSlugField()
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
 
     class Meta:
         model = LoraAdapter
@@ -74,6 +102,13 @@ class LoraAdapterSerializer(ValidatedModelSerializer):
             if staff or not isinstance(exc.detail, dict):
                 raise
             raise serializers.ValidationError(_generic_host_path(exc.detail)) from exc
+
+    def to_representation(self, adapter: LoraAdapter) -> dict[str, Any]:
+        data = super().to_representation(adapter)
+        if not self.viewer_is_staff:
+            data.pop("path", None)
+            data["last_error"] = redact_paths(data.get("last_error") or "")
+        return data
 
 
 PATH_FORBIDDEN = (
@@ -125,6 +160,13 @@ class AdapterUploadSerializer(serializers.Serializer):
                 {"name": f"This tenant already has an adapter named {attrs['name']}."}
             )
         return attrs
+
+    def to_representation(self, adapter: LoraAdapter) -> dict[str, Any]:
+        data = super().to_representation(adapter)
+        if not self.viewer_is_staff:
+            data.pop("path", None)
+            data["last_error"] = redact_paths(data.get("last_error") or "")
+        return data
 
 
 class GpuSerializer(serializers.ModelSerializer):
@@ -219,8 +261,8 @@ class AdapterChoiceField(serializers.PrimaryKeyRelatedField):
         return LoraAdapter.objects.for_user(request.user).select_related("tenant")
 
 
-class DeploymentSerializer(ValidatedModelSerializer):
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
     tenants = TenantSlugField(many=True)
     adapters = AdapterChoiceField(many=True, required=False)
     instances = InstanceBriefSerializer(many=True, read_only=True)
@@ -272,12 +314,29 @@ class DeploymentSerializer(ValidatedModelSerializer):
         except DjangoValidationError as exc:
             raise serializers.ValidationError(as_serializer_error(exc)) from exc
 
+    def to_representation(self, deployment: Deployment) -> dict[str, Any]:
+        """Tenant users see their own tenants and adapters only, and of each instance its state:
+        a deployment shared by several tenants tells none of them who the others are, nor where
+        and how its engines run."""
+        data = super().to_representation(deployment)
+        if self.viewer_is_staff:
+            return data
+        mine = self.viewer_tenant_ids()
+        data["tenants"] = [t.slug for t in deployment.tenants.all() if t.pk in mine]
+        data["adapters"] = [a.pk for a in deployment.adapters.all() if a.tenant_id in mine]
+        data["instances"] = [
+            {"id": i.pk, "ordinal": i.ordinal, "state": i.state}
+            for i in deployment.instances.all()
+        ]
+        data.pop("base_port", None)
+        return data
+
 
 class ScaleSerializer(serializers.Serializer):
     replicas = serializers.IntegerField(min_value=0, max_value=64)
 
 
-class AuditLogSerializer(serializers.ModelSerializer):
+class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
 
     class Meta:
@@ -297,3 +356,10 @@ class AuditLogSerializer(serializers.ModelSerializer):
             "created_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, entry: AuditLog) -> dict[str, Any]:
+        data = super().to_representation(entry)
+        if not self.viewer_is_staff:
+            data["changes"] = redact_value(data.get("changes") or {})
+            data["object_repr"] = redact_paths(data.get("object_repr") or "")
+        return data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import django_filters
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
@@ -103,17 +104,28 @@ class GpuViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_fields = {"node__name": ["exact"], "mig_mode": ["exact"]}
 
 
+class DeploymentFilter(django_filters.FilterSet):
+    """`tenants__slug` filters by a tenant the caller belongs to; any other tenant's slug finds
+    nothing, so a tenant user cannot learn which deployments another tenant shares."""
+
+    tenants__slug = django_filters.CharFilter(method="filter_tenant")
+
+    class Meta:
+        model = Deployment
+        fields = {"name": ["exact"], "desired_state": ["exact"], "base_model__name": ["exact"]}
+
+    def filter_tenant(self, queryset: QuerySet, name: str, value: str) -> QuerySet:
+        user = self.request.user
+        tenants = Tenant.objects.for_user(user).filter(slug=value)
+        return queryset.filter(tenants__in=tenants).distinct()
+
+
 class DeploymentViewSet(ScopedModelViewSet):
     """Deployments: what should run. Tenants read the ones they may use."""
 
     queryset = Deployment.objects.all()
     serializer_class = DeploymentSerializer
-    filterset_fields = {
-        "name": ["exact"],
-        "desired_state": ["exact"],
-        "base_model__name": ["exact"],
-        "tenants__slug": ["exact"],
-    }
+    filterset_class = DeploymentFilter
     write_role = "staff"
 
     def get_queryset(self) -> QuerySet:

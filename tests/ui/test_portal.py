@@ -13,7 +13,7 @@ from django.urls import reverse
 
 from serving_app import storage
 from serving_app.models import AdapterFileRemoval, AuditLog, Instance, LoraAdapter
-from tenants_app.models import ApiKey, Membership, Role
+from tenants_app.models import ApiKey, Invitation, Membership, Role
 from tests.factories import add_member, make_adapter, make_adapter_dir, make_deployment, make_user
 
 pytestmark = pytest.mark.django_db
@@ -35,7 +35,7 @@ WRITES = [
     ("portal:adapter-delete", [1], {}),
     ("portal:adapters", [], {"source": "path"}),
     ("portal:playground-key", [], {}),
-    ("portal:members", [], {"username": "x", "role": "member"}),
+    ("portal:members", [], {"invited_as": "x", "role": "member"}),
 ]
 
 
@@ -381,18 +381,51 @@ def test_another_tenants_adapter_cannot_be_deleted(login, acme, globex, base_mod
 # ----------------------------------------------------------------------------- members
 
 
-def test_owner_adds_a_member(login, acme):
-    make_user("newbie")
+def test_owner_invites_a_member_who_accepts_from_their_portal(login, acme):
+    newbie = make_user("newbie")
     response = login(acme.owner).post(reverse("portal:members", args=["acme"]),
-                                      {"username": "newbie", "role": "member"})
+                                      {"invited_as": "newbie", "role": "member"})
     assert response.status_code == 302
-    assert Membership.objects.get(user__username="newbie").role == "member"
+    assert not Membership.objects.filter(user=newbie).exists()
+    client = login(newbie)
+    page = client.get(reverse("portal:home")).content.decode()
+    assert "Acme Corp" in page and "Accept" in page
+    invitation = Invitation.objects.get(invited_as="newbie")
+    response = client.post(reverse("portal:invitation-answer", args=[invitation.pk, "accept"]))
+    assert response.status_code == 302
+    assert Membership.objects.get(user=newbie).role == "member"
+
+
+def test_invitation_is_declined_or_revoked_from_the_portal_and_nobody_else_answers(
+        login, acme, globex):
+    member_elsewhere = globex.viewer  # in one tenant: the portal shows the invitation first
+    owner = login(acme.owner)
+    owner.post(reverse("portal:members", args=["acme"]),
+               {"invited_as": member_elsewhere.username, "role": "viewer"})
+    invitation = Invitation.objects.get(invited_as=member_elsewhere.username)
+    for intruder in (acme.owner, globex.owner):
+        response = login(intruder).post(
+            reverse("portal:invitation-answer", args=[invitation.pk, "accept"]))
+        assert response.status_code == 404
+    client = login(member_elsewhere)
+    assert client.get(reverse("portal:home")).status_code == 200  # not redirected away
+    client.post(reverse("portal:invitation-answer", args=[invitation.pk, "decline"]))
+    invitation.refresh_from_db()
+    assert invitation.status == "declined"
+    assert not Membership.objects.filter(user=member_elsewhere, tenant=acme.tenant).exists()
+    owner.post(reverse("portal:members", args=["acme"]), {"invited_as": "x", "role": "member"})
+    second = Invitation.objects.get(invited_as="x")
+    assert login(acme.viewer).post(
+        reverse("portal:invitation-revoke", args=["acme", second.pk])).status_code == 403
+    owner.post(reverse("portal:invitation-revoke", args=["acme", second.pk]))
+    second.refresh_from_db()
+    assert second.status == "revoked"
 
 
 def test_admin_cannot_make_an_owner(login, acme):
     make_user("newbie")
     response = login(acme.admin).post(reverse("portal:members", args=["acme"]),
-                                      {"username": "newbie", "role": "owner"})
+                                      {"invited_as": "newbie", "role": "owner"})
     assert response.status_code == 403
     member = Membership.objects.get(user=acme.member)
     response = login(acme.admin).post(reverse("portal:member", args=["acme", member.pk]),
@@ -417,13 +450,21 @@ def test_last_owner_cannot_step_down(login, acme):
     assert owner.role == "owner"
 
 
-def test_unknown_user_and_duplicate_membership_are_refused(login, acme):
+def test_inviting_an_unknown_user_looks_like_inviting_a_real_one(login, acme):
+    make_user("realperson")
     client = login(acme.owner)
     url = reverse("portal:members", args=["acme"])
-    assert "No user is called ghost" in str(
-        client.post(url, {"username": "ghost", "role": "member"}).context["form"].errors)
-    response = client.post(url, {"username": "acme-member", "role": "member"})
-    assert response.status_code == 400 and "already exists" in str(response.context["form"].errors)
+    pages = []
+    for name in ("realperson", "ghost"):
+        response = client.post(url, {"invited_as": name, "role": "member"}, follow=True)
+        assert response.status_code == 200
+        pages.append(response.content.decode().replace(name, "NAME"))
+    # The same message and the same row (only the expiry minute may differ).
+    assert "Invitation for NAME created" in pages[0] and "Invitation for NAME created" in pages[1]
+    assert "No user" not in pages[1] and "does not exist" not in pages[1]
+    response = client.post(url, {"invited_as": "ghost", "role": "member"})
+    assert response.status_code == 400 and "already has an open invitation" in str(
+        response.context["form"].errors)
 
 
 # ----------------------------------------------------------------------------- dashboards
