@@ -5,12 +5,11 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
-from knox import views as knox_views
 from rest_framework.routers import DefaultRouter
 
 from serving_app.api import views as serving_views
 from tenants_app.api import views as tenant_views
-from tenants_app.api.auth import TokenLoginView
+from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
 
 router = DefaultRouter()
 router.register("tenants", tenant_views.TenantViewSet)
@@ -38,8 +37,8 @@ urlpatterns = [
     path("api/v1/", include(router.urls)),
     path("api/v1/auth/token/", TokenLoginView.as_view(), name="api-token"),
     # Revoking tokens: this one, or every token of the signed-in user.
-    path("api/v1/auth/logout/", knox_views.LogoutView.as_view(), name="api-token-logout"),
-    path("api/v1/auth/logout-all/", knox_views.LogoutAllView.as_view(),
+    path("api/v1/auth/logout/", TokenLogoutView.as_view(), name="api-token-logout"),
+    path("api/v1/auth/logout-all/", TokenLogoutAllView.as_view(),
          name="api-token-logout-all"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     # The split view serves Swagger UI's start-up script as a file of its own (no inline script,
