@@ -53,6 +53,7 @@ def setup_django(url: str) -> None:
     os.environ["DATABASE_URL"] = url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
     os.environ.setdefault("LOG_LEVEL", "WARNING")
+    os.environ.setdefault("DEBUG", "true")  # a development run: the development SECRET_KEY
     import django
 
     django.setup()

@@ -456,7 +456,7 @@ def main() -> int:
         client = redis.Redis.from_url(redis_url)
         client.delete("gw:bench-usage")
         client.close()
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
+        env = {"DEBUG": "true", **os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
                "DATABASE_URL": f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}",
                "GATEWAY_REDIS_URL": redis_url, "LOG_LEVEL": "WARNING",
                "GATEWAY_USAGE_STREAM": "gw:bench-usage"}

@@ -31,6 +31,7 @@ os.environ.update({
     "DJANGO_SETTINGS_MODULE": "console.settings", "RECONCILE_INTERVAL_SECONDS": "5",
     "ENGINE_LOG_DIR": "/tmp/lifecycle-bench-logs", "NODE_HEARTBEAT_SECONDS": "1",
 })
+os.environ.setdefault("DEBUG", "true")  # a development run: the development SECRET_KEY
 
 
 def ensure_database() -> None:
@@ -101,7 +102,8 @@ def main() -> None:
             probe = Instance(deployment=deployment, port=18990)
             spec = build_launch_spec(deployment, probe, engine_env=str(ROOT / "var/engine-venv"))
             started = time.monotonic()
-            launched = supervisor.launch(spec.argv, spec.env, logs / f"manual-{round_no}.log")
+            launched = supervisor.launch(spec.argv, spec.process_env(),
+                                         logs / f"manual-{round_no}.log")
             while True:
                 try:
                     if http.get("http://127.0.0.1:18990/health", timeout=1).status_code == 200:

@@ -1,8 +1,9 @@
 """Settings for the console, read from the environment (see `console.env`).
 
 With no variables set this is the embedded default: a SQLite file under `var/`, Redis on
-localhost, DEBUG on. Production sets DATABASE_URL (PostgreSQL), SECRET_KEY, DEBUG=false and
-ALLOWED_HOSTS.
+localhost, DEBUG off (so SECRET_KEY is required; the demo and the tests set DEBUG=true).
+Production sets DATABASE_URL (PostgreSQL), SECRET_KEY and ALLOWED_HOSTS, and the TLS settings of
+the security block below (the README's "Running in production" lists them).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONSOLE_VAR_DIR", str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
-DEBUG = env_bool("DEBUG", True)
+# Off unless asked for: a production install that forgets it must not show Django's debug page
+# (tracebacks, settings, URLs with their passwords) to every tenant user.
+DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = env_str("SECRET_KEY", "")
 if not SECRET_KEY:
     if not DEBUG:
-        raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is false")
+        raise ImproperlyConfigured(
+            "SECRET_KEY must be set when DEBUG is false (set SECRET_KEY or SECRET_KEY_FILE)"
+        )
     SECRET_KEY = "insecure-development-key-do-not-use-in-production"
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -35,7 +40,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",
     "django_filters",
     "drf_spectacular_sidecar",
     "drf_spectacular",
@@ -97,10 +102,6 @@ def _database() -> dict:
 DATABASES = {"default": _database()}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
-]
-
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
@@ -112,23 +113,32 @@ STATIC_ROOT = VAR_DIR / "staticfiles"
 
 LOGIN_URL = "/login/"
 
+# How long an invitation to join a tenant stays open (days).
+INVITATION_EXPIRY_DAYS = env_int("INVITATION_EXPIRY_DAYS", 7, minimum=1)
+# Previous SECRET_KEYs, comma-separated, still accepted for signatures while a new one rolls out
+# (docs/security.md, "Rotating keys and secrets").
+SECRET_KEY_FALLBACKS = env_list("SECRET_KEY_FALLBACKS", [])
+
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
+        "knox.auth.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "console.api.CappedLimitOffsetPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "console.api.exception_handler",
 }
+
+# The largest page a list endpoint answers (`?limit=` above it gets this many).
+API_MAX_PAGE_SIZE = env_int("API_MAX_PAGE_SIZE", 500, minimum=1)
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "LLM Console management API",
@@ -139,7 +149,6 @@ SPECTACULAR_SETTINGS = {
     # Served from our own static files: the console must work on an air-gapped host.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
-    "REDOC_DIST": "SIDECAR",
 }
 
 # Celery: JSON only, explicit queues, bounded tasks (cookiecutter-django style).
@@ -182,6 +191,22 @@ PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
 PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))
 GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)
 
+# Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
+# path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
+# admins register base models and adapters from folders under MODEL_ROOTS. Both must be the same
+# paths on the console and on every node host (a shared filesystem on more than one host).
+TENANT_STORAGE_ROOT = Path(env_str("TENANT_STORAGE_ROOT", str(VAR_DIR / "tenant-storage")))
+MODEL_ROOTS = [Path(p) for p in env_list("MODEL_ROOTS", [str(BASE_DIR / "var" / "models")])]
+# What each tenant's adapters may take on disk, in MiB (a tenant's own setting overrides it).
+TENANT_STORAGE_QUOTA_MB = env_int("TENANT_STORAGE_QUOTA_MB", 1024, minimum=0)
+# The largest adapter archive accepted, and the most its files may unpack to, in MiB. A LoRA
+# adapter of a 7-8B model at rank 64 is about 160 MiB; a zip that unpacks to more than this is
+# refused before anything is written.
+ADAPTER_UPLOAD_MAX_BYTES = env_int("ADAPTER_UPLOAD_MAX_MB", 256, minimum=1) * 1024 * 1024
+ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = (
+    env_int("ADAPTER_UPLOAD_MAX_UNPACKED_MB", 512, minimum=1) * 1024 * 1024
+)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -190,6 +215,97 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     # Health checks poll engines several times a second: one INFO line each is noise.
     "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
+}
+
+# --- Security ---
+# Production hardening, each from the environment (the README's "Running in production" lists the
+# values `manage.py check --deploy` is clean with). Kept in one block: cookies and TLS, the content
+# security policy, login throttling, password rules and the API's tokens.
+from datetime import timedelta  # noqa: E402
+
+from csp.constants import NONE, SELF, UNSAFE_INLINE  # noqa: E402
+
+# Cookies only over HTTPS unless debugging (a development server on http:// could not sign in).
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
+# Messages go in the session, never in a cookie of their own (signed is not encrypted).
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+# HSTS is sticky in browsers for its whole duration, so it is off until asked for.
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+# Behind a TLS-terminating proxy: the header (as in request.META, e.g. HTTP_X_FORWARDED_PROTO)
+# that the proxy sets to "https". Only set it when the proxy overwrites that header: a client
+# could otherwise claim HTTPS.
+_proxy_ssl_header = env_str("SECURE_PROXY_SSL_HEADER", "")
+SECURE_PROXY_SSL_HEADER = (_proxy_ssl_header, "https") if _proxy_ssl_header else None
+USE_X_FORWARDED_HOST = env_bool("USE_X_FORWARDED_HOST", False)
+
+# Content security policy (django-csp): scripts only from our own static files, no inline
+# scripts or event handlers. Inline styles stay allowed: plotly.js, htmx and Swagger UI set style
+# attributes at run time. CSP_REPORT_URI receives violation reports; CSP_REPORT_ONLY=true sends
+# the policy as Content-Security-Policy-Report-Only (to try a change without breaking pages).
+_csp_directives: dict = {
+    "default-src": [SELF],
+    "script-src": [SELF],
+    "style-src": [SELF, UNSAFE_INLINE],
+    "img-src": [SELF, "data:"],
+    "font-src": [SELF, "data:"],
+    "connect-src": [SELF],
+    "object-src": [NONE],
+    "base-uri": [SELF],
+    "form-action": [SELF],
+    "frame-ancestors": [NONE],
+}
+_csp_report_uri = env_str("CSP_REPORT_URI", "")
+if _csp_report_uri:
+    _csp_directives["report-uri"] = _csp_report_uri
+if env_bool("CSP_REPORT_ONLY", False):
+    CONTENT_SECURITY_POLICY_REPORT_ONLY = {"DIRECTIVES": _csp_directives}
+else:
+    CONTENT_SECURITY_POLICY = {"DIRECTIVES": _csp_directives}
+INSTALLED_APPS += ["csp", "axes"]
+MIDDLEWARE += [
+    "csp.middleware.CSPMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into its lockout response.
+    "axes.middleware.AxesMiddleware",
+]
+
+# Login throttling (django-axes) for /login/, /admin/login/ and the API token endpoint: after
+# LOGIN_FAILURE_LIMIT failed attempts for one username from one IP address, that pair is refused
+# (429) for LOGIN_COOLOFF_MINUTES, whatever the password. A successful login resets the count.
+# The address is REMOTE_ADDR: behind a proxy, uvicorn's --proxy-headers with the proxy in
+# --forwarded-allow-ips makes it the client's (from X-Forwarded-For); otherwise it is the proxy's
+# and the lockout holds per username.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("LOGIN_COOLOFF_MINUTES", 15.0, minimum=0.1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "console.lockout.lockout_response"  # 429 + Retry-After; JSON for the API
+AXES_VERBOSE = False  # no banner on every manage.py command
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+# JSON only: DRF's browsable API pages run an inline event handler that the policy above
+# blocks. Swagger UI at /api/docs/ is the API's page for a browser.
+REST_FRAMEWORK["DEFAULT_RENDERER_CLASSES"] = ["rest_framework.renderers.JSONRenderer"]
+
+# API tokens (django-rest-knox): stored as a hash, sent once, expiring after API_TOKEN_TTL_HOURS.
+REST_KNOX = {
+    "TOKEN_TTL": timedelta(hours=env_float("API_TOKEN_TTL_HOURS", 10.0, minimum=0.01)),
+    "AUTH_HEADER_PREFIX": "Token",
+    "USER_SERIALIZER": None,
+    "AUTO_REFRESH": False,
 }
 
 # --- Gateway ---

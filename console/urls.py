@@ -5,17 +5,21 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
-from rest_framework.authtoken.views import obtain_auth_token
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
 from serving_app import views as console_views
 from serving_app.api import views as serving_views
 from tenants_app.api import views as tenant_views
+from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
 
 router = DefaultRouter()
 router.register("tenants", tenant_views.TenantViewSet)
 router.register("memberships", tenant_views.MembershipViewSet)
+router.register("invitations", tenant_views.InvitationViewSet)
+router.register(
+    "my-invitations", tenant_views.ReceivedInvitationViewSet, basename="received-invitation"
+)
 router.register("api-keys", tenant_views.ApiKeyViewSet)
 router.register("users", tenant_views.UserViewSet)
 router.register("prefix-cache-groups", tenant_views.PrefixCacheGroupViewSet)
@@ -36,8 +40,14 @@ urlpatterns = [
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),
     path("api/v1/", include(router.urls)),
-    path("api/v1/auth/token/", obtain_auth_token, name="api-token"),
+    path("api/v1/auth/token/", TokenLoginView.as_view(), name="api-token"),
+    # Revoking tokens: this one, or every token of the signed-in user.
+    path("api/v1/auth/logout/", TokenLogoutView.as_view(), name="api-token-logout"),
+    path("api/v1/auth/logout-all/", TokenLogoutAllView.as_view(),
+         name="api-token-logout-all"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    # The split view serves Swagger UI's start-up script as a file of its own (no inline script,
+    # so the page works under the content security policy).
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
     path("api-auth/", include("rest_framework.urls")),
 ]

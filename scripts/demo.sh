@@ -9,6 +9,8 @@
 # included. DEMO_TRAFFIC_SECONDS (default 90) bounds the traffic burst.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# A development console on http://127.0.0.1 (DEBUG defaults to false: production is the default).
+export DEBUG="${DEBUG:-true}"
 
 bash scripts/services.sh
 bash scripts/setup_console.sh

@@ -19,6 +19,7 @@ fi
 
 export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
+export DEBUG="${DEBUG:-true}"  # manage.py below, and the processes the tests start
 
 echo "[test] ruff check"
 .venv/bin/ruff check .

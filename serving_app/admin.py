@@ -9,9 +9,9 @@ from django.utils.html import format_html
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from serving_app.engine.launch import mask_secret
 from serving_app.lifecycle import deployment_changed
 from serving_app.models import (
+    AdapterFileRemoval,
     AuditLog,
     BaseModel,
     Deployment,
@@ -132,16 +132,14 @@ class DeploymentAdmin(AuditedAdmin):
 class InstanceAdmin(admin.ModelAdmin):
     list_display = ["__str__", "node", "port", "pid", "state", "restarts", "state_changed_at"]
     list_filter = ["state", "node", "deployment"]
-    readonly_fields = [f.name for f in Instance._meta.concrete_fields if f.name != "secret"] + [
-        "command_line",
-        "log",
-    ]
+    # The command and the log tail are shown once each, formatted below; the secret never.
+    readonly_fields = [f.name for f in Instance._meta.concrete_fields
+                       if f.name not in ("secret", "command", "log_tail")] + ["command_line", "log"]
     exclude = ["secret", "command", "log_tail", "gpus"]
 
     @admin.display(description="Command")
     def command_line(self, obj: Instance) -> str:
-        return format_html("<pre style='white-space:pre-wrap'>{}</pre>",
-                           " ".join(mask_secret(obj.command)))
+        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.command_line)
 
     @admin.display(description="Log tail")
     def log(self, obj: Instance) -> str:
@@ -212,3 +210,11 @@ class UsageRollupAdmin(ReadOnlyAdmin):
     list_display = ["bucket", "tenant", "model", "requests", "errors", "rate_limited",
                     "prompt_tokens", "completion_tokens"]
     list_filter = ["tenant", "model"]
+
+
+@admin.register(AdapterFileRemoval)
+class AdapterFileRemovalAdmin(ReadOnlyAdmin):
+    """Deleted adapters' files waiting until no engine has them (removed by the reconciler)."""
+
+    list_display = ["engine_name", "path", "requested_at", "removed_at", "last_error"]
+    list_filter = ["removed_at"]

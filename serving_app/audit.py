@@ -14,7 +14,9 @@ from tenants_app.models import Tenant
 if TYPE_CHECKING:
     from django.http import HttpRequest
 
-SECRET_FIELDS = {"secret_hash", "password", "secret", "cache_secret"}
+# Never copied into an entry. `invitee`: the user an invitation's text resolved to, which tenant
+# admins reading their audit log must not learn (it would tell them the username exists).
+SECRET_FIELDS = {"secret_hash", "password", "secret", "invitee", "cache_secret"}
 
 
 def _plain(value: Any) -> Any:

@@ -23,7 +23,8 @@ class BaseModelForm(forms.ModelForm):
     class Meta:
         model = BaseModel
         fields = ["name", "path", "dtype", "quantization"]
-        help_texts = {"path": "Absolute path of the model folder, the same on every node host."}
+        help_texts = {"path": "Absolute path of the model folder under one of the model roots "
+                              "(MODEL_ROOTS), the same on every node host."}
 
 
 class LoraAdapterForm(forms.ModelForm):
@@ -32,6 +33,8 @@ class LoraAdapterForm(forms.ModelForm):
     class Meta:
         model = LoraAdapter
         fields = ["tenant", "base_model", "name", "path", "rank"]
+        help_texts = {"path": "Absolute path of the adapter folder under one of the model roots "
+                              "(MODEL_ROOTS) or in the tenant's own storage area."}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

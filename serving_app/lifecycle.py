@@ -12,3 +12,11 @@ def deployment_changed(deployment_id: int) -> None:
     transaction.on_commit(
         lambda: reconcile_deployment.apply_async((deployment_id,), queue="control")
     )
+
+
+def adapter_files_released() -> None:
+    """Try to remove a deleted adapter's files once the deletion commits (the reconciler tries
+    again each round while an engine still has the adapter)."""
+    from serving_app.tasks import remove_adapter_files
+
+    transaction.on_commit(lambda: remove_adapter_files.apply_async(queue="control"))

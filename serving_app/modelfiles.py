@@ -1,20 +1,36 @@
 """Read what a model or LoRA adapter folder holds, without loading any weights.
 
 `config.json` gives the architecture; the safetensors headers (an 8-byte length and a JSON
-header) give the weight bytes and tensor shapes. Errors are `ModelFilesError` with a message
-fit to show on the path field.
+header) give the weight bytes and tensor shapes. For an adapter the whole layout is checked too
+(every tensor's byte range matches its dtype and shape, the ranges tile the data with no gap or
+overlap, the file ends where the last one does), so truncated or padded tensor data is refused
+before an engine reads it. Errors are `ModelFilesError`; `host_path` marks a problem with the
+folder itself (not absolute, missing), which a tenant user is only ever shown as one generic
+message (serving_app/storage.py). Content messages never repeat the folder's host path.
+
+`~` is never expanded: a path is used exactly as written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 
 class ModelFilesError(ValueError):
-    """The folder is not a usable model or adapter; the message says why."""
+    """The folder is not a usable model or adapter; the message says why.
+
+    `host_path` is true when the problem is the path itself (not absolute, not a folder): the
+    detail tells whether a host folder exists, so only platform admins see it.
+    """
+
+    def __init__(self, message: str, *, host_path: bool = False) -> None:
+        super().__init__(message)
+        self.host_path = host_path
 
 
 DTYPE_BYTES = {
@@ -72,20 +88,89 @@ class AdapterInfo:
     module_shapes: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
 
+def _safetensors_header(handle: IO[bytes], name: str) -> tuple[int, dict]:
+    try:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length <= 0 or length > 100 * 1024 * 1024:
+            raise ModelFilesError(f"{name} has an invalid safetensors header.")
+        header = json.loads(handle.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFilesError(f"{name} is not a readable safetensors file: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ModelFilesError(f"{name} has an invalid safetensors header.")
+    return length, header
+
+
+def _tensor(name: str, tensor: str, meta: object) -> TensorInfo:
+    if not isinstance(meta, dict):
+        raise ModelFilesError(f"{name}: tensor {tensor} has no dtype and shape.")
+    dtype, shape = meta.get("dtype"), meta.get("shape")
+    if dtype not in DTYPE_BYTES:
+        raise ModelFilesError(f"{name}: tensor {tensor} has an unknown dtype {dtype!r}.")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ModelFilesError(f"{name}: tensor {tensor} has an invalid shape.")
+    return TensorInfo(dtype=dtype, shape=list(shape))
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor dtypes and shapes from the header alone (a model's weights are large)."""
     try:
         with path.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length <= 0 or length > 100 * 1024 * 1024:
-                raise ModelFilesError(f"{path.name} has an invalid safetensors header.")
-            header = json.loads(handle.read(length))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            _, header = _safetensors_header(handle, path.name)
+    except OSError as exc:
         raise ModelFilesError(f"{path.name} is not a readable safetensors file: {exc}") from exc
-    tensors = {}
+    return {
+        name: _tensor(path.name, name, meta) for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
+def check_safetensors(path: Path) -> dict[str, TensorInfo]:
+    """The header's tensors, after checking that the file's data is laid out as it says.
+
+    Each tensor's `data_offsets` must span exactly dtype size x shape product bytes; sorted by
+    offset the ranges must start at 0 and follow one another with no gap and no overlap; the
+    data must end exactly at the end of the file. vLLM would otherwise fail (or read garbage)
+    when it loads the tensors, which the header alone cannot show.
+    """
+    try:
+        with path.open("rb") as handle:
+            length, header = _safetensors_header(handle, path.name)
+            file_size = os.fstat(handle.fileno()).st_size
+    except OSError as exc:
+        raise ModelFilesError(f"{path.name} is not a readable safetensors file: {exc}") from exc
+    tensors: dict[str, TensorInfo] = {}
+    ranges: list[tuple[int, int, str]] = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        tensors[name] = TensorInfo(dtype=meta["dtype"], shape=list(meta["shape"]))
+        tensor = _tensor(path.name, name, meta)
+        offsets = meta.get("data_offsets")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise ModelFilesError(f"{path.name}: tensor {name} has invalid data offsets.")
+        if offsets[1] - offsets[0] != tensor.nbytes:
+            raise ModelFilesError(
+                f"{path.name}: tensor {name} takes {offsets[1] - offsets[0]} bytes, but its "
+                f"dtype and shape need {tensor.nbytes}."
+            )
+        tensors[name] = tensor
+        ranges.append((offsets[0], offsets[1], name))
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            what = "overlaps the one before it" if begin < position else "leaves a gap before it"
+            raise ModelFilesError(f"{path.name}: tensor {name} {what}.")
+        position = end
+    data_size = file_size - 8 - length
+    if data_size != position:
+        raise ModelFilesError(
+            f"{path.name} holds {data_size} bytes of tensor data; its header describes "
+            f"{position}: the file is truncated or has trailing data."
+        )
     return tensors
 
 
@@ -100,11 +185,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _directory(path_text: str) -> Path:
-    path = Path(path_text).expanduser()
+    path = Path(path_text)  # never expanduser(): "~" is not a path a tenant may probe with
     if not path.is_absolute():
-        raise ModelFilesError("Must be an absolute path on the node hosts.")
+        raise ModelFilesError("Must be an absolute path on the node hosts.", host_path=True)
     if not path.is_dir():
-        raise ModelFilesError(f"{path} is not a folder.")
+        raise ModelFilesError(f"{path} is not a folder.", host_path=True)
     return path
 
 
@@ -112,11 +197,11 @@ def read_model(path_text: str) -> ModelArchitecture:
     path = _directory(path_text)
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise ModelFilesError(f"{path} holds no config.json: it is not a model folder.")
+        raise ModelFilesError("The folder holds no config.json: it is not a model folder.")
     config = _read_json(config_path)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
-        raise ModelFilesError(f"{path} holds no .safetensors weight files.")
+        raise ModelFilesError("The folder holds no .safetensors weight files.")
     weight_bytes = sum(
         tensor.nbytes for file in weights for tensor in read_safetensors_header(file).values()
     )
@@ -146,16 +231,18 @@ def read_adapter(path_text: str) -> AdapterInfo:
     path = _directory(path_text)
     config_path = path / "adapter_config.json"
     if not config_path.is_file():
-        raise ModelFilesError(f"{path} holds no adapter_config.json: it is not a LoRA adapter.")
+        raise ModelFilesError(
+            "The folder holds no adapter_config.json: it is not a LoRA adapter."
+        )
     config = _read_json(config_path)
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ModelFilesError(f"adapter_config.json says peft_type {config.get('peft_type')}.")
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
-        raise ModelFilesError(f"{path} holds no adapter weights (adapter_model.safetensors).")
+        raise ModelFilesError("The folder holds no adapter weights (adapter_model.safetensors).")
     tensors: dict[str, TensorInfo] = {}
     for file in weights:
-        tensors.update(read_safetensors_header(file))
+        tensors.update(check_safetensors(file))
     try:
         rank = int(config["r"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -7,15 +7,20 @@ reconciler change Instance state only through conditional updates (`Instance.tra
 from __future__ import annotations
 
 import secrets
+import shlex
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.db.models.signals import post_delete
 from django.utils import timezone
 
+from serving_app import lifecycle, storage
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
@@ -28,6 +33,13 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from django.contrib.auth.models import AbstractBaseUser
+
+
+def _path_error(exc: ModelFilesError) -> ValidationError:
+    """A model-files problem as a field error on "path"; a problem with the path itself keeps
+    the `host_path` code, so a tenant user is shown the generic message instead."""
+    code = storage.HOST_PATH if exc.host_path else "files"
+    return ValidationError({"path": ValidationError(str(exc), code=code)})
 
 
 class Dtype(models.TextChoices):
@@ -88,10 +100,18 @@ class BaseModel(models.Model):
     def clean(self) -> None:
         if not self.path:
             return
+        resolved = storage.check_model_path(self.path)
+        for adapter in LoraAdapter.objects.select_related("tenant").only(
+            "path", "name", "tenant__slug"
+        ):
+            if adapter.path and storage.overlaps(resolved, adapter.path):
+                raise storage.host_path_error(f"{resolved} holds the files of the adapter "
+                                              f"{adapter}.")
         try:
-            arch = read_model(self.path)
+            arch = read_model(str(resolved))
         except ModelFilesError as exc:
-            raise ValidationError({"path": str(exc)}) from exc
+            raise _path_error(exc) from exc
+        self.path = str(resolved)  # what was checked is what the engines load
         for name, value in vars(arch).items():
             setattr(self, name, value)
 
@@ -106,7 +126,10 @@ class BaseModel(models.Model):
 
 
 class LoraAdapterQuerySet(TenantOwnedQuerySet):
-    pass
+    def storage_used(self, tenant: Tenant) -> int:
+        """Bytes the tenant's adapters take (size_bytes, read from their files when
+        registered): what the portal shows against the tenant's storage quota."""
+        return self.filter(tenant=tenant).aggregate(total=models.Sum("size_bytes"))["total"] or 0
 
 
 class LoraAdapter(models.Model):
@@ -141,13 +164,41 @@ class LoraAdapter(models.Model):
         """The name the engine knows it by; tenant-qualified so tenants never collide."""
         return f"{self.tenant.slug}--{self.name}"
 
+    def check_path(self) -> Path:
+        """The adapter's folder, resolved, if this tenant may use it (serving_app/storage.py):
+        in its own storage area or under a model root, and neither a base model's folder nor
+        another tenant's adapter's. Raises a `host_path` ValidationError on "path" otherwise."""
+        resolved = storage.check_adapter_path(self.path, self.tenant_id)
+        for model in BaseModel.objects.only("name", "path"):
+            if model.path and storage.overlaps(resolved, model.path):
+                raise storage.host_path_error(
+                    f"{resolved} holds the files of the base model {model.name}."
+                )
+        others = LoraAdapter.objects.exclude(tenant_id=self.tenant_id).select_related("tenant")
+        for other in others.only("path", "name", "tenant__slug"):
+            if other.path and storage.overlaps(resolved, other.path):
+                raise storage.host_path_error(
+                    f"{resolved} holds the files of {other}, an adapter of another tenant."
+                )
+        return resolved
+
     def clean(self) -> None:
         if not self.path:
             return
+        resolved = self.check_path()
         try:
-            info = read_adapter(self.path)
+            info = read_adapter(str(resolved))
         except ModelFilesError as exc:
-            raise ValidationError({"path": str(exc)}) from exc
+            raise _path_error(exc) from exc
+        if self._state.adding and self.tenant_id and storage.is_in_tenant_area(resolved):
+            # An upload takes the tenant's own disk: its quota applies.
+            quota = storage.quota_bytes(self.tenant)
+            used = LoraAdapter.objects.storage_used(self.tenant)
+            if used + info.size_bytes > quota:
+                raise ValidationError(
+                    {"path": storage.quota_error(info.size_bytes, used, quota)}
+                )
+        self.path = str(resolved)  # what was checked is what the engines load
         if self.rank is not None and self.rank != info.rank:
             raise ValidationError(
                 {"rank": f"The adapter's files have rank {info.rank}, not {self.rank}."}
@@ -171,6 +222,100 @@ class LoraAdapter(models.Model):
         self.rank = info.rank
         self.target_modules = info.target_modules
         self.size_bytes = info.size_bytes
+
+
+class AdapterFileRemovalQuerySet(models.QuerySet):
+    def remove_released(self) -> int:
+        """Remove the files of deleted adapters that no engine has any more; how many went.
+
+        Runs after the deleting transaction commits and again in every reconcile round, so
+        files still loaded in an engine go as soon as its node agent has unloaded the adapter
+        (the reconciler asks it to once the adapter left the deployment). Idempotent.
+        """
+        removed = 0
+        for record in self.filter(removed_at__isnull=True):
+            if record.still_in_use():
+                continue
+            folder = storage.removable(record.path)
+            if folder is not None and LoraAdapter.objects.filter(path=record.path).exists():
+                folder = None  # registered again since (by a platform admin): keep it
+            if folder is not None and folder.exists():
+                try:
+                    shutil.rmtree(folder)
+                except FileNotFoundError:
+                    pass  # a concurrent round removed it first
+                except OSError as exc:
+                    AdapterFileRemoval.objects.filter(pk=record.pk).update(
+                        last_error=f"Could not remove the files: {exc}")
+                    continue
+            removed += AdapterFileRemoval.objects.filter(
+                pk=record.pk, removed_at__isnull=True
+            ).update(removed_at=timezone.now(), last_error="")
+        return removed
+
+
+class AdapterFileRemoval(models.Model):
+    """The files of a deleted adapter, waiting until no engine can still read them.
+
+    Deleting an adapter (through the API, the portal, the admin, or with its tenant) records
+    one of these; the files go once `still_in_use()` is false. Only folders in the tenant
+    storage area are ever removed: an adapter registered from a model root leaves its files,
+    which belong to the platform.
+    """
+
+    tenant_id_at_deletion = models.BigIntegerField(null=True, blank=True)
+    engine_name = models.CharField(max_length=220)
+    path = models.CharField(max_length=500)
+    requested_at = models.DateTimeField(auto_now_add=True)
+    removed_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+
+    objects = AdapterFileRemovalQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-requested_at"]
+
+    def __str__(self) -> str:
+        return f"{self.engine_name} ({self.path})"
+
+    def still_in_use(self) -> bool:
+        """Whether an engine may still read the files.
+
+        A ready or unhealthy engine has the adapter while its instance lists it in
+        `loaded_adapters` (set when the engine became ready, changed by each runtime load and
+        unload). A starting or stopping engine was given its adapters on the command line,
+        which holds their paths. vLLM reads an adapter's files again when it was evicted from
+        its cache and is asked for again, so they stay until all of these are past. (A new
+        adapter of the same tenant and name keeps the old files until it is unloaded too:
+        later than needed, never too early.)
+        """
+        State = Instance.State
+        live = Instance.objects.filter(
+            state__in=(State.STARTING, State.READY, State.UNHEALTHY, State.STOPPING)
+        ).only("state", "loaded_adapters", "command")
+        for instance in live:
+            if self.engine_name in (instance.loaded_adapters or []):
+                return True
+            if instance.state in (State.STARTING, State.STOPPING) and any(
+                self.path in str(arg) for arg in instance.command or []
+            ):
+                return True
+        return False
+
+
+def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> None:
+    """Queue the removal of a deleted adapter's uploaded files (a post_delete receiver, so a
+    deletion through the tenant's cascade is covered too)."""
+    if storage.removable(instance.path) is None:
+        return
+    AdapterFileRemoval.objects.create(
+        tenant_id_at_deletion=instance.tenant_id, engine_name=instance.engine_name,
+        path=instance.path,
+    )
+    lifecycle.adapter_files_released()
+
+
+post_delete.connect(_adapter_deleted, sender=LoraAdapter, dispatch_uid="adapter-files")
 
 
 class Node(models.Model):
@@ -557,6 +702,12 @@ class Instance(models.Model):
 
                 catalog_changed()
         return bool(updated)
+
+    @property
+    def command_line(self) -> str:
+        """The engine's command as a shell would take it (it holds no secret: the engine's key
+        is in its environment only)."""
+        return shlex.join(self.command or [])
 
     @property
     def base_url(self) -> str:

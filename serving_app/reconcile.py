@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from serving_app.models import Deployment, Instance
+from serving_app.models import AdapterFileRemoval, Deployment, Instance
 
 log = logging.getLogger(__name__)
 State = Instance.State
@@ -164,4 +164,9 @@ def reconcile_all() -> int:
             reconcile_deployment(deployment_id)
         except Exception:
             log.exception("reconciling deployment %s", deployment_id)
+    try:
+        # Deleted adapters' files whose engines have unloaded them since the last round.
+        AdapterFileRemoval.objects.remove_released()
+    except Exception:
+        log.exception("removing deleted adapters' files")
     return len(ids)

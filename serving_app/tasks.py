@@ -8,6 +8,7 @@ from celery import shared_task
 from serving_app import reconcile
 from serving_app.engine import agent
 from serving_app.gateway.tasks import drain_usage_events  # noqa: F401 (registers the task)
+from serving_app.models import AdapterFileRemoval
 
 
 @shared_task(name="serving.start_instance", acks_late=True)
@@ -33,3 +34,8 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
 @shared_task(name="serving.reconcile_all")
 def reconcile_all() -> int:
     return reconcile.reconcile_all()
+
+
+@shared_task(name="serving.remove_adapter_files")
+def remove_adapter_files() -> int:
+    return AdapterFileRemoval.objects.remove_released()

@@ -23,9 +23,8 @@ from django.urls import reverse, reverse_lazy
 from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
 
-from serving_app import audit, health
+from serving_app import audit, health, storage
 from serving_app.dashboards import figures, panels, queries
-from serving_app.engine.launch import mask_secret
 from serving_app.forms import (
     AuditFilterForm,
     BaseModelForm,
@@ -267,6 +266,8 @@ class TenantDetailView(StaffRequiredMixin, DetailView):
             budget_pct=round(100 * used / tenant.monthly_token_budget, 1)
             if tenant.monthly_token_budget else None,
             load=queries.current_load().get(tenant.pk, {}),
+            storage_used=LoraAdapter.objects.storage_used(tenant),
+            storage_quota=storage.quota_bytes(tenant),
         )
         return context
 
@@ -552,8 +553,7 @@ class InstanceDetailView(StaffRequiredMixin, DetailView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update(command=" ".join(mask_secret(self.object.command)),
-                       log=log_tail(self.object))
+        context.update(command=self.object.command_line, log=log_tail(self.object))
         return context
 
 

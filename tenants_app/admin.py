@@ -1,14 +1,23 @@
-"""Django admin for tenants, memberships, API keys and prefix-cache sharing groups (every change
-audited)."""
+"""Django admin for tenants, memberships, invitations, API keys and prefix-cache sharing groups
+(every change audited)."""
 
 from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
+from django.template.response import TemplateResponse
+from django.utils.cache import add_never_cache_headers
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Tenant, new_cache_secret
+from tenants_app.models import (
+    ApiKey,
+    Invitation,
+    Membership,
+    PrefixCacheGroup,
+    Tenant,
+    new_cache_secret,
+)
 
 
 class MembershipInline(admin.TabularInline):
@@ -75,6 +84,32 @@ class MembershipAdmin(AuditedAdmin):
     autocomplete_fields = ["user", "tenant"]
 
 
+@admin.action(description="Revoke selected invitations")
+def revoke_invitations(modeladmin, request, queryset) -> None:
+    for invitation in queryset:
+        if invitation.revoke():
+            audit.record(request, "revoke", invitation,
+                         changes={"status": ["pending", "revoked"]}, via="admin")
+    messages.success(request, "Selected pending invitations are revoked.")
+
+
+@admin.register(Invitation)
+class InvitationAdmin(AuditedAdmin):
+    """Platform admins see whom an invitation resolved to; they add members directly instead
+    (Memberships), so invitations are created by tenant managers and only revoked here."""
+
+    list_display = ["invited_as", "tenant", "role", "status", "invitee", "invited_by",
+                    "expires_at", "created_at"]
+    list_filter = ["status", "role", "tenant"]
+    search_fields = ["invited_as", "tenant__slug", "invitee__username"]
+    readonly_fields = ["tenant", "invited_as", "invitee", "role", "status", "invited_by",
+                       "expires_at", "answered_at", "created_at"]
+    actions = [revoke_invitations]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+
 class ApiKeyCreateForm(forms.ModelForm):
     class Meta:
         model = ApiKey
@@ -129,4 +164,21 @@ class ApiKeyAdmin(AuditedAdmin):
         )
         form.instance = key
         request._audit_before = None
-        messages.warning(request, f"The key's secret, shown this once (copy it now): {secret}")
+        # Shown by response_add on a page of its own, never through messages (a cookie or the
+        # session would carry it beyond this one response).
+        request._new_api_key = (key, secret)
+
+    def response_add(self, request, obj, post_url_continue=None):
+        created = getattr(request, "_new_api_key", None)
+        if created is None:
+            return super().response_add(request, obj, post_url_continue)
+        key, secret = created
+        response = TemplateResponse(
+            request,
+            "admin/tenants_app/apikey/secret.html",
+            {**self.admin_site.each_context(request), "opts": self.opts, "key": key,
+             "secret": secret, "title": "API key created"},
+        )
+        # no-store (with no-cache, must-revalidate, private): no browser or proxy keeps the page.
+        add_never_cache_headers(response)
+        return response

@@ -9,18 +9,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
-from django.db import models
+from django.db import IntegrityError, models, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
-RESERVED_SLUGS = {"admin", "api", "v1", "static", "portal", "console", "new"}
+RESERVED_SLUGS = {"admin", "api", "v1", "static", "portal", "console", "new", "invitations"}
 
 
 class Role(models.TextChoices):
@@ -147,6 +150,11 @@ class Tenant(models.Model):
     )
     # Never shown: whoever knew it could compute this tenant's salts.
     cache_secret = models.CharField(max_length=64, default=new_cache_secret, editable=False)
+    storage_quota_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Disk its uploaded adapters may take, in MiB. Empty: TENANT_STORAGE_QUOTA_MB.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -157,7 +165,7 @@ class Tenant(models.Model):
         "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
         "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
         "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
-        "prefix_cache_group",
+        "prefix_cache_group", "storage_quota_mb",
     )
 
     class Meta:
@@ -362,3 +370,146 @@ class ApiKey(models.Model):
         )
         self.refresh_from_db(fields=["revoked_at"])
         return bool(updated)
+
+
+def invitation_lifetime() -> timedelta:
+    return timedelta(days=getattr(settings, "INVITATION_EXPIRY_DAYS", 7))
+
+
+def find_invitee(username_or_email: str) -> AbstractBaseUser | None:
+    """The active user a manager's text names: a username, or the one user with that email.
+
+    The caller never tells the manager which it was, or whether there was one: an invitation to
+    nobody is stored and shown exactly like one to a real user, and simply expires.
+    """
+    text = username_or_email.strip()
+    users = get_user_model().objects.filter(is_active=True)
+    user = users.filter(username=text).first()
+    if user is None and "@" in text:
+        matches = list(users.filter(email__iexact=text)[:2])
+        user = matches[0] if len(matches) == 1 else None
+    return user
+
+
+class InvitationQuerySet(TenantOwnedQuerySet):
+    """A tenant's invitations are read like its memberships (`for_user`); only owners and admins
+    create or revoke them. The invitee reads theirs through `addressed_to()`."""
+
+    def addressed_to(self, user: AbstractBaseUser) -> InvitationQuerySet:
+        """Open invitations the user may accept or decline (pending, not expired)."""
+        if not user.is_authenticated:
+            return self.none()
+        return self.filter(invitee=user).still_open()
+
+    def still_open(self) -> InvitationQuerySet:
+        return self.filter(status=Invitation.Status.PENDING, expires_at__gt=timezone.now())
+
+    def invite(
+        self,
+        *,
+        tenant: Tenant,
+        invited_as: str,
+        role: str = Role.MEMBER,
+        invited_by: AbstractBaseUser | None = None,
+    ) -> Invitation:
+        """Invite whoever `invited_as` names; the result looks the same whether or not they
+        exist. Refused (ValidationError) only for what the inviter already knows: a bad role, or
+        an open invitation of theirs to the same text."""
+        invited_as = invited_as.strip()
+        invitation = self.model(
+            tenant=tenant, invited_as=invited_as, role=role, invited_by=invited_by,
+            invitee=find_invitee(invited_as), expires_at=timezone.now() + invitation_lifetime(),
+        )
+        invitation.full_clean(exclude=["invitee"])
+        if self.for_tenant(tenant).still_open().filter(invited_as__iexact=invited_as).exists():
+            raise ValidationError(
+                {"invited_as": f"{invited_as} already has an open invitation to this tenant."}
+            )
+        invitation.save()
+        return invitation
+
+
+class Invitation(models.Model):
+    """An invitation to join a tenant with a role, which the invited user accepts or declines
+    from their own portal. Tenant owners and admins create and revoke them; platform admins may
+    still add members directly. It expires after `INVITATION_EXPIRY_DAYS`.
+
+    `invited_as` is what the inviter typed (a username or an email) and is all they are shown:
+    `invitee`, the user it resolved to (if any), is never shown to the inviter, so an invitation
+    never tells whether a username exists.
+    """
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        ACCEPTED = "accepted", "Accepted"
+        DECLINED = "declined", "Declined"
+        REVOKED = "revoked", "Revoked"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="invitations")
+    invited_as = models.CharField(max_length=254, help_text="A username or an email address.")
+    # SET_NULL, not CASCADE: an invitation that vanished with its user would tell the inviter
+    # that the user existed.
+    invitee = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+        related_name="invitations",
+    )
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    invited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    expires_at = models.DateTimeField()
+    answered_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = InvitationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.invited_as} to {self.tenant_id and self.tenant.slug} ({self.role})"
+
+    @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
+    def state(self) -> str:
+        """The status, with a pending invitation past its expiry shown as 'expired'."""
+        if self.status == self.Status.PENDING and self.is_expired:
+            return "expired"
+        return self.status
+
+    def _answer(self, new_status: str, expected: tuple[str, ...]) -> bool:
+        now = timezone.now()
+        filters = Q(pk=self.pk, status__in=expected)
+        if new_status == self.Status.ACCEPTED:
+            filters &= Q(expires_at__gt=now)
+        updated = Invitation.objects.filter(filters).update(status=new_status, answered_at=now)
+        self.refresh_from_db(fields=["status", "answered_at"])
+        return bool(updated)
+
+    def accept(self, user: AbstractBaseUser) -> Membership:
+        """Join the tenant with the invitation's role. ValidationError when the invitation is no
+        longer open, or the user already belongs to the tenant."""
+        if self.invitee_id != user.pk:
+            raise ValidationError("This invitation is not addressed to you.")
+        with transaction.atomic():
+            if not self._answer(self.Status.ACCEPTED, (self.Status.PENDING,)):
+                raise ValidationError(f"This invitation is {self.state}; it can no longer be "
+                                      "accepted.")
+            try:
+                with transaction.atomic():
+                    return Membership.objects.create(tenant=self.tenant, user=user, role=self.role)
+            except IntegrityError as exc:
+                raise ValidationError("You already belong to this tenant.") from exc
+
+    def decline(self, user: AbstractBaseUser) -> bool:
+        if self.invitee_id != user.pk:
+            raise ValidationError("This invitation is not addressed to you.")
+        return self._answer(self.Status.DECLINED, (self.Status.PENDING,))
+
+    def revoke(self) -> bool:
+        """Withdraw a pending invitation; False when it was already answered or revoked."""
+        return self._answer(self.Status.REVOKED, (self.Status.PENDING,))

@@ -10,6 +10,8 @@ app_name = "portal"
 
 urlpatterns = [
     path("", views.PortalHomeView.as_view(), name="home"),
+    re_path(r"^invitations/(?P<pk>\d+)/(?P<answer>accept|decline)/$",
+            views.InvitationAnswerView.as_view(), name="invitation-answer"),
     path("<slug:slug>/", views.TenantHomeView.as_view(), name="tenant-home"),
     re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/$",
             views.TenantDashboardView.as_view(), name="dashboard"),
@@ -19,10 +21,14 @@ urlpatterns = [
     path("<slug:slug>/keys/<int:pk>/revoke/", views.ApiKeyRevokeView.as_view(),
          name="key-revoke"),
     path("<slug:slug>/adapters/", views.AdaptersView.as_view(), name="adapters"),
+    path("<slug:slug>/adapters/<int:pk>/delete/", views.AdapterDeleteView.as_view(),
+         name="adapter-delete"),
     path("<slug:slug>/models/", views.ModelsView.as_view(), name="models"),
     path("<slug:slug>/playground/", views.PlaygroundView.as_view(), name="playground"),
     path("<slug:slug>/playground/key/", views.PlaygroundKeyView.as_view(),
          name="playground-key"),
     path("<slug:slug>/members/", views.MembersView.as_view(), name="members"),
     path("<slug:slug>/members/<int:pk>/", views.MemberChangeView.as_view(), name="member"),
+    path("<slug:slug>/invitations/<int:pk>/revoke/", views.InvitationRevokeView.as_view(),
+         name="invitation-revoke"),
 ]

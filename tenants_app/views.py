@@ -22,19 +22,20 @@ from django.utils import timezone
 from django.views import View
 from django.views.generic import TemplateView
 
-from serving_app import audit
+from serving_app import audit, storage
 from serving_app.dashboards import queries
 from serving_app.gateway import invalidation as gateway_invalidation
 from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.views import CHARTS, dashboard_payload
 from tenants_app.forms import (
     AdapterPathForm,
     AdapterUploadForm,
     ApiKeyForm,
-    MemberAddForm,
+    InviteForm,
     MemberRoleForm,
 )
-from tenants_app.models import MANAGER_ROLES, ApiKey, Membership, Role, Tenant
+from tenants_app.models import MANAGER_ROLES, ApiKey, Invitation, Membership, Role, Tenant
 
 VIA = "ui"
 PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
@@ -50,17 +51,46 @@ class PortalAccessMixin(AccessMixin):
 
 
 class PortalHomeView(PortalAccessMixin, TemplateView):
-    """Pick a tenant (a user in one tenant goes straight to it)."""
+    """Pick a tenant (a user in one tenant with no open invitation goes straight to it), and
+    answer the invitations addressed to you."""
 
     template_name = "tenants_app/pick.html"
 
     def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         tenants = list(Tenant.objects.for_user(request.user).order_by("name"))
-        if len(tenants) == 1:
+        invitations = list(Invitation.objects.addressed_to(request.user)
+                           .select_related("tenant", "invited_by").order_by("-created_at"))
+        if len(tenants) == 1 and not invitations:
             return redirect("portal:tenant-home", slug=tenants[0].slug)
         roles = dict(request.user.memberships.values_list("tenant_id", "role"))
         return render(request, self.template_name,
-                      {"choices": [(t, roles.get(t.pk, "platform")) for t in tenants]})
+                      {"choices": [(t, roles.get(t.pk, "platform")) for t in tenants],
+                       "invitations": invitations})
+
+
+class InvitationAnswerView(PortalAccessMixin, View):
+    """Accept or decline an invitation addressed to you (anyone else's is a 404)."""
+
+    def post(self, request: HttpRequest, pk: int, answer: str) -> HttpResponse:
+        invitation = get_object_or_404(
+            Invitation.objects.addressed_to(request.user).select_related("tenant"), pk=pk
+        )
+        if answer == "decline":
+            if invitation.decline(request.user):
+                audit.record(request, "decline", invitation,
+                             changes={"status": ["pending", "declined"]}, via=VIA)
+            messages.success(request, f"Invitation to {invitation.tenant.name} declined.")
+            return redirect("portal:home")
+        try:
+            membership = invitation.accept(request.user)
+        except ValidationError as exc:
+            messages.error(request, exc.messages[0])
+            return redirect("portal:home")
+        audit.record(request, "accept", invitation, changes={"status": ["pending", "accepted"]},
+                     via=VIA)
+        audit.record(request, "create", membership, changes=audit.snapshot(membership), via=VIA)
+        messages.success(request, f"You joined {invitation.tenant.name} as {membership.role}.")
+        return redirect("portal:tenant-home", slug=invitation.tenant.slug)
 
 
 class TenantMixin(PortalAccessMixin):
@@ -131,6 +161,15 @@ def catalog(tenant: Tenant) -> list[dict[str, Any]]:
     return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))
 
 
+def storage_usage(tenant: Tenant) -> dict[str, Any]:
+    """What the tenant's adapters take on disk against its storage quota."""
+    used = LoraAdapter.objects.storage_used(tenant)
+    quota = storage.quota_bytes(tenant)
+    pct = round(100 * used / quota, 1) if quota else 100.0
+    return {"used": used, "quota": quota, "pct": pct, "bar": min(pct, 100),
+            "left": max(quota - used, 0)}
+
+
 class TenantHomeView(TenantMixin, View):
     section = "home"
 
@@ -150,6 +189,7 @@ class TenantHomeView(TenantMixin, View):
             load=queries.current_load().get(tenant.pk, {}),
             models=catalog(tenant),
             keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
+            storage=storage_usage(tenant),
         )
 
 
@@ -239,11 +279,19 @@ class AdaptersView(TenantMixin, View):
     section = "adapters"
 
     def page(self, status: int = 200, **forms: Any) -> HttpResponse:
-        adapters = LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model") \
-            .prefetch_related("deployments")
-        forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
+        adapters = list(LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model")
+                        .prefetch_related("deployments"))
+        staff = is_platform_admin(self.request.user)
+        for adapter in adapters:
+            # An engine's load error may name host paths; tenant users get them redacted.
+            adapter.shown_error = adapter.last_error if staff else redact_paths(adapter.last_error)
+        # Tenants never name host paths: registering a folder on the hosts is for platform
+        # admins (who see the portal as every tenant does).
+        if staff:
+            forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
         forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
-        return self.render("tenants_app/adapters.html", status=status, adapters=adapters, **forms)
+        return self.render("tenants_app/adapters.html", status=status, adapters=adapters,
+                           storage=storage_usage(self.tenant), **forms)
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         return self.page()
@@ -251,7 +299,8 @@ class AdaptersView(TenantMixin, View):
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
         if request.POST.get("source") == "upload":
-            form = AdapterUploadForm(request.POST, request.FILES, tenant=self.tenant)
+            form = AdapterUploadForm(request.POST, request.FILES, tenant=self.tenant,
+                                     user=request.user)
             if not form.is_valid():
                 return self.page(status=400, upload_form=form)
             try:
@@ -259,6 +308,9 @@ class AdaptersView(TenantMixin, View):
             except ValidationError:
                 return self.page(status=400, upload_form=form)
         else:
+            if not request.user.is_staff:
+                raise PermissionDenied("Only platform admins register adapters from a path; "
+                                       "upload the adapter's files instead.")
             form = AdapterPathForm(request.POST, tenant=self.tenant)
             if not form.is_valid():
                 return self.page(status=400, path_form=form)
@@ -266,6 +318,21 @@ class AdaptersView(TenantMixin, View):
         audit.record(request, "create", adapter, changes=audit.snapshot(adapter), via=VIA)
         messages.success(request, f"Adapter {adapter.name} registered (rank {adapter.rank}, "
                                   f"{', '.join(adapter.target_modules)}).")
+        return redirect("portal:adapters", slug=slug)
+
+
+class AdapterDeleteView(TenantMixin, View):
+    """Delete one of the tenant's adapters. Its deployments stop offering it at once; the
+    engines unload it at the next reconcile round, and its uploaded files go after that
+    (`AdapterFileRemoval`)."""
+
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        adapter = get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
+        audit.record(request, "delete", adapter, changes=audit.snapshot(adapter), via=VIA)
+        adapter.delete()
+        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
+                                  "no engine has it loaded.")
         return redirect("portal:adapters", slug=slug)
 
 
@@ -316,13 +383,18 @@ class PlaygroundKeyView(TenantMixin, View):
 
 
 class MembersView(TenantMixin, View):
+    """The tenant's members and invitations. Owners and admins invite by username or email; the
+    page answers the same whether or not that user exists."""
+
     section = "members"
 
-    def page(self, form: MemberAddForm | None = None, status: int = 200) -> HttpResponse:
+    def page(self, form: InviteForm | None = None, status: int = 200) -> HttpResponse:
         memberships = Membership.objects.for_tenant(self.tenant).select_related("user") \
             .order_by("user__username")
+        invitations = Invitation.objects.for_tenant(self.tenant).select_related("invited_by") \
+            .order_by("-created_at")[:50]
         return self.render("tenants_app/members.html", status=status, memberships=memberships,
-                           form=form or MemberAddForm(tenant=self.tenant), roles=Role.choices,
+                           invitations=invitations, form=form or InviteForm(), roles=Role.choices,
                            is_owner=self.role in ("platform", Role.OWNER))
 
     def check_owner_grant(self, role: str | None) -> None:
@@ -334,13 +406,36 @@ class MembersView(TenantMixin, View):
 
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
-        form = MemberAddForm(request.POST, tenant=self.tenant)
+        form = InviteForm(request.POST)
         if not form.is_valid():
             return self.page(form, status=400)
         self.check_owner_grant(form.cleaned_data["role"])
-        membership = form.save()
-        audit.record(request, "create", membership, changes=audit.snapshot(membership), via=VIA)
-        messages.success(request, f"{membership.user.username} added as {membership.role}.")
+        try:
+            invitation = Invitation.objects.invite(
+                tenant=self.tenant, invited_as=form.cleaned_data["invited_as"],
+                role=form.cleaned_data["role"], invited_by=request.user,
+            )
+        except ValidationError as exc:
+            for field, errors in exc.message_dict.items():
+                for error in errors:
+                    form.add_error(field if field in form.fields else None, error)
+            return self.page(form, status=400)
+        audit.record(request, "create", invitation, changes=audit.snapshot(invitation), via=VIA)
+        messages.success(request, f"Invitation for {invitation.invited_as} created; it is open "
+                                  f"until {invitation.expires_at:%Y-%m-%d %H:%M} UTC.")
+        return redirect("portal:members", slug=slug)
+
+
+class InvitationRevokeView(MembersView):
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        invitation = get_object_or_404(Invitation.objects.for_tenant(self.tenant), pk=pk)
+        if invitation.role == Role.OWNER:
+            self.check_owner_grant(Role.OWNER)
+        if invitation.revoke():
+            audit.record(request, "revoke", invitation,
+                         changes={"status": ["pending", "revoked"]}, via=VIA)
+            messages.success(request, f"Invitation for {invitation.invited_as} revoked.")
         return redirect("portal:members", slug=slug)
 
 

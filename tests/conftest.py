@@ -70,6 +70,16 @@ def base_model(db, tmp_path):
 
 
 @pytest.fixture(autouse=True)
+def _storage_roots(settings, tmp_path, tmp_path_factory):
+    """Each test's own folder is a model root beside the configured ones (the generated tiny
+    model under var/models): factories write model and adapter folders under tmp_path, as a
+    platform admin's would be under MODEL_ROOTS. The tenant storage area is a folder apart, so
+    that a tenant's area is never also a model root."""
+    settings.MODEL_ROOTS = [*settings.MODEL_ROOTS, tmp_path]
+    settings.TENANT_STORAGE_ROOT = tmp_path_factory.mktemp("tenant-storage")
+
+
+@pytest.fixture(autouse=True)
 def _fast_password_hashing(settings):
     """PBKDF2 at full strength costs ~0.3 s a user on these machines; tests need no strength."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
@@ -95,6 +105,17 @@ def _flush_survives_deadlocks():
     BaseDatabaseOperations.execute_sql_flush = execute_sql_flush
     yield
     BaseDatabaseOperations.execute_sql_flush = original
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    """The real CPU vLLM engine, one for the whole session, shared by the gateway and browser
+    suites (tests/engines.py)."""
+    from tests.engines import engine_installed, run_engine
+
+    if not engine_installed():
+        pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
+    yield from run_engine(tmp_path_factory.mktemp("engine") / "engine.log")
 
 
 # -- skips that would hide a layer ------------------------------------------------------------

@@ -92,7 +92,9 @@ class GpuSamplesView(StaffView):
         query = SamplesQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
         retention = sample_retention()
-        span = min(timedelta(hours=query.validated_data["hours"]), retention)
+        # Capped before it becomes a timedelta: a huge `hours` would overflow one (a 500).
+        hours = min(query.validated_data["hours"], retention.total_seconds() / 3600)
+        span = timedelta(hours=hours)
         samples = GpuSample.objects.filter(gpu=gpu, at__gte=timezone.now() - span).order_by("at")
         return Response(
             {

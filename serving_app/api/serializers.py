@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail
 from rest_framework.serializers import as_serializer_error
 
-from serving_app.engine.launch import mask_secret
+from serving_app import storage
 from serving_app.models import (
     AuditLog,
     BaseModel,
@@ -18,23 +20,52 @@ from serving_app.models import (
     LoraAdapter,
     Node,
 )
-from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from serving_app.redaction import (
+    is_platform_admin,
+    redact_paths,
+    redact_value,
+    visible_tenant_ids,
+)
+from serving_app.uploads import allowed_base_models
+from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
 ARCH_FIELDS = list(BaseModel.ARCHITECTURE_FIELDS)
 
 
-class BaseModelSerializer(ValidatedModelSerializer):
+class ViewerMixin:
+    """Who reads this representation: platform admins see every field, tenant users less
+    (serving_app.redaction). Without a request the reader counts as a tenant user."""
+
+    context: dict[str, Any]
+
+    @property
+    def viewer_is_staff(self) -> bool:
+        request = self.context.get("request")
+        return is_platform_admin(getattr(request, "user", None))
+
+    def viewer_tenant_ids(self) -> frozenset[int]:
+        request = self.context.get("request")
+        return visible_tenant_ids(request) if request is not None else frozenset()
+
+
+class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer):
     class Meta:
         model = BaseModel
         fields = ["id", "name", "path", "dtype", "quantization", *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
-        derived_fields = ARCH_FIELDS
+        derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()
+
+    def to_representation(self, base_model: BaseModel) -> dict[str, Any]:
+        data = super().to_representation(base_model)
+        if not self.viewer_is_staff:
+            data.pop("path", None)
+        return data
 
 
-class LoraAdapterSerializer(ValidatedModelSerializer):
+class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer):
     tenant = TenantSlugField()
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
 
     class Meta:
         model = LoraAdapter
@@ -51,7 +82,7 @@ class LoraAdapterSerializer(ValidatedModelSerializer):
             "created_at",
         ]
         read_only_fields = ["id", "target_modules", "size_bytes", "last_error", "created_at"]
-        derived_fields = ["rank", "target_modules", "size_bytes"]
+        derived_fields = ["rank", "target_modules", "size_bytes", "path"]  # path: resolved
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if self.instance is not None:
@@ -60,7 +91,82 @@ class LoraAdapterSerializer(ValidatedModelSerializer):
                     raise serializers.ValidationError(
                         {field: "Cannot be changed; register a new adapter."}
                     )
-        return super().validate(attrs)
+        user = getattr(self.context.get("request"), "user", None)
+        staff = bool(getattr(user, "is_staff", False))
+        if "path" in attrs and not staff:
+            # Tenants never name host paths: their adapters' files come from uploads.
+            raise serializers.ValidationError({"path": PATH_FORBIDDEN})
+        try:
+            return super().validate(attrs)
+        except serializers.ValidationError as exc:
+            if staff or not isinstance(exc.detail, dict):
+                raise
+            raise serializers.ValidationError(_generic_host_path(exc.detail)) from exc
+
+    def to_representation(self, adapter: LoraAdapter) -> dict[str, Any]:
+        data = super().to_representation(adapter)
+        if not self.viewer_is_staff:
+            data.pop("path", None)
+            data["last_error"] = redact_paths(data.get("last_error") or "")
+        return data
+
+
+PATH_FORBIDDEN = (
+    "Only platform admins set an adapter's path; upload the adapter's files instead "
+    "(POST /api/v1/adapters/upload/, or the portal)."
+)
+
+
+def _generic_host_path(detail: dict[str, Any]) -> dict[str, Any]:
+    """Host-path problems (whether a folder exists, where it lies) as one generic message."""
+    out: dict[str, Any] = {}
+    for field, errors in detail.items():
+        items = errors if isinstance(errors, list) else [errors]
+        messages: list[Any] = []
+        for error in items:
+            if getattr(error, "code", None) == storage.HOST_PATH:
+                error = ErrorDetail(storage.GENERIC_PATH_ERROR, code=storage.HOST_PATH)
+            if error not in messages:
+                messages.append(error)
+        out[field] = messages
+    return out
+
+
+class AdapterUploadSerializer(serializers.Serializer):
+    """A zipped adapter folder for one of the caller's tenants (how tenants register adapters:
+    they never name a host path)."""
+
+    tenant = TenantSlugField()
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
+    name = serializers.SlugField(max_length=100)
+    archive = serializers.FileField(help_text="A .zip of the adapter folder.")
+
+    def validate_archive(self, archive: Any) -> Any:
+        limit = settings.ADAPTER_UPLOAD_MAX_BYTES
+        if archive.size > limit:
+            raise serializers.ValidationError(
+                f"The archive is {archive.size:,} bytes; the limit is {limit:,} bytes."
+            )
+        return archive
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        tenant = attrs["tenant"]
+        if not allowed_base_models(tenant).filter(pk=attrs["base_model"].pk).exists():
+            raise serializers.ValidationError(
+                {"base_model": f"No deployment serving {tenant.slug} runs this base model."}
+            )
+        if LoraAdapter.objects.for_tenant(tenant).filter(name=attrs["name"]).exists():
+            raise serializers.ValidationError(
+                {"name": f"This tenant already has an adapter named {attrs['name']}."}
+            )
+        return attrs
+
+    def to_representation(self, adapter: LoraAdapter) -> dict[str, Any]:
+        data = super().to_representation(adapter)
+        if not self.viewer_is_staff:
+            data.pop("path", None)
+            data["last_error"] = redact_paths(data.get("last_error") or "")
+        return data
 
 
 class GpuSerializer(serializers.ModelSerializer):
@@ -107,7 +213,6 @@ class NodeSerializer(ValidatedModelSerializer):
 class InstanceSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    command = serializers.SerializerMethodField()
 
     class Meta:
         model = Instance
@@ -136,10 +241,6 @@ class InstanceSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    def get_command(self, instance: Instance) -> list[str]:
-        """The exact command line, with the instance's API key masked."""
-        return mask_secret(instance.command)
-
 
 class InstanceBriefSerializer(serializers.ModelSerializer):
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
@@ -160,8 +261,8 @@ class AdapterChoiceField(serializers.PrimaryKeyRelatedField):
         return LoraAdapter.objects.for_user(request.user).select_related("tenant")
 
 
-class DeploymentSerializer(ValidatedModelSerializer):
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
     tenants = TenantSlugField(many=True)
     adapters = AdapterChoiceField(many=True, required=False)
     instances = InstanceBriefSerializer(many=True, read_only=True)
@@ -213,13 +314,30 @@ class DeploymentSerializer(ValidatedModelSerializer):
         except DjangoValidationError as exc:
             raise serializers.ValidationError(as_serializer_error(exc)) from exc
 
+    def to_representation(self, deployment: Deployment) -> dict[str, Any]:
+        """Tenant users see their own tenants and adapters only, and of each instance its state:
+        a deployment shared by several tenants tells none of them who the others are, nor where
+        and how its engines run."""
+        data = super().to_representation(deployment)
+        if self.viewer_is_staff:
+            return data
+        mine = self.viewer_tenant_ids()
+        data["tenants"] = [t.slug for t in deployment.tenants.all() if t.pk in mine]
+        data["adapters"] = [a.pk for a in deployment.adapters.all() if a.tenant_id in mine]
+        data["instances"] = [
+            {"id": i.pk, "ordinal": i.ordinal, "state": i.state}
+            for i in deployment.instances.all()
+        ]
+        data.pop("base_port", None)
+        return data
+
 
 class ScaleSerializer(serializers.Serializer):
     replicas = serializers.IntegerField(min_value=0, max_value=64)
 
 
-class AuditLogSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):
+    tenant = LookupSlugField(slug_field="slug", queryset=Tenant.objects.all())
 
     class Meta:
         model = AuditLog
@@ -238,3 +356,10 @@ class AuditLogSerializer(serializers.ModelSerializer):
             "created_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, entry: AuditLog) -> dict[str, Any]:
+        data = super().to_representation(entry)
+        if not self.viewer_is_staff:
+            data["changes"] = redact_value(data.get("changes") or {})
+            data["object_repr"] = redact_paths(data.get("object_repr") or "")
+        return data

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import django_filters
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, viewsets
+from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import as_serializer_error
 
+from serving_app import audit, storage
 from serving_app.api.serializers import (
+    AdapterUploadSerializer,
     AuditLogSerializer,
     BaseModelSerializer,
     DeploymentSerializer,
@@ -21,6 +27,7 @@ from serving_app.api.serializers import (
     ScaleSerializer,
 )
 from serving_app.models import AuditLog, BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.uploads import register_upload
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.models import Tenant
 
@@ -48,6 +55,33 @@ class LoraAdapterViewSet(ScopedModelViewSet):
     def get_queryset(self) -> QuerySet:
         return super().get_queryset().select_related("tenant", "base_model")
 
+    @extend_schema(request={"multipart/form-data": AdapterUploadSerializer},
+                   responses={201: LoraAdapterSerializer})
+    @action(detail=False, methods=["post"], parser_classes=[MultiPartParser, FormParser],
+            serializer_class=AdapterUploadSerializer)
+    def upload(self, request: Request) -> Response:
+        """Register an adapter from a zipped adapter folder (multipart: tenant, base_model,
+        name, archive). Its files go to the tenant's own storage area; see serving_app/uploads.py
+        for what is accepted."""
+        user = request.user
+        slug = request.data.get("tenant")
+        tenant = Tenant.objects.for_user(user).filter(slug=slug).first() if slug else None
+        if tenant is not None and not tenant.user_can_manage(user):
+            raise PermissionDenied("Your role in this tenant does not allow this change.")
+        serializer = AdapterUploadSerializer(data=request.data,
+                                             context=self.get_serializer_context())
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        self.check_write(data)
+        try:
+            adapter = register_upload(data["tenant"], data["base_model"], data["name"],
+                                      data["archive"])
+        except DjangoValidationError as exc:
+            raise ValidationError(as_serializer_error(storage.public_errors(exc, user))) from exc
+        audit.record(request, "create", adapter, changes=audit.snapshot(adapter))
+        return Response(LoraAdapterSerializer(adapter, context=self.get_serializer_context()).data,
+                        status=status.HTTP_201_CREATED)
+
 
 class NodeViewSet(ScopedModelViewSet):
     """Hosts running node agents (platform admins only). Agents register themselves."""
@@ -70,17 +104,28 @@ class GpuViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_fields = {"node__name": ["exact"], "mig_mode": ["exact"]}
 
 
+class DeploymentFilter(django_filters.FilterSet):
+    """`tenants__slug` filters by a tenant the caller belongs to; any other tenant's slug finds
+    nothing, so a tenant user cannot learn which deployments another tenant shares."""
+
+    tenants__slug = django_filters.CharFilter(method="filter_tenant")
+
+    class Meta:
+        model = Deployment
+        fields = {"name": ["exact"], "desired_state": ["exact"], "base_model__name": ["exact"]}
+
+    def filter_tenant(self, queryset: QuerySet, name: str, value: str) -> QuerySet:
+        user = self.request.user
+        tenants = Tenant.objects.for_user(user).filter(slug=value)
+        return queryset.filter(tenants__in=tenants).distinct()
+
+
 class DeploymentViewSet(ScopedModelViewSet):
     """Deployments: what should run. Tenants read the ones they may use."""
 
     queryset = Deployment.objects.all()
     serializer_class = DeploymentSerializer
-    filterset_fields = {
-        "name": ["exact"],
-        "desired_state": ["exact"],
-        "base_model__name": ["exact"],
-        "tenants__slug": ["exact"],
-    }
+    filterset_class = DeploymentFilter
     write_role = "staff"
 
     def get_queryset(self) -> QuerySet:

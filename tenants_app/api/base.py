@@ -12,6 +12,9 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import models
+from django.http import Http404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import permissions, serializers, viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.serializers import as_serializer_error
@@ -53,7 +56,19 @@ class ValidatedModelSerializer(serializers.ModelSerializer):
         """Hook for checks that need the many-to-many values."""
 
 
-class TenantSlugField(serializers.SlugRelatedField):
+class LookupSlugField(serializers.SlugRelatedField):
+    """A related row chosen by a text field. A value the database cannot even compare (a NUL
+    character: PostgreSQL text cannot hold one) is the same field error as an unknown one,
+    instead of a database error and a 500."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, str) and "\x00" in data:
+            self.fail("does_not_exist", slug_name=self.slug_field, value=data.replace("\x00", ""))
+        return super().to_internal_value(data)
+
+
+@extend_schema_field(OpenApiTypes.STR)
+class TenantSlugField(LookupSlugField):
     """A tenant chosen by slug, among the tenants the caller may see (others do not exist)."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -89,6 +104,14 @@ class ScopedModelViewSet(viewsets.ModelViewSet):
             *self.queryset.model._meta.ordering or ["pk"]
         )
 
+    def get_object(self) -> models.Model:
+        # A text lookup (a tenant's slug) holding a NUL character matches nothing; PostgreSQL
+        # would refuse the query itself.
+        value = self.kwargs.get(self.lookup_url_kwarg or self.lookup_field)
+        if isinstance(value, str) and "\x00" in value:
+            raise Http404
+        return super().get_object()
+
     # -- permissions -----------------------------------------------------------------------
     def tenant_of(self, obj_or_data: Any) -> Tenant | None:
         if isinstance(obj_or_data, dict):
@@ -117,7 +140,10 @@ class ScopedModelViewSet(viewsets.ModelViewSet):
             if self.write_role == "staff":
                 raise PermissionDenied("Only platform admins may change this.")
             slug = request.data.get("tenant") if hasattr(request.data, "get") else None
-            tenant = Tenant.objects.for_user(user).filter(slug=slug).first() if slug else None
+            # Anything but a plain slug is left to the serializer's field error (a NUL character
+            # would be a database error here).
+            usable = isinstance(slug, str) and slug and "\x00" not in slug
+            tenant = Tenant.objects.for_user(user).filter(slug=slug).first() if usable else None
             if tenant is not None and not tenant.user_can_manage(user):
                 raise PermissionDenied("Your role in this tenant does not allow this change.")
         return super().create(request, *args, **kwargs)

@@ -8,14 +8,14 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.password_validation import validate_password
 from rest_framework import serializers
 
-from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
-from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Tenant
+from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
+from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
 
 User = get_user_model()
 
 
 class TenantSerializer(ValidatedModelSerializer):
-    prefix_cache_group = serializers.SlugRelatedField(
+    prefix_cache_group = LookupSlugField(
         slug_field="name", queryset=PrefixCacheGroup.objects.all(), allow_null=True,
         required=False, help_text="Sharing group (platform admins only). Null: shares with nobody.",
     )
@@ -44,12 +44,21 @@ class PrefixCacheGroupSerializer(ValidatedModelSerializer):
 
 class MembershipSerializer(ValidatedModelSerializer):
     tenant = TenantSlugField()
-    user = serializers.SlugRelatedField(slug_field="username", queryset=User.objects.all())
+    user = LookupSlugField(slug_field="username", queryset=User.objects.all())
 
     class Meta:
         model = Membership
         fields = ["id", "tenant", "user", "role", "created_at"]
         read_only_fields = ["id", "created_at"]
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        request = self.context.get("request")
+        if request is not None and not request.user.is_staff:
+            # Tenant users add members by invitation and never name a user here: a username
+            # lookup would tell them which usernames exist.
+            fields["user"] = serializers.CharField(source="user.username", read_only=True)
+        return fields
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if self.instance is not None:
@@ -57,6 +66,42 @@ class MembershipSerializer(ValidatedModelSerializer):
                 if field in attrs and attrs[field] != getattr(self.instance, field):
                     raise serializers.ValidationError({field: "Cannot be changed; add a new one."})
         return super().validate(attrs)
+
+
+class InvitationSerializer(serializers.ModelSerializer):
+    """An invitation as its tenant's managers see it: what they typed, never whom it found."""
+
+    tenant = TenantSlugField()
+    invited_as = serializers.CharField(
+        max_length=254, help_text="The username or email address of the person to invite."
+    )
+    state = serializers.CharField(read_only=True)
+    invited_by = serializers.CharField(source="invited_by.username", read_only=True, default=None)
+
+    class Meta:
+        model = Invitation
+        fields = ["id", "tenant", "invited_as", "role", "state", "invited_by", "expires_at",
+                  "answered_at", "created_at"]
+        read_only_fields = ["id", "state", "invited_by", "expires_at", "answered_at",
+                            "created_at"]
+
+    def create(self, validated_data: dict[str, Any]) -> Invitation:
+        return Invitation.objects.invite(**validated_data)
+
+
+class ReceivedInvitationSerializer(serializers.ModelSerializer):
+    """An invitation as the invited user sees it."""
+
+    tenant = serializers.CharField(source="tenant.slug", read_only=True)
+    tenant_name = serializers.CharField(source="tenant.name", read_only=True)
+    invited_by = serializers.CharField(source="invited_by.username", read_only=True, default=None)
+    state = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = Invitation
+        fields = ["id", "tenant", "tenant_name", "role", "state", "invited_by", "expires_at",
+                  "created_at"]
+        read_only_fields = fields
 
 
 class ApiKeySerializer(ValidatedModelSerializer):
@@ -133,7 +178,14 @@ class UserSerializer(serializers.ModelSerializer):
         ]
 
     def validate_password(self, value: str) -> str:
-        validate_password(value)
+        # Checked against the user as it will be saved: the similarity validator compares the
+        # password with the username, names and email.
+        current = self.instance or User()
+        candidate = User(**{
+            name: self.initial_data.get(name, getattr(current, name))
+            for name in ("username", "email", "first_name", "last_name")
+        })
+        validate_password(value, user=candidate)
         return value
 
     def create(self, validated_data: dict[str, Any]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, viewsets
 from rest_framework import serializers as drf_serializers
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
@@ -16,12 +17,20 @@ from serving_app.gateway import invalidation as gateway_invalidation
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.api.serializers import (
     ApiKeySerializer,
+    InvitationSerializer,
     MembershipSerializer,
     PrefixCacheGroupSerializer,
+    ReceivedInvitationSerializer,
     TenantSerializer,
     UserSerializer,
 )
-from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Role, Tenant
+from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
+
+
+def check_owner_grant(user, tenant: Tenant, role: str | None) -> None:
+    """Only an owner (or a platform admin) makes, demotes, removes or invites an owner."""
+    if role == Role.OWNER and tenant.role_of(user) not in ("platform", Role.OWNER):
+        raise PermissionDenied("Only an owner can make someone an owner.")
 
 
 class TenantViewSet(ScopedModelViewSet):
@@ -39,7 +48,9 @@ class TenantViewSet(ScopedModelViewSet):
 
 
 class MembershipViewSet(ScopedModelViewSet):
-    """Who belongs to a tenant, with which role. Owners and admins manage their tenant's."""
+    """Who belongs to a tenant, with which role. Owners and admins change roles and remove
+    members of their tenant; they add members by invitation (`/api/v1/invitations/`), and only
+    platform admins add a member directly."""
 
     queryset = Membership.objects.all()
     serializer_class = MembershipSerializer
@@ -50,8 +61,14 @@ class MembershipViewSet(ScopedModelViewSet):
         return super().get_queryset().select_related("tenant", "user")
 
     def _check_owner_grant(self, tenant: Tenant, role: str | None) -> None:
-        if role == Role.OWNER and tenant.role_of(self.request.user) not in ("platform", Role.OWNER):
-            raise PermissionDenied("Only an owner can make someone an owner.")
+        check_owner_grant(self.request.user, tenant, role)
+
+    def create(self, request: Request, *args, **kwargs) -> Response:
+        if not request.user.is_staff:
+            raise PermissionDenied(
+                "Members join by invitation: POST /api/v1/invitations/ and they accept it."
+            )
+        return super().create(request, *args, **kwargs)
 
     def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
         data = serializer.validated_data
@@ -69,6 +86,74 @@ class MembershipViewSet(ScopedModelViewSet):
         if membership.role == Role.OWNER:
             self._check_owner_grant(membership.tenant, Role.OWNER)
         membership.check_deletable()
+
+
+class InvitationViewSet(ScopedModelViewSet):
+    """Invitations to join a tenant. Owners and admins invite by username or email and revoke;
+    the invited user accepts or declines through `/api/v1/my-invitations/`. The answer to an
+    invitation is the same whether or not the username exists."""
+
+    queryset = Invitation.objects.all()
+    serializer_class = InvitationSerializer
+    filterset_fields = {"tenant__slug": ["exact"], "status": ["exact"], "role": ["exact"]}
+    write_role = "manager"
+    http_method_names = ["get", "post", "head", "options"]
+
+    def get_queryset(self) -> QuerySet:
+        return super().get_queryset().select_related("tenant", "invited_by")
+
+    def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
+        data = serializer.validated_data
+        check_owner_grant(self.request.user, data["tenant"], data.get("role"))
+        self.check_write(data)
+        invitation = serializer.save(invited_by=self.request.user)
+        audit.record(self.request, "create", invitation, changes=audit.snapshot(invitation))
+
+    @extend_schema(request=None, responses=InvitationSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str | None = None) -> Response:
+        invitation = self.get_object()
+        self.check_write(invitation)
+        if invitation.role == Role.OWNER:
+            check_owner_grant(request.user, invitation.tenant, Role.OWNER)
+        if invitation.revoke():
+            audit.record(request, "revoke", invitation, changes={"status": ["pending", "revoked"]})
+        return Response(self.get_serializer(invitation).data)
+
+
+class ReceivedInvitationViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    """The signed-in user's open invitations, to accept or decline. Anyone else's is a 404."""
+
+    serializer_class = ReceivedInvitationSerializer
+    queryset = Invitation.objects.none()
+
+    def get_queryset(self) -> QuerySet:
+        return (
+            Invitation.objects.addressed_to(self.request.user)
+            .select_related("tenant", "invited_by")
+            .order_by("-created_at")
+        )
+
+    @extend_schema(request=None, responses=MembershipSerializer)
+    @action(detail=True, methods=["post"])
+    def accept(self, request: Request, pk: str | None = None) -> Response:
+        invitation = self.get_object()
+        membership = invitation.accept(request.user)
+        audit.record(request, "accept", invitation, changes={"status": ["pending", "accepted"]})
+        audit.record(request, "create", membership, changes=audit.snapshot(membership))
+        return Response(MembershipSerializer(membership, context={"request": request}).data)
+
+    @extend_schema(request=None, responses=ReceivedInvitationSerializer)
+    @action(detail=True, methods=["post"])
+    def decline(self, request: Request, pk: str | None = None) -> Response:
+        invitation = self.get_object()
+        if invitation.decline(request.user):
+            audit.record(
+                request, "decline", invitation, changes={"status": ["pending", "declined"]}
+            )
+        return Response(self.get_serializer(invitation).data)
 
 
 class ApiKeyViewSet(ScopedModelViewSet):

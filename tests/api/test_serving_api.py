@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from serving_app.engine.launch import build_launch_spec
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 from tests.factories import make_adapter, make_adapter_dir, make_deployment, make_model_dir
@@ -28,8 +29,10 @@ class TestBaseModels:
         assert response.data["weight_bytes"] > 0
 
     def test_path_that_holds_no_model_is_a_field_error(self, platform_admin, tmp_path):
+        (tmp_path / "empty").mkdir()
         response = as_user(platform_admin).post(
-            "/api/v1/base-models/", {"name": "mini", "path": str(tmp_path)}, format="json"
+            "/api/v1/base-models/", {"name": "mini", "path": str(tmp_path / "empty")},
+            format="json",
         )
         assert response.status_code == 400
         assert "not a model folder" in str(response.data["path"])
@@ -60,9 +63,11 @@ class TestBaseModels:
 
 
 class TestAdapters:
-    def test_owner_registers_an_adapter(self, acme, base_model, tmp_path):
+    def test_platform_admin_registers_an_adapter_from_a_model_root(
+        self, platform_admin, acme, base_model, tmp_path
+    ):
         folder = make_adapter_dir(tmp_path, rank=16)
-        response = as_user(acme.owner).post(
+        response = as_user(platform_admin).post(
             "/api/v1/adapters/",
             {
                 "tenant": "acme",
@@ -76,9 +81,11 @@ class TestAdapters:
         assert response.data["rank"] == 16
         assert response.data["target_modules"] == ["q_proj", "v_proj"]
 
-    def test_adapter_for_another_base_model_is_a_field_error(self, acme, base_model, tmp_path):
+    def test_adapter_for_another_base_model_is_a_field_error(
+        self, platform_admin, base_model, acme, tmp_path
+    ):
         folder = make_adapter_dir(tmp_path, hidden=4096)
-        response = as_user(acme.admin).post(
+        response = as_user(platform_admin).post(
             "/api/v1/adapters/",
             {"tenant": "acme", "base_model": base_model.name, "name": "x", "path": str(folder)},
             format="json",
@@ -87,9 +94,9 @@ class TestAdapters:
         assert "another base model" in str(response.data["base_model"])
         assert not LoraAdapter.objects.exists()
 
-    def test_rank_mismatch_is_a_field_error(self, acme, base_model, tmp_path):
+    def test_rank_mismatch_is_a_field_error(self, platform_admin, acme, base_model, tmp_path):
         folder = make_adapter_dir(tmp_path, rank=8)
-        response = as_user(acme.admin).post(
+        response = as_user(platform_admin).post(
             "/api/v1/adapters/",
             {
                 "tenant": "acme",
@@ -226,17 +233,19 @@ class TestDeployments:
 
 
 class TestInstances:
-    def test_instance_command_masks_the_secret(self, platform_admin, acme, base_model):
+    def test_instance_shows_its_command_and_environment_and_no_secret(
+        self, platform_admin, acme, base_model
+    ):
         deployment = make_deployment(base_model, [acme.tenant])
-        instance = Instance.objects.create(
-            deployment=deployment,
-            command=["python", "--api-key", "s3cret", "--port", "1"],
-            log_tail="line one\nline two",
-        )
-        data = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/").data
-        assert data["command"] == ["python", "--api-key", "********", "--port", "1"]
+        instance = Instance.objects.create(deployment=deployment, port=1,
+                                           log_tail="line one\nline two")
+        spec = build_launch_spec(deployment, instance)  # recorded as the node agent records it
+        Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env)
+        response = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/")
+        data = response.data
+        assert data["command"] == spec.argv and data["environment"] == spec.env
         assert data["log_tail"].endswith("line two")
-        assert "secret" not in data
+        assert "secret" not in data and instance.secret not in response.content.decode()
         assert_forbidden_for([acme.owner], "get", f"/api/v1/instances/{instance.pk}/")
 
 

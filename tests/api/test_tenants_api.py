@@ -93,14 +93,25 @@ def test_filtering_and_pagination(platform_admin, acme, globex):
 
 
 class TestMemberships:
-    def test_owner_adds_a_member(self, acme, outsider):
-        response = as_user(acme.owner).post(
+    def test_platform_admin_adds_a_member_directly(self, platform_admin, acme, outsider):
+        response = as_user(platform_admin).post(
             "/api/v1/memberships/",
             {"tenant": "acme", "user": "outsider", "role": "member"},
             format="json",
         )
         assert response.status_code == 201, response.data
         assert Membership.objects.filter(tenant=acme.tenant, user=outsider).exists()
+
+    def test_owner_cannot_add_a_member_without_their_consent(self, acme, outsider):
+        """Members join by invitation (tests/api/test_invitations.py), which they accept."""
+        response = as_user(acme.owner).post(
+            "/api/v1/memberships/",
+            {"tenant": "acme", "user": "outsider", "role": "member"},
+            format="json",
+        )
+        assert response.status_code == 403
+        assert "invitation" in str(response.data)
+        assert not Membership.objects.filter(user=outsider).exists()
 
     def test_members_and_viewers_cannot_manage_members(self, acme, outsider):
         assert_forbidden_for(
@@ -118,13 +129,13 @@ class TestMemberships:
         assert_forbidden_for(
             [acme.admin],
             "post",
-            "/api/v1/memberships/",
-            {"tenant": "acme", "user": "outsider", "role": "owner"},
+            "/api/v1/invitations/",
+            {"tenant": "acme", "invited_as": "outsider", "role": "owner"},
         )
 
-    def test_adding_to_another_tenant_is_a_field_error(self, acme, globex, outsider):
+    def test_inviting_to_another_tenant_is_a_field_error(self, acme, globex, outsider):
         response = as_user(acme.owner).post(
-            "/api/v1/memberships/", {"tenant": "globex", "user": "outsider"}, format="json"
+            "/api/v1/invitations/", {"tenant": "globex", "invited_as": "outsider"}, format="json"
         )
         assert response.status_code == 400
         assert "tenant" in response.data
@@ -167,8 +178,8 @@ class TestUsers:
 
 def test_role_choices_are_validated(acme, outsider):
     response = as_user(acme.owner).post(
-        "/api/v1/memberships/",
-        {"tenant": "acme", "user": "outsider", "role": "emperor"},
+        "/api/v1/invitations/",
+        {"tenant": "acme", "invited_as": "outsider", "role": "emperor"},
         format="json",
     )
     assert response.status_code == 400 and "role" in response.data

@@ -118,12 +118,33 @@ def browser():
 def page(browser, console_server, transactional_db):
     context = browser.new_context(base_url=console_server, viewport={"width": 1440, "height": 900})
     context.set_default_timeout(15_000)
+    violations = csp_violations(context)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: violations.append(msg.text)
+            if "Content Security Policy" in msg.text else None)
     page.js_errors = errors
+    page.csp_violations = violations
     yield page
     context.close()
+    # Every page of every browser test runs under the console's content security policy.
+    assert violations == [], "content security policy violations:\n" + "\n".join(violations)
+
+
+def csp_violations(context) -> list[str]:
+    """A list that fills with every content security policy violation in `context`'s pages.
+
+    The listener is injected by Playwright (outside the page's policy) on every new document,
+    and reports through a binding, so violations on pages navigated away from are kept."""
+    violations: list[str] = []
+    context.expose_binding("__cspViolation", lambda source, text: violations.append(text))
+    context.add_init_script(
+        "document.addEventListener('securitypolicyviolation', (e) => window.__cspViolation("
+        "`${e.effectiveDirective} blocked ${e.blockedURI || 'inline'} at ${e.documentURI}"
+        ":${e.lineNumber} ${e.sample}`));"
+    )
+    return violations
 
 
 def sign_in(page, username: str, password: str = PASSWORD) -> None:

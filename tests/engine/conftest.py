@@ -59,6 +59,9 @@ class Cluster:
             "ENGINE_PORT_MIN": "18400",
             "ENGINE_PORT_MAX": "18499",
             "CONSOLE_VAR_DIR": str(tmp / "var"),
+            # The agents check adapters' folders against the same roots as this process.
+            "MODEL_ROOTS": ",".join(str(root) for root in settings.MODEL_ROOTS),
+            "TENANT_STORAGE_ROOT": str(settings.TENANT_STORAGE_ROOT),
         }
 
     def _celery(self, label: str, args: list[str], extra_env: dict[str, str]) -> None:
@@ -112,7 +115,7 @@ def _reset_broker_pools() -> None:
 
 
 @pytest.fixture
-def cluster(transactional_db, tmp_path) -> Iterator[Cluster]:
+def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
     if not ENGINE_PYTHON.exists() or not (MODELS / "tiny-llama").is_dir():
         pytest.fail("The engine environment is missing: run scripts/setup_engine.sh")
     broker = redis.Redis.from_url(TEST_BROKER)

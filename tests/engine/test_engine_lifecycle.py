@@ -6,10 +6,12 @@ the console becomes running engines that stay up without anyone watching.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ from serving_app.engine import supervisor
 from serving_app.models import Deployment, Instance, LoraAdapter
 from tests.api.helpers import as_user
 from tests.engine.conftest import MODELS, instance_state, wait_for
+from tests.unit.test_process_groups import session_members
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
 State = Instance.State
@@ -65,6 +68,10 @@ def create_deployment(admin, **fields) -> dict:
     return response.data
 
 
+def all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
 def port_is_free(port: int) -> bool:
     return supervisor.port_is_free(port)
 
@@ -73,9 +80,12 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     cluster.start_control()
     cluster.start_agent("cpu-a")
     register_model(platform_admin)
-    lora_a = register_adapter(acme.owner, "acme", "support", MODELS / "tiny-llama-lora-a")
-    lora_b = register_adapter(acme.admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
-    deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]])
+    lora_a = register_adapter(platform_admin, "acme", "support", MODELS / "tiny-llama-lora-a")
+    lora_b = register_adapter(platform_admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
+    # Five slots: on CPU one stays spare, so the runtime loads below (a third and a broken
+    # fourth adapter) reach the engine rather than being refused for want of a slot.
+    deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]],
+                                   max_loras=5)
     client = as_user(platform_admin)
     assert client.post(f"/api/v1/deployments/{deployment['id']}/start/").status_code == 200
 
@@ -87,11 +97,19 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
                for model in ("tiny-llama", "acme--support", "acme--billing")}
     assert len(set(outputs.values())) == 3, outputs  # adapters visibly change the output
     api_view = client.get(f"/api/v1/instances/{instance.pk}/").data
-    assert "--lora-modules" in api_view["command"] and "********" in api_view["command"]
+    assert "--lora-modules" in api_view["command"]
+    # The key is in the engine's environment only: on no command line that `ps` shows, not in
+    # what the API shows; the adapters went over in vLLM's JSON form.
+    assert instance.secret not in json.dumps(api_view, default=str)
+    assert "VLLM_API_KEY" not in instance.environment
+    assert supervisor.environ(instance.pid)["VLLM_API_KEY"] == instance.secret
+    assert not [pid for pid in all_pids() if instance.secret in " ".join(supervisor.cmdline(pid))]
+    modules = api_view["command"][api_view["command"].index("--lora-modules") + 1:][:2]
+    assert sorted(json.loads(m)["name"] for m in modules) == ["acme--billing", "acme--support"]
     assert api_view["log_tail"]
 
     # A third adapter at runtime, without a restart.
-    lora_c = register_adapter(acme.owner, "acme", "legal", MODELS / "tiny-llama-lora-c")
+    lora_c = register_adapter(platform_admin, "acme", "legal", MODELS / "tiny-llama-lora-c")
     response = client.patch(f"/api/v1/deployments/{deployment['id']}/",
                             {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]},
                             format="json")
@@ -104,7 +122,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     # An adapter that fails to load leaves the engine serving, with the error on the adapter.
     broken_dir = tmp_path / "broken-adapter"
     shutil.copytree(MODELS / "tiny-llama-lora-c", broken_dir)
-    broken = register_adapter(acme.owner, "acme", "broken", broken_dir)
+    broken = register_adapter(platform_admin, "acme", "broken", broken_dir)
     weights = broken_dir / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:200])
     client.patch(f"/api/v1/deployments/{deployment['id']}/",
@@ -116,13 +134,16 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     client.patch(f"/api/v1/deployments/{deployment['id']}/",
                  {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]}, format="json")
 
-    # SIGKILL the engine: the supervisor notices and the reconciler brings it back.
+    # SIGKILL the engine: the supervisor notices and the reconciler brings it back. The leader's
+    # children (EngineCore, workers) are orphaned by the kill; the agent must clear them.
+    assert len(session_members(instance.pid)) > 1, "the engine runs no child process?"
     os.kill(instance.pid, signal.SIGKILL)
     wait_for(lambda: Instance.objects.filter(pk=instance.pk, restarts=1).exists(), 60, "restart")
     restarted = wait_for(lambda: Instance.objects.filter(pk=instance.pk, state=State.READY,
                                                          restarts=1).first(),
                          START_TIMEOUT, "ready again")
     assert restarted.pid != instance.pid
+    wait_for(lambda: not session_members(instance.pid), 30, "the killed engine's children gone")
     seen_pids.add(restarted.pid)
     assert complete(restarted, "acme--legal")["choices"][0]["text"]
 
@@ -156,6 +177,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
         state=State.STOPPED).exists(), 60, "all stopped")
     for pid in seen_pids:
         assert not supervisor.is_alive(pid), pid
+        assert session_members(pid) == [], f"processes of engine session {pid} remain"
     for port in ports:
         assert port_is_free(port), port
     assert Deployment.objects.get(pk=deployment["id"]).desired_state == "stopped"
@@ -224,7 +246,7 @@ def test_engine_that_exits_at_start_fails_then_crash_loops(cluster, platform_adm
 
 def test_adapter_for_another_base_model_is_refused(platform_admin, acme, db):
     register_model(platform_admin)
-    response = as_user(acme.owner).post(
+    response = as_user(platform_admin).post(
         "/api/v1/adapters/",
         {"tenant": "acme", "base_model": "tiny-llama", "name": "wide",
          "path": str(MODELS / "tiny-wide-lora")},

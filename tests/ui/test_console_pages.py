@@ -10,6 +10,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from serving_app.dashboards.queries import percentile
+from serving_app.engine.launch import build_launch_spec
 from serving_app.models import AuditLog, Deployment, Instance, Node
 from tenants_app.models import Tenant
 from tests.factories import make_adapter, make_deployment, make_tenant
@@ -212,14 +213,15 @@ def test_instance_panel_and_log_tail(login, platform_admin, acme, base_model, tm
     log = tmp_path / "engine.log"
     log.write_text("INFO starting\nINFO Application startup complete.\n")
     instance = Instance.objects.create(
-        deployment=deployment, state=Instance.State.STARTING, log_path=str(log),
-        command=["vllm", "--api-key", "engine-secret-Zq7"],
-    )
+        deployment=deployment, state=Instance.State.STARTING, log_path=str(log))
+    spec = build_launch_spec(deployment, instance)  # recorded as the node agent records it
+    Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env)
     client = login(platform_admin)
     panel = client.get(reverse("console:deployment-instances", args=[deployment.pk]))
     assert b'data-instance-state="starting"' in panel.content
-    page = client.get(reverse("console:instance-detail", args=[instance.pk])).content
-    assert b"Application startup complete." in page and b"engine-secret-Zq7" not in page
+    page = client.get(reverse("console:instance-detail", args=[instance.pk])).content.decode()
+    assert "Application startup complete." in page and instance.secret not in page
+    assert "--max-num-seqs 64" in page and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in page
     assert b"startup complete" in client.get(
         reverse("console:instance-log", args=[instance.pk])).content
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from django.urls import reverse
 
-from serving_app.models import AuditLog, LoraAdapter
-from tenants_app.models import ApiKey, Membership, Role
-from tests.factories import add_member, make_adapter_dir, make_deployment, make_user
+from serving_app import storage
+from serving_app.models import AdapterFileRemoval, AuditLog, Instance, LoraAdapter
+from tenants_app.models import ApiKey, Invitation, Membership, Role
+from tests.factories import add_member, make_adapter, make_adapter_dir, make_deployment, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -31,9 +32,10 @@ TENANT_PAGES = [
 ]
 WRITES = [
     ("portal:keys", [], {"name": "k"}),
+    ("portal:adapter-delete", [1], {}),
     ("portal:adapters", [], {"source": "path"}),
     ("portal:playground-key", [], {}),
-    ("portal:members", [], {"username": "x", "role": "member"}),
+    ("portal:members", [], {"invited_as": "x", "role": "member"}),
 ]
 
 
@@ -163,16 +165,16 @@ def _upload(client, content: bytes, name: str = "helpdesk", base_model=None):
 
 
 @pytest.fixture
-def uploads(settings, tmp_path):
-    settings.VAR_DIR = tmp_path / "var"
-    return tmp_path / "var" / "uploads"
+def uploads(settings):
+    """The tenant storage area the uploads go to (a folder apart from the model root)."""
+    return Path(settings.TENANT_STORAGE_ROOT)
 
 
 def _left_behind(uploads: Path) -> list[Path]:
     return [p for p in uploads.rglob("*") if p.is_file()] if uploads.exists() else []
 
 
-def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
+def test_uploaded_adapter_is_validated_and_stored_in_the_tenants_storage_area(
     login, acme, served, base_model, uploads, tmp_path
 ):
     folder = make_adapter_dir(tmp_path / "src", rank=8)
@@ -180,7 +182,7 @@ def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
     assert response.status_code == 302
     adapter = LoraAdapter.objects.get(tenant=acme.tenant, name="helpdesk")
     assert adapter.rank == 8 and adapter.target_modules == ["q_proj", "v_proj"]
-    assert Path(adapter.path).parent == uploads / "acme"
+    assert Path(adapter.path).parent == uploads.resolve() / f"tenant-{acme.tenant.pk}"
     assert (Path(adapter.path) / "adapter_config.json").is_file()
     assert not list((uploads / ".staging").iterdir())
 
@@ -192,6 +194,7 @@ def test_uploaded_adapter_is_validated_and_stored_under_var_uploads(
         ("escape", "points outside the adapter folder"),
         ("absolute", "points outside the adapter folder"),
         ("not-adapter", "holds no adapter_config.json"),
+        ("not-allowed", "which is not part of an adapter"),
         ("wrong-base", "trained for another base model"),
         ("too-large", "the limit is"),
         ("corrupt", "broken"),
@@ -208,7 +211,9 @@ def test_bad_archives_are_refused_and_leave_nothing_behind(
     elif case == "absolute":
         content = _zip(good, extra={"/etc/evil": "x"})
     elif case == "not-adapter":
-        content = _zip(extra={"readme.txt": "hello"})
+        content = _zip(extra={"README.md": "hello"})
+    elif case == "not-allowed":
+        content = _zip(good, extra={"lora/readme.txt": "hello"})
     elif case == "wrong-base":
         content = _zip(make_adapter_dir(tmp_path / "wide", hidden=256, rank=8))
     elif case == "too-large":
@@ -231,8 +236,20 @@ def test_only_base_models_served_to_the_tenant_are_offered(login, acme, base_mod
     assert list(response.context["upload_form"].fields["base_model"].queryset) == []
 
 
-def test_register_from_path_uses_the_models_validation(login, acme, served, base_model):
-    response = login(acme.admin).post(reverse("portal:adapters", args=["acme"]), {
+def test_register_from_path_is_for_platform_admins_only(login, acme, served, base_model,
+                                                       tmp_path):
+    folder = make_adapter_dir(tmp_path / "src")
+    data = {"source": "path", "name": "x", "base_model": base_model.pk, "path": str(folder)}
+    response = login(acme.owner).get(reverse("portal:adapters", args=["acme"]))
+    assert "path_form" not in response.context and 'id="path-form"' not in response.text
+    assert login(acme.owner).post(reverse("portal:adapters", args=["acme"]),
+                                  data).status_code == 403
+    assert not LoraAdapter.objects.exists()
+
+
+def test_register_from_path_uses_the_models_validation(login, platform_admin, acme, served,
+                                                       base_model):
+    response = login(platform_admin).post(reverse("portal:adapters", args=["acme"]), {
         "source": "path", "name": "x", "base_model": base_model.pk, "path": "relative/path",
     })
     assert response.status_code == 400
@@ -241,31 +258,174 @@ def test_register_from_path_uses_the_models_validation(login, acme, served, base
     ]
 
 
-def test_register_from_path_refuses_a_duplicate_name(login, acme, served, base_model, tmp_path):
+def test_register_from_path_refuses_a_duplicate_name(login, platform_admin, acme, served,
+                                                     base_model, tmp_path):
     folder = make_adapter_dir(tmp_path / "src")
     data = {"source": "path", "name": "x", "base_model": base_model.pk, "path": str(folder)}
-    client = login(acme.admin)
+    client = login(platform_admin)
     assert client.post(reverse("portal:adapters", args=["acme"]), data).status_code == 302
     response = client.post(reverse("portal:adapters", args=["acme"]), data)
     assert response.status_code == 400
     assert LoraAdapter.objects.count() == 1
 
 
+def test_a_comma_folder_in_an_archive_never_reaches_an_engine_path(
+    login, acme, served, base_model, uploads, tmp_path
+):
+    """Before: a sub-folder "a,b" in the zip became part of the adapter's path, and a comma in
+    --lora-modules makes vLLM exit at start, for every tenant on the engine."""
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    response = _upload(login(acme.admin), _zip(good, prefix="lora/a,b/"), base_model=base_model)
+    assert response.status_code == 400
+    assert "sub-folder" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+    # A top folder with a comma is only a container: the files land in a random folder.
+    response = _upload(login(acme.admin), _zip(good, prefix="a,b/"), base_model=base_model)
+    assert response.status_code == 302
+    assert "," not in LoraAdapter.objects.get(name="helpdesk").path
+
+
+@pytest.mark.parametrize("name", ["adapter_model.bin", "run.sh", "tokenizer.json"])
+def test_files_an_adapter_is_not_made_of_are_refused(login, acme, served, base_model, uploads,
+                                                     tmp_path, name):
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    response = _upload(login(acme.admin), _zip(good, extra={f"lora/{name}": "x"}),
+                       base_model=base_model)
+    assert response.status_code == 400
+    assert "not part of an adapter" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+
+
+def test_a_zip_bomb_over_the_unpacked_cap_is_refused(login, acme, served, base_model, uploads,
+                                                     tmp_path, settings):
+    settings.ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = 1024 * 1024
+    good = make_adapter_dir(tmp_path / "src", rank=8)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.write(good / "adapter_config.json", "adapter_config.json")
+        archive.writestr("adapter_model.safetensors", b"\0" * (8 * 1024 * 1024))
+    assert len(buffer.getvalue()) < 64 * 1024  # 8 MiB of zeros, deflated
+    response = _upload(login(acme.admin), buffer.getvalue(), base_model=base_model)
+    assert response.status_code == 400
+    assert "the limit is 1,048,576" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+
+
+def test_uploads_over_the_tenants_quota_are_refused(login, acme, served, base_model, uploads,
+                                                    tmp_path, settings):
+    settings.TENANT_STORAGE_QUOTA_MB = 0  # the default: nothing; acme's own quota overrides it
+    acme.tenant.storage_quota_mb = 1
+    acme.tenant.save()
+    big = make_adapter_dir(tmp_path / "src", rank=160)  # 640 KiB of tensors
+    client = login(acme.admin)
+    assert _upload(client, _zip(big), name="first", base_model=base_model).status_code == 302
+    response = _upload(client, _zip(big), name="second", base_model=base_model)
+    assert response.status_code == 400
+    assert "storage quota" in str(response.context["upload_form"].errors)
+    assert LoraAdapter.objects.filter(tenant=acme.tenant).count() == 1
+    assert len(list(storage.tenant_area(acme.tenant.pk).iterdir())) == 1
+    # The page shows what is used against the quota.
+    page = client.get(reverse("portal:adapters", args=["acme"]))
+    assert page.context["storage"]["quota"] == 1024 * 1024
+    assert page.context["storage"]["used"] == LoraAdapter.objects.get(name="first").size_bytes
+    assert "1.0\xa0MB" in page.text or "1.0 MB" in page.text
+
+
+def test_uploads_with_corrupt_tensor_data_are_refused(login, acme, served, base_model, uploads,
+                                                      tmp_path):
+    folder = make_adapter_dir(tmp_path / "src", rank=8)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"trailing")  # the header still reads fine
+    response = _upload(login(acme.admin), _zip(folder), base_model=base_model)
+    assert response.status_code == 400
+    assert "trailing data" in str(response.context["upload_form"].errors)
+    assert _left_behind(uploads) == []
+
+
+def test_portal_home_shows_storage_against_the_quota(login, acme, settings):
+    settings.TENANT_STORAGE_QUOTA_MB = 2
+    body = login(acme.viewer).get(reverse("portal:tenant-home", args=["acme"])).text
+    assert "Adapter storage" in body and "2.0" in body
+
+
+def test_deleting_an_adapter_removes_its_uploaded_files_once_no_engine_has_it(
+    login, acme, served, base_model, uploads, tmp_path
+):
+    client = login(acme.admin)
+    assert _upload(client, _zip(make_adapter_dir(tmp_path / "src")), base_model=base_model) \
+        .status_code == 302
+    adapter = LoraAdapter.objects.get(name="helpdesk")
+    served.adapters.add(adapter)
+    instance = Instance.objects.create(deployment=served, state="ready",
+                                       loaded_adapters=[adapter.engine_name])
+    folder = Path(adapter.path)
+    response = client.post(reverse("portal:adapter-delete", args=["acme", adapter.pk]))
+    assert response.status_code == 302
+    assert not LoraAdapter.objects.exists()
+    assert AuditLog.objects.filter(action="delete", object_type="serving_app.LoraAdapter",
+                                   via="ui").exists()
+    AdapterFileRemoval.objects.remove_released()
+    assert folder.is_dir()  # the engine still has it
+    Instance.objects.filter(pk=instance.pk).update(loaded_adapters=[])
+    AdapterFileRemoval.objects.remove_released()
+    assert not folder.exists()
+
+
+def test_another_tenants_adapter_cannot_be_deleted(login, acme, globex, base_model, tmp_path):
+    theirs = make_adapter(globex.tenant, base_model, tmp_path / "g")
+    response = login(acme.owner).post(reverse("portal:adapter-delete", args=["acme", theirs.pk]))
+    assert response.status_code == 404
+    assert LoraAdapter.objects.filter(pk=theirs.pk).exists()
+
+
 # ----------------------------------------------------------------------------- members
 
 
-def test_owner_adds_a_member(login, acme):
-    make_user("newbie")
+def test_owner_invites_a_member_who_accepts_from_their_portal(login, acme):
+    newbie = make_user("newbie")
     response = login(acme.owner).post(reverse("portal:members", args=["acme"]),
-                                      {"username": "newbie", "role": "member"})
+                                      {"invited_as": "newbie", "role": "member"})
     assert response.status_code == 302
-    assert Membership.objects.get(user__username="newbie").role == "member"
+    assert not Membership.objects.filter(user=newbie).exists()
+    client = login(newbie)
+    page = client.get(reverse("portal:home")).content.decode()
+    assert "Acme Corp" in page and "Accept" in page
+    invitation = Invitation.objects.get(invited_as="newbie")
+    response = client.post(reverse("portal:invitation-answer", args=[invitation.pk, "accept"]))
+    assert response.status_code == 302
+    assert Membership.objects.get(user=newbie).role == "member"
+
+
+def test_invitation_is_declined_or_revoked_from_the_portal_and_nobody_else_answers(
+        login, acme, globex):
+    member_elsewhere = globex.viewer  # in one tenant: the portal shows the invitation first
+    owner = login(acme.owner)
+    owner.post(reverse("portal:members", args=["acme"]),
+               {"invited_as": member_elsewhere.username, "role": "viewer"})
+    invitation = Invitation.objects.get(invited_as=member_elsewhere.username)
+    for intruder in (acme.owner, globex.owner):
+        response = login(intruder).post(
+            reverse("portal:invitation-answer", args=[invitation.pk, "accept"]))
+        assert response.status_code == 404
+    client = login(member_elsewhere)
+    assert client.get(reverse("portal:home")).status_code == 200  # not redirected away
+    client.post(reverse("portal:invitation-answer", args=[invitation.pk, "decline"]))
+    invitation.refresh_from_db()
+    assert invitation.status == "declined"
+    assert not Membership.objects.filter(user=member_elsewhere, tenant=acme.tenant).exists()
+    owner.post(reverse("portal:members", args=["acme"]), {"invited_as": "x", "role": "member"})
+    second = Invitation.objects.get(invited_as="x")
+    assert login(acme.viewer).post(
+        reverse("portal:invitation-revoke", args=["acme", second.pk])).status_code == 403
+    owner.post(reverse("portal:invitation-revoke", args=["acme", second.pk]))
+    second.refresh_from_db()
+    assert second.status == "revoked"
 
 
 def test_admin_cannot_make_an_owner(login, acme):
     make_user("newbie")
     response = login(acme.admin).post(reverse("portal:members", args=["acme"]),
-                                      {"username": "newbie", "role": "owner"})
+                                      {"invited_as": "newbie", "role": "owner"})
     assert response.status_code == 403
     member = Membership.objects.get(user=acme.member)
     response = login(acme.admin).post(reverse("portal:member", args=["acme", member.pk]),
@@ -290,13 +450,21 @@ def test_last_owner_cannot_step_down(login, acme):
     assert owner.role == "owner"
 
 
-def test_unknown_user_and_duplicate_membership_are_refused(login, acme):
+def test_inviting_an_unknown_user_looks_like_inviting_a_real_one(login, acme):
+    make_user("realperson")
     client = login(acme.owner)
     url = reverse("portal:members", args=["acme"])
-    assert "No user is called ghost" in str(
-        client.post(url, {"username": "ghost", "role": "member"}).context["form"].errors)
-    response = client.post(url, {"username": "acme-member", "role": "member"})
-    assert response.status_code == 400 and "already exists" in str(response.context["form"].errors)
+    pages = []
+    for name in ("realperson", "ghost"):
+        response = client.post(url, {"invited_as": name, "role": "member"}, follow=True)
+        assert response.status_code == 200
+        pages.append(response.content.decode().replace(name, "NAME"))
+    # The same message and the same row (only the expiry minute may differ).
+    assert "Invitation for NAME created" in pages[0] and "Invitation for NAME created" in pages[1]
+    assert "No user" not in pages[1] and "does not exist" not in pages[1]
+    response = client.post(url, {"invited_as": "ghost", "role": "member"})
+    assert response.status_code == 400 and "already has an open invitation" in str(
+        response.context["form"].errors)
 
 
 # ----------------------------------------------------------------------------- dashboards

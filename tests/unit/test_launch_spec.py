@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import subprocess
+from pathlib import Path
 
-from serving_app.engine.launch import build_launch_spec
-from serving_app.models import Gpu, Instance, Node
+import pytest
+from django.conf import settings as django_settings
+
+from serving_app.engine.launch import build_launch_spec, engine_python
+from serving_app.models import BaseModel, Gpu, Instance, LoraAdapter, Node
 from tests.factories import make_adapter, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
 
 
 def flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    raise ValueError(f"{name} not in {argv}")
 
 
 @pytest.fixture
@@ -36,7 +47,7 @@ def test_engine_settings_map_to_flags(tenant, base_model, settings):
     assert flag(argv, "--model") == base_model.path
     assert flag(argv, "--served-model-name") == "llama-mini"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "18555")
-    assert flag(argv, "--api-key") == instance.secret
+    assert "--api-key" not in argv and not any(instance.secret in arg for arg in argv)
     assert flag(argv, "--max-num-seqs") == "12"
     assert flag(argv, "--max-model-len") == "1024"
     assert flag(argv, "--max-num-batched-tokens") == "2048"
@@ -50,7 +61,19 @@ def test_engine_settings_map_to_flags(tenant, base_model, settings):
     assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
-    assert "********" in spec.masked_argv() and instance.secret not in spec.masked_argv()
+
+
+def test_the_secret_is_only_in_the_process_environment(tenant, base_model):
+    """Not on the command line (`ps` shows it to every local user), not in the environment that
+    is recorded on the instance and shown, not taken from a recorded environment either."""
+    deployment = make_deployment(base_model, [tenant], name="d")
+    instance = Instance.objects.create(deployment=deployment, port=1,
+                                       environment={"VLLM_API_KEY": "recorded-by-mistake"})
+    spec = build_launch_spec(deployment, instance)
+    assert spec.process_env()["VLLM_API_KEY"] == instance.secret
+    assert "VLLM_API_KEY" not in spec.env
+    assert instance.secret not in json.dumps([spec.argv, spec.env])
+    assert instance.secret not in repr(spec)
 
 
 def test_cpu_engines_run_idle_class_unless_configured_otherwise(tenant, base_model, settings):
@@ -84,9 +107,89 @@ def test_adapters_are_loaded_at_start_under_tenant_qualified_names(tenant, base_
     deployment = make_deployment(base_model, [tenant], name="d", adapters=[first, second])
     spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1))
     start = spec.argv.index("--lora-modules")
-    assert spec.argv[start + 1:start + 3] == [
-        f"acme--support={first.path}", f"acme--billing={second.path}"]
+    assert [json.loads(arg) for arg in spec.argv[start + 1:start + 3]] == [
+        {"name": "acme--support", "path": first.path, "base_model_name": "llama-mini"},
+        {"name": "acme--billing", "path": second.path, "base_model_name": "llama-mini"},
+    ]
     assert "--enable-lora" in spec.argv
+
+
+# Parses command lines with the engine's own parser: the one `python -m
+# vllm.entrypoints.openai.api_server` builds (vllm.entrypoints.launchers.api_server.entry.main).
+PARSE_WITH_VLLM = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parsed = []
+for argv in json.load(sys.stdin):
+    try:
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        validate_parsed_serve_args(args)
+    except SystemExit as exc:
+        parsed.append({"exit": exc.code})
+        continue
+    parsed.append({
+        "model": args.model, "served_model_name": args.served_model_name, "port": args.port,
+        "api_key": args.api_key, "enable_lora": args.enable_lora,
+        "lora_modules": [[m.name, m.path, m.base_model_name] for m in args.lora_modules or []],
+    })
+print("PARSED " + json.dumps(parsed))
+"""
+
+
+def parse_with_vllm(argvs: list[list[str]]) -> list[dict]:
+    """Runs the engine venv's vLLM parser over the argument lists (one subprocess for all:
+    importing vLLM takes seconds)."""
+    python = engine_python(django_settings.ENGINE_VENV)
+    if not Path(python).exists():
+        pytest.fail(f"The engine environment is missing ({python}): run scripts/setup_engine.sh")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV")}
+    result = subprocess.run([python, "-c", PARSE_WITH_VLLM], input=json.dumps(argvs),
+                            capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("PARSED ")]
+    assert result.returncode == 0 and lines, result.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("PARSED "))
+
+
+def engine_args(argv: list[str]) -> list[str]:
+    """What the engine's parser sees: after `python -m vllm.entrypoints.openai.api_server`."""
+    return argv[argv.index("vllm.entrypoints.openai.api_server") + 1:]
+
+
+HOSTILE = ["a,b", "k=v", "two words", "q\"uo'te", "-leading", "--port", "-O3", "ünï-名前",
+           "a=b,c=d", "{\"name\": 1}", "back\\slash"]
+
+
+def test_vllm_parses_hostile_adapter_names_and_paths_back_exactly(tenant, base_model, settings):
+    """A name or path with a comma, "=", spaces, quotes, a leading "-" or non-ASCII reaches vLLM
+    as exactly that name and path (the `name=path` form made the parser exit on "a,b": every
+    tenant of a shared engine lost service at its next start). Names the model validators would
+    refuse are stored directly: the command line must not depend on them."""
+    settings.ENGINE_CPU_SCHEDULING = "idle"
+    hostile_base = BaseModel.objects.create(name="-base,=x", path="-O3 /models/ä, b=c")
+    adapters = [
+        LoraAdapter.objects.create(tenant=tenant, base_model=hostile_base, name=f"n{i}{text}",
+                                   path=f"/srv/adapters/{text}/p" if i % 2 else text)
+        for i, text in enumerate(HOSTILE)
+    ]
+    deployment = make_deployment(base_model, [tenant], name="hostile", max_loras=2)
+    deployment.base_model = hostile_base  # after full_clean: a path no validator would pass
+    deployment.save()
+    instance = Instance.objects.create(deployment=deployment, port=18123)
+    spec = build_launch_spec(deployment, instance, adapters=adapters)
+
+    plain = make_deployment(base_model, [tenant], name="plain")
+    plain_spec = build_launch_spec(plain, Instance.objects.create(deployment=plain, port=18124))
+
+    hostile, no_adapters = parse_with_vllm([engine_args(spec.argv), engine_args(plain_spec.argv)])
+    assert "exit" not in hostile, hostile
+    assert hostile["lora_modules"] == [[a.engine_name, a.path, "-base,=x"] for a in adapters]
+    assert (hostile["model"], hostile["served_model_name"]) == ("-O3 /models/ä, b=c",
+                                                               ["-base,=x"])
+    assert (hostile["port"], hostile["api_key"], hostile["enable_lora"]) == (18123, None, True)
+    assert no_adapters["lora_modules"] == [] and no_adapters["model"] == base_model.path
 
 
 def test_gpus_mig_and_mps_environment(tenant, base_model):
@@ -145,3 +248,29 @@ def test_migration_renews_secrets_that_look_like_an_option(tenant, base_model):
     renewed = Instance.objects.get(pk=broken.pk).secret
     assert len(renewed) == 48 and not renewed.startswith("-")
     assert Instance.objects.get(pk=fine.pk).secret == "kept"
+
+
+def test_migration_hides_secrets_recorded_before_the_key_left_the_command_line(tenant,
+                                                                              base_model):
+    from importlib import import_module
+
+    from django.apps import apps
+
+    scrub = import_module("serving_app.migrations.0006_instance_secret_off_command_line").scrub
+    deployment = make_deployment(base_model, [tenant], name="d")
+    old = Instance.objects.create(deployment=deployment, port=1)
+    Instance.objects.filter(pk=old.pk).update(
+        command=["python", "--port", "1", "--api-key", old.secret, "--dtype", "float32"],
+        environment={"CUDA_VISIBLE_DEVICES": "GPU-0", "VLLM_API_KEY": old.secret},
+        log_tail=f"args: api_key={old.secret}\nready", last_error=f"key {old.secret} refused")
+    new = Instance.objects.create(deployment=deployment, port=2)
+    spec = build_launch_spec(deployment, new)
+    Instance.objects.filter(pk=new.pk).update(command=spec.argv, environment=spec.env)
+    scrub(apps, None)
+    old = Instance.objects.get(pk=old.pk)
+    assert old.command == ["python", "--port", "1", "--api-key", "********", "--dtype", "float32"]
+    assert old.environment == {"CUDA_VISIBLE_DEVICES": "GPU-0"}
+    assert old.log_tail == "args: api_key=********\nready"
+    assert old.last_error == "key ******** refused"
+    new = Instance.objects.get(pk=new.pk)
+    assert (new.command, new.environment) == (spec.argv, spec.env)

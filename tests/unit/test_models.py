@@ -132,7 +132,8 @@ class TestBaseModel:
         assert model.kv_bytes_per_token == 2 * 4 * 2 * 64 * 4
 
     def test_path_without_a_model_is_a_field_error(self, tmp_path):
-        errors = errors_of(BaseModel(name="m", path=str(tmp_path)))
+        (tmp_path / "empty").mkdir()
+        errors = errors_of(BaseModel(name="m", path=str(tmp_path / "empty")))
         assert "no config.json" in errors["path"][0]
 
     def test_missing_path_is_a_field_error(self, tmp_path):
@@ -175,8 +176,10 @@ class TestLoraAdapter:
         assert "rank 8, not 16" in errors_of(adapter)["rank"][0]
 
     def test_folder_without_adapter_config_is_a_field_error(self, tmp_path, base_model):
+        (tmp_path / "empty").mkdir()
         adapter = LoraAdapter(
-            tenant=make_tenant("t15"), base_model=base_model, name="a", path=str(tmp_path)
+            tenant=make_tenant("t15"), base_model=base_model, name="a",
+            path=str(tmp_path / "empty"),
         )
         assert "not a LoRA adapter" in errors_of(adapter)["path"][0]
 

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from django.utils import timezone
 
 from serving_app.engine import agent, supervisor
+from serving_app.engine.launch import CPU_IDLE_PREFIX
 from serving_app.models import Instance, Node
 from tests.factories import make_deployment, make_tenant
 
@@ -46,11 +49,26 @@ def config():
     return agent.AgentConfig(name="cpu-t", address="127.0.0.1", engine_env="", gpus="")
 
 
-def fake_engine(tmp_path: Path, secret: str, port: int) -> supervisor.Launched:
-    # The secret and port appear in its command line, like a real engine's --api-key/--port.
-    return supervisor.launch(
-        [sys.executable, "-c", "import time; time.sleep(600)", "--api-key", secret,
-         "--port", str(port)], {}, tmp_path / "engine.log")
+def fake_engine(tmp_path: Path, secret: str, port: int, name: str = "engine"
+                ) -> supervisor.Launched:
+    """A stand-in engine: a sleeping Python started like a real CPU engine, its port on its
+    command line and its secret as VLLM_API_KEY in its environment, through `chrt --idle 0`
+    (which execs: the pid and environment the agent reads are the engine's own)."""
+    prefix = CPU_IDLE_PREFIX if shutil.which(CPU_IDLE_PREFIX[0]) else []
+    return sleeper([*prefix, sys.executable, "-c", "import time; time.sleep(600)", "--port",
+                    str(port)], {"VLLM_API_KEY": secret}, tmp_path / f"{name}.log")
+
+
+def sleeper(argv: list[str], env: dict[str, str], log: Path) -> supervisor.Launched:
+    """Launches a stand-in and waits until it runs Python: Popen returns inside the exec, when
+    the kernel has not yet set the new program's arguments and environment in /proc (a real
+    engine is adopted long after it started)."""
+    launched = supervisor.launch(argv, env, log)
+    deadline = time.monotonic() + 30
+    while supervisor.cmdline(launched.pid)[:1] != [sys.executable]:
+        assert time.monotonic() < deadline, supervisor.cmdline(launched.pid)
+        time.sleep(0.01)
+    return launched
 
 
 @pytest.fixture
@@ -98,9 +116,8 @@ def test_a_dead_process_is_a_failure_with_its_exit_code(ready_instance, config):
 def test_adoption_keeps_a_live_engine_and_fails_a_missing_one(ready_instance, config, tmp_path):
     gone = Instance.objects.create(deployment=ready_instance.deployment, node=ready_instance.node,
                                    ordinal=1, state=State.READY, pid=999_999, port=1)
-    # A process with a recycled pid but another secret is not ours either.
-    impostor = supervisor.launch([sys.executable, "-c", "import time; time.sleep(600)"], {},
-                                 tmp_path / "other.log")
+    # A process with a recycled pid and the right port but another secret is not ours either.
+    impostor = fake_engine(tmp_path, "another-instances-secret", 2, name="other")
     stolen = Instance.objects.create(deployment=ready_instance.deployment, ordinal=2,
                                      node=ready_instance.node, state=State.READY,
                                      pid=impostor.pid, port=2)
@@ -113,6 +130,33 @@ def test_adoption_keeps_a_live_engine_and_fails_a_missing_one(ready_instance, co
         assert supervisor.is_alive(impostor.pid)  # never kill what is not ours
     finally:
         supervisor.stop(impostor.pid, 1)
+
+
+def test_an_engine_is_recognised_by_the_secret_in_its_environment(tmp_path):
+    """The secret is on no command line; the agent reads it from /proc/<pid>/environ, and both
+    the secret and the port must match."""
+    launched = fake_engine(tmp_path, "s3cret-of-this-instance", 18321)
+    try:
+        assert "s3cret-of-this-instance" not in " ".join(supervisor.cmdline(launched.pid))
+        assert supervisor.environ(launched.pid)["VLLM_API_KEY"] == "s3cret-of-this-instance"
+        assert supervisor.is_engine_of(launched.pid, "s3cret-of-this-instance", 18321)
+        assert not supervisor.is_engine_of(launched.pid, "another-secret", 18321)
+        assert not supervisor.is_engine_of(launched.pid, "s3cret-of-this-instance", 18322)
+        assert not supervisor.is_engine_of(launched.pid, "", 18321)
+    finally:
+        supervisor.stop(launched.pid, 1)
+
+
+def test_an_engine_launched_with_the_key_on_its_command_line_is_still_adopted(tmp_path):
+    """Engines started before the key moved to the environment keep running across the
+    upgrade: a stand-in with `--api-key` on its command line and nothing in its environment."""
+    launched = sleeper([sys.executable, "-c", "import time; time.sleep(600)", "--port", "18331",
+                        "--api-key", "old-style-secret"], {}, tmp_path / "old.log")
+    try:
+        assert supervisor.is_engine_of(launched.pid, "old-style-secret", 18331)
+        assert not supervisor.is_engine_of(launched.pid, "old-style", 18331)
+    finally:
+        supervisor.stop(launched.pid, 1)
 
 
 def test_stop_terminates_the_process_group_and_records_stopped(ready_instance, config):

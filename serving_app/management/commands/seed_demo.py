@@ -76,6 +76,14 @@ class Command(BaseCommand):
         models = Path(models_dir).resolve()
         if not (models / "tiny-llama" / "config.json").is_file():
             raise CommandError(f"No tiny model under {models}; run scripts/setup_engine.sh first.")
+        # The platform registers the demo's model and its tenants' adapters from a model root
+        # (tenants themselves only ever upload theirs).
+        roots = [Path(root).resolve() for root in settings.MODEL_ROOTS]
+        if not any(root == models or root in models.parents for root in roots):
+            raise CommandError(
+                f"{models} is not under MODEL_ROOTS ({', '.join(map(str, roots))}): set "
+                "MODEL_ROOTS to include it."
+            )
         User = get_user_model()
         admin, _ = User.objects.get_or_create(
             username="admin", defaults={"is_staff": True, "is_superuser": True}

@@ -1,0 +1,15 @@
+"""Settings for the test run: the project's, with DEBUG on as in development.
+
+DEBUG is set in the environment, not only here (with it the development SECRET_KEY), so that the
+processes the tests start (gateways, node agents, the browser tests' server, `manage.py` in a
+subprocess) inherit them whatever settings module they load. Django's test runner still runs the
+tests themselves with DEBUG off.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DEBUG", "true")
+
+from console.settings import *  # noqa: E402, F403
