@@ -109,6 +109,37 @@ BREAKAGES = (
         "        return self.all()",
         ("tests/api/test_api_keys.py", "tests/api/test_serving_api.py"),
     ),
+    Breakage(
+        "runtime-load-into-spare-slot",
+        "serving_app/engine/agent.py",
+        "        if capacity is not None and len(loaded) >= capacity:\n",
+        "        if False:\n",
+        ("tests/unit/test_adapter_slots.py",),
+    ),
+    Breakage(
+        "engine-runtime-load-into-spare-slot",
+        "serving_app/engine/agent.py",
+        "        if capacity is not None and len(loaded) >= capacity:\n",
+        "        if False:\n",
+        ("tests/engine/test_lora_slots.py",),
+        engine=True,
+    ),
+    Breakage(
+        "engine-killpg-to-kill",
+        "serving_app/engine/supervisor.py",
+        "os.killpg(pgid, signal.SIGTERM)",
+        "os.kill(pgid, signal.SIGTERM)",
+        ("tests/engine/test_engine_lifecycle.py::test_deployment_lifecycle_end_to_end",),
+        engine=True,
+    ),
+    Breakage(
+        "engine-no-orphan-cleanup",
+        "serving_app/engine/agent.py",
+        "                supervisor.stop(instance.pid, grace_seconds=2)\n",
+        "                pass\n",
+        ("tests/engine/test_engine_lifecycle.py::test_deployment_lifecycle_end_to_end",),
+        engine=True,
+    ),
 )
 
 
