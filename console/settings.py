@@ -80,7 +80,7 @@ TEMPLATES = [
 ]
 
 
-def _database() -> dict:
+def _database() -> dj_database_url.DBConfig:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'console.sqlite3'}")
     try:
         config = dj_database_url.parse(url, conn_max_age=env_int("DB_CONN_MAX_AGE", 0, minimum=0))
@@ -345,3 +345,9 @@ GATEWAY_USAGE_GROUP = env_str("GATEWAY_USAGE_GROUP", "usage-writer")
 GATEWAY_USAGE_BATCH_SIZE = env_int("GATEWAY_USAGE_BATCH_SIZE", 500, minimum=1)
 # Events a worker keeps in memory while Redis is unreachable (the oldest are dropped beyond it).
 GATEWAY_EVENT_BUFFER_MAX = env_int("GATEWAY_EVENT_BUFFER_MAX", 100_000, minimum=100)
+
+# --- Health (/healthz, /readyz, /api/v1/health/, the console's "degraded" banner) ---
+# The usage writer counts as unhealthy once the oldest event not yet stored is older than this.
+HEALTH_WRITER_MAX_LAG_SECONDS = env_float("HEALTH_WRITER_MAX_LAG_SECONDS", 60.0, minimum=1.0)
+# A health check waits at most this long for PostgreSQL or Redis.
+HEALTH_CHECK_TIMEOUT_SECONDS = env_float("HEALTH_CHECK_TIMEOUT_SECONDS", 1.0, minimum=0.05)

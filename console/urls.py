@@ -1,4 +1,5 @@
-"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs."""
+"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs, and the
+liveness and readiness probes (`/healthz`, `/readyz`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
+from serving_app import views as console_views
 from serving_app.api import views as serving_views
 from tenants_app.api import views as tenant_views
-from tenants_app.api.auth import TokenLoginView
+from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
 
 router = DefaultRouter()
 router.register("tenants", tenant_views.TenantViewSet)
@@ -30,12 +32,19 @@ router.register("instances", serving_views.InstanceViewSet)
 router.register("audit-log", serving_views.AuditLogViewSet)
 
 urlpatterns = [
+    path("healthz", console_views.healthz, name="healthz"),
+    path("readyz", console_views.readyz, name="readyz"),
     path("", include("serving_app.urls")),
     path("portal/", include("tenants_app.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
+    path("api/v1/", include("serving_app.api.health_views")),
     path("api/v1/", include(router.urls)),
     path("api/v1/auth/token/", TokenLoginView.as_view(), name="api-token"),
+    # Revoking tokens: this one, or every token of the signed-in user.
+    path("api/v1/auth/logout/", TokenLogoutView.as_view(), name="api-token-logout"),
+    path("api/v1/auth/logout-all/", TokenLogoutAllView.as_view(),
+         name="api-token-logout-all"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     # The split view serves Swagger UI's start-up script as a file of its own (no inline script,
     # so the page works under the content security policy).

@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
 
 
 class ModelFilesError(ValueError):
@@ -88,7 +88,7 @@ class AdapterInfo:
     module_shapes: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
 
-def _safetensors_header(handle: IO[bytes], name: str) -> tuple[int, dict]:
+def _safetensors_header(handle: IO[bytes], name: str) -> tuple[int, dict[str, Any]]:
     try:
         (length,) = struct.unpack("<Q", handle.read(8))
         if length <= 0 or length > 100 * 1024 * 1024:
@@ -174,7 +174,7 @@ def check_safetensors(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -276,7 +276,22 @@ def read_adapter(path_text: str) -> AdapterInfo:
     )
 
 
-def expected_module_shapes(arch: ModelArchitecture | object) -> dict[str, tuple[int, int]]:
+class Shapes(Protocol):
+    """What `expected_module_shapes` reads: a `ModelArchitecture` or a `BaseModel` row."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def expected_module_shapes(arch: Shapes) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each LoRA-targetable Llama-style module of a base model."""
     hidden = arch.hidden_size
     q_out = arch.num_attention_heads * arch.head_dim

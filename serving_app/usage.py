@@ -10,6 +10,8 @@ for the same reason, so the dashboards can still join on it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 
 from tenants_app.models import Tenant, TenantOwnedQuerySet
@@ -20,7 +22,7 @@ __all__ = ["UsageEvent", "UsageMinute", "UsageHour", "LATENCY_BUCKETS_MS"]
 LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000)
 
 
-class UsageQuerySet(TenantOwnedQuerySet):
+class UsageQuerySet(TenantOwnedQuerySet[Any]):
     """Usage is tenant data: read it `for_user()`, `for_tenant()` or `in_scope()`."""
 
     def in_scope(self, tenants: models.QuerySet[Tenant]) -> UsageQuerySet:

@@ -16,14 +16,14 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.mixins import AccessMixin
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Count, Prefetch, QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse, reverse_lazy
 from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
 
-from serving_app import audit, storage
+from serving_app import audit, health, storage
 from serving_app.dashboards import figures, panels, queries
 from serving_app.forms import (
     AuditFilterForm,
@@ -151,6 +151,7 @@ class OverviewView(StaffRequiredMixin, TemplateView):
             })
         instances = [i for d in deployments for i in d.instances.all()]
         context.update(
+            health=health.cached_report(),
             nodes=node_rows,
             deployments=[(d, _state_counts(d)) for d in deployments],
             tenants=tenant_rows,
@@ -637,3 +638,19 @@ CHARTS = {
 class DashboardDataView(StaffRequiredMixin, View):
     def get(self, request: HttpRequest, name: str) -> HttpResponse:
         return dashboard_payload(request, name, Tenant.objects.for_user(request.user))
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def healthz(request: HttpRequest) -> HttpResponse:
+    """Liveness: the process answers. Depends on nothing else, so a PostgreSQL or Redis outage
+    does not get healthy console processes restarted."""
+    return JsonResponse({"status": "ok"})
+
+
+def readyz(request: HttpRequest) -> HttpResponse:
+    """Readiness: PostgreSQL and Redis reachable, the usage writer within its lag (503 with the
+    failing checks otherwise)."""
+    report = health.report()
+    return JsonResponse(report.as_dict(), status=200 if report.healthy else 503)

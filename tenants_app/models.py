@@ -383,7 +383,7 @@ class ApiKeyQuerySet(TenantOwnedQuerySet):
         return revoked
 
     # Not on the manager: `ApiKey.objects.revoke()` would revoke every key; say `.filter(...)`.
-    revoke.queryset_only = True  # type: ignore[attr-defined]
+    revoke.queryset_only = True
 
     def for_secret(self, secret: str) -> ApiKey | None:
         """The usable key with this secret: not revoked, not expired, its tenant active."""

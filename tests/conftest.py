@@ -107,6 +107,17 @@ def _flush_survives_deadlocks():
     BaseDatabaseOperations.execute_sql_flush = original
 
 
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    """The real CPU vLLM engine, one for the whole session, shared by the gateway and browser
+    suites (tests/engines.py)."""
+    from tests.engines import engine_installed, run_engine
+
+    if not engine_installed():
+        pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
+    yield from run_engine(tmp_path_factory.mktemp("engine") / "engine.log")
+
+
 # -- skips that would hide a layer ------------------------------------------------------------
 def _is_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")

@@ -137,7 +137,7 @@ class AdapterUploadSerializer(serializers.Serializer):
     they never name a host path)."""
 
     tenant = TenantSlugField()
-    base_model = serializers.SlugRelatedField(slug_field="name", queryset=BaseModel.objects.all())
+    base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
     name = serializers.SlugField(max_length=100)
     archive = serializers.FileField(help_text="A .zip of the adapter folder.")
 
@@ -353,7 +353,7 @@ class ScaleSerializer(serializers.Serializer):
 
 
 class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    tenant = LookupSlugField(slug_field="slug", queryset=Tenant.objects.all())
 
     class Meta:
         model = AuditLog

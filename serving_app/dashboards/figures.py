@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 from serving_app.dashboards.queries import GpuSeries, LatencySeries, Series
+from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
 
 PALETTE = (
@@ -25,7 +26,6 @@ PALETTE = (
     "#14b8a6", "#ec4899", "#84cc16", "#f97316", "#6366f1", "#06b6d4",
 )
 GREY = "#94a3b8"
-GIB = 2**30
 
 
 def colour_for(index: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -47,13 +48,14 @@ class EngineClient:
             return False
         return response.status_code == 200
 
-    def models(self) -> list[dict]:
+    def models(self) -> list[dict[str, Any]]:
         response = _http().get(f"{self.base_url}/v1/models", headers=self.headers,
                                timeout=self.timeout)
         response.raise_for_status()
-        return response.json().get("data", [])
+        data: list[dict[str, Any]] = response.json().get("data", [])
+        return data
 
-    def _post(self, path: str, body: dict) -> EngineReply:
+    def _post(self, path: str, body: dict[str, Any]) -> EngineReply:
         try:
             response = _http().post(f"{self.base_url}{path}", json=body, headers=self.headers,
                                     timeout=max(self.timeout, 60.0))
@@ -72,10 +74,11 @@ class EngineClient:
     def unload_adapter(self, name: str) -> EngineReply:
         return self._post("/v1/unload_lora_adapter", {"lora_name": name})
 
-    def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict:
+    def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
         response = _http().post(
             f"{self.base_url}/v1/completions", headers=self.headers, timeout=60.0,
             json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
         )
         response.raise_for_status()
-        return response.json()
+        reply: dict[str, Any] = response.json()
+        return reply

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Children this agent process launched, so their exit codes can be reaped (a zombie would look
 # alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
-_children: dict[int, subprocess.Popen] = {}
+_children: dict[int, subprocess.Popen[bytes]] = {}
 _exit_codes: dict[int, int] = {}
 
 
@@ -74,11 +74,23 @@ def is_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie is dead for our purposes
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
+    fields = proc_stat(pid)
+    return fields is None or fields[0] != "Z"  # a zombie is dead for our purposes
+
+
+def pids() -> list[int]:
+    """Every process id on this host (Linux's /proc)."""
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, session, ...;
+    `man 5 proc` numbers them from 3), or None when the process is gone or unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True
+        return None
+    return fields or None
 
 
 def cmdline(pid: int) -> list[str]:
@@ -147,15 +159,10 @@ def _group_alive(pgid: int) -> bool:
 
 def _live_members(pgid: int) -> list[int]:
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
+    for pid in pids():
+        fields = proc_stat(pid)
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(pid)
     return members
 
 
@@ -202,7 +209,7 @@ def wait_port_free(port: int, host: str = "127.0.0.1", timeout: float = 10.0) ->
     return port_is_free(port, host)
 
 
-def log_tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 16384) -> str:
+def log_tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 16384) -> str:
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)

@@ -8,7 +8,12 @@ Per tenant (keys share the `{t<id>}` hash tag):
   settlement replaces the reservation by the engine's real count;
 - concurrent requests: leases (sorted set scored by expiry), which expire by themselves if the
   gateway holding them dies;
-- the monthly token budget: a counter per month, seeded from the hourly rollups when missing.
+- the monthly token budget: a counter per month (reservations and settled tokens). When it is
+  missing (a new month, or Redis lost its data) it is seeded from what PostgreSQL has (this
+  month's hourly rollups, read with the catalog) plus what the usage stream still holds for the
+  tenant: a second counter per month, `unwritten`, that settlement raises by each event's tokens
+  and the writer lowers when it stores the event (in the same transaction as the XDEL). So a
+  Redis restart does not hand a tenant its month's tokens again.
 The clock is Redis's own (`TIME`), so every worker and host agrees on the window.
 """
 
@@ -28,7 +33,10 @@ TPM = 2
 CONCURRENCY = 3
 BUDGET = 4
 
-ADMIT_LUA = """
+# `#!lua` (Redis 7 script flags): a full Redis (noeviction) refuses the whole script up front, so
+# admission fails as the failure policy says. Without flags Redis would let a script that has
+# already run one write (ZREMRANGEBYSCORE) go on writing, depending on the tenant's limits.
+ADMIT_LUA = """#!lua
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
@@ -97,12 +105,19 @@ if conc > 0 then
 end
 
 if budget > 0 then
-  redis.call('SET', KEYS[6], ARGV[9], 'NX', 'EX', ARGV[10])
+  if redis.call('EXISTS', KEYS[6]) == 0 then
+    local unwritten = math.max(0, tonumber(redis.call('GET', KEYS[7]) or '0'))
+    redis.call('SET', KEYS[6], tonumber(ARGV[9]) + unwritten, 'EX', ARGV[10])
+  end
   local spent = tonumber(redis.call('GET', KEYS[6]) or '0')
   if spent + need > budget then
     return {4, rpm_count, 0, used, 0, -1}
   end
   redis.call('INCRBY', KEYS[6], need)
+  -- Which reservation the counter holds, so that settlement after a Redis loss (and a re-seed
+  -- without it) does not take back tokens that were never added.
+  redis.call('HSET', KEYS[3], 'b:' .. rid, need)
+  redis.call('PEXPIRE', KEYS[3], window + lease)
 end
 
 if rpm > 0 then
@@ -127,11 +142,14 @@ return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
 """
 
 # Settle a finished request and append its usage event, in one round trip. Idempotent for the
-# token log (the reservation is replaced, not decremented twice).
-SETTLE_LUA = """
+# token log (the reservation is replaced, not decremented twice). For a tenant with a budget the
+# event's tokens also go to this month's `unwritten` counter (KEYS[7]), and the entry names that
+# counter and the tokens, so that the writer lowers it when the event is stored.
+# `allow-oom`: a request admitted before Redis filled up still settles and appends its event
+# (Redis grows past maxmemory by at most the requests in flight; admission stops new ones).
+SETTLE_LUA = """#!lua flags=allow-oom
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
-local reserved = tonumber(ARGV[3])
 if ARGV[4] == '1' then
   local old = tonumber(redis.call('HGET', KEYS[2], rid))
   if old then
@@ -140,10 +158,20 @@ if ARGV[4] == '1' then
   end
 end
 if ARGV[5] == '1' then redis.call('ZREM', KEYS[4], rid) end
-if ARGV[6] == '1' and redis.call('EXISTS', KEYS[5]) == 1 then
-  redis.call('INCRBY', KEYS[5], actual - reserved)
+if ARGV[6] == '1' then
+  local held = tonumber(redis.call('HGET', KEYS[2], 'b:' .. rid))
+  if held then redis.call('HDEL', KEYS[2], 'b:' .. rid) end
+  if redis.call('EXISTS', KEYS[5]) == 1 then
+    redis.call('INCRBY', KEYS[5], actual - (held or 0))
+  end
 end
-redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
+if ARGV[6] == '1' and actual > 0 then
+  redis.call('INCRBY', KEYS[7], actual)
+  redis.call('EXPIRE', KEYS[7], ARGV[8])
+  redis.call('XADD', KEYS[6], '*', 'e', ARGV[7], 'u', KEYS[7], 'n', actual)
+else
+  redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
+end
 return 1
 """
 
@@ -190,6 +218,7 @@ def tenant_keys(tenant_id: int) -> list[str]:
             f"{tag}:tpms",
             f"{tag}:conc",
             f"{tag}:budget:{month}",
+            f"{tag}:unwritten:{month}",
         ]
     return keys
 
@@ -287,5 +316,11 @@ def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, 
         window_ms,
         lease_ms,
         tenant.month_used,
-        max(1, int(_Month.current()[1] - time.time())) + 7 * 86400,
+        budget_ttl(),
     ]
+
+
+def budget_ttl() -> int:
+    """Seconds a month's budget counters are kept: past the month's end, so late settlements
+    still find them."""
+    return max(1, int(_Month.current()[1] - time.time())) + 7 * 86400

@@ -24,6 +24,7 @@ from serving_app.gateway.resp import PipelinedRedis, RedisReplyError, RedisUnava
 log = logging.getLogger(__name__)
 
 _NO_KEYS = ["gw:{none}:tpm", "gw:{none}:tpmv", "gw:{none}:tpms", "gw:{none}:conc", "gw:{none}:b"]
+_NO_UNWRITTEN = "gw:{none}:u"
 ADMIT_SCRIPT = Script(admission.ADMIT_LUA)
 SETTLE_SCRIPT = Script(admission.SETTLE_LUA)
 
@@ -46,7 +47,7 @@ class Meter:
         self.config = config
         self.redis = PipelinedRedis(config.redis_url, config.redis_timeout)
         self.buffer: deque[str] = deque(maxlen=config.event_buffer_max)
-        self._flusher: asyncio.Task | None = None
+        self._flusher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._flusher = asyncio.create_task(self._flush_loop(), name="gateway-event-flusher")
@@ -80,13 +81,14 @@ class Meter:
         payload = json.dumps(event, separators=(",", ":"))
         if ticket is not None and ticket.admitted:
             tenant = ticket.tenant
-            keys = [*ticket.keys[1:6], self.config.usage_stream]
+            keys = [*ticket.keys[1:6], self.config.usage_stream, ticket.keys[6]]
             flags = ["1" if tenant.tpm else "0", "1" if tenant.concurrency else "0",
                      "1" if tenant.budget else "0"]
-            args = [ticket.request_id, actual, ticket.reserved, *flags, payload]
+            args = [ticket.request_id, actual, ticket.reserved, *flags, payload,
+                    admission.budget_ttl()]
         else:
-            keys = [*_NO_KEYS, self.config.usage_stream]
-            args = ["", 0, 0, "0", "0", "0", payload]
+            keys = [*_NO_KEYS, self.config.usage_stream, _NO_UNWRITTEN]
+            args = ["", 0, 0, "0", "0", "0", payload, 1]
         try:
             await self.redis.run_script(SETTLE_SCRIPT, keys, args)
         except (RedisUnavailable, RedisReplyError) as exc:

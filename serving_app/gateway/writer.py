@@ -8,6 +8,10 @@ Redelivery after a crash between commit and acknowledgement is harmless: events 
 (unique `request_id`) are skipped, and rollups are incremented only for events inserted by the
 same transaction. The writer also stamps `ApiKey.last_used_at`, so the request path never writes
 to the database.
+
+Redis restarted empty (no persistence) or the stream deleted: the consumer group is gone and
+every read answers NOGROUP. The writer then creates the group again from the stream's start (id
+0), so every entry the stream holds now is read, and carries on; nothing needs a manual step.
 """
 
 from __future__ import annotations
@@ -38,6 +42,40 @@ _COUNTERS = (
     *(f"latency_le_{b}" for b in LATENCY_BUCKETS_MS),
 )
 CLAIM_IDLE_MS = 60_000
+NO_COUNTER = b"gw:{none}:u"  # entries without a budget counter (never incremented)
+
+
+# Acknowledge and delete stored entries; for each entry actually deleted, lower the budget's
+# `unwritten` counter it names (see admission.SETTLE_LUA) by its tokens. Only an entry this Redis
+# still held counts: after a restart that lost the stream, the counter went with it.
+# KEYS: the stream, then each entry's counter; ARGV: the group, the ids, then the tokens.
+# `allow-oom`: a full Redis (noeviction) must still let the writer empty the stream.
+ACK_LUA = """#!lua flags=allow-oom
+local n = #KEYS - 1
+for i = 1, n do
+  local id = ARGV[1 + i]
+  local tokens = tonumber(ARGV[1 + n + i])
+  redis.call('XACK', KEYS[1], ARGV[1], id)
+  if redis.call('XDEL', KEYS[1], id) == 1 and tokens > 0 then
+    if redis.call('DECRBY', KEYS[1 + i], tokens) <= 0 then redis.call('DEL', KEYS[1 + i]) end
+  end
+end
+return n
+"""
+
+
+# Create the consumer group from the stream's start (the stream too, if missing). A script so that
+# it runs on a full Redis too (XGROUP CREATE alone is refused there).
+CREATE_GROUP_LUA = """#!lua flags=allow-oom
+local ok = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(ok) == 'table' and ok.err and not string.find(ok.err, 'BUSYGROUP') then return ok end
+return 1
+"""
+
+
+def _group_lost(exc: redis.ResponseError) -> bool:
+    """Redis lost the stream or its consumer group (a restart without persistence, a flush)."""
+    return str(exc).startswith("NOGROUP")
 
 
 def _event_row(event: dict[str, Any]) -> UsageEvent:
@@ -164,17 +202,23 @@ class UsageWriter:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.batch_size = batch_size or settings.GATEWAY_USAGE_BATCH_SIZE
         self._group_ready = False
+        self._ack = self.redis.register_script(ACK_LUA)
+        self._create_group = self.redis.register_script(CREATE_GROUP_LUA)
+        self.group_recreated = 0  # how often Redis lost the group under this writer
 
     def _ensure_group(self) -> None:
         if self._group_ready:
             return
-        try:
-            # From the stream's start: events appended before any writer existed count too.
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        # From the stream's start: events appended before any writer existed count too.
+        self._create_group(keys=[self.stream], args=[self.group])
         self._group_ready = True
+
+    def _recreate_group(self, exc: redis.ResponseError) -> None:
+        log.warning("usage stream %s lost its consumer group (%s): creating it again from the "
+                    "stream's start", self.stream, exc)
+        self._group_ready = False
+        self.group_recreated += 1
+        self._ensure_group()
 
     def _next_batch(self, block_ms: int) -> list[tuple[bytes, dict]]:
         # 1. Our own pending entries (read before, not stored yet: the database was down).
@@ -201,10 +245,18 @@ class UsageWriter:
         """Persist one batch; returns the number of stream entries handled. Raises on a
         database error (the entries stay pending and are retried)."""
         self._ensure_group()
-        entries = self._next_batch(block_ms)
+        try:
+            entries = self._next_batch(block_ms)
+        except redis.ResponseError as exc:
+            if not _group_lost(exc):
+                raise
+            self._recreate_group(exc)
+            entries = self._next_batch(block_ms)
         if not entries:
             return 0
         ids = [entry_id for entry_id, _ in entries]
+        counters = [fields.get(b"u") or NO_COUNTER for _, fields in entries]
+        tokens = [int(fields.get(b"n") or 0) for _, fields in entries]
         events = []
         for entry_id, fields in entries:
             try:
@@ -219,9 +271,23 @@ class UsageWriter:
         except DatabaseError:
             connection.close()
             self._persist_one_by_one(events)
-        self.redis.xack(self.stream, self.group, *ids)
-        self.redis.xdel(self.stream, *ids)
+        self._acknowledge(ids, counters, tokens)
         return len(entries)
+
+    def _acknowledge(self, ids: list[bytes], counters: list[bytes], tokens: list[int]) -> None:
+        """Remove stored entries from the stream (one script, atomic with the budget's
+        `unwritten` counters). After a Redis restart between the read and here they may be gone
+        already, and the group with them: the group is created again and the script run once
+        more (it deletes nothing then); ids of entries added since are later than these."""
+        keys: list[str | bytes] = [self.stream, *counters]
+        args: list[str | bytes | int] = [self.group, *ids, *tokens]
+        try:
+            self._ack(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            if not _group_lost(exc):
+                raise
+            self._recreate_group(exc)
+            self._ack(keys=keys, args=args)
 
     def _persist_one_by_one(self, events: list[dict[str, Any]]) -> None:
         """A batch the database refuses (not a connection problem): keep every good event."""

@@ -26,7 +26,9 @@ from typing import Any
 
 SNAPSHOT_SCHEMA = 1
 
+# Bytes; the one definition of each, which placement and the dashboards import.
 GIB = 1024**3
+MIB = 1024**2
 _UNITS = {
     "b": 1,
     "kb": 1000,
@@ -147,7 +149,9 @@ def _optional_int(value: Any) -> int | None:
         return None
 
 
-def _read_memory(nvml: ModuleType, handle: Any, errors: dict[str, str], key: str) -> dict | None:
+def _read_memory(
+    nvml: ModuleType, handle: Any, errors: dict[str, str], key: str
+) -> dict[str, Any] | None:
     info = _query(errors, key, nvml.nvmlDeviceGetMemoryInfo, handle)
     if info is None:
         return None
@@ -158,7 +162,9 @@ def _read_memory(nvml: ModuleType, handle: Any, errors: dict[str, str], key: str
     }
 
 
-def _read_processes(nvml: ModuleType, handle: Any, errors: dict[str, str]) -> list[dict] | None:
+def _read_processes(
+    nvml: ModuleType, handle: Any, errors: dict[str, str]
+) -> list[dict[str, Any]] | None:
     procs = _query(errors, "processes", nvml.nvmlDeviceGetComputeRunningProcesses, handle)
     if procs is None:
         return None
@@ -183,9 +189,11 @@ def _read_processes(nvml: ModuleType, handle: Any, errors: dict[str, str]) -> li
     return out
 
 
-def _read_mig_devices(nvml: ModuleType, handle: Any, errors: dict[str, str]) -> list[dict]:
+def _read_mig_devices(
+    nvml: ModuleType, handle: Any, errors: dict[str, str]
+) -> list[dict[str, Any]]:
     count = _query(errors, "mig_device_count", nvml.nvmlDeviceGetMaxMigDeviceCount, handle)
-    devices: list[dict] = []
+    devices: list[dict[str, Any]] = []
     for mig_index in range(_optional_int(count) or 0):
         try:
             mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
@@ -215,7 +223,7 @@ def _read_mig_devices(nvml: ModuleType, handle: Any, errors: dict[str, str]) -> 
     return devices
 
 
-def _read_gpu(nvml: ModuleType, index: int) -> dict:
+def _read_gpu(nvml: ModuleType, index: int) -> dict[str, Any]:
     errors: dict[str, str] = {}
     gpu: dict[str, Any] = {"index": index, "errors": errors}
     try:
@@ -280,9 +288,10 @@ def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
     """
     if nvml is None:
         try:
-            import pynvml as nvml  # optional dependency, only on GPU hosts
+            import pynvml  # optional dependency, only on GPU hosts
         except ImportError as exc:
             raise NvmlUnavailable(f"pynvml is not installed: {exc}") from exc
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...

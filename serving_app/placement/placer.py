@@ -31,10 +31,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .inventory import GpuInfo
-
-GIB = 1024**3
-MIB = 1024**2
+from .inventory import GIB, MIB, GpuInfo
 
 Id = Hashable
 

@@ -35,8 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 1024**3
-MIB = 1024**2
+from .inventory import GIB, MIB
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,

@@ -191,7 +191,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
     """Read nodes, GPUs and active instances into a ``Cluster`` (a handful of queries)."""
     exclude_id = getattr(exclude_deployment, "pk", exclude_deployment)
     nodes = list(Node.objects.annotate(gpu_count=Count("gpus")).order_by("name"))
-    by_name = {n.name: n for n in nodes}
+    by_name: dict[str, Node] = {n.name: n for n in nodes}
     gpu_rows = list(Gpu.objects.filter(node__in=nodes).order_by("node_id", "index", "pk"))
     newest = {
         row["node_id"]: row["newest"]
@@ -298,7 +298,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
             P.Node(name=node.name, gpus=slots, ready=not node.cordoned, lost=lost)
         )
     placer = P.Placer(placer_nodes, headroom=headroom, policy=_policy())
-    cpu_nodes = [n for n in nodes if n.gpu_count == 0]
+    cpu_nodes: list[Node] = [n for n in nodes if n.gpu_count == 0]
     tenant_ids = set(first_tenant.values())
     slugs = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "slug"))
     return Cluster(

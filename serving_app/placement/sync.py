@@ -206,7 +206,7 @@ def _remove_missing(
             gpu_id__in=missing, instance__in=Instance.objects.active()
         ).values_list("gpu_id", flat=True)
     )
-    keep = in_use | {by_pk[pk].parent_id for pk in in_use if by_pk[pk].parent_id}
+    keep = in_use | {p for pk in in_use if (p := by_pk[pk].parent_id) is not None}
     for pk in sorted(keep & missing):
         log.warning(
             "node %s: %s is no longer reported but an active instance uses it; kept as full",

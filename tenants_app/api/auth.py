@@ -1,4 +1,5 @@
-"""The API's token endpoint: username and password in, a hashed, expiring token out.
+"""The API's token endpoints: username and password in, a hashed, expiring token out; and its
+revocation (this token, or every token of the user).
 
 Tokens are django-rest-knox's: only a digest is stored, each expires after `REST_KNOX`'s
 TOKEN_TTL (API_TOKEN_TTL_HOURS). Failed attempts count towards django-axes' lockout exactly as the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from django.contrib.auth import authenticate
 from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
-from knox.views import LoginView
+from knox.views import LoginView, LogoutAllView, LogoutView
 from rest_framework import serializers, status
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
@@ -52,4 +53,23 @@ class TokenLoginView(LoginView):
                 status=status.HTTP_400_BAD_REQUEST,
             )
         request.user = user
+        return super().post(request, format)
+
+
+_REVOKED = {204: OpenApiResponse(description="Revoked.")}
+
+
+class TokenLogoutView(LogoutView):
+    """POST with a token: that token is revoked."""
+
+    @extend_schema(request=None, responses=_REVOKED)
+    def post(self, request: Request, format: str | None = None) -> Response:
+        return super().post(request, format)
+
+
+class TokenLogoutAllView(LogoutAllView):
+    """POST with a token: every token of its user is revoked."""
+
+    @extend_schema(request=None, responses=_REVOKED)
+    def post(self, request: Request, format: str | None = None) -> Response:
         return super().post(request, format)

@@ -15,7 +15,7 @@ User = get_user_model()
 
 
 class TenantSerializer(ValidatedModelSerializer):
-    prefix_cache_group = serializers.SlugRelatedField(
+    prefix_cache_group = LookupSlugField(
         slug_field="name", queryset=PrefixCacheGroup.objects.all(), allow_null=True,
         required=False, help_text="Sharing group (platform admins only). Null: shares with nobody.",
     )

@@ -61,3 +61,11 @@ def test_invitation_without_a_role_is_for_a_member(acme):
                                         {"tenant": "acme", "invited_as": "someone"},
                                         format="json")
     assert response.status_code == 201 and response.data["role"] == "member"
+
+
+def test_nul_character_in_a_tenants_sharing_group_is_a_field_error(acme, platform_admin):
+    """Found by the fuzz test in CI: PUT /api/v1/tenants/{slug}/ with a NUL in the group."""
+    response = as_user(platform_admin).patch(
+        "/api/v1/tenants/acme/", {"prefix_cache_group": "group\x00"}, format="json")
+    assert response.status_code == 400, response.status_code
+    assert "prefix_cache_group" in response.data

@@ -180,3 +180,24 @@ def test_admin_shows_a_new_keys_secret_once_on_a_no_store_page_and_never_in_a_co
     later = client.get("/admin/tenants_app/apikey/")
     assert secret not in later.content.decode()
     assert all(secret not in cookie.value for cookie in later.cookies.values())
+
+
+@pytest.mark.django_db
+def test_signing_out_revokes_the_token_and_logout_all_every_token():
+    make_user("script-user")
+
+    def refused(token: str) -> bool:
+        response = Client().get("/api/v1/tenants/", HTTP_AUTHORIZATION=f"Token {token}")
+        # 403 rather than 401: session authentication comes first and names no challenge.
+        return response.status_code in (401, 403) and response.json()["detail"] == "Invalid token."
+
+    first, _ = _obtain_token()
+    second, _ = _obtain_token()
+    assert Client().post("/api/v1/auth/logout/",
+                         HTTP_AUTHORIZATION=f"Token {first}").status_code == 204
+    assert refused(first)
+    assert not refused(second)
+    third, _ = _obtain_token()
+    assert Client().post("/api/v1/auth/logout-all/",
+                         HTTP_AUTHORIZATION=f"Token {third}").status_code == 204
+    assert refused(second) and refused(third)

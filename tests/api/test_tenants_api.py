@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tenants_app.models import Membership, Role, Tenant
+from tenants_app.models import Invitation, Membership, Role, Tenant
 from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 
 pytestmark = pytest.mark.django_db
@@ -183,4 +183,12 @@ def test_role_choices_are_validated(acme, outsider):
         format="json",
     )
     assert response.status_code == 400 and "role" in response.data
-    assert Role.OWNER in [c[0] for c in Role.choices]
+    assert "emperor" in str(response.data["role"])  # named in the field's error
+    assert not Invitation.objects.exists()
+    # The same body with a real role is accepted: the refusal was about the role.
+    response = as_user(acme.owner).post(
+        "/api/v1/invitations/",
+        {"tenant": "acme", "invited_as": "outsider", "role": Role.MEMBER},
+        format="json",
+    )
+    assert response.status_code == 201, response.data

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -65,7 +66,7 @@ def _database_url() -> str:
 
 
 @pytest.fixture(scope="session")
-def console_server(django_db_setup, django_db_blocker) -> str:
+def console_server(django_db_setup, django_db_blocker) -> Iterator[str]:
     """uvicorn serving the console and the gateway on the test database."""
     if connection.vendor != "postgresql":
         pytest.skip("the browser tests' server shares the test database: use PostgreSQL")

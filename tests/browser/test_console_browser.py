@@ -11,11 +11,11 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from serving_app.models import Deployment, Instance, Node
+from serving_app.models import BaseModel, Deployment, Instance, Node
 from tenants_app.models import Role
 from tests.browser.conftest import shot, sign_in
-from tests.browser.fake_engine import REPLY, FakeEngine
 from tests.browser.seed import seed_gpus, seed_usage
+from tests.engines import MODELS
 from tests.factories import add_member, make_adapter, make_deployment, make_tenant, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -124,57 +124,59 @@ def test_dashboards_render_plots_that_contain_data(
     assert page.js_errors == []
 
 
-def test_tenant_user_creates_a_key_and_chats_in_the_playground(page, base_model, tmp_path):
+def test_tenant_user_creates_a_key_and_chats_in_the_playground(page, base_model, tmp_path,
+                                                               engine):
     """A tenant owner signs in to the portal, creates a key (its secret shown once, gone after a
     reload) and chats in the playground, streamed through the real gateway at /v1/ on the same
-    server.
-
-    The engine behind the gateway is a stand-in (tests/browser/fake_engine.py) registered as
-    a ready instance: no vLLM process starts in the browser tests. The gateway, its key lookup,
-    admission, routing and streaming relay are the real ones.
-    """
-    from console import asgi
-
-    if not hasattr(asgi, "gateway_application"):
-        pytest.skip("the gateway is not wired into console.asgi yet")
+    server to the real CPU vLLM engine (the session's shared one, registered as a ready
+    instance of a deployment serving this tenant)."""
     tenants = _dashboard_scene(base_model, tmp_path)
     owner = make_user("support-owner")
     add_member(tenants[0], owner, Role.OWNER)
-    deployment = Deployment.objects.get(name="shared-chat")
-    instance = deployment.instances.get()
-    with FakeEngine(instance.secret) as engine:
-        Instance.objects.filter(pk=instance.pk).update(
-            port=engine.port, node=Node.objects.create(name="local", queue="node.local",
-                                                       address="127.0.0.1",
-                                                       last_heartbeat=timezone.now()))
-        sign_in(page, "support-owner")
-        expect(page.locator("h1")).to_contain_text("Customer Service")
-        shot(page, "portal-home")
+    tiny = BaseModel(name="tiny-llama", path=str(MODELS / "tiny-llama"))
+    tiny.full_clean()
+    tiny.save()
+    deployment = make_deployment(tiny, [tenants[0]], name="playground-chat",
+                                 desired_state="running", max_model_len=1024)
+    node = Node.objects.create(name="local", queue="node.local", address="127.0.0.1",
+                               last_heartbeat=timezone.now())
+    Instance.objects.create(deployment=deployment, node=node, port=engine.port,
+                            state="ready", secret=engine.secret)
+    finished_before = engine.metric("vllm:request_success_total")
 
-        page.click("text=API keys")
-        page.fill("#id_name", "playground-test")
-        page.click("button:has-text('Create key')")
-        secret = page.locator("#secret-value").inner_text()
-        assert re.fullmatch(r"lcsk-[\w-]{40,}", secret)
-        shot(page, "portal-key-created")
-        page.reload()
-        expect(page.locator("#secret-value")).to_have_count(0)
-        assert secret not in page.content()
+    sign_in(page, "support-owner")
+    expect(page.locator("h1")).to_contain_text("Customer Service")
+    shot(page, "portal-home")
 
-        page.click("text=Playground")
-        page.select_option("#pg-model", "llama-mini")
-        page.fill("#pg-key", secret)
-        page.fill("#pg-input", "Say hello")
-        page.click("#pg-send")
-        reply = page.locator('.msg.assistant[data-done="1"]')
-        expect(reply).to_have_text("".join(REPLY), timeout=20_000)
-        expect(page.locator("#pg-stats")).to_contain_text("completion tokens")
-        shot(page, "portal-playground")
-        assert engine.requests and engine.requests[0]["stream"] is True
+    page.click("text=API keys")
+    page.fill("#id_name", "playground-test")
+    page.click("button:has-text('Create key')")
+    secret = page.locator("#secret-value").inner_text()
+    assert re.fullmatch(r"lcsk-[\w-]{40,}", secret)
+    shot(page, "portal-key-created")
+    page.reload()
+    expect(page.locator("#secret-value")).to_have_count(0)
+    assert secret not in page.content()
 
-        page.goto("/portal/support/dashboards/usage/")
-        expect(page.locator("#chart-requests")).to_have_attribute("data-rendered", "1")
-        shot(page, "portal-usage")
+    page.click("text=Playground")
+    page.select_option("#pg-model", "tiny-llama")
+    page.fill("#pg-key", secret)
+    page.fill("#pg-input", "Say hello")
+    page.click("#pg-send")
+    reply = page.locator('.msg.assistant[data-done="1"]')
+    expect(reply).to_have_count(1, timeout=60_000)
+    assert reply.inner_text().strip(), "the engine's streamed reply is empty"
+    stats = page.locator("#pg-stats")
+    expect(stats).to_contain_text("completion tokens")
+    prompt, completion = (int(n) for n in re.findall(r"(\d+) (?:prompt|completion)",
+                                                    stats.inner_text()))
+    assert prompt > 0 and completion > 0  # the engine's own counts, relayed by the gateway
+    assert engine.metric("vllm:request_success_total") == finished_before + 1
+    shot(page, "portal-playground")
+
+    page.goto("/portal/support/dashboards/usage/")
+    expect(page.locator("#chart-requests")).to_have_attribute("data-rendered", "1")
+    shot(page, "portal-usage")
     assert page.js_errors == []
 
 

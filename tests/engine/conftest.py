@@ -121,8 +121,7 @@ def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
     broker = redis.Redis.from_url(TEST_BROKER)
     broker.flushdb()
     previous = (celery_app.conf.broker_url, celery_app.conf.result_backend)
-    celery_app.conf.broker_url = TEST_BROKER
-    celery_app.conf.result_backend = TEST_BROKER
+    celery_app.conf.update(broker_url=TEST_BROKER, result_backend=TEST_BROKER)
     _reset_broker_pools()
     cluster = Cluster(tmp_path)
     try:
@@ -130,9 +129,9 @@ def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
     finally:
         cluster.stop_all()
         # Nothing the test started may outlive it.
-        for pid in Instance.objects.exclude(pid=None).values_list("pid", flat=True):
+        for pid in filter(None, Instance.objects.values_list("pid", flat=True)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        celery_app.conf.broker_url, celery_app.conf.result_backend = previous
+        celery_app.conf.update(broker_url=previous[0], result_backend=previous[1])
         _reset_broker_pools()
         broker.flushdb()

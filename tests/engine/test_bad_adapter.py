@@ -91,8 +91,11 @@ def test_bad_adapter_is_left_out_and_the_shared_engine_serves_the_others(
     assert as_user(acme.owner).delete(f"/api/v1/adapters/{uploaded.pk}/").status_code == 204
     wait_for(lambda: "acme--notes" not in Instance.objects.get(pk=instance.pk).loaded_adapters,
              60, "the runtime unload")
-    wait_for(lambda: not folder.exists(), 60, "the files to be removed")
-    assert AdapterFileRemoval.objects.get(path=str(folder)).removed_at is not None
+    # The removal is recorded once its files are gone: wait for the record, then look.
+    wait_for(lambda: AdapterFileRemoval.objects.filter(path=str(folder),
+                                                       removed_at__isnull=False).exists(),
+             60, "the files to be removed")
+    assert not folder.exists()
     assert (MODELS / "tiny-llama-lora-a" / "adapter_config.json").is_file()
     assert instance_state(instance.pk) == State.READY
     assert Instance.objects.get(pk=instance.pk).pid == instance.pid

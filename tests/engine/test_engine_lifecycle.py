@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from serving_app.engine import supervisor
 from serving_app.models import Deployment, Instance, LoraAdapter
 from tests.api.helpers import as_user
 from tests.engine.conftest import MODELS, instance_state, wait_for
+from tests.unit.test_process_groups import session_members
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
 State = Instance.State
@@ -67,10 +67,6 @@ def create_deployment(admin, **fields) -> dict:
     return response.data
 
 
-def all_pids() -> list[int]:
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-
-
 def port_is_free(port: int) -> bool:
     return supervisor.port_is_free(port)
 
@@ -102,7 +98,9 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     assert instance.secret not in json.dumps(api_view, default=str)
     assert "VLLM_API_KEY" not in instance.environment
     assert supervisor.environ(instance.pid)["VLLM_API_KEY"] == instance.secret
-    assert not [pid for pid in all_pids() if instance.secret in " ".join(supervisor.cmdline(pid))]
+    assert not [
+        pid for pid in supervisor.pids() if instance.secret in " ".join(supervisor.cmdline(pid))
+    ]
     modules = api_view["command"][api_view["command"].index("--lora-modules") + 1:][:2]
     assert sorted(json.loads(m)["name"] for m in modules) == ["acme--billing", "acme--support"]
     assert api_view["log_tail"]
@@ -133,13 +131,16 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     client.patch(f"/api/v1/deployments/{deployment['id']}/",
                  {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]}, format="json")
 
-    # SIGKILL the engine: the supervisor notices and the reconciler brings it back.
+    # SIGKILL the engine: the supervisor notices and the reconciler brings it back. The leader's
+    # children (EngineCore, workers) are orphaned by the kill; the agent must clear them.
+    assert len(session_members(instance.pid)) > 1, "the engine runs no child process?"
     os.kill(instance.pid, signal.SIGKILL)
     wait_for(lambda: Instance.objects.filter(pk=instance.pk, restarts=1).exists(), 60, "restart")
     restarted = wait_for(lambda: Instance.objects.filter(pk=instance.pk, state=State.READY,
                                                          restarts=1).first(),
                          START_TIMEOUT, "ready again")
     assert restarted.pid != instance.pid
+    wait_for(lambda: not session_members(instance.pid), 30, "the killed engine's children gone")
     seen_pids.add(restarted.pid)
     assert complete(restarted, "acme--legal")["choices"][0]["text"]
 
@@ -173,6 +174,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
         state=State.STOPPED).exists(), 60, "all stopped")
     for pid in seen_pids:
         assert not supervisor.is_alive(pid), pid
+        assert session_members(pid) == [], f"processes of engine session {pid} remain"
     for port in ports:
         assert port_is_free(port), port
     assert Deployment.objects.get(pk=deployment["id"]).desired_state == "stopped"

@@ -1,5 +1,6 @@
-"""Fixtures for the gateway: one real vLLM engine for the session, gateway servers as uvicorn
-subprocesses against the test database, and committed domain rows they can see.
+"""Fixtures for the gateway: gateway servers as uvicorn subprocesses against the test database,
+and committed domain rows they can see. The real vLLM engine behind them is the session's shared
+one (`engine`, tests/conftest.py and tests/engines.py).
 
 Gateway processes read the database themselves, so tests that use them need committed rows
 (`transactional_db`). Redis DB 9 holds the gateway's limits and usage stream here; it is flushed
@@ -8,46 +9,41 @@ at the start of the session (only that DB).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 from benchmarks.gateway_bench import free_port, kill_group
-from serving_app.engine.launch import CPU_IDLE_PREFIX
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from tenants_app.models import ApiKey, Tenant
+from tests.engines import (  # noqa: F401 (re-exported: the gateway tests import them here)
+    ENGINE_SECRET,
+    ENGINE_VENV,
+    MODELS,
+    PRIVATE_MODEL,
+    ROOT,
+    Engine,
+    wait_until,
+)
+from tests.redis_server import PrivateRedis
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_VENV = Path(settings.ENGINE_VENV)
-ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
-MODELS = ROOT / "var" / "models"
 REDIS_URL = "redis://127.0.0.1:6379/9"
-ENGINE_SECRET = "gateway-test-engine-secret"
 MAX_BODY = 64 * 1024
-PRIVATE_MODEL = "tiny-llama-private"
 
 
-def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not happen within {timeout}s")
+@pytest.fixture
+def private_redis(tmp_path):
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,58 +54,6 @@ def _gateway_redis():
     with override_settings(GATEWAY_REDIS_URL=REDIS_URL):
         yield client
     client.close()
-
-
-@dataclass
-class Engine:
-    port: int
-    secret: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-
-@pytest.fixture(scope="session")
-def engine(tmp_path_factory) -> Engine:
-    """The real CPU vLLM engine with two tenants' adapters loaded (one for the whole session),
-    launched at the scheduling class node agents give CPU engines."""
-    if not (ENGINE_VENV / ".engine-install-complete").exists():
-        pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
-    port = free_port()
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-           "VLLM_NO_USAGE_STATS": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(MODELS / "tiny-llama"),
-             # The second name lets a deployment that serves one tenant alone use this engine.
-             "--served-model-name", "tiny-llama", PRIVATE_MODEL,
-             "--dtype", "float32", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
-             "--lora-modules", f"acme--style={MODELS / 'tiny-llama-lora-a'}",
-             f"globex--tone={MODELS / 'tiny-llama-lora-b'}",
-             "--scheduling-policy", "priority",
-             "--api-key", ENGINE_SECRET, "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "1024"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    try:
-        wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200,
-            240, "engine start", proc,
-        )
-        yield Engine(port, ENGINE_SECRET)
-    finally:
-        kill_group(proc)
 
 
 @dataclass
@@ -181,6 +125,13 @@ class World:
 
 
 def make_world(upstream_port: int, secret: str, **acme_limits) -> World:
+    # One transaction: a gateway re-reads its catalog every 0.5 s here, and one read between
+    # the deployment's creation and its adapters' would show the deployment without them.
+    with transaction.atomic():
+        return _make_world(upstream_port, secret, **acme_limits)
+
+
+def _make_world(upstream_port: int, secret: str, **acme_limits) -> World:
     base = BaseModel(name="tiny-llama", path=str(MODELS / "tiny-llama"))
     base.full_clean()
     base.save()

@@ -1,6 +1,6 @@
-"""PostgreSQL stopped under traffic: requests keep being served, and every usage event reaches
-PostgreSQL once it is back. Runs its own throwaway PostgreSQL on another port (so stopping it
-disturbs nothing else), a gateway and the `usage_writer` command against it."""
+"""PostgreSQL stopped, or restarted, under traffic: requests keep being served, and every usage
+event reaches PostgreSQL once, after it is back. Runs its own throwaway PostgreSQL on another port
+(so stopping it disturbs nothing else), a gateway and the `usage_writer` command against it."""
 
 from __future__ import annotations
 
@@ -67,6 +67,14 @@ class ThrowawayPostgres:
         self._as_postgres(
             str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-w",
             "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1", "start",
+        )
+
+    def restart(self, mode: str = "immediate") -> None:
+        """`immediate`: every backend killed at once, crash recovery at start (a crash)."""
+        self._as_postgres(
+            str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-w",
+            "-m", mode, "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1",
+            "restart",
         )
 
     def stop(self) -> None:
@@ -160,6 +168,93 @@ def test_usage_events_survive_postgresql_being_down_under_traffic(engine):
             ).fetchone()[0]
         assert minute_total == len(sent)
         print(f"{len(sent)} requests, {served_while_down} while PostgreSQL was down, none lost")
+    finally:
+        for proc in reversed(procs):
+            kill_group(proc)
+        pg.destroy()
+
+
+def stored_events(pg: ThrowawayPostgres) -> dict[str, tuple[int, int]]:
+    with psycopg.connect(pg.url.replace("postgres://", "postgresql://")) as conn:
+        rows = conn.execute(
+            "SELECT request_id, prompt_tokens, completion_tokens "
+            "FROM serving_app_usageevent WHERE endpoint = 'completions'"
+        ).fetchall()
+    return {rid: (p, c) for rid, p, c in rows}
+
+
+def test_postgresql_restarted_under_traffic_fails_no_request_and_stores_every_event_once(
+    engine,
+):
+    """Traffic in a thread while PostgreSQL is restarted the way a crash does it (every backend
+    killed, crash recovery): the gateway keeps serving its cached key, the writer reconnects by
+    itself, and each event is stored once (its rollups count it once)."""
+    import threading
+
+    pg = ThrowawayPostgres()
+    stream = f"gw:usage-restart-{os.getpid()}"
+    env = {**os.environ, "DATABASE_URL": pg.url, "GATEWAY_REDIS_URL": REDIS_URL,
+           "GATEWAY_USAGE_STREAM": stream, "LOG_LEVEL": "WARNING"}
+    procs: list[subprocess.Popen] = []
+    try:
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        seed = SEED % {"model": str(MODELS / "tiny-llama"), "port": engine.port,
+                       "secret": engine.secret}
+        out = subprocess.run([sys.executable, "manage.py", "shell", "-c", seed], cwd=ROOT,
+                             env=env, check=True, capture_output=True, text=True).stdout
+        key = json.loads(out.strip().splitlines()[-1])["key"]
+        gateway = start_gateway(pg.url, workers=1, GATEWAY_USAGE_STREAM=stream)
+        procs.append(gateway.proc)
+        procs.append(subprocess.Popen(
+            [sys.executable, "manage.py", "usage_writer"], cwd=ROOT, env=env,
+            start_new_session=True, stdout=subprocess.DEVNULL,
+        ))
+        sent: dict[str, tuple[int, int]] = {}
+        failures: list[str] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            body = {"model": "tiny-llama", "prompt": "The database is", "max_tokens": 3}
+            with httpx.Client(base_url=gateway.url, timeout=30,
+                              headers={"Authorization": f"Bearer {key}"}) as http:
+                while not stop.is_set():
+                    r = http.post("/v1/completions", json=body)
+                    if r.status_code != 200:
+                        failures.append(f"{r.status_code} {r.text}")
+                        continue
+                    usage = r.json()["usage"]
+                    sent[r.headers["x-request-id"]] = (usage["prompt_tokens"],
+                                                       usage["completion_tokens"])
+
+        thread = threading.Thread(target=traffic, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while len(sent) < 5:  # the key is cached and the writer has stored some events
+                assert time.monotonic() < deadline and not failures, failures
+                time.sleep(0.1)
+            pg.restart("immediate")
+            after = len(sent) + 5
+            while len(sent) < after:
+                assert time.monotonic() < deadline + 60 and not failures, failures
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            thread.join(60)
+        assert not failures, failures
+
+        deadline = time.monotonic() + 90
+        stored = stored_events(pg)
+        while set(sent) - set(stored) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            stored = stored_events(pg)
+        assert {rid: stored.get(rid) for rid in sent} == sent
+        with psycopg.connect(pg.url.replace("postgres://", "postgresql://")) as conn:
+            minute_total = conn.execute(
+                "SELECT sum(requests) FROM serving_app_usageminute WHERE model = 'tiny-llama'"
+            ).fetchone()[0]
+        assert minute_total == len(sent) == len(stored)
     finally:
         for proc in reversed(procs):
             kill_group(proc)

@@ -9,57 +9,16 @@ once Redis is back they are written to the usage stream, none lost.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
-from benchmarks.gateway_bench import free_port, kill_group
+from benchmarks.gateway_bench import kill_group
 from tests.gateway.conftest import _test_database_url, make_world, start_gateway, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 STREAM = "gw:usage"
-
-
-class PrivateRedis:
-    """A redis-server of this test's own, on a free loopback port, with no persistence (as the
-    machine's Redis runs), so that stopping it loses its data like a real restart would."""
-
-    def __init__(self, folder: Path) -> None:
-        self.port = free_port()
-        self.folder = folder
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.folder)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        wait_until(lambda: redis.Redis.from_url(self.url).ping(), 30, "redis start", self.proc)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            kill_group(self.proc)
-            self.proc = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
-
-
-@pytest.fixture
-def private_redis(tmp_path):
-    server = PrivateRedis(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 def complete(url: str, secret: str) -> httpx.Response:

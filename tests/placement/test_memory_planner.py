@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from serving_app.placement.inventory import GIB
 from serving_app.placement.planner import (
-    GIB,
     EngineSettings,
     ModelArchitecture,
     plan_memory,

@@ -71,10 +71,15 @@ def test_overview_shows_nodes_deployments_instances_and_tenant_load(
     deployment = make_deployment(base_model, [acme.tenant], name="support-bot")
     Instance.objects.create(deployment=deployment, node=node, state=Instance.State.READY, port=1)
     usage(acme.tenant, requests=50)
-    body = login(platform_admin).get(reverse("console:overview")).content.decode()
+    response = login(platform_admin).get(reverse("console:overview"))
+    body = response.content.decode()
     assert "cpu-1" in body and "support-bot" in body
     assert 'data-instance-state="ready"' in body
-    assert "10.0" in body  # 50 requests over the last 5 minutes
+    # 50 requests over the last 5 minutes: 10.0 a minute, in acme's own row of the load table.
+    [row] = [r for r in response.context["tenants"] if r["tenant"].slug == "acme"]
+    assert row["load"]["rpm"] == pytest.approx(10.0)
+    acme_row = re.search(r"<tr>\s*<td><a href=\"[^\"]*\">Acme Corp</a>.*?</tr>", body, re.S)
+    assert acme_row and '<td class="num">10.0</td>' in acme_row.group(0)
 
 
 def test_tenant_form_shows_the_models_validation_messages(login, platform_admin):

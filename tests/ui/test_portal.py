@@ -47,8 +47,22 @@ def served(acme, globex, base_model):
 
 
 @pytest.mark.parametrize(("name", "args"), TENANT_PAGES)
-def test_member_reads_own_tenant_pages(login, acme, name, args):
-    assert login(acme.viewer).get(reverse(name, args=["acme", *args])).status_code == 200
+def test_member_reads_own_tenant_pages(login, acme, globex, usage, name, args):
+    """Each page answers with this tenant's own content, never another tenant's: a page names
+    the tenant; a dashboard's data is JSON whose figures and tables hold only this tenant."""
+    usage(acme.tenant, model="acme-model", requests=4)
+    usage(globex.tenant, model="globex-model", requests=9)
+    response = login(acme.viewer).get(reverse(name, args=["acme", *args]), {"range": "1h"})
+    assert response.status_code == 200
+    if name == "portal:dashboard-data":
+        data = response.json()
+        traces = [t for fig in data["figures"].values() for t in fig["data"]]
+        assert traces and "acme" in data["tables"].lower()
+        assert "globex" not in json.dumps(data).lower()
+    else:
+        body = response.content.decode()
+        assert "Acme Corp" in body
+        assert "Globex" not in body and "globex-model" not in body
 
 
 @pytest.mark.parametrize(("name", "args"), TENANT_PAGES)

@@ -28,16 +28,11 @@ State = Instance.State
 def session_members(sid: int) -> list[int]:
     """Live (non-zombie) processes whose session id is `sid`."""
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
+    for pid in supervisor.pids():
+        fields = supervisor.proc_stat(pid)
         # fields: state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(int(entry.name))
+        if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
+            members.append(pid)
     return members
 
 

@@ -21,7 +21,9 @@ def _readme_production_environment() -> dict[str, str]:
     """The variables of the first code block under the README's "Running in production", with
     each `<placeholder>` replaced by a fresh random value (as an operator would generate)."""
     section = README.read_text().split("## Running in production", 1)[1]
-    block = re.search(r"```\w*\n(.*?)```", section, re.S).group(1)
+    match = re.search(r"```\w*\n(.*?)```", section, re.S)
+    assert match, "no code block under the README's 'Running in production'"
+    block = match.group(1)
     variables = {}
     for line in block.splitlines():
         line = line.strip()
@@ -35,8 +37,11 @@ def _readme_production_environment() -> dict[str, str]:
 def _clean_environment(**variables: str) -> dict[str, str]:
     """This process's environment less every setting the tests or the README set, plus
     `variables`."""
+    # DJANGO_ALLOW_ASYNC_UNSAFE: the browser tests set it in this process (Playwright's sync API
+    # runs an event loop beside Django's ORM); a production install never has it.
     dropped = {"DEBUG", "SECRET_KEY", "SECRET_KEY_FILE", "DATABASE_URL", "ALLOWED_HOSTS",
-               "DJANGO_SETTINGS_MODULE", *_readme_production_environment()}
+               "DJANGO_SETTINGS_MODULE", "DJANGO_ALLOW_ASYNC_UNSAFE",
+               *_readme_production_environment()}
     environ = {k: v for k, v in os.environ.items()
                if k not in dropped and not k.startswith(("SECURE_", "CSP_", "SESSION_", "CSRF_"))}
     environ["DJANGO_SETTINGS_MODULE"] = "console.settings"

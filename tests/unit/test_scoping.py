@@ -37,7 +37,7 @@ def test_every_tenant_owned_model_is_listed_here():
     assert found - TENANT_OWNED == set()
 
 
-@pytest.mark.parametrize("model", sorted(TENANT_OWNED, key=lambda m: m.__name__))
+@pytest.mark.parametrize("model", sorted(TENANT_OWNED, key=str))
 def test_every_tenant_owned_manager_scopes_by_user_and_by_tenant(model, acme):
     assert callable(model.objects.for_user) and callable(model.objects.for_tenant)
     assert model.objects.for_tenant(acme.tenant).model is model

@@ -48,6 +48,8 @@ class Command(BaseCommand):
             ApiKey.objects.filter(tenant=tenant, name="demo-traffic").delete()
             _, secret = ApiKey.objects.create_key(tenant=tenant, name="demo-traffic")
             deployment = Deployment.objects.filter(tenants=tenant).first()
+            if deployment is None:
+                continue
             models = [deployment.base_model.name, *(
                 a.name for a in deployment.adapters.filter(tenant=tenant))]
             plans.append((tenant, secret, models))

@@ -1,11 +1,17 @@
-"""Run the usage batch writer: Redis stream -> PostgreSQL events and rollups."""
+"""Run the usage batch writer: Redis stream -> PostgreSQL events and rollups.
+
+`--check` is the writer's probe (a supervisor's health check, a Kubernetes exec probe): it exits
+0 while Redis and PostgreSQL answer and the oldest event not yet stored is younger than
+HEALTH_WRITER_MAX_LAG_SECONDS, 1 otherwise, and prints the stream length and lag.
+"""
 
 from __future__ import annotations
 
 import signal
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
+from serving_app import health
 from serving_app.gateway.writer import UsageWriter
 
 
@@ -17,8 +23,24 @@ class Command(BaseCommand):
         parser.add_argument(
             "--drain", action="store_true", help="Persist what is waiting, then exit."
         )
+        parser.add_argument(
+            "--check", action="store_true",
+            help="Exit 1 if Redis or PostgreSQL is unreachable or the writer is behind.",
+        )
 
-    def handle(self, *args, batch_size: int | None = None, drain: bool = False, **options):
+    def handle(self, *args, batch_size: int | None = None, drain: bool = False,
+               check: bool = False, **options):
+        if check:
+            report = health.report()
+            writer_check = report.writer
+            self.stdout.write(
+                f"stream_length={writer_check.stream_length} "
+                f"lag_seconds={writer_check.lag_seconds} database_ok={report.database.ok} "
+                f"redis_ok={report.redis.ok}"
+            )
+            if not report.healthy:
+                raise CommandError("; ".join(report.problems))
+            return
         writer = UsageWriter(batch_size=batch_size)
         if drain:
             self.stdout.write(f"{writer.drain(max_seconds=3600)} events handled")

@@ -1,0 +1,90 @@
+"""The real CPU vLLM engine the gateway and browser suites share: one process for the whole test
+session (the `engine` fixture in tests/conftest.py), serving the generated tiny model and two
+tenants' adapters, launched at the scheduling class node agents give CPU engines."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from django.conf import settings
+
+from benchmarks.gateway_bench import free_port, kill_group
+from serving_app.engine.launch import CPU_IDLE_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_VENV = Path(settings.ENGINE_VENV)
+ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
+MODELS = ROOT / "var" / "models"
+ENGINE_SECRET = "gateway-test-engine-secret"
+# A second name for the same model, so that a deployment serving one tenant alone can use it.
+PRIVATE_MODEL = "tiny-llama-private"
+
+
+def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not happen within {timeout}s")
+
+
+@dataclass
+class Engine:
+    port: int
+    secret: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def engine_installed() -> bool:
+    return (ENGINE_VENV / ".engine-install-complete").exists()
+
+
+def run_engine(log: Path) -> Iterator[Engine]:
+    port = free_port()
+    # The secret in the environment, as node agents start engines (never on the command line).
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "VLLM_NO_USAGE_STATS": "1", "VLLM_API_KEY": ENGINE_SECRET}
+    for name in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH"):
+        env.pop(name, None)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+             "--model", str(MODELS / "tiny-llama"),
+             "--served-model-name", "tiny-llama", PRIVATE_MODEL,
+             "--dtype", "float32", "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16",
+             "--lora-modules", f"acme--style={MODELS / 'tiny-llama-lora-a'}",
+             f"globex--tone={MODELS / 'tiny-llama-lora-b'}",
+             "--scheduling-policy", "priority",
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200,
+            240, "engine start", proc,
+        )
+        yield Engine(port, ENGINE_SECRET)
+    finally:
+        kill_group(proc)
