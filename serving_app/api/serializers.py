@@ -161,13 +161,6 @@ class AdapterUploadSerializer(serializers.Serializer):
             )
         return attrs
 
-    def to_representation(self, adapter: LoraAdapter) -> dict[str, Any]:
-        data = super().to_representation(adapter)
-        if not self.viewer_is_staff:
-            data.pop("path", None)
-            data["last_error"] = redact_paths(data.get("last_error") or "")
-        return data
-
 
 class GpuSerializer(serializers.ModelSerializer):
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
