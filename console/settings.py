@@ -160,7 +160,13 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_TIME_LIMIT = env_int("CELERY_TASK_TIME_LIMIT", 600, minimum=1)
 CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 540, minimum=1)
-CELERY_TASK_ACKS_LATE = True
+# Acknowledged when a worker starts the task, not when it ends: a worker whose broker connection
+# drops while it holds an unacknowledged message dies (kombu restores the message on a connection
+# already torn down: "Unrecoverable error: AttributeError ... 'hostname'"), and a dead node agent
+# supervises nothing. Nothing needs the late ack: every task's work is derived again from the
+# database (the reconciler re-sends a start of an instance still pending, a restarted agent adopts
+# or stops what it finds, reconciles and adapter syncs run every round).
+CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)

@@ -32,17 +32,17 @@ RETRY: dict[str, Any] = {
 }
 
 
-@shared_task(name=lifecycle.START_INSTANCE, acks_late=True, **RETRY)
+@shared_task(name=lifecycle.START_INSTANCE, **RETRY)
 def start_instance(instance_id: int) -> str:
     return agent.start_instance(instance_id)
 
 
-@shared_task(name=lifecycle.STOP_INSTANCE, acks_late=True, **RETRY)
+@shared_task(name=lifecycle.STOP_INSTANCE, **RETRY)
 def stop_instance(instance_id: int) -> str:
     return agent.stop_instance(instance_id)
 
 
-@shared_task(name=lifecycle.SYNC_ADAPTERS, acks_late=True, **RETRY)
+@shared_task(name=lifecycle.SYNC_ADAPTERS, **RETRY)
 def sync_adapters(instance_id: int) -> dict[str, str]:
     return agent.sync_adapters(instance_id)
 
