@@ -35,6 +35,7 @@ from serving_app.forms import (
 )
 from serving_app.models import AuditLog, BaseModel, Deployment, Instance, LoraAdapter, Node
 from serving_app.placement import service
+from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -78,8 +79,6 @@ class StaffRequiredMixin(AccessMixin):
 
 
 # ----------------------------------------------------------------------------- overview
-
-GIB = 2**30
 
 
 def gpu_display(row: dict[str, Any]) -> dict[str, Any]:

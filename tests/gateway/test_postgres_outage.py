@@ -18,7 +18,15 @@ import httpx
 import psycopg
 import pytest
 
-from tests.gateway.conftest import MODELS, REDIS_URL, ROOT, free_port, kill_group, start_gateway
+from tests.gateway.conftest import (
+    MODELS,
+    REDIS_URL,
+    ROOT,
+    Gateway,
+    free_port,
+    kill_group,
+    start_gateway,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -87,6 +95,25 @@ class ThrowawayPostgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def start_stack(pg: ThrowawayPostgres, engine, stream: str, env: dict[str, str],
+                procs: list[subprocess.Popen]) -> tuple[dict[str, str], Gateway]:
+    """Migrate and seed the throwaway database, then start a gateway and the usage writer on it
+    (both appended to `procs`). Returns the seeded keys and the gateway."""
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    seed = SEED % {"model": str(MODELS / "tiny-llama"), "port": engine.port,
+                   "secret": engine.secret}
+    out = subprocess.run([sys.executable, "manage.py", "shell", "-c", seed], cwd=ROOT, env=env,
+                         check=True, capture_output=True, text=True).stdout
+    keys = json.loads(out.strip().splitlines()[-1])
+    gateway = start_gateway(pg.url, workers=1, GATEWAY_USAGE_STREAM=stream)
+    procs.append(gateway.proc)
+    procs.append(subprocess.Popen(
+        [sys.executable, "manage.py", "usage_writer"], cwd=ROOT, env=env,
+        start_new_session=True, stdout=subprocess.DEVNULL,
+    ))
+    return keys, gateway
+
+
 def test_usage_events_survive_postgresql_being_down_under_traffic(engine):
     pg = ThrowawayPostgres()
     stream = f"gw:usage-outage-{os.getpid()}"
@@ -94,20 +121,8 @@ def test_usage_events_survive_postgresql_being_down_under_traffic(engine):
            "GATEWAY_USAGE_STREAM": stream, "LOG_LEVEL": "WARNING"}
     procs: list[subprocess.Popen] = []
     try:
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
-                       check=True)
-        seed = SEED % {"model": str(MODELS / "tiny-llama"), "port": engine.port,
-                       "secret": engine.secret}
-        out = subprocess.run([sys.executable, "manage.py", "shell", "-c", seed], cwd=ROOT,
-                             env=env, check=True, capture_output=True, text=True).stdout
-        keys = json.loads(out.strip().splitlines()[-1])
+        keys, gateway = start_stack(pg, engine, stream, env, procs)
         key, unseen = keys["key"], keys["unseen"]
-        gateway = start_gateway(pg.url, workers=1, GATEWAY_USAGE_STREAM=stream)
-        procs.append(gateway.proc)
-        procs.append(subprocess.Popen(
-            [sys.executable, "manage.py", "usage_writer"], cwd=ROOT, env=env,
-            start_new_session=True, stdout=subprocess.DEVNULL,
-        ))
         sent: dict[str, tuple[int, int]] = {}
         headers = {"Authorization": f"Bearer {key}"}
         body = {"model": "tiny-llama", "prompt": "The database is", "max_tokens": 5}
@@ -197,19 +212,8 @@ def test_postgresql_restarted_under_traffic_fails_no_request_and_stores_every_ev
            "GATEWAY_USAGE_STREAM": stream, "LOG_LEVEL": "WARNING"}
     procs: list[subprocess.Popen] = []
     try:
-        subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
-                       check=True)
-        seed = SEED % {"model": str(MODELS / "tiny-llama"), "port": engine.port,
-                       "secret": engine.secret}
-        out = subprocess.run([sys.executable, "manage.py", "shell", "-c", seed], cwd=ROOT,
-                             env=env, check=True, capture_output=True, text=True).stdout
-        key = json.loads(out.strip().splitlines()[-1])["key"]
-        gateway = start_gateway(pg.url, workers=1, GATEWAY_USAGE_STREAM=stream)
-        procs.append(gateway.proc)
-        procs.append(subprocess.Popen(
-            [sys.executable, "manage.py", "usage_writer"], cwd=ROOT, env=env,
-            start_new_session=True, stdout=subprocess.DEVNULL,
-        ))
+        keys, gateway = start_stack(pg, engine, stream, env, procs)
+        key = keys["key"]
         sent: dict[str, tuple[int, int]] = {}
         failures: list[str] = []
         stop = threading.Event()
