@@ -4,7 +4,7 @@ meant to catch each one fail.
     .venv/bin/python scripts/mutation_check.py            # every breakage (engine ones too)
     .venv/bin/python scripts/mutation_check.py --fast     # only those caught without an engine
     .venv/bin/python scripts/mutation_check.py --list
-    .venv/bin/python scripts/mutation_check.py --only killpg-to-kill
+    .venv/bin/python scripts/mutation_check.py --only sigterm-leader-only
 
 Each breakage names a file, the exact text it replaces (which must still be in the file: a
 breakage whose text moved fails the check, so the list is kept up to date with the code) and the
@@ -45,24 +45,31 @@ class Breakage:
 
 BREAKAGES = (
     Breakage(
-        "killpg-to-kill",
+        "sigterm-leader-only",
         "serving_app/engine/supervisor.py",
-        "os.killpg(pgid, signal.SIGTERM)",
-        "os.kill(pgid, signal.SIGTERM)",
+        "        _signal(newcomers, signal.SIGTERM)\n",
+        "        _signal([m for m in newcomers if m.pid == pid], signal.SIGTERM)\n",
         ("tests/unit/test_process_groups.py",),
     ),
     Breakage(
         "sigkill-leader-only",
         "serving_app/engine/supervisor.py",
-        "os.killpg(pgid, signal.SIGKILL)",
-        "os.kill(pgid, signal.SIGKILL)",
+        "        _signal(members, signal.SIGKILL)\n",
+        "        _signal([m for m in members if m.pid == pid], signal.SIGKILL)\n",
+        ("tests/unit/test_process_groups.py",),
+    ),
+    Breakage(
+        "no-sigkill-escalation",
+        "serving_app/engine/supervisor.py",
+        "        _signal(members, signal.SIGKILL)\n",
+        "        pass\n",
         ("tests/unit/test_process_groups.py",),
     ),
     Breakage(
         "no-orphan-cleanup",
         "serving_app/engine/agent.py",
-        "                supervisor.stop(instance.pid, grace_seconds=2)\n",
-        "                pass\n",
+        "        supervisor.stop(pid, grace_seconds=ORPHAN_GRACE_SECONDS)\n",
+        "        pass\n",
         ("tests/unit/test_process_groups.py",),
     ),
     Breakage(
@@ -124,15 +131,15 @@ BREAKAGES = (
         ("tests/engine/test_lora_slots.py",),
         engine=True,
     ),
-    # No "killpg -> kill" against the real engine: measured on 2026-12-03, vLLM's API server
-    # stops its EngineCore itself on SIGTERM within the grace period, so the real engine cannot
-    # tell the two apart (that breakage survived the lifecycle test); the three-process tree of
-    # tests/unit/test_process_groups.py catches it.
+    # No "SIGTERM to the leader only" against the real engine: measured on 2026-12-03, vLLM's
+    # API server stops its EngineCore itself on SIGTERM within the grace period, so the real
+    # engine cannot tell the two apart (that breakage survived the lifecycle test); the
+    # three-process tree of tests/unit/test_process_groups.py catches it.
     Breakage(
         "engine-no-orphan-cleanup",
         "serving_app/engine/agent.py",
-        "                supervisor.stop(instance.pid, grace_seconds=2)\n",
-        "                pass\n",
+        "        supervisor.stop(pid, grace_seconds=ORPHAN_GRACE_SECONDS)\n",
+        "        pass\n",
         ("tests/engine/test_engine_lifecycle.py::test_deployment_lifecycle_end_to_end",),
         engine=True,
     ),

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 State = Instance.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
 LOG_TAIL_SECONDS = 5.0
+ORPHAN_GRACE_SECONDS = 2.0  # an EngineCore without its API server serves nothing: no long wait
 
 
 @dataclass
@@ -321,6 +322,7 @@ def _write_log(path: Path, line: str) -> None:
 
 def _fail(instance: Instance, reason: str, *, expected=None, exit_code: int | None = None,
           log_path: str | None = None) -> bool:
+    clear_orphans(instance.pid)
     path = log_path or instance.log_path
     tail = supervisor.log_tail(path) if path else ""
     changed = instance.transition(
@@ -332,6 +334,15 @@ def _fail(instance: Instance, reason: str, *, expected=None, exit_code: int | No
         log.warning("%s failed: %s", instance, reason)
         lifecycle.deployment_changed(instance.deployment_id)
     return changed
+
+
+def clear_orphans(pid: int | None) -> None:
+    """With the engine's leader gone (it exited, or was killed with SIGKILL), stop what is left
+    of its session: its EngineCore and workers, orphaned, would go on holding memory and cores.
+    A pid that is alive is left alone here (it is ours and stopped elsewhere, or a recycled pid
+    that is not ours)."""
+    if pid and not supervisor.is_alive(pid):
+        supervisor.stop(pid, grace_seconds=ORPHAN_GRACE_SECONDS)
 
 
 def _refresh_log_tail(instance: Instance) -> None:
@@ -357,6 +368,8 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     how = "gone"
     if instance.pid and supervisor.is_engine_of(instance.pid, instance.secret, instance.port):
         how = supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+    else:
+        clear_orphans(instance.pid)
     if instance.port:
         supervisor.wait_port_free(instance.port, config.address, timeout=10)
     tail = supervisor.log_tail(instance.log_path) if instance.log_path else instance.log_tail
@@ -460,8 +473,6 @@ def supervise_once(config: AgentConfig) -> None:
     ):
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid) if instance.pid else None
-            if instance.pid:  # the engine's own children (EngineCore) must not linger
-                supervisor.stop(instance.pid, grace_seconds=2)
             _fail(instance, f"The engine process exited (exit code {code}).", exit_code=code,
                   expected=[State.READY, State.UNHEALTHY])
             continue

@@ -1,7 +1,12 @@
 """Engine processes on this host: launch detached, check, stop, read their logs.
 
-Engines run in their own session (process group) with output to a log file, so they outlive a
-node agent restart and can be adopted by the next one; stopping signals the whole group.
+Each engine runs in a session of its own (`start_new_session`) with output to a log file, so it
+outlives a node agent restart and can be adopted by the next one. The session is the unit the
+agent supervises: the API server leads it, and its EngineCore, workers and whatever they spawn
+inherit it, also once the leader is gone (an engine killed with SIGKILL orphans its children,
+which keep their session). Processes are read through psutil, never by parsing /proc here.
+Linux keeps a pid from being reused while a session or process group it names still has members,
+so the live members of session `pid` after the leader `pid` died are that engine's own orphans.
 """
 
 from __future__ import annotations
@@ -15,10 +20,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 # Children this agent process launched, so their exit codes can be reaped (a zombie would look
 # alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
 _children: dict[int, subprocess.Popen[bytes]] = {}
 _exit_codes: dict[int, int] = {}
+# After SIGKILL, how long to wait for the session to empty (the kernel tears down large
+# processes in well under a second; this bounds a stuck one in uninterruptible sleep).
+KILL_WAIT_SECONDS = 5.0
+POLL_SECONDS = 0.1
 
 
 @dataclass
@@ -69,51 +80,27 @@ def is_alive(pid: int | None) -> bool:
     if process is not None:
         return process.poll() is None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie is dead to us
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    fields = proc_stat(pid)
-    return fields is None or fields[0] != "Z"  # a zombie is dead for our purposes
-
-
-def pids() -> list[int]:
-    """Every process id on this host (Linux's /proc)."""
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, session, ...;
-    `man 5 proc` numbers them from 3), or None when the process is gone or unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields or None
 
 
 def cmdline(pid: int) -> list[str]:
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
         return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
 def environ(pid: int) -> dict[str, str]:
     """The environment `pid` was started with (`chrt` execs the engine, so it is the engine's).
     Only the process's owner and root may read it; anything else reads as empty."""
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
         return {}
-    env = {}
-    for entry in raw.split(b"\0"):
-        name, sep, value = entry.partition(b"=")
-        if sep:
-            env[name.decode(errors="replace")] = value.decode(errors="replace")
-    return env
 
 
 def is_engine_of(pid: int | None, secret: str, port: int | None) -> bool:
@@ -143,53 +130,56 @@ def option_value(args: list[str], name: str) -> str | None:
     return None
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # Only zombies left? Reap ours and call the group dead.
-    process = _children.get(pgid)
-    if process is not None and process.poll() is not None:
-        return any(_live_members(pgid))
-    return True
-
-
-def _live_members(pgid: int) -> list[int]:
+def session_members(sid: int) -> list[psutil.Process]:
+    """The live processes of session `sid` (the engine led by pid `sid` and all it spawned);
+    zombies are left out, they are dead and only wait to be reaped."""
     members = []
-    for pid in pids():
-        fields = proc_stat(pid)
-        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(pid)
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+        except (OSError, psutil.Error):
+            continue  # ended while we looked
     return members
 
 
-def stop(pid: int, grace_seconds: float) -> str:
-    """SIGTERM the engine's process group, SIGKILL what is left after the grace period.
+def _signal(processes: list[psutil.Process], sig: int) -> None:
+    for process in processes:
+        # psutil checks that the pid still names the process it listed (not a recycled one).
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            process.send_signal(sig)
 
-    Returns how it ended: "terminated", "killed" or "gone" (nothing was running).
+
+def stop(pid: int, grace_seconds: float) -> str:
+    """Stop the engine led by `pid` and every process of its session.
+
+    SIGTERM to every member (and to any that appears meanwhile), then SIGKILL to whatever is
+    still there after `grace_seconds`: an engine that ignores SIGTERM, or hangs while shutting
+    down, cannot outlive its stop. With the leader already gone (exited, or killed with SIGKILL)
+    this clears its orphans. Returns how it ended: "terminated", "killed" or "gone" (nothing of
+    the session was running).
     """
-    pgid = pid  # launched with start_new_session: the engine leads its own group
-    if not _group_alive(pgid):
+    members = session_members(pid)
+    if not members:
         _reap(pid)
         return "gone"
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
+    signalled: set[psutil.Process] = set()
     deadline = time.monotonic() + grace_seconds
-    while time.monotonic() < deadline:
+    while members and time.monotonic() < deadline:
+        newcomers = [m for m in members if m not in signalled]
+        _signal(newcomers, signal.SIGTERM)
+        signalled.update(newcomers)
+        time.sleep(POLL_SECONDS)
         _reap(pid)
-        if not _group_alive(pgid):
-            return "terminated"
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    for _ in range(50):
+        members = session_members(pid)
+    if not members:
+        return "terminated"
+    deadline = time.monotonic() + KILL_WAIT_SECONDS
+    while members and time.monotonic() < deadline:
+        _signal(members, signal.SIGKILL)
+        time.sleep(POLL_SECONDS)
         _reap(pid)
-        if not _group_alive(pgid):
-            break
-        time.sleep(0.1)
+        members = session_members(pid)
     return "killed"
 
 

@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from django.conf import settings
 from django.db import connection
 
 from console.celery import app as celery_app
+from serving_app.engine import supervisor
 from serving_app.models import Instance, Node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +104,18 @@ class Cluster:
             self.stop_process(label)
 
 
+def engine_sessions(secret: str) -> set[int]:
+    """The sessions of the processes on this host started with the instance's key: one per
+    engine (an engine's own children, EngineCore and the rest, share its session)."""
+    sessions = set()
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if (supervisor.environ(process.pid).get("VLLM_API_KEY") == secret
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                sessions.add(os.getsid(process.pid))
+    return sessions
+
+
 def instance_state(instance_id: int) -> str:
     return Instance.objects.values_list("state", flat=True).get(pk=instance_id)
 
@@ -128,10 +142,11 @@ def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop_all()
-        # Nothing the test started may outlive it.
+        # Nothing the test started may outlive it: every engine's whole session.
         for pid in filter(None, Instance.objects.values_list("pid", flat=True)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            for member in supervisor.session_members(pid):
+                with contextlib.suppress(psutil.Error):
+                    member.kill()
         celery_app.conf.update(broker_url=previous[0], result_backend=previous[1])
         _reset_broker_pools()
         broker.flushdb()

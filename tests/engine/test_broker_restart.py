@@ -16,10 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from console.celery import app as celery_app
-from serving_app.engine import supervisor
 from serving_app.models import Instance
 from tests.api.helpers import as_user
-from tests.engine.conftest import Cluster, _reset_broker_pools, wait_for
+from tests.engine.conftest import Cluster, _reset_broker_pools, engine_sessions, wait_for
 from tests.engine.test_engine_lifecycle import (
     START_TIMEOUT,
     complete,
@@ -51,19 +50,6 @@ def broker(cluster: Cluster, tmp_path) -> Iterator[PrivateRedis]:
         # this process's broker and kills any engine left).
         cluster.stop_all()
         server.stop()
-
-
-def engine_sessions(secret: str) -> set[int]:
-    """The sessions of the processes on this host started with the instance's key: one per
-    engine (an engine's own children, EngineCore and the rest, share its session)."""
-    sessions = set()
-    for pid in supervisor.pids():
-        if supervisor.environ(pid).get("VLLM_API_KEY") != secret:
-            continue
-        fields = supervisor.proc_stat(pid)
-        if fields is not None and fields[0] != "Z":
-            sessions.add(int(fields[3]))
-    return sessions
 
 
 def restart(server: PrivateRedis) -> None:

@@ -13,12 +13,13 @@ import signal
 import socket
 
 import httpx
+import psutil
 import pytest
 
 from serving_app.engine import supervisor
 from serving_app.models import Deployment, Instance, LoraAdapter
 from tests.api.helpers import as_user
-from tests.engine.conftest import MODELS, instance_state, wait_for
+from tests.engine.conftest import MODELS, engine_sessions, instance_state, wait_for
 from tests.unit.test_process_groups import session_members
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
@@ -98,9 +99,8 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     assert instance.secret not in json.dumps(api_view, default=str)
     assert "VLLM_API_KEY" not in instance.environment
     assert supervisor.environ(instance.pid)["VLLM_API_KEY"] == instance.secret
-    assert not [
-        pid for pid in supervisor.pids() if instance.secret in " ".join(supervisor.cmdline(pid))
-    ]
+    assert not [process for process in psutil.process_iter()
+                if instance.secret in " ".join(supervisor.cmdline(process.pid))]
     modules = api_view["command"][api_view["command"].index("--lora-modules") + 1:][:2]
     assert sorted(json.loads(m)["name"] for m in modules) == ["acme--billing", "acme--support"]
     assert api_view["log_tail"]
@@ -141,6 +141,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
                          START_TIMEOUT, "ready again")
     assert restarted.pid != instance.pid
     wait_for(lambda: not session_members(instance.pid), 30, "the killed engine's children gone")
+    assert engine_sessions(instance.secret) == {restarted.pid}  # only the new engine's session
     seen_pids.add(restarted.pid)
     assert complete(restarted, "acme--legal")["choices"][0]["text"]
 
@@ -175,6 +176,8 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     for pid in seen_pids:
         assert not supervisor.is_alive(pid), pid
         assert session_members(pid) == [], f"processes of engine session {pid} remain"
+    for each in two:  # nor anything started with an engine's key that left its session
+        assert engine_sessions(each.secret) == set()
     for port in ports:
         assert port_is_free(port), port
     assert Deployment.objects.get(pk=deployment["id"]).desired_state == "stopped"

@@ -1,10 +1,11 @@
 """Stopping an engine stops every process of its session, not only the leader.
 
 A real vLLM server is a tree (the API server, its EngineCore, worker processes). These tests
-launch a real three-process tree through `supervisor.launch` (a leader, its child and a
-grandchild), so that signalling only the leader leaves the
-others running, as it would leave a real engine's EngineCore. The engine-backed lifecycle test
-checks the same with the real engine.
+launch real process trees through `supervisor.launch` (a leader, its child and a grandchild), so
+that signalling only the leader leaves the others running, as it would leave a real engine's
+EngineCore. The real engine's own stop and SIGKILL clean-up are checked by
+tests/engine/test_engine_lifecycle.py; what no real engine does on demand (ignore SIGTERM) is
+played here by a tree that ignores it.
 """
 
 from __future__ import annotations
@@ -25,33 +26,36 @@ from tests.factories import make_deployment, make_tenant
 
 State = Instance.State
 
+
 def session_members(sid: int) -> list[int]:
     """Live (non-zombie) processes whose session id is `sid`."""
-    members = []
-    for pid in supervisor.pids():
-        fields = supervisor.proc_stat(pid)
-        # fields: state ppid pgrp session ...
-        if fields is not None and int(fields[3]) == sid and fields[0] != "Z":
-            members.append(pid)
-    return members
+    return [process.pid for process in supervisor.session_members(sid)]
 
 
-def launch_tree(tmp_path: Path) -> int:
+TREE = (
+    "import os, signal, subprocess, sys, time\n"
+    "depth, ready, stubborn = int(sys.argv[1]), sys.argv[2], sys.argv[3] == 'stubborn'\n"
+    "if stubborn:\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "if depth < 2:\n"
+    "    subprocess.Popen([sys.executable, __file__, str(depth + 1), ready, sys.argv[3]])\n"
+    "else:\n"
+    "    open(ready, 'w').close()\n"
+    "while True:\n"
+    "    time.sleep(60)\n"
+)
+
+
+def launch_tree(tmp_path: Path, *, stubborn: bool = False, env: dict[str, str] | None = None,
+                extra_args: tuple[str, ...] = ()) -> int:
     """A leader with a child and a grandchild, all in the leader's new session; returns the
-    leader's pid once all three run."""
+    leader's pid once all three run. `stubborn`: every one of them ignores SIGTERM."""
     ready = tmp_path / "ready"
     script = tmp_path / "tree.py"
-    script.write_text(
-        "import os, subprocess, sys, time\n"
-        "depth = int(sys.argv[1])\n"
-        "if depth < 2:\n"
-        "    subprocess.Popen([sys.executable, __file__, str(depth + 1)])\n"
-        "else:\n"
-        f"    open({str(ready)!r}, 'w').close()\n"
-        "while True:\n"
-        "    time.sleep(60)\n"
-    )
-    launched = supervisor.launch([sys.executable, str(script), "0"], {}, tmp_path / "tree.log")
+    script.write_text(TREE)
+    argv = [sys.executable, str(script), "0", str(ready), "stubborn" if stubborn else "plain",
+            *extra_args]
+    launched = supervisor.launch(argv, env or {}, tmp_path / "tree.log")
     deadline = timezone.now().timestamp() + 30
     while not ready.exists() or len(session_members(launched.pid)) < 3:
         assert timezone.now().timestamp() < deadline, "the process tree did not start"
@@ -76,50 +80,81 @@ def test_stop_leaves_no_process_of_the_engine_session(tmp_path, cleanup):
     assert session_members(leader) == []
 
 
-def test_stop_kills_children_that_ignore_sigterm(tmp_path, cleanup):
-    ready = tmp_path / "ready"
-    script = tmp_path / "stubborn.py"
-    script.write_text(
-        "import signal, subprocess, sys, time\n"
-        "if sys.argv[1] == 'child':\n"
-        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"    open({str(ready)!r}, 'w').close()\n"
-        "else:\n"
-        "    subprocess.Popen([sys.executable, __file__, 'child'])\n"
-        "while True:\n"
-        "    time.sleep(60)\n"
-    )
-    leader = supervisor.launch([sys.executable, str(script), "leader"], {},
-                               tmp_path / "s.log").pid
+def test_an_engine_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, cleanup):
+    """No real vLLM ignores SIGTERM on demand (its API server shuts its EngineCore down), so a
+    tree whose every process ignores it stands in for an engine hung in its shutdown."""
+    leader = launch_tree(tmp_path, stubborn=True)
     cleanup.append(leader)
-    deadline = timezone.now().timestamp() + 30
-    while not ready.exists():
-        assert timezone.now().timestamp() < deadline
-        time.sleep(0.05)
-    assert supervisor.stop(leader, grace_seconds=0.5) == "killed"
+    started = time.monotonic()
+    assert supervisor.stop(leader, grace_seconds=1) == "killed"
+    assert time.monotonic() - started >= 1  # SIGTERM was given its grace period first
     assert session_members(leader) == []
 
 
-@pytest.mark.django_db
-def test_supervision_clears_the_children_of_an_engine_whose_leader_was_killed(
-    tmp_path, base_model, cleanup
-):
-    """SIGKILL of the engine's leader orphans its children (a real engine's EngineCore); the
-    agent, finding the leader dead, must stop what is left of its session."""
+@pytest.fixture
+def node_config(db):
     config = agent.AgentConfig(name="cpu-pg", address="127.0.0.1", engine_env="", gpus="")
-    node = Node.objects.create(name=config.name, queue=config.queue,
-                               last_heartbeat=timezone.now())
+    Node.objects.create(name=config.name, queue=config.queue, last_heartbeat=timezone.now())
+    return config
+
+
+def engine_instance(base_model, config, state=State.READY) -> Instance:
     deployment = make_deployment(base_model, [make_tenant("acme")], name="pg")
-    leader = launch_tree(tmp_path)
-    cleanup.append(leader)
-    instance = Instance.objects.create(deployment=deployment, node=node, state=State.READY,
-                                       port=1, pid=leader)
+    return Instance.objects.create(deployment=deployment, node=Node.objects.get(name=config.name),
+                                   state=state, port=18377)
+
+
+def kill_leader(leader: int) -> None:
     os.kill(leader, signal.SIGKILL)
     deadline = timezone.now().timestamp() + 30
     while supervisor.is_alive(leader):
         assert timezone.now().timestamp() < deadline
         time.sleep(0.05)
     assert len(session_members(leader)) == 2  # the orphans still run
-    agent.supervise_once(config)
+
+
+@pytest.mark.django_db
+def test_supervision_clears_the_children_of_an_engine_whose_leader_was_killed(
+    tmp_path, base_model, node_config, cleanup
+):
+    """SIGKILL of the engine's leader orphans its children (a real engine's EngineCore); the
+    agent, finding the leader dead, must stop what is left of its session."""
+    instance = engine_instance(base_model, node_config)
+    leader = launch_tree(tmp_path)
+    cleanup.append(leader)
+    Instance.objects.filter(pk=instance.pk).update(pid=leader)
+    kill_leader(leader)
+    agent.supervise_once(node_config)
     assert Instance.objects.get(pk=instance.pk).state == State.FAILED
+    assert session_members(leader) == []
+
+
+@pytest.mark.django_db
+def test_stopping_an_instance_whose_leader_was_killed_clears_its_orphans(
+    tmp_path, base_model, node_config, cleanup
+):
+    """A stop that arrives before supervision noticed the dead leader still leaves nothing."""
+    instance = engine_instance(base_model, node_config)
+    leader = launch_tree(tmp_path)
+    cleanup.append(leader)
+    Instance.objects.filter(pk=instance.pk).update(pid=leader)
+    kill_leader(leader)
+    agent.stop_instance(instance.pk, node_config)
+    assert Instance.objects.get(pk=instance.pk).state == State.STOPPED
+    assert session_members(leader) == []
+
+
+@pytest.mark.django_db
+def test_stopping_an_engine_that_ignores_sigterm_kills_it(tmp_path, base_model, node_config,
+                                                          cleanup, settings):
+    """The node agent's stop, end to end on a stand-in engine that ignores SIGTERM (its port on
+    its command line and the instance's secret in its environment, as a real engine's)."""
+    settings.ENGINE_STOP_GRACE_SECONDS = 1
+    instance = engine_instance(base_model, node_config)
+    leader = launch_tree(tmp_path, stubborn=True, env={"VLLM_API_KEY": instance.secret},
+                         extra_args=("--port", str(instance.port)))
+    cleanup.append(leader)
+    Instance.objects.filter(pk=instance.pk).update(pid=leader)
+    assert agent.stop_instance(instance.pk, node_config) == "killed"
+    assert Instance.objects.get(pk=instance.pk).state == State.STOPPED
     assert session_members(leader) == []
