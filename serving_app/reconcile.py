@@ -24,6 +24,8 @@ from serving_app.placement.service import place_replicas
 log = logging.getLogger(__name__)
 State = Instance.State
 PENDING_REDISPATCH_SECONDS = 30
+# Beyond the longest a start or stop in flight can take, before its task is sent again.
+REDISPATCH_MARGIN_SECONDS = 30
 
 
 def _dispatch(task_name: str, instance: Instance) -> None:
@@ -33,8 +35,44 @@ def _dispatch(task_name: str, instance: Instance) -> None:
     lifecycle.instance_task(task_name, instance.pk, instance.node.queue)
 
 
+def redispatch_if_stuck(instance: Instance) -> bool:
+    """Send an instance's task again when it has been pending, starting or stopping for longer
+    than that task takes: the task was lost (with the broker, or a node agent that died with it
+    in hand), and nothing else would ever send it. True if it was sent.
+
+    Every node task is conditional on the state it finds, so a second delivery does no harm: a
+    start of a starting instance resumes watching its engine (or fails it if none was
+    launched), a stop of a stopping one stops whatever of its engine still runs. The update of
+    `state_changed_at`, conditional on the value read, lets one round of any number racing send
+    it, and the next only a full period later. A lost node's agent would not take it; it is
+    sent once the node is back.
+    """
+    timeouts: dict[str, float] = {
+        State.PENDING: PENDING_REDISPATCH_SECONDS,
+        State.STARTING: settings.ENGINE_START_TIMEOUT_SECONDS + REDISPATCH_MARGIN_SECONDS,
+        State.STOPPING: settings.ENGINE_STOP_GRACE_SECONDS + REDISPATCH_MARGIN_SECONDS,
+    }
+    tasks: dict[str, str] = {State.PENDING: lifecycle.START_INSTANCE,
+                             State.STARTING: lifecycle.START_INSTANCE,
+                             State.STOPPING: lifecycle.STOP_INSTANCE}
+    if instance.state not in timeouts or instance.node_id is None or instance.node.is_lost:
+        return False
+    now = timezone.now()
+    if now - instance.state_changed_at < timedelta(seconds=timeouts[instance.state]):
+        return False
+    if not Instance.objects.filter(pk=instance.pk, state=instance.state,
+                                   state_changed_at=instance.state_changed_at,
+                                   ).update(state_changed_at=now):
+        return False
+    instance.state_changed_at = now
+    log.info("%s still %s: sending %s again", instance, instance.state, tasks[instance.state])
+    _dispatch(tasks[instance.state], instance)
+    return True
+
+
 def request_stop(instance: Instance) -> None:
     if instance.state == State.STOPPING:
+        redispatch_if_stuck(instance)
         return
     if instance.pid is None and instance.state in (State.PENDING, State.FAILED, State.CRASH_LOOP):
         instance.transition([instance.state], State.STOPPED, port=None)
@@ -112,6 +150,7 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
         keep: list[Instance] = []
         for instance in sorted(instances, key=lambda i: i.ordinal):
             if instance.state == State.STOPPING:
+                redispatch_if_stuck(instance)
                 continue
             if instance.generation != deployment.generation or len(keep) >= deployment.replicas:
                 request_stop(instance)
@@ -123,12 +162,8 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
             if instance.state == State.FAILED:
                 handle_failed(instance)
                 counts["restarted"] += 1
-            elif instance.state == State.PENDING and timezone.now() - instance.state_changed_at > (
-                timedelta(seconds=PENDING_REDISPATCH_SECONDS)
-            ):
-                # The start task may have been lost with a node agent: it is safe to send again.
-                Instance.objects.filter(pk=instance.pk).update(state_changed_at=timezone.now())
-                _dispatch(lifecycle.START_INSTANCE, instance)
+            elif instance.state in (State.PENDING, State.STARTING):
+                redispatch_if_stuck(instance)
 
         used = {i.ordinal for i in keep}
         ordinals: list[int] = []

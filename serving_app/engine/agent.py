@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 State = Instance.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
 LOG_TAIL_SECONDS = 5.0
+STATE_CHECK_SECONDS = 1.0  # how often a start re-reads whether its instance is still starting
 ORPHAN_GRACE_SECONDS = 2.0  # an EngineCore without its API server serves nothing: no long wait
 
 
@@ -238,12 +239,29 @@ def start_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     if instance.node.name != config.name:
         return "not-mine"
     # Watched from before it leaves pending, so the supervision loop never judges an engine
-    # that this task is still launching.
-    _watching.add(instance.pk)
+    # that this task is still launching; and one task at a time per instance.
+    with _watching_lock:
+        if instance.pk in _watching:
+            return "already starting"
+        _watching.add(instance.pk)
     try:
+        if instance.state == State.STARTING:
+            return _resume_start(instance)
         return _start(instance, config)
     finally:
         _watching.discard(instance.pk)
+
+
+def _resume_start(instance: Instance) -> str:
+    """A start sent again for an instance still starting that no task here watches (the
+    reconciler re-sends it when a start lasts too long: its task was lost). An engine of ours is
+    watched until ready or past its start timeout (then stopped and failed, like any start);
+    without one, the start was lost before the launch, and the instance fails to be restarted."""
+    if supervisor.is_engine_of(instance.pid, instance.secret, instance.port):
+        return wait_until_ready(instance)
+    _fail(instance, "The engine's start was lost before it was launched.",
+          expected=[State.STARTING])
+    return "failed"
 
 
 def _start(instance: Instance, config: AgentConfig) -> str:
@@ -271,11 +289,15 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
         return "failed"
     # What is recorded is shown to operators: the command and environment without the secret.
-    Instance.objects.filter(pk=instance.pk).update(
+    recorded = Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
         pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
     )
     instance.pid = launched.pid
     instance.log_path = launched.log_path
+    if not recorded:
+        # Stopped (or its node declared lost) while it was being launched: a stop that came
+        # before the pid was recorded could not find this engine, so it goes now.
+        return _cancel_start(instance)
     ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors)
     if ready == "ready":
         # Given on the command line and the engine came up: they loaded.
@@ -291,12 +313,17 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
     deadline = time.monotonic() + max(
         1.0, settings.ENGINE_START_TIMEOUT_SECONDS - (timezone.now() - started).total_seconds()
     )
+    next_state_check = time.monotonic() + STATE_CHECK_SECONDS
     while time.monotonic() < deadline:
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid)
             _fail(instance, f"The engine exited during start (exit code {code}).",
                   exit_code=code, expected=[State.STARTING])
             return "failed"
+        if time.monotonic() >= next_state_check:
+            next_state_check = time.monotonic() + STATE_CHECK_SECONDS
+            if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
+                return _cancel_start(instance)
         if client.healthy(timeout=2.0):
             if adapters is None:
                 adapters = [a.engine_name for a in instance.deployment.adapters.all()]
@@ -306,12 +333,24 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                 log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
                 _refresh_log_tail(instance)
                 return "ready"
-            return f"no longer starting ({Instance.objects.get(pk=instance.pk).state})"
+            return _cancel_start(instance)
         time.sleep(0.1)
     supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
     _fail(instance, f"The engine did not become ready within "
                     f"{settings.ENGINE_START_TIMEOUT_SECONDS:g} s.", expected=[State.STARTING])
     return "failed"
+
+
+def _cancel_start(instance: Instance) -> str:
+    """The instance left `starting` while its engine was being started (stopped, or moved off a
+    node declared lost): the engine this task launched must not run on unaccounted for."""
+    state = Instance.objects.filter(pk=instance.pk).values_list("state", flat=True).first()
+    if state in (State.READY, State.UNHEALTHY):
+        return f"no longer starting ({state})"  # adopted as ready by the supervision loop
+    how = supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS) if instance.pid \
+        else "gone"
+    log.info("%s left starting (%s) during its start: its engine %s", instance, state, how)
+    return f"cancelled ({state})"
 
 
 def _write_log(path: Path, line: str) -> None:
@@ -505,6 +544,7 @@ def supervise_once(config: AgentConfig) -> None:
 
 
 _watching: set[int] = set()
+_watching_lock = threading.Lock()
 _log_sizes: dict[int, int] = {}
 
 

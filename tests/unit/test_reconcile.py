@@ -187,3 +187,60 @@ def test_adapter_changes_ask_ready_instances_to_sync(sent, node, deployment, tmp
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == []  # a failed load is not retried every round
+
+
+def age(instance: Instance, seconds: float) -> None:
+    """Make the instance look `seconds` into its current state."""
+    Instance.objects.filter(pk=instance.pk).update(
+        state_changed_at=timezone.now() - timedelta(seconds=seconds))
+
+
+def test_a_stop_lost_with_the_broker_is_sent_again_once_per_period(sent, node, deployment,
+                                                                   settings):
+    """A stop task lost with the broker would leave the instance stopping for ever: past the
+    longest a stop can take, the reconciler sends it again (the agent's stop is idempotent)."""
+    reconcile.reconcile_deployment(deployment.pk)
+    Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=4242)
+    deployment.scale_to(1)
+    reconcile.reconcile_deployment(deployment.pk)
+    stopping = deployment.instances.get(state=State.STOPPING)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == []  # a stop in flight is not sent twice
+    age(stopping, settings.ENGINE_STOP_GRACE_SECONDS + reconcile.REDISPATCH_MARGIN_SECONDS + 1)
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == [("serving.stop_instance", stopping.pk)]
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == [("serving.stop_instance", stopping.pk)]  # the next one a period later
+    # Also when the whole deployment is being stopped.
+    deployment.stop()
+    age(stopping, settings.ENGINE_STOP_GRACE_SECONDS + reconcile.REDISPATCH_MARGIN_SECONDS + 1)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert ("serving.stop_instance", stopping.pk) in sent
+
+
+def test_a_start_that_lasts_past_its_timeout_is_sent_again(sent, node, deployment, settings):
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconcile.reconcile_deployment(deployment.pk)
+    [instance] = active(deployment)
+    Instance.objects.filter(pk=instance.pk).update(state=State.STARTING)
+    age(instance, settings.ENGINE_START_TIMEOUT_SECONDS - 5)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == []
+    age(instance, settings.ENGINE_START_TIMEOUT_SECONDS + reconcile.REDISPATCH_MARGIN_SECONDS + 1)
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == [("serving.start_instance", instance.pk)]
+    assert active(deployment) == [Instance.objects.get(pk=instance.pk)]  # no second instance
+
+
+def test_nothing_is_sent_again_to_a_lost_node(sent, node, deployment, settings):
+    reconcile.reconcile_deployment(deployment.pk)
+    Instance.objects.filter(deployment=deployment).update(state=State.STOPPING, pid=4242)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now() - timedelta(hours=1))
+    for instance in active(deployment):
+        age(instance, 3600)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert [task for task, _ in sent if task == "serving.stop_instance"] == []

@@ -192,3 +192,41 @@ def test_an_engine_still_being_launched_is_not_judged(ready_instance, config):
     Instance.objects.filter(pk=ready_instance.pk).update(state=State.STARTING, pid=None)
     agent.supervise_once(config)
     assert Instance.objects.get(pk=ready_instance.pk).state == State.STARTING
+
+
+def test_a_start_sent_again_watches_the_running_engine_and_starts_no_other(ready_instance,
+                                                                            config):
+    """The reconciler re-sends the start of an instance starting for too long (its task lost):
+    the engine already running is watched to ready, and no second one is launched."""
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STARTING,
+                                                         started_at=timezone.now())
+    assert agent.start_instance(ready_instance.pk, config) == "ready"
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert (instance.state, instance.pid) == (State.READY, ready_instance.pid)
+    assert [p.pid for p in supervisor.session_members(ready_instance.pid)] == [ready_instance.pid]
+
+
+def test_a_start_sent_again_with_no_engine_launched_fails_it(ready_instance, config):
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STARTING, pid=None)
+    assert agent.start_instance(ready_instance.pk, config) == "failed"
+    assert Instance.objects.get(pk=ready_instance.pk).state == State.FAILED
+
+
+def test_a_stop_sent_again_stops_the_engine_once(ready_instance, config):
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STOPPING)
+    assert agent.stop_instance(ready_instance.pk, config) == "terminated"
+    assert agent.stop_instance(ready_instance.pk, config) == "already stopped"
+    assert not supervisor.is_alive(ready_instance.pid)
+
+
+def test_an_engine_whose_instance_stops_while_it_starts_is_stopped(ready_instance, config,
+                                                                   health_server):
+    """Stopped (or moved off a lost node) while its engine was starting: the start gives up and
+    stops the engine it launched, whichever of the two tasks saw the pid first."""
+    _, handler = health_server
+    handler.status = 503  # still loading
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STOPPED,
+                                                         started_at=timezone.now())
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert agent.wait_until_ready(instance) == "cancelled (stopped)"
+    assert not supervisor.is_alive(ready_instance.pid)
