@@ -192,7 +192,9 @@ CRASH_LOOP_RESTARTS = env_int("CRASH_LOOP_RESTARTS", 5, minimum=1)
 CRASH_LOOP_WINDOW_SECONDS = env_float("CRASH_LOOP_WINDOW_SECONDS", 600.0, minimum=1.0)
 NODE_HEARTBEAT_SECONDS = env_float("NODE_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
 NODE_INVENTORY_SECONDS = env_float("NODE_INVENTORY_SECONDS", 60.0, minimum=1.0)
-NODE_LOST_AFTER_SECONDS = env_float("NODE_LOST_AFTER_SECONDS", 30.0, minimum=1.0)
+# A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
+# its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
+NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
 PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
 PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))
 GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)

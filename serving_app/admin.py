@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.utils.html import format_html
 
 from serving_app import audit
@@ -47,11 +48,40 @@ class GpuInline(admin.TabularInline):
     fields = ["index", "uuid", "name", "memory_total_bytes", "mig_mode", "mig_profile", "parent"]
 
 
+def _node_action(name: str, method: Callable[[Node], dict], description: str):
+    """An admin action calling a Node method (cordon, uncordon, drain) on each selected node;
+    a refusal is shown with its reason and leaves the other nodes' actions standing."""
+
+    @admin.action(description=description)
+    def run(modeladmin, request, queryset) -> None:
+        done = []
+        for node in queryset:
+            try:
+                changes = method(node)
+            except ValidationError as exc:
+                messages.error(request, f"{node}: {' '.join(exc.messages)}")
+                continue
+            audit.record(request, name, node, changes=changes, via="admin")
+            done.append(node.name)
+        if done:
+            messages.success(request, f"{name.capitalize()}: {', '.join(done)}.")
+
+    run.__name__ = f"{name}_nodes"
+    return run
+
+
 @admin.register(Node)
 class NodeAdmin(AuditedAdmin):
-    list_display = ["name", "queue", "state", "last_heartbeat", "inventory_source", "cordoned"]
-    readonly_fields = ["agent_pid", "last_heartbeat"]
+    list_display = ["name", "queue", "state", "last_heartbeat", "inventory_source", "cordoned",
+                    "drain_status"]
+    readonly_fields = ["agent_pid", "last_heartbeat", "lost_at", "draining", "drain_status"]
     inlines = [GpuInline]
+    actions = [
+        _node_action("cordon", Node.cordon, "Cordon selected nodes (no new instances)"),
+        _node_action("uncordon", Node.uncordon, "Uncordon selected nodes"),
+        _node_action("drain", Node.drain,
+                     "Drain selected nodes (move their instances elsewhere, one at a time)"),
+    ]
 
 
 @admin.register(Gpu)

@@ -43,6 +43,12 @@ def deployment_changed(deployment_id: int) -> None:
     enqueue(RECONCILE_DEPLOYMENT, deployment_id)
 
 
+def nodes_changed() -> None:
+    """A node was cordoned or set to drain: run the reconciler's whole round (it moves the
+    instances of draining nodes) once the change commits."""
+    enqueue(RECONCILE_ALL)
+
+
 def instance_task(name: str, instance_id: int, node_queue: str) -> None:
     """Ask the node agent consuming `node_queue` to run `name` (one of NODE_TASKS) on an
     instance, once the change that called this commits."""

@@ -338,6 +338,19 @@ class Node(models.Model):
         max_length=16, choices=InventorySource.choices, default=InventorySource.DECLARED
     )
     cordoned = models.BooleanField(default=False, help_text="Gets no new instances.")
+    draining = models.BooleanField(
+        default=False, editable=False,
+        help_text="Its instances are being moved to other nodes, one at a time (it is cordoned).",
+    )
+    drain_status = models.CharField(
+        max_length=500, blank=True, default="", editable=False,
+        help_text="Where the drain stands: the move in progress, or why it waits.",
+    )
+    lost_at = models.DateTimeField(
+        null=True, blank=True, editable=False,
+        help_text="When the reconciler declared the node lost (its heartbeat had stopped) and "
+                  "replaced its instances; cleared when its agent is back.",
+    )
     max_instances = models.PositiveIntegerField(
         default=4, help_text="Engines this host may run when it has no GPUs (CPU engines)."
     )
@@ -362,13 +375,59 @@ class Node(models.Model):
         if self.last_heartbeat is None:
             return True
         age = timezone.now() - self.last_heartbeat
-        return age > timedelta(seconds=settings.NODE_LOST_AFTER_SECONDS)
+        return age > timedelta(seconds=settings.NODE_LOST_SECONDS)
 
     @property
     def state(self) -> str:
-        if self.is_lost:
+        if self.is_lost or self.lost_at:
             return "lost"
+        if self.draining:
+            return "draining"
         return "cordoned" if self.cordoned else "ready"
+
+    # -- operator actions. Each returns the change made ({field: [before, after]}, empty when
+    # nothing changed) for the audit entry the caller writes.
+    def cordon(self) -> dict[str, list]:
+        """No new instances on this node; what runs here goes on running."""
+        return self._change(cordoned=True)
+
+    def uncordon(self) -> dict[str, list]:
+        """Take new instances again; a drain in progress stops after the move under way."""
+        changes = self._change(cordoned=False, draining=False, drain_status="")
+        lifecycle.nodes_changed()  # placements that waited for room may fit now
+        return changes
+
+    def drain(self) -> dict[str, list]:
+        """Cordon the node and move every instance off it, one at a time: the reconciler starts
+        a replacement elsewhere, waits until it is ready, then stops the old one. Refused when
+        no other node could take anything."""
+        serving = self.instances.filter(
+            state__in=(Instance.State.READY, Instance.State.UNHEALTHY, Instance.State.STARTING)
+        ).count()
+        others = [n for n in Node.objects.exclude(pk=self.pk).filter(cordoned=False)
+                  if not n.is_lost]
+        if serving and not others:
+            raise ValidationError(
+                f"Nothing to move the {serving} instance(s) of {self.name} to: no other node is "
+                "online and uncordoned. Start another node agent, or cordon this node instead."
+            )
+        changes = self._change(cordoned=True, draining=True,
+                               drain_status="Drain requested." if not self.draining
+                               else self.drain_status)
+        lifecycle.nodes_changed()
+        return changes
+
+    def _change(self, **values: object) -> dict[str, list]:
+        with transaction.atomic():
+            current = Node.objects.select_for_update().get(pk=self.pk)
+            changes = {name: [getattr(current, name), value] for name, value in values.items()
+                       if getattr(current, name) != value}
+            if changes:
+                Node.objects.filter(pk=self.pk).update(**{n: v[1] for n, v in changes.items()})
+            for name, value in values.items():
+                setattr(self, name, value)
+        changes.pop("drain_status", None)  # a message, not a setting
+        return changes
 
 
 class Gpu(models.Model):
@@ -708,6 +767,11 @@ class Instance(models.Model):
         Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances"
     )
     gpus = models.ManyToManyField(Gpu, blank=True, related_name="instances")
+    replaces = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replacements",
+        help_text="The instance this one takes over from (moved off a draining node): that one "
+                  "is stopped once this one is ready.",
+    )
     gpu_memory_fraction = models.FloatField(null=True, blank=True)
     port = models.PositiveIntegerField(null=True, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)

@@ -5,6 +5,11 @@ It creates, places and starts missing instances, stops surplus and outdated ones
 failed ones with exponential backoff, puts repeat failures in crash loop, and asks node agents
 to load or unload adapters. It never talks to an engine itself: node agents do, through their
 own queues.
+
+Each round (`reconcile_all`) first declares lost the nodes whose heartbeat stopped (their
+instances leave routing and are replaced elsewhere) and takes one step of each node drain (a
+replacement placed elsewhere for one instance at a time; the old one is stopped once it is
+ready), then reconciles every deployment.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from serving_app import lifecycle
-from serving_app.models import AdapterFileRemoval, Deployment, Instance
+from serving_app import events, lifecycle
+from serving_app.models import AdapterFileRemoval, Deployment, Instance, Node
 from serving_app.placement.service import place_replicas
 
 log = logging.getLogger(__name__)
@@ -147,10 +152,24 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
                 counts["stopped"] += 1
             return counts
 
+        # Replacements of instances being moved off a draining node, by the instance they
+        # replace (one stopping, or stopped, has given up its place).
+        successors = {i.replaces_id: i for i in instances
+                      if i.replaces_id is not None and i.state != State.STOPPING}
         keep: list[Instance] = []
         for instance in sorted(instances, key=lambda i: i.ordinal):
             if instance.state == State.STOPPING:
                 redispatch_if_stuck(instance)
+                continue
+            successor = successors.get(instance.pk)
+            if successor is not None:
+                # Its successor takes its place in the count; it serves until that one is ready.
+                if successor.state == State.READY:
+                    request_stop(instance)
+                    counts["stopped"] += 1
+                    events.record("instance_replaced", deployment, instance=str(instance),
+                                  node=_node_name(instance), by=successor.pk,
+                                  on=_node_name(successor), reason="drain")
                 continue
             if instance.generation != deployment.generation or len(keep) >= deployment.replicas:
                 request_stop(instance)
@@ -188,7 +207,122 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
     return counts
 
 
+def _node_name(instance: Instance) -> str:
+    return instance.node.name if instance.node_id is not None else ""
+
+
+# -- lost nodes ------------------------------------------------------------------------------
+def declare_lost_nodes() -> list[Node]:
+    """Declare lost every node whose heartbeat is older than NODE_LOST_SECONDS, and take its
+    instances out of service: each is asked to stop (which takes it out of routing in every
+    gateway worker at once), and the deployments' reconcile then places replacements on the
+    nodes where they fit. The stop tasks wait in the node's queue: an agent that was only frozen
+    or cut off stops its replaced engines when it is back, rather than adopting them twice.
+    Conditional on the heartbeat read, so an agent that beats meanwhile is not declared lost.
+    """
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=settings.NODE_LOST_SECONDS)
+    declared = []
+    for node in Node.objects.filter(lost_at__isnull=True, last_heartbeat__lt=cutoff):
+        with transaction.atomic():
+            if not Node.objects.filter(pk=node.pk, lost_at__isnull=True,
+                                       last_heartbeat__lt=cutoff).update(lost_at=now):
+                continue
+            node.lost_at = now
+            silent = (now - node.last_heartbeat).total_seconds() if node.last_heartbeat else None
+            reason = f"node {node.name} lost: no heartbeat for {silent or 0:.0f} s"
+            moved = list(node.instances.select_related("node", "deployment")
+                         .exclude(state__in=(State.STOPPED, State.STOPPING)))
+            for instance in moved:
+                request_stop(instance)
+                events.record("instance_replaced", instance.deployment, instance=str(instance),
+                              node=node.name, reason=reason)
+            events.record("node_lost", node, last_heartbeat=node.last_heartbeat,
+                          instances=[str(i) for i in moved])
+            log.warning("%s; replacing %s", reason, [str(i) for i in moved] or "nothing")
+            declared.append(node)
+    return declared
+
+
+# -- node drain ------------------------------------------------------------------------------
+SERVING = (State.READY, State.UNHEALTHY)
+
+
+def advance_drain(node: Node) -> str:
+    """One step of moving every instance off a draining node, one at a time and without
+    downtime: a replacement is placed on another node (this one is cordoned) and started; once it
+    is ready its deployment's reconcile stops the old one, and the next move begins. Instances
+    that serve nothing yet (pending, starting, failed) are simply stopped: their deployments
+    place them elsewhere. Without room elsewhere the drain waits, saying why; stopping the old
+    instance first would not make room, which is on other nodes. Returns the node's status."""
+    on_node = list(node.instances.select_related("deployment", "node")
+                   .exclude(state__in=(State.STOPPED, State.STOPPING))
+                   .order_by("deployment__name", "ordinal"))
+    if not on_node:
+        Node.objects.filter(pk=node.pk, draining=True).update(
+            draining=False, drain_status=f"Drained at {timezone.now():%Y-%m-%d %H:%M:%S %Z}.")
+        events.record("drain_done", node)
+        log.info("node %s drained", node.name)
+        return "drained"
+    moving = list(Instance.objects.select_related("node").filter(replaces__in=on_node)
+                  .exclude(state__in=(State.STOPPED, State.STOPPING)))
+    if moving:
+        successor = moving[0]
+        if successor.state == State.CRASH_LOOP:
+            return _drain_status(node, f"Stuck: the replacement of {successor.replaces} on "
+                                       f"{_node_name(successor)} is in crash loop "
+                                       f"({successor.last_error[:200]}); the old one serves on.")
+        return _drain_status(node, f"Moving {successor.replaces} to {_node_name(successor)}: "
+                                   f"waiting for the replacement to be ready ({successor.state}).")
+    for instance in on_node:
+        if instance.state not in SERVING:
+            request_stop(instance)  # serves nothing yet: its deployment places it elsewhere
+    candidates = [i for i in on_node if i.state in SERVING
+                  and i.deployment.desired_state == Deployment.DesiredState.RUNNING
+                  and i.generation == i.deployment.generation]
+    if not candidates:
+        return _drain_status(node, "Waiting for the instances left to stop.")
+    return _move(node, candidates[0])
+
+
+def _move(node: Node, instance: Instance) -> str:
+    with transaction.atomic():
+        deployment = (Deployment.objects.select_for_update().select_related("base_model")
+                      .get(pk=instance.deployment_id))
+        if not Instance.objects.filter(pk=instance.pk, state__in=SERVING).exists():
+            return node.drain_status
+        shown_error = deployment.placement_error
+        placed, reason = place_replicas(deployment, [instance.ordinal])
+        if not placed:
+            # The deployment itself is fine; the refusal is the drain's to show.
+            Deployment.objects.filter(pk=deployment.pk).update(placement_error=shown_error)
+            return _drain_status(node, f"Waiting: no room elsewhere for {instance}: {reason}")
+        [successor] = placed
+        Instance.objects.filter(pk=successor.pk).update(replaces=instance)
+        _dispatch(lifecycle.START_INSTANCE, successor)
+        where = _node_name(successor)
+        events.record("drain_step", node, instance=str(instance), to=where)
+        events.record("instance_moving", deployment, instance=str(instance), node=node.name,
+                      to=where, reason=f"node {node.name} drained")
+        return _drain_status(node, f"Moving {instance} to {where}: its replacement is starting.")
+
+
+def _drain_status(node: Node, status: str) -> str:
+    """Show where the drain stands; a new reason to wait is also an event."""
+    if node.drain_status != status:
+        Node.objects.filter(pk=node.pk, draining=True).update(drain_status=status)
+        if status.startswith(("Waiting: no room", "Stuck")):
+            events.record("drain_waiting", node, reason=status)
+        node.drain_status = status
+    return status
+
+
 def reconcile_all() -> int:
+    for step in (declare_lost_nodes, _advance_drains):
+        try:
+            step()
+        except Exception:
+            log.exception("reconcile: %s", step.__name__)
     ids = list(Deployment.objects.values_list("pk", flat=True))
     for deployment_id in ids:
         try:
@@ -201,3 +335,11 @@ def reconcile_all() -> int:
     except Exception:
         log.exception("removing deleted adapters' files")
     return len(ids)
+
+
+def _advance_drains() -> None:
+    for node in Node.objects.filter(draining=True, lost_at__isnull=True):
+        try:
+            advance_drain(node)
+        except Exception:
+            log.exception("draining node %s", node.name)

@@ -45,6 +45,10 @@ urlpatterns = [
          name="deployment-scale"),
     re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",
             views.DeploymentActionView.as_view(), name="deployment-action"),
+    # nodes
+    path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
+    re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
+            views.NodeActionView.as_view(), name="node-action"),
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),

@@ -508,6 +508,53 @@ class DeploymentInstancesPartial(StaffRequiredMixin, View):
                       {"deployment": deployment, "instances": list(deployment.instances.all())})
 
 
+# ----------------------------------------------------------------------------- nodes
+
+
+class NodeDetailView(StaffRequiredMixin, DetailView):
+    """A node: its state and heartbeat, what runs there, what the control plane did to it, and
+    the cordon, uncordon and drain actions."""
+
+    template_name = "serving_app/node_detail.html"
+    queryset = Node.objects.prefetch_related("gpus")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        node = self.object
+        context.update(
+            instances=node.instances.active().select_related("deployment")
+            .prefetch_related("gpus").order_by("deployment__name", "ordinal"),
+            events=AuditLog.objects.filter(object_type=Node._meta.label,
+                                           object_id=str(node.pk))[:30],
+        )
+        return context
+
+
+class NodeActionView(StaffRequiredMixin, View):
+    """Cordon, uncordon or drain: the node's own method makes the change (a drain refused for
+    want of another node says why), then the audit entry is written."""
+
+    ACTIONS = {
+        "cordon": (Node.cordon, "Cordoned {}: it gets no new instances."),
+        "uncordon": (Node.uncordon, "Uncordoned {}."),
+        "drain": (Node.drain, "Draining {}: its instances move to other nodes one at a time."),
+    }
+
+    def post(self, request: HttpRequest, pk: int, action: str) -> HttpResponse:
+        node = get_object_or_404(Node, pk=pk)
+        if action not in self.ACTIONS:
+            raise Http404(f"Unknown action {action!r}.")
+        method, note = self.ACTIONS[action]
+        try:
+            changes = method(node)
+        except ValidationError as exc:
+            messages.error(request, f"Not {action}ed: {' '.join(exc.messages)}")
+        else:
+            audit.record(request, action, node, changes=changes, via=VIA)
+            messages.success(request, note.format(node.name))
+        return redirect("console:node-detail", pk=node.pk)
+
+
 # ----------------------------------------------------------------------------- instances
 
 

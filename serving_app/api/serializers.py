@@ -194,13 +194,17 @@ class NodeSerializer(ValidatedModelSerializer):
             "engine_env",
             "inventory_source",
             "cordoned",
+            "draining",
+            "drain_status",
             "state",
             "agent_pid",
             "last_heartbeat",
+            "lost_at",
             "gpus",
             "created_at",
         ]
-        read_only_fields = ["id", "agent_pid", "last_heartbeat", "created_at"]
+        read_only_fields = ["id", "agent_pid", "last_heartbeat", "lost_at", "draining",
+                            "drain_status", "created_at"]
 
 
 class InstanceSerializer(serializers.ModelSerializer):
@@ -219,6 +223,7 @@ class InstanceSerializer(serializers.ModelSerializer):
             "port",
             "pid",
             "state",
+            "replaces",
             "restarts",
             "health_failures",
             "last_error",

@@ -83,15 +83,39 @@ class LoraAdapterViewSet(ScopedModelViewSet):
 
 
 class NodeViewSet(ScopedModelViewSet):
-    """Hosts running node agents (platform admins only). Agents register themselves."""
+    """Hosts running node agents (platform admins only). Agents register themselves.
+
+    `cordon` stops new instances going to a node, `uncordon` lets them again (and ends a drain
+    after the move under way), `drain` cordons it and moves its instances to other nodes one at
+    a time (`drain_status` says where that stands). Each answers the node."""
 
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
     permission_classes = [IsStaff]
-    filterset_fields = ["name", "cordoned", "inventory_source"]
+    filterset_fields = ["name", "cordoned", "draining", "inventory_source"]
 
     def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
         return queryset.prefetch_related("gpus").order_by("name")
+
+    def _action(self, name: str, method: Callable[[Node], dict]) -> Response:
+        node = self.get_object()
+        self.audited_action(name, node, method(node))
+        return Response(self.get_serializer(node).data)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def cordon(self, request: Request, pk: str | None = None) -> Response:
+        return self._action("cordon", Node.cordon)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request: Request, pk: str | None = None) -> Response:
+        return self._action("uncordon", Node.uncordon)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str | None = None) -> Response:
+        return self._action("drain", Node.drain)
 
 
 class GpuViewSet(ScopedReadOnlyModelViewSet):

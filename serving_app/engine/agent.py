@@ -22,7 +22,7 @@ from django.core.exceptions import ValidationError
 from django.db import close_old_connections
 from django.utils import timezone
 
-from serving_app import lifecycle, storage
+from serving_app import events, lifecycle, storage
 from serving_app.engine import supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
@@ -101,9 +101,22 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
 
 
 def heartbeat(config: AgentConfig) -> None:
+    """Say this agent is alive; after its node was declared lost, say it is back.
+
+    Nothing of a lost node runs on unaccounted for: its instances were asked to stop when it was
+    declared lost, so the engines this agent still runs are stopped by those tasks (waiting in
+    its queue, or sent again by the reconciler), never adopted next to their replacements.
+    """
     Node.objects.filter(name=config.name).update(
         last_heartbeat=timezone.now(), agent_pid=os.getpid()
     )
+    node = Node.objects.filter(name=config.name, lost_at__isnull=False).first()
+    if node is not None and node.lost_at is not None and Node.objects.filter(
+        pk=node.pk, lost_at=node.lost_at
+    ).update(lost_at=None):
+        away = (timezone.now() - node.lost_at).total_seconds()
+        events.record("node_back", node, lost_for_seconds=round(away))
+        log.warning("node %s is back after being declared lost %.0f s ago", node.name, away)
 
 
 # -- adoption ---------------------------------------------------------------------------------

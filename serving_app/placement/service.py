@@ -27,6 +27,8 @@ Choices this module makes (docs/placement.md, "Placement against the database"):
   kept by ``sync.store_inventory``. The placer reads it as full, so nothing new goes there.
   The same holds for a GPU whose node has not reported it for three ``NODE_INVENTORY_SECONDS``
   periods.
+- **Lost nodes.** The instances of a node the reconciler declared lost are left out of the
+  allocations (they are being replaced), so their replacements fit within the tenant's quota.
 - **Serialization.** ``place_replicas`` and ``place_instance`` lock every Node row (in pk order)
   for their transaction. Two placements can then never take the same free slot.
 """
@@ -197,7 +199,10 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
         row["node_id"]: row["newest"]
         for row in Gpu.objects.values("node_id").annotate(newest=Max("updated_at"))
     }
-    active = Instance.objects.active().filter(gpus__isnull=False)
+    # The instances of a node declared lost are being replaced: they no longer hold GPU memory
+    # against their tenant's quota (the node itself takes nothing new while it is lost).
+    active = (Instance.objects.active().filter(gpus__isnull=False)
+              .exclude(node__lost_at__isnull=False))
     if exclude_id is not None:
         active = active.exclude(deployment_id=exclude_id)
     instances = list(active.select_related("deployment").prefetch_related("gpus").distinct())
@@ -317,7 +322,7 @@ def build_placer(exclude_deployment: Deployment | int | None = None) -> P.Placer
     """A ``Placer`` holding every GPU node and the allocations of active instances.
 
     A node is ready unless it is cordoned, and lost when its heartbeat is older than
-    ``NODE_LOST_AFTER_SECONDS``. The instances of ``exclude_deployment`` are left out, which is
+    ``NODE_LOST_SECONDS``. The instances of ``exclude_deployment`` are left out, which is
     how ``dry_run`` plans a deployment as if it were placed afresh. Headroom and policy come
     from the ``PLACEMENT_HEADROOM`` and ``PLACEMENT_POLICY`` settings.
     """

@@ -6,9 +6,11 @@ GPU is needed. Every refusal is checked to have created nothing.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
 from serving_app.placement import service
@@ -192,6 +194,20 @@ def test_quota_refusal_counts_what_the_tenant_already_holds(qwen, cluster):
     )
     second.refresh_from_db()
     assert second.placement_error == reason
+
+
+def test_a_replacement_for_a_lost_nodes_instance_fits_within_the_quota(qwen, cluster):
+    """The instance of a node declared lost is being replaced: its memory no longer counts
+    against the quota, which would otherwise refuse its replacement."""
+    tenant = make_tenant("quota", gpu_memory_quota_gib=Decimal("40"))
+    deployment = deploy(qwen, tenant)
+    [instance], _ = service.place_replicas(deployment, [0])
+    lost = instance.node
+    lost.__class__.objects.filter(pk=lost.pk).update(
+        last_heartbeat=timezone.now() - timedelta(hours=1), lost_at=timezone.now())
+    Instance.objects.filter(pk=instance.pk).update(state=Instance.State.STOPPING)
+    [replacement], reason = service.place_replicas(deployment, [0])
+    assert reason == "" and replacement.node != lost
 
 
 def test_quota_is_charged_to_the_first_tenant_by_pk(qwen, cluster):

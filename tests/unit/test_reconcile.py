@@ -1,5 +1,5 @@
-"""Reconciler decisions, checked without workers: `_dispatch` is replaced by a recorder (the real
-queues are exercised end to end in tests/engine)."""
+"""Reconciler decisions, checked without workers: `_dispatch` is replaced by a recorder (`sent`,
+tests/unit/conftest.py; the real queues are exercised end to end in tests/engine)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,6 @@ from tests.factories import make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
 State = Instance.State
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(reconcile, "_dispatch", lambda task, inst: calls.append((task, inst.pk)))
-    return calls
 
 
 @pytest.fixture
