@@ -254,16 +254,19 @@ def advance_drain(node: Node) -> str:
     is ready its deployment's reconcile stops the old one, and the next move begins. Instances
     that serve nothing yet (pending, starting, failed) are simply stopped: their deployments
     place them elsewhere. Without room elsewhere the drain waits, saying why; stopping the old
-    instance first would not make room, which is on other nodes. Returns the node's status."""
-    on_node = list(node.instances.select_related("deployment", "node")
-                   .exclude(state__in=(State.STOPPED, State.STOPPING))
-                   .order_by("deployment__name", "ordinal"))
-    if not on_node:
+    instance first would not make room, which is on other nodes. The node is drained once
+    nothing of it runs any more. Returns the node's status."""
+    remaining = list(node.instances.select_related("deployment", "node")
+                     .exclude(state=State.STOPPED).order_by("deployment__name", "ordinal"))
+    if not remaining:
         Node.objects.filter(pk=node.pk, draining=True).update(
             draining=False, drain_status=f"Drained at {timezone.now():%Y-%m-%d %H:%M:%S %Z}.")
         events.record("drain_done", node)
         log.info("node %s drained", node.name)
         return "drained"
+    on_node = [i for i in remaining if i.state != State.STOPPING]
+    if not on_node:  # drained once these have stopped: the host may then be taken down
+        return _drain_status(node, f"Waiting for {len(remaining)} instance(s) to stop.")
     moving = list(Instance.objects.select_related("node").filter(replaces__in=on_node)
                   .exclude(state__in=(State.STOPPED, State.STOPPING)))
     if moving:

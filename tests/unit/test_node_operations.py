@@ -177,6 +177,8 @@ def test_drain_moves_one_instance_at_a_time_stopping_each_once_its_replacement_i
     Instance.objects.filter(pk=successor2.pk).update(state=State.READY)
     reconcile.reconcile_all()
     assert Instance.objects.get(pk=second.pk).state == State.STOPPING
+    reconcile.reconcile_all()
+    assert Node.objects.get(pk=node_a.pk).drain_status == "Waiting for 2 instance(s) to stop."
     Instance.objects.filter(pk__in=[first.pk, second.pk]).update(state=State.STOPPED)
     reconcile.reconcile_all()
 

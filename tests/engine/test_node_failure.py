@@ -1,0 +1,112 @@
+"""Node failure and drain, end to end: two real node agents (Celery workers) and a control worker
+with beat, real CPU vLLM engines.
+
+The agent of the node serving a deployment is frozen with SIGSTOP until the reconciler declares
+its node lost: the instance leaves the gateway's routing at once and is replaced on the other
+node, while its engine (not frozen: it runs in a session of its own) goes on running. Then the
+agent is let go with SIGCONT: its node is back, and the engine it still runs is stopped, never
+adopted beside its replacement. Last, the node now serving is drained: the instance moves back
+to the first node, its replacement ready before it stops, so the deployment is never without a
+ready instance. Three engine starts, at most two engines alive at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from serving_app.gateway.catalog import load_snapshot
+from serving_app.models import AuditLog, Instance, Node
+from tests.api.helpers import as_user
+from tests.engine.conftest import engine_sessions, wait_for
+from tests.engine.test_engine_lifecycle import (
+    START_TIMEOUT,
+    complete,
+    create_deployment,
+    register_model,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.celery]
+State = Instance.State
+LOST_SECONDS = 6  # the agents beat every second
+
+
+def routed(deployment_id: int) -> set[int]:
+    """The instances the gateway routes the deployment's requests to (what a gateway worker
+    loads when told the catalog changed)."""
+    return {entry.id for entry in load_snapshot().instances.get(deployment_id, ())}
+
+
+def live(deployment_id: int) -> list[Instance]:
+    return list(Instance.objects.select_related("node").filter(deployment_id=deployment_id)
+                .exclude(state=State.STOPPED).order_by("pk"))
+
+
+def ready_on(deployment_id: int, node: str) -> Instance | None:
+    return Instance.objects.select_related("node").filter(
+        deployment_id=deployment_id, node__name=node, state=State.READY).first()
+
+
+def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves_it_back(
+    cluster, platform_admin, acme
+):
+    cluster.env["NODE_LOST_SECONDS"] = str(LOST_SECONDS)
+    cluster.start_control()
+    cluster.start_agent("cpu-a")
+    cluster.start_agent("cpu-b")
+    register_model(platform_admin)
+    deployment = create_deployment(platform_admin)["id"]
+    client = as_user(platform_admin)
+    assert client.post(f"/api/v1/deployments/{deployment}/start/").status_code == 200
+    old = wait_for(lambda: ready_on(deployment, "cpu-a"), START_TIMEOUT, "ready on cpu-a")
+    assert routed(deployment) == {old.pk}
+
+    # Freeze cpu-a's agent: no heartbeat, no task taken. Its engine goes on running.
+    agent_a = cluster.processes["agent-cpu-a"].pid
+    os.kill(agent_a, signal.SIGSTOP)
+    try:
+        wait_for(lambda: Node.objects.filter(name="cpu-a", lost_at__isnull=False).exists(),
+                 LOST_SECONDS + 30, "cpu-a declared lost")
+        assert routed(deployment) == set()  # out of routing at once
+        assert Instance.objects.get(pk=old.pk).state == State.STOPPING
+        new = wait_for(lambda: ready_on(deployment, "cpu-b"), START_TIMEOUT,
+                       "the replacement ready on cpu-b")
+        assert routed(deployment) == {new.pk}
+        assert complete(new, "tiny-llama")["choices"][0]["text"]
+        assert engine_sessions(old.secret) == {old.pid}  # still running: its agent is frozen
+    finally:
+        os.kill(agent_a, signal.SIGCONT)
+
+    # Back: the engine the agent still runs is stopped, not adopted beside its replacement.
+    wait_for(lambda: Instance.objects.filter(pk=old.pk, state=State.STOPPED).exists(), 60,
+             "the replaced engine stopped")
+    assert engine_sessions(old.secret) == set()
+    node_a = Node.objects.get(name="cpu-a")
+    assert node_a.lost_at is None and node_a.state == "ready"
+    assert [i.pk for i in live(deployment)] == [new.pk]
+    assert Instance.objects.get(pk=new.pk).state == State.READY
+    actions = set(AuditLog.objects.filter(via="control").values_list("action", flat=True))
+    assert {"node_lost", "instance_replaced", "node_back"} <= actions
+
+    # Drain cpu-b: the instance moves back to cpu-a, never leaving the deployment without a
+    # ready instance, and the old one is stopped only once its replacement is ready.
+    node_b = Node.objects.get(name="cpu-b")
+    response = client.post(f"/api/v1/nodes/{node_b.pk}/drain/")
+    assert response.status_code == 200, response.data
+    deadline = time.monotonic() + START_TIMEOUT + 60
+    while Node.objects.filter(pk=node_b.pk, draining=True).exists():
+        assert time.monotonic() < deadline, Node.objects.get(pk=node_b.pk).drain_status
+        assert Instance.objects.filter(deployment_id=deployment, state=State.READY).exists()
+        time.sleep(0.2)
+    # Drained: nothing of cpu-b runs any more.
+    assert engine_sessions(new.secret) == set()
+    [moved] = live(deployment)
+    assert (moved.node.name, moved.state, moved.replaces_id) == ("cpu-a", State.READY, new.pk)
+    replaced = AuditLog.objects.get(action="instance_replaced", changes__reason="drain")
+    assert moved.ready_at <= replaced.created_at  # ready before the old one was asked to stop
+    node_b.refresh_from_db()
+    assert (node_b.cordoned, node_b.state) == (True, "cordoned")
+    assert complete(moved, "tiny-llama")["choices"][0]["text"]
