@@ -256,6 +256,10 @@ def advance_drain(node: Node) -> str:
     place them elsewhere. Without room elsewhere the drain waits, saying why; stopping the old
     instance first would not make room, which is on other nodes. The node is drained once
     nothing of it runs any more. Returns the node's status."""
+    if not node.cordoned:  # uncordoned by an edit rather than `uncordon`: the drain ends too
+        Node.objects.filter(pk=node.pk).update(draining=False,
+                                               drain_status="Ended: the node was uncordoned.")
+        return "ended"
     remaining = list(node.instances.select_related("deployment", "node")
                      .exclude(state=State.STOPPED).order_by("deployment__name", "ordinal"))
     if not remaining:

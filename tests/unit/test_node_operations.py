@@ -210,3 +210,14 @@ def test_a_drain_with_nowhere_to_go_is_refused(sent, node_a, deployment):
     with pytest.raises(ValidationError, match="no other node is online and uncordoned"):
         node_a.drain()
     assert not Node.objects.get(pk=node_a.pk).cordoned
+
+
+def test_a_drain_ends_when_the_node_is_uncordoned(sent, node_a, deployment):
+    first, _ = serving_on(node_a, deployment)
+    make_node("cpu-b")
+    node_a.drain()
+    Node.objects.filter(pk=node_a.pk).update(cordoned=False)  # an edit, not `uncordon`
+    reconcile.reconcile_all()
+    node = Node.objects.get(pk=node_a.pk)
+    assert (node.draining, node.drain_status) == (False, "Ended: the node was uncordoned.")
+    assert not Instance.objects.filter(replaces=first).exists()
