@@ -83,7 +83,7 @@ BREAKAGES = (
     ),
     Breakage(
         "gateway-any-tenant-any-deployment",
-        "serving_app/gateway/catalog.py",
+        "gateway_app/catalog.py",
         "        for tenant_id in served:\n",
         "        for tenant_id in tenants:\n",
         ("tests/gateway/test_catalog.py",),
@@ -97,7 +97,7 @@ BREAKAGES = (
     ),
     Breakage(
         "admission-no-tpm-check",
-        "serving_app/gateway/admission.py",
+        "gateway_app/admission.py",
         "  if used + need > tpm then",
         "  if false then",
         ("tests/gateway/test_units.py",),

@@ -1,7 +1,7 @@
 """Usage metering: one event per gateway request, and time-bucketed rollups for the dashboards.
 
 The gateway never writes these rows itself: it appends events to a Redis stream and the batch
-writer (`serving_app.gateway.writer`) persists them, together with the per-minute and per-hour
+writer (`gateway_app.writer`) persists them, together with the per-minute and per-hour
 rollups, in one transaction per batch. Ids of keys, deployments and instances are stored as plain
 numbers (not foreign keys) so that usage history outlives the rows it refers to and a deleted
 instance can never make a batch fail; the tenant is a foreign key without a database constraint
@@ -141,8 +141,3 @@ class UsageHour(UsageRollup):
             models.UniqueConstraint(fields=["bucket", "tenant", "model"], name="unique_usage_hour"),
         ]
         indexes = [models.Index(fields=["tenant", "-bucket"], name="usagehour_tenant_bucket")]
-
-
-# The gateway's in-process caches are invalidated through Redis when keys, tenants or the serving
-# catalog change; this module is imported with serving_app's models, which connects the receivers.
-from serving_app.gateway import signals as _gateway_signals  # noqa: E402,F401

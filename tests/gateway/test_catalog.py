@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving_app.gateway.catalog import load_snapshot
+from gateway_app.catalog import load_snapshot
 from tests.factories import make_adapter, make_base_model, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
@@ -32,7 +32,7 @@ def test_a_deployment_serving_one_tenant_is_absent_from_the_others_catalog(tmp_p
 def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
     from datetime import timedelta
 
-    from serving_app.gateway.catalog import month_start
+    from gateway_app.catalog import month_start
     from serving_app.usage import UsageHour
 
     acme = make_tenant("acme", monthly_token_budget=10_000)

@@ -19,6 +19,8 @@ from functools import lru_cache
 from django.db import connection
 from django.db.models import F, Sum
 
+from serving_app.models import Deployment, Instance
+from serving_app.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
 
 
@@ -112,9 +114,6 @@ def month_start(now: datetime | None = None) -> datetime:
 
 def load_snapshot() -> Snapshot:
     """Read tenants, running deployments with their adapters, and ready instances."""
-    from serving_app.models import Deployment, Instance
-    from serving_app.usage import UsageHour
-
     try:
         return _load_snapshot(Deployment, Instance, UsageHour)
     except Exception:
