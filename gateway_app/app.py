@@ -26,10 +26,10 @@ from gateway_app.metering import Meter, RedisUnavailable, Ticket
 from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
 from gateway_app.routing import Router
 from gateway_app.validation import ParsedRequest, encode_body, parse_request
+from tenants_app.models import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "lcsk-"
 ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
 JSON = b"application/json"
 

@@ -84,12 +84,6 @@ def get_range(key: str | None) -> TimeRange:
     return RANGES.get(key or DEFAULT_RANGE, RANGES[DEFAULT_RANGE])
 
 
-def month_start(now: datetime | None = None) -> datetime:
-    """The start of the calendar month (UTC): the period monthly token budgets count over."""
-    now = (now or timezone.now()).astimezone(UTC)
-    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-
-
 # ----------------------------------------------------------------------------- reading rollups
 
 
@@ -266,15 +260,8 @@ def usage_totals(
 
 
 def month_used_tokens(tenants: QuerySet[Tenant], now: datetime | None = None) -> dict[int, int]:
-    """Prompt plus completion tokens since the month started, per tenant (the gateway's rule)."""
-    rows = _rollup_rows(
-        UsageHour, month_start(now), ("tenant_id",), ("prompt_tokens", "completion_tokens"),
-        tenants,
-    )
-    return {
-        r["tenant_id"]: int((r["prompt_tokens"] or 0) + (r["completion_tokens"] or 0))
-        for r in rows
-    }
+    """Prompt plus completion tokens since the month started, per tenant (the budgets' rule)."""
+    return UsageHour.objects.month_tokens(tenants, now)
 
 
 def current_load(

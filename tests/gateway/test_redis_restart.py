@@ -22,11 +22,11 @@ from django.db import connection
 
 from benchmarks.gateway_bench import kill_group
 from gateway_app import admission
-from gateway_app.catalog import load_snapshot, month_start
+from gateway_app.catalog import load_snapshot
 from gateway_app.config import GatewayConfig
 from gateway_app.metering import Meter
 from gateway_app.writer import UsageWriter
-from serving_app.usage import UsageEvent, UsageHour
+from serving_app.usage import UsageEvent, UsageHour, month_start
 from tests.factories import make_tenant
 from tests.gateway.conftest import (
     ROOT,
