@@ -26,6 +26,7 @@ from django.db.models.functions import Cast
 from django.utils import timezone
 
 from serving_app.models import Gpu, GpuSample
+from serving_app.placement.inventory import GIB
 from serving_app.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
 from tenants_app.models import Tenant
 
@@ -426,7 +427,7 @@ def gpu_series(trange: TimeRange, now: datetime | None = None) -> list[GpuSeries
                 gpu=gpu,
                 bins=bins,
                 utilization=[c[0] / c[1] if c[1] else None for c in cells],
-                memory_used_gib=[c[2] / c[3] / 2**30 if c[3] else None for c in cells],
+                memory_used_gib=[c[2] / c[3] / GIB if c[3] else None for c in cells],
             )
         )
     return out
