@@ -1,7 +1,7 @@
 """ASGI entry point (served by uvicorn): `/v1/` goes to the tenant gateway, everything else to
 Django.
 
-The gateway (`serving_app.gateway.app`) is a raw ASGI app, so its request path runs no Django
+The gateway (`gateway_app.app`) is a raw ASGI app, so its request path runs no Django
 middleware; this dispatcher in front of both is the only glue. The ASGI lifespan goes to the
 gateway (Django's handler has no lifespan support).
 """
@@ -15,7 +15,7 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 django_application = get_asgi_application()
 
-from serving_app.gateway.app import application as gateway_application  # noqa: E402
+from gateway_app.app import application as gateway_application  # noqa: E402
 
 
 async def application(scope: dict, receive, send) -> None:

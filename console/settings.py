@@ -9,6 +9,7 @@ the security block below (the README's "Running in production" lists them).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -46,6 +47,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "tenants_app",
     "serving_app",
+    "gateway_app",
 ]
 
 MIDDLEWARE = [
@@ -317,42 +319,48 @@ REST_KNOX = {
 }
 
 # --- Gateway ---
-# The OpenAI-compatible endpoint under /v1/ (serving_app.gateway); docs/gateway.md explains each.
-from console.env import env_choice  # noqa: E402
+# The OpenAI-compatible endpoint under /v1/ (gateway_app), its settings in one dict; each is read
+# from the environment variable named GATEWAY_<key>. docs/gateway.md explains each.
 
-# Redis holding the gateway's limits, leases, usage stream and cache invalidation channel.
-GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", REDIS_URL)
-# When Redis cannot be reached: "closed" answers 503 (limits and budgets cannot be enforced);
-# "open" serves requests without limits and keeps their usage events in memory until it returns.
-GATEWAY_REDIS_FAILURE_POLICY = env_choice(
-    "GATEWAY_REDIS_FAILURE_POLICY", "closed", ("closed", "open")
-)
-# How long a request-path Redis call may take before Redis counts as unreachable.
-GATEWAY_REDIS_TIMEOUT_SECONDS = env_float("GATEWAY_REDIS_TIMEOUT_SECONDS", 1.0, minimum=0.01)
-# Largest request body accepted (bytes); larger ones get 413 without reaching an engine.
-GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024)
-# How long a worker trusts a cached key before re-reading it in the background. Revocations and
-# tenant changes arrive sooner, through Redis pub/sub; this bounds a missed message.
-GATEWAY_KEY_CACHE_SECONDS = env_float("GATEWAY_KEY_CACHE_SECONDS", 60.0, minimum=0.0)
-# How long an unknown or unusable key is remembered (spares the database from bad-key floods).
-GATEWAY_NEGATIVE_KEY_CACHE_SECONDS = env_float(
-    "GATEWAY_NEGATIVE_KEY_CACHE_SECONDS", 5.0, minimum=0.0
-)
-# How often each worker re-reads tenants, deployments, adapters and ready instances.
-GATEWAY_CATALOG_REFRESH_SECONDS = env_float("GATEWAY_CATALOG_REFRESH_SECONDS", 2.0, minimum=0.1)
-# Upstream (engine) timeouts: connecting, and the whole request including a stream.
-GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_float(
-    "GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 5.0, minimum=0.1
-)
-GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env_float("GATEWAY_UPSTREAM_TIMEOUT_SECONDS", 600.0, minimum=1.0)
-# Other instances tried after a connection failure or a 503 before the first byte.
-GATEWAY_UPSTREAM_RETRIES = env_int("GATEWAY_UPSTREAM_RETRIES", 2, minimum=0)
-# Usage events: the Redis stream, its consumer group, and the writer's batch size.
-GATEWAY_USAGE_STREAM = env_str("GATEWAY_USAGE_STREAM", "gw:usage")
-GATEWAY_USAGE_GROUP = env_str("GATEWAY_USAGE_GROUP", "usage-writer")
-GATEWAY_USAGE_BATCH_SIZE = env_int("GATEWAY_USAGE_BATCH_SIZE", 500, minimum=1)
-# Events a worker keeps in memory while Redis is unreachable (the oldest are dropped beyond it).
-GATEWAY_EVENT_BUFFER_MAX = env_int("GATEWAY_EVENT_BUFFER_MAX", 100_000, minimum=100)
+GATEWAY: dict[str, Any] = {
+    # Redis holding the gateway's limits, leases, usage stream and cache invalidation channel.
+    "REDIS_URL": env_str("GATEWAY_REDIS_URL", REDIS_URL),
+    # When Redis cannot be reached: "closed" answers 503 (limits and budgets cannot be enforced);
+    # "open" serves requests without limits and keeps their usage events in memory until it
+    # returns.
+    "REDIS_FAILURE_POLICY": env_choice(
+        "GATEWAY_REDIS_FAILURE_POLICY", "closed", ("closed", "open")
+    ),
+    # How long a request-path Redis call may take before Redis counts as unreachable.
+    "REDIS_TIMEOUT_SECONDS": env_float("GATEWAY_REDIS_TIMEOUT_SECONDS", 1.0, minimum=0.01),
+    # Largest request body accepted (bytes); larger ones get 413 without reaching an engine.
+    "MAX_BODY_BYTES": env_int("GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024),
+    # How long a worker trusts a cached key before re-reading it in the background. Revocations
+    # and tenant changes arrive sooner, through Redis pub/sub; this bounds a missed message.
+    "KEY_CACHE_SECONDS": env_float("GATEWAY_KEY_CACHE_SECONDS", 60.0, minimum=0.0),
+    # How long an unknown or unusable key is remembered (spares the database from bad-key floods).
+    "NEGATIVE_KEY_CACHE_SECONDS": env_float(
+        "GATEWAY_NEGATIVE_KEY_CACHE_SECONDS", 5.0, minimum=0.0
+    ),
+    # How often each worker re-reads tenants, deployments, adapters and ready instances.
+    "CATALOG_REFRESH_SECONDS": env_float("GATEWAY_CATALOG_REFRESH_SECONDS", 2.0, minimum=0.1),
+    # Upstream (engine) timeouts: connecting, and the whole request including a stream.
+    "UPSTREAM_CONNECT_TIMEOUT_SECONDS": env_float(
+        "GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 5.0, minimum=0.1
+    ),
+    "UPSTREAM_TIMEOUT_SECONDS": env_float(
+        "GATEWAY_UPSTREAM_TIMEOUT_SECONDS", 600.0, minimum=1.0
+    ),
+    # Other instances tried after a connection failure or a 503 before the first byte.
+    "UPSTREAM_RETRIES": env_int("GATEWAY_UPSTREAM_RETRIES", 2, minimum=0),
+    # Usage events: the Redis stream, its consumer group, and the writer's batch size.
+    "USAGE_STREAM": env_str("GATEWAY_USAGE_STREAM", "gw:usage"),
+    "USAGE_GROUP": env_str("GATEWAY_USAGE_GROUP", "usage-writer"),
+    "USAGE_BATCH_SIZE": env_int("GATEWAY_USAGE_BATCH_SIZE", 500, minimum=1),
+    # Events a worker keeps in memory while Redis is unreachable (the oldest are dropped beyond
+    # it).
+    "EVENT_BUFFER_MAX": env_int("GATEWAY_EVENT_BUFFER_MAX", 100_000, minimum=100),
+}
 
 # --- Health (/healthz, /readyz, /api/v1/health/, the console's "degraded" banner) ---
 # The usage writer counts as unhealthy once the oldest event not yet stored is older than this.

@@ -90,7 +90,7 @@ BREAKAGES = (
     ),
     Breakage(
         "gateway-any-tenant-any-deployment",
-        "serving_app/gateway/catalog.py",
+        "gateway_app/catalog.py",
         "        for tenant_id in served:\n",
         "        for tenant_id in tenants:\n",
         ("tests/gateway/test_catalog.py",),
@@ -104,7 +104,7 @@ BREAKAGES = (
     ),
     Breakage(
         "admission-no-tpm-check",
-        "serving_app/gateway/admission.py",
+        "gateway_app/admission.py",
         "  if used + need > tpm then",
         "  if false then",
         ("tests/gateway/test_units.py",),

@@ -95,13 +95,13 @@ def check_database() -> Check:
 
 
 def _client() -> redis.Redis:
-    return redis.Redis.from_url(settings.GATEWAY_REDIS_URL, socket_timeout=_timeout(),
+    return redis.Redis.from_url(settings.GATEWAY["REDIS_URL"], socket_timeout=_timeout(),
                                 socket_connect_timeout=_timeout())
 
 
 def metering_lag(client: redis.Redis, stream: str | None = None) -> tuple[int, float]:
     """(events in the usage stream, age in seconds of the oldest one; 0.0 when empty)."""
-    stream = stream or settings.GATEWAY_USAGE_STREAM
+    stream = stream or settings.GATEWAY["USAGE_STREAM"]
     pipe = client.pipeline(transaction=False)
     pipe.xlen(stream)
     pipe.xrange(stream, count=1)

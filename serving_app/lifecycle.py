@@ -1,8 +1,8 @@
 """The one place that queues background work: by task name, once the current transaction commits.
 
-Nothing else queues Celery work, and nothing here imports a task module: the task modules
-(`serving_app/tasks.py`, `serving_app/gateway/tasks.py`) import the node agent and the reconciler,
-which queue work themselves, so importing the tasks back would be an import cycle. A task is
+Nothing else queues Celery work, and nothing here imports a task module: `serving_app/tasks.py`
+imports the node agent and the reconciler, which queue work themselves, so importing the tasks
+back would be an import cycle (and `gateway_app/tasks.py` sits above the domain). A task is
 named here and registered under that name by its module; the worker that consumes the queue runs
 it. Sending after commit means a worker never reads a row older than the change that asked for it.
 """
@@ -23,8 +23,8 @@ SYNC_ADAPTERS = "serving.sync_adapters"
 RECONCILE_DEPLOYMENT = "serving.reconcile_deployment"
 RECONCILE_ALL = "serving.reconcile_all"
 REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
-# Registered by `serving_app.gateway.tasks` (scheduled by beat).
-DRAIN_USAGE_EVENTS = "serving_app.gateway.drain_usage_events"
+# Registered by `gateway_app.tasks` (scheduled by beat).
+DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
 
 

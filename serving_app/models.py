@@ -20,8 +20,7 @@ from django.db import models, transaction
 from django.db.models.signals import post_delete
 from django.utils import timezone
 
-from serving_app import lifecycle, storage
-from serving_app.gateway import invalidation as gateway_invalidation
+from serving_app import lifecycle, signals, storage
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
@@ -819,9 +818,9 @@ class Instance(models.Model):
             for name, value in fields.items():
                 setattr(self, name, value)
             if new == self.State.READY or self.State.READY in expected:
-                # The gateway routes to ready instances: tell its workers now, not at their
-                # next periodic refresh.
-                gateway_invalidation.catalog_changed()
+                # The gateway routes to ready instances: its workers hear of it now, not at
+                # their next periodic refresh.
+                signals.instance_routing_changed.send(sender=Instance, instance=self)
         return bool(updated)
 
     @property

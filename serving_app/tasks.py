@@ -1,7 +1,7 @@
 """Celery tasks. Node tasks go to the queue of the instance's node (`node.<name>`); the
 reconciler runs on `control`. Each takes ids, re-reads its rows and is safe to run twice.
 
-Only this module (and `serving_app.gateway.tasks`) imports the node agent and the reconciler to
+Only this module imports the node agent and the reconciler to
 run them; everything that queues work does so by name through `serving_app.lifecycle`. A task
 that meets the database, Redis or the broker briefly down retries with exponential backoff
 (each re-run is safe: the work is conditional on the state it expects).
@@ -20,7 +20,6 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from serving_app import lifecycle, reconcile
 from serving_app.engine import agent
-from serving_app.gateway.tasks import drain_usage_events  # noqa: F401 (registers the task)
 from serving_app.models import AdapterFileRemoval
 
 # Failures that pass by themselves: a restarted PostgreSQL, Redis or broker.

@@ -1,7 +1,7 @@
 """Usage metering: one event per gateway request, and time-bucketed rollups for the dashboards.
 
 The gateway never writes these rows itself: it appends events to a Redis stream and the batch
-writer (`serving_app.gateway.writer`) persists them, together with the per-minute and per-hour
+writer (`gateway_app.writer`) persists them, together with the per-minute and per-hour
 rollups, in one transaction per batch. Ids of keys, deployments and instances are stored as plain
 numbers (not foreign keys) so that usage history outlives the rows it refers to and a deleted
 instance can never make a batch fail; the tenant is a foreign key without a database constraint
@@ -10,9 +10,12 @@ for the same reason, so the dashboards can still join on it.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import models
+from django.db.models import F, Sum
+from django.utils import timezone
 
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
@@ -20,6 +23,12 @@ __all__ = ["UsageEvent", "UsageMinute", "UsageHour", "LATENCY_BUCKETS_MS"]
 
 # Upper bounds (ms) of the latency histogram kept in the rollups; a p95 can be read off them.
 LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+def month_start(now: datetime | None = None) -> datetime:
+    """The start of the calendar month (UTC): the period monthly token budgets count over."""
+    now = (now or timezone.now()).astimezone(UTC)
+    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
 class UsageQuerySet(TenantOwnedQuerySet[Any]):
@@ -36,6 +45,17 @@ class UsageQuerySet(TenantOwnedQuerySet[Any]):
             # rollups keep them, and no subquery.
             return self.all()
         return self.filter(tenant__in=tenants)
+
+    def month_tokens(self, tenants: models.QuerySet[Tenant],
+                     now: datetime | None = None) -> dict[int, int]:
+        """Prompt plus completion tokens since the month started, per tenant of `tenants`: what
+        monthly budgets count (read from the hourly rollups, `UsageHour.objects`)."""
+        rows = (
+            self.in_scope(tenants).filter(bucket__gte=month_start(now))
+            .values("tenant_id").order_by()
+            .annotate(used=Sum(F("prompt_tokens") + F("completion_tokens")))
+        )
+        return {row["tenant_id"]: int(row["used"] or 0) for row in rows}
 
 
 class UsageEvent(models.Model):
@@ -141,8 +161,3 @@ class UsageHour(UsageRollup):
             models.UniqueConstraint(fields=["bucket", "tenant", "model"], name="unique_usage_hour"),
         ]
         indexes = [models.Index(fields=["tenant", "-bucket"], name="usagehour_tenant_bucket")]
-
-
-# The gateway's in-process caches are invalidated through Redis when keys, tenants or the serving
-# catalog change; this module is imported with serving_app's models, which connects the receivers.
-from serving_app.gateway import signals as _gateway_signals  # noqa: E402,F401

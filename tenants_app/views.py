@@ -23,6 +23,7 @@ from django.views import View
 from django.views.generic import TemplateView
 
 from serving_app import audit, storage
+from serving_app.catalog import served_models
 from serving_app.dashboards import queries
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin, redact_paths
@@ -134,35 +135,24 @@ class TenantMixin(PortalAccessMixin):
 
 
 def catalog(tenant: Tenant) -> list[dict[str, Any]]:
-    """The public model names a tenant may call, as the gateway's catalog builds them: the base
-    model of each deployment serving it, and its own adapters attached to those deployments."""
-    deployments = (
-        Deployment.objects.for_tenant(tenant).select_related("base_model")
-        .prefetch_related("adapters").order_by("name")
-    )
+    """The public model names a tenant may call (`serving_app.catalog`, the gateway's rule), with
+    how many ready instances serve each."""
+    served = [s for s in served_models(Deployment.objects.for_tenant(tenant))
+              if s.tenant_id == tenant.pk]
     ready = {
         row["deployment_id"]: row["n"]
-        for row in Instance.objects.filter(deployment__in=deployments, state=Instance.State.READY)
+        for row in Instance.objects.filter(
+            deployment__in={s.deployment.pk for s in served}, state=Instance.State.READY)
         .order_by().values("deployment_id").annotate(n=Count("id"))
     }
     names: dict[str, dict[str, Any]] = {}
-    for dep in deployments:
-        running = dep.desired_state == Deployment.DesiredState.RUNNING
-        entry = names.setdefault(dep.base_model.name, {
-            "name": dep.base_model.name, "kind": "base model", "parent": None,
-            "running": False, "ready": 0, "context": dep.effective_max_model_len,
+    for s in served:
+        entry = names.setdefault(s.public_name, {
+            "name": s.public_name, "kind": "adapter" if s.adapter else "base model",
+            "parent": s.parent, "running": True, "ready": 0,
+            "context": s.deployment.effective_max_model_len,
         })
-        entry["running"] |= running
-        entry["ready"] += ready.get(dep.pk, 0)
-        for adapter in dep.adapters.all():
-            if adapter.tenant_id != tenant.pk:
-                continue
-            a = names.setdefault(adapter.name, {
-                "name": adapter.name, "kind": "adapter", "parent": dep.base_model.name,
-                "running": False, "ready": 0, "context": dep.effective_max_model_len,
-            })
-            a["running"] |= running
-            a["ready"] += ready.get(dep.pk, 0)
+        entry["ready"] += ready.get(s.deployment.pk, 0)
     return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))
 
 

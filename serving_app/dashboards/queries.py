@@ -26,6 +26,7 @@ from django.db.models.functions import Cast
 from django.utils import timezone
 
 from serving_app.models import Gpu, GpuSample
+from serving_app.placement.inventory import GIB
 from serving_app.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
 from tenants_app.models import Tenant
 
@@ -82,12 +83,6 @@ DEFAULT_RANGE = "24h"
 
 def get_range(key: str | None) -> TimeRange:
     return RANGES.get(key or DEFAULT_RANGE, RANGES[DEFAULT_RANGE])
-
-
-def month_start(now: datetime | None = None) -> datetime:
-    """The start of the calendar month (UTC): the period monthly token budgets count over."""
-    now = (now or timezone.now()).astimezone(UTC)
-    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
 # ----------------------------------------------------------------------------- reading rollups
@@ -266,15 +261,8 @@ def usage_totals(
 
 
 def month_used_tokens(tenants: QuerySet[Tenant], now: datetime | None = None) -> dict[int, int]:
-    """Prompt plus completion tokens since the month started, per tenant (the gateway's rule)."""
-    rows = _rollup_rows(
-        UsageHour, month_start(now), ("tenant_id",), ("prompt_tokens", "completion_tokens"),
-        tenants,
-    )
-    return {
-        r["tenant_id"]: int((r["prompt_tokens"] or 0) + (r["completion_tokens"] or 0))
-        for r in rows
-    }
+    """Prompt plus completion tokens since the month started, per tenant (the budgets' rule)."""
+    return UsageHour.objects.month_tokens(tenants, now)
 
 
 def current_load(
@@ -439,7 +427,7 @@ def gpu_series(trange: TimeRange, now: datetime | None = None) -> list[GpuSeries
                 gpu=gpu,
                 bins=bins,
                 utilization=[c[0] / c[1] if c[1] else None for c in cells],
-                memory_used_gib=[c[2] / c[3] / 2**30 if c[3] else None for c in cells],
+                memory_used_gib=[c[2] / c[3] / GIB if c[3] else None for c in cells],
             )
         )
     return out

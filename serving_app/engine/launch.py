@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 
 from serving_app.engine.supervisor import option_value
+from serving_app.placement.placer import mps_memory_limit
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -106,12 +107,9 @@ def build_launch_spec(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in gpus)
         if deployment.isolation_mode == "mps":
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(deployment.mps_thread_percentage)
-            limit_gib = max(1, int(
-                (instance.gpu_memory_fraction or deployment.gpu_memory_utilization)
-                * gpus[0].memory_total_bytes / 2**30))
-            # Keyed by position among the visible devices, as MPS reads it.
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
-                f"{position}={limit_gib}G" for position in range(len(gpus)))
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = mps_memory_limit(
+                [g.memory_total_bytes for g in gpus],
+                instance.gpu_memory_fraction or deployment.gpu_memory_utilization)
     if cpu_engine:
         # The CPU engine sizes its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)

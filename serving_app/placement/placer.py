@@ -36,6 +36,14 @@ from .inventory import GIB, MIB, GpuInfo
 Id = Hashable
 
 
+def mps_memory_limit(totals: list[int], fraction: float) -> str:
+    """`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for devices of `totals` bytes, each pinned to `fraction`
+    of its memory: keyed by position among the visible devices, as MPS reads it, in MiB."""
+    return ",".join(
+        f"{i}={max(1, int(total * fraction) // MIB)}M" for i, total in enumerate(totals)
+    )
+
+
 class Isolation(StrEnum):
     """How an instance shares its GPU."""
 
@@ -527,8 +535,8 @@ class Placer:
         if request.isolation == Isolation.MPS.value:
             threads = request.mps_thread_percentage or max(1, min(100, util_pct))
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(threads)
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
-                f"{i}={s.total * util_pct // 100 // MIB}M" for i, s in enumerate(states)
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = mps_memory_limit(
+                [s.total for s in states], util_pct / 100
             )
         return env
 

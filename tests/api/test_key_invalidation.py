@@ -12,10 +12,11 @@ import redis
 from django.test import Client
 from django.urls import reverse
 
-from serving_app.gateway import invalidation
-from serving_app.models import AuditLog
+from gateway_app import invalidation
+from serving_app.models import AuditLog, Instance
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
+from tests.factories import make_base_model, make_deployment
 
 pytestmark = pytest.mark.django_db
 
@@ -24,7 +25,7 @@ REDIS_URL = "redis://127.0.0.1:6379/14"
 
 @pytest.fixture
 def channel(settings):
-    settings.GATEWAY_REDIS_URL = REDIS_URL
+    settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": REDIS_URL}
     invalidation._client.cache_clear()
     listener = redis.Redis.from_url(REDIS_URL).pubsub(ignore_subscribe_messages=True)
     listener.subscribe(invalidation.CHANNEL)
@@ -100,3 +101,32 @@ def test_portal_revoke_publishes_the_key_as_unusable(acme, channel,
     assert response.status_code == 302
     assert key_messages(channel, [key]) == [
         {"type": "key", "hash": key.secret_hash, "usable": False}]
+
+
+def catalog_messages(listener, timeout: float = 5.0) -> int:
+    """How many catalog messages arrive within `timeout` (stops at the first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = listener.get_message(timeout=max(0.0, deadline - time.monotonic()))
+        if message is not None and json.loads(message["data"]).get("type") == "catalog":
+            return 1
+    return 0
+
+
+def test_an_instance_becoming_ready_or_leaving_ready_tells_the_gateway(
+        tmp_path, acme, channel, django_capture_on_commit_callbacks):
+    """`Instance.transition` is a conditional update (no post_save): the domain's
+    `instance_routing_changed` signal is what reaches the gateway's receiver."""
+    deployment = make_deployment(make_base_model(tmp_path), [acme.tenant])
+    instance = Instance.objects.create(deployment=deployment, ordinal=0, state="starting")
+    while channel.get_message(timeout=0.2) is not None:  # the create's own message
+        pass
+    with django_capture_on_commit_callbacks(execute=True):
+        assert instance.transition(["starting"], "ready")
+    assert catalog_messages(channel) == 1
+    with django_capture_on_commit_callbacks(execute=True):
+        assert instance.transition(["ready"], "stopping")
+    assert catalog_messages(channel) == 1
+    with django_capture_on_commit_callbacks(execute=True):
+        assert instance.transition(["stopping"], "stopped")
+    assert catalog_messages(channel, timeout=1.0) == 0

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from serving_app.gateway.catalog import load_snapshot
+from gateway_app.catalog import load_snapshot
 from serving_app.models import AuditLog, Instance, Node
 from tests.api.helpers import as_user
 from tests.engine.conftest import engine_sessions, wait_for

@@ -59,7 +59,7 @@ def isolated_side_effects(settings):
     """Point everything a request could send outside the process at a Redis database of its
     own."""
     settings.CELERY_BROKER_URL = ISOLATED_REDIS
-    settings.GATEWAY_REDIS_URL = ISOLATED_REDIS
+    settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": ISOLATED_REDIS}
     saved = celery_app.conf.broker_url, celery_app.conf.result_backend
     celery_app.conf.broker_url = celery_app.conf.result_backend = ISOLATED_REDIS
     try:

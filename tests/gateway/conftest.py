@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import redis
+from django.conf import settings
 from django.db import connection, transaction
 from django.test import override_settings
 
@@ -51,7 +52,7 @@ def _gateway_redis():
     """The test process publishes invalidations and runs the writer against Redis DB 9."""
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()
-    with override_settings(GATEWAY_REDIS_URL=REDIS_URL):
+    with override_settings(GATEWAY={**settings.GATEWAY, "REDIS_URL": REDIS_URL}):
         yield client
     client.close()
 
@@ -180,7 +181,7 @@ def world(transactional_db, engine) -> World:
 
 def drain_usage() -> None:
     """Persist what the gateways appended to the usage stream (the batch writer's work)."""
-    from serving_app.gateway.writer import UsageWriter
+    from gateway_app.writer import UsageWriter
 
     writer = UsageWriter(redis.Redis.from_url(REDIS_URL), consumer="tests")
     writer.drain(max_seconds=30)

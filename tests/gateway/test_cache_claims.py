@@ -16,11 +16,11 @@ import httpx
 import pytest
 import redis
 
-from serving_app.gateway import admission
-from serving_app.gateway.cache import GatewayCache
-from serving_app.gateway.catalog import KeyEntry
-from serving_app.gateway.config import GatewayConfig
-from serving_app.gateway.metering import Meter
+from gateway_app import admission
+from gateway_app.cache import GatewayCache
+from gateway_app.catalog import KeyEntry
+from gateway_app.config import GatewayConfig
+from gateway_app.metering import Meter
 from tenants_app.models import ApiKey
 from tests.gateway.conftest import REDIS_URL, make_world
 from tests.gateway.test_requests import Upstream

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving_app.gateway.catalog import load_snapshot
+from gateway_app.catalog import load_snapshot
 from tests.factories import make_adapter, make_base_model, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
@@ -32,8 +32,7 @@ def test_a_deployment_serving_one_tenant_is_absent_from_the_others_catalog(tmp_p
 def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
     from datetime import timedelta
 
-    from serving_app.gateway.catalog import month_start
-    from serving_app.usage import UsageHour
+    from serving_app.usage import UsageHour, month_start
 
     acme = make_tenant("acme", monthly_token_budget=10_000)
     start = month_start()
@@ -44,3 +43,31 @@ def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
     UsageHour.objects.create(bucket=start - timedelta(hours=1), tenant=acme, model="m",
                              prompt_tokens=5000, completion_tokens=5000)  # last month
     assert load_snapshot().tenants[acme.pk].month_used == 127
+
+
+def test_the_portal_lists_exactly_what_the_gateway_routes(tmp_path):
+    """One rule (`serving_app.catalog`): a stopped deployment, a co-tenant's adapter and an
+    adapter shadowed by a base model's name are in neither; everything else is in both."""
+    from tenants_app.views import catalog
+
+    acme, globex = make_tenant("acme"), make_tenant("globex")
+    shared = make_base_model(tmp_path / "models", "shared-base")
+    other = make_base_model(tmp_path / "models", "other-base")
+    style = make_adapter(acme, shared, tmp_path / "adapters", name="style")
+    shadowed = make_adapter(acme, shared, tmp_path / "adapters", name="other-base")
+    tone = make_adapter(globex, shared, tmp_path / "adapters", name="tone")
+    make_deployment(shared, [acme, globex], name="shared", desired_state="running",
+                    adapters=[style, shadowed, tone])
+    make_deployment(other, [acme], name="other", desired_state="running")
+    make_deployment(make_base_model(tmp_path / "models", "stopped-one"), [acme],
+                    name="stopped", desired_state="stopped")
+
+    routes = load_snapshot().routes
+    for tenant in (acme, globex):
+        listed = {entry["name"]: entry for entry in catalog(tenant)}
+        assert set(listed) == set(routes[tenant.pk])
+    assert set(routes[acme.pk]) == {"shared-base", "other-base", "style"}
+    assert routes[acme.pk]["other-base"].parent is None  # the base model, not the adapter
+    portal = {entry["name"]: entry for entry in catalog(acme)}
+    assert portal["other-base"]["kind"] == "base model"
+    assert portal["style"]["parent"] == "shared-base"

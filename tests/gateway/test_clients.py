@@ -14,8 +14,8 @@ import time
 import pytest
 import redis
 
-from serving_app.gateway.http1 import Pool, UpstreamBroken, UpstreamDisconnected
-from serving_app.gateway.resp import (
+from gateway_app.http1 import Pool, UpstreamBroken, UpstreamDisconnected
+from gateway_app.resp import (
     PipelinedRedis,
     RedisReplyError,
     RedisUnavailable,

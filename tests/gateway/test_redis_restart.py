@@ -21,12 +21,12 @@ import redis
 from django.db import connection
 
 from benchmarks.gateway_bench import kill_group
-from serving_app.gateway import admission
-from serving_app.gateway.catalog import load_snapshot, month_start
-from serving_app.gateway.config import GatewayConfig
-from serving_app.gateway.metering import Meter
-from serving_app.gateway.writer import UsageWriter
-from serving_app.usage import UsageEvent, UsageHour
+from gateway_app import admission
+from gateway_app.catalog import load_snapshot
+from gateway_app.config import GatewayConfig
+from gateway_app.metering import Meter
+from gateway_app.writer import UsageWriter
+from serving_app.usage import UsageEvent, UsageHour, month_start
 from tests.factories import make_tenant
 from tests.gateway.conftest import (
     ROOT,
@@ -186,7 +186,7 @@ def test_a_request_admitted_before_a_redis_loss_is_charged_its_tokens_after_the_
 ):
     """Its reservation went with the old counter: settling must not take it back from the new
     one (that would hand the tenant the reservation as extra budget)."""
-    from serving_app.gateway.metering import RedisUnavailable
+    from gateway_app.metering import RedisUnavailable
 
     acme = make_tenant("acme", monthly_token_budget=1000)
     UsageHour.objects.create(bucket=month_start(), tenant=acme, model="m", prompt_tokens=200,
@@ -220,7 +220,7 @@ def test_a_full_redis_refuses_admission_and_still_lets_the_writer_empty_the_stre
     refused (OOM), so admission cannot record the request and raises RedisUnavailable, which the
     gateway turns into the failure policy's answer (closed: 503 `limits_unavailable`). Nothing
     is evicted, and the writer can still store and delete what the stream holds."""
-    from serving_app.gateway.metering import RedisUnavailable
+    from gateway_app.metering import RedisUnavailable
 
     server = PrivateRedis(tmp_path, SHIPPED_CONFIG)
     server.start()

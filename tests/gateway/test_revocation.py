@@ -1,16 +1,25 @@
-"""A key revoked, or a tenant suspended, through the management API is refused by every gateway
-worker within one second (three worker processes in two servers here)."""
+"""A key revoked, or a tenant suspended, is refused by every gateway worker within one second
+(three worker processes in two servers here), whichever path made the change: the management
+API, the portal, the admin's bulk action, the key's own expiry, the admin's tenant form.
+
+Each test prints how long after the change committed the last accepted request had started
+(`pytest -s tests/gateway/test_revocation.py` shows them): that is the delay from commit to
+refusal, measured from outside the gateways."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import httpx
 import pytest
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
 from rest_framework.test import APIClient
 
-from tenants_app.models import Role
+from tenants_app.models import ApiKey, Role
 from tests.factories import add_member, make_user
 from tests.gateway.conftest import make_world
 from tests.gateway.test_requests import Upstream
@@ -112,3 +121,102 @@ def test_suspended_tenant_is_refused_by_all_workers_within_one_second(gateways, 
     deadline = time.monotonic() + 5
     while set(statuses(gateways, world.acme_secret, n=2)) != {200}:
         assert time.monotonic() < deadline, "reactivation not seen"
+
+
+def refused_within_bound(gateways, secret: str, change, what: str) -> None:
+    """Cache `secret` in every worker, make the change, and check the bound; prints the delay."""
+    assert set(statuses(gateways, secret)) == {200}  # cached in every worker
+    call, elapsed = last_accepted_after(gateways, secret, change)
+    print(f"{what}: call {call * 1000:.0f} ms; last request accepted {elapsed * 1000:.0f} ms "
+          "after it returned")
+    assert elapsed < BOUND_SECONDS
+
+
+def signed_in(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_portal_revoke_is_refused_by_all_workers_within_one_second(gateways, upstream):
+    world = make_world(upstream.port, "s")
+    owner = make_user("acme-owner")
+    add_member(world.acme, owner, Role.OWNER)
+    portal = signed_in(owner)
+
+    def revoke() -> None:
+        url = reverse("portal:key-revoke", args=[world.acme.slug, world.acme_key.pk])
+        assert portal.post(url).status_code == 302
+
+    refused_within_bound(gateways, world.acme_secret, revoke, "portal revoke")
+    assert ApiKey.objects.get(pk=world.acme_key.pk).revoked_at is not None
+
+
+def test_admin_bulk_revoke_is_refused_by_all_workers_within_one_second(gateways, upstream):
+    world = make_world(upstream.port, "s")
+    admin = signed_in(make_user("platform", staff=True))
+
+    def revoke() -> None:
+        response = admin.post(reverse("admin:tenants_app_apikey_changelist"), {
+            "action": "revoke_keys", "_selected_action": [world.acme_key.pk]})
+        assert response.status_code == 302
+
+    refused_within_bound(gateways, world.acme_secret, revoke, "admin bulk revoke")
+    assert set(statuses(gateways, world.globex_secret, n=2)) == {200}
+
+
+def test_expired_key_is_refused_by_all_workers_within_one_second(gateways, upstream):
+    """Nothing announces an expiry: each worker compares the cached key's expiry with its
+    clock, so the change here is time passing."""
+    world = make_world(upstream.port, "s")
+    expires = timezone.now() + timedelta(seconds=3)
+    key, secret = ApiKey.objects.create_key(tenant=world.acme, name="short", expires_at=expires)
+
+    def expire() -> None:
+        time.sleep(max(0.0, (expires - timezone.now()).total_seconds()))
+
+    refused_within_bound(gateways, secret, expire, "key expiry")
+
+
+def admin_form_data(response) -> dict:
+    """The POST data of an admin change form as it stands (its inlines included), as a browser
+    would send it back unchanged."""
+    data: dict = {}
+
+    def add(form) -> None:
+        for name in form.fields:
+            value = form[name].value()
+            if value is None or value is False:
+                continue
+            key = form.add_prefix(name)
+            if value is True:
+                data[key] = "on"
+            elif isinstance(value, (list, tuple)):
+                data[key] = [str(v) for v in value]
+            else:
+                data[key] = str(value)
+
+    add(response.context["adminform"].form)
+    for inline in response.context["inline_admin_formsets"]:
+        formset = inline.formset
+        add(formset.management_form)
+        for form in formset.forms:
+            add(form)
+    return data
+
+
+def test_tenant_suspended_in_the_admin_is_refused_by_all_workers_within_one_second(
+        gateways, upstream):
+    world = make_world(upstream.port, "s")
+    add_member(world.acme, make_user("acme-owner"), Role.OWNER)  # an inline row to send back
+    admin = signed_in(make_user("platform", staff=True))
+    url = reverse("admin:tenants_app_tenant_change", args=[world.acme.pk])
+    data = admin_form_data(admin.get(url))
+    assert data["status"] == "active"
+
+    def suspend() -> None:
+        response = admin.post(url, {**data, "status": "suspended"})
+        assert response.status_code == 302, response.context["adminform"].form.errors
+
+    refused_within_bound(gateways, world.acme_secret, suspend, "admin tenant suspension")
+    assert set(statuses(gateways, world.globex_secret, n=2)) == {200}

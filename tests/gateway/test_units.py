@@ -11,13 +11,13 @@ import time
 import pytest
 import redis
 
-from serving_app.gateway import admission
-from serving_app.gateway.cache import GatewayCache
-from serving_app.gateway.catalog import KeyEntry, Snapshot, TenantEntry
-from serving_app.gateway.config import GatewayConfig
-from serving_app.gateway.metering import Meter
-from serving_app.gateway.proxy import StreamRelay
-from serving_app.gateway.writer import persist
+from gateway_app import admission
+from gateway_app.cache import GatewayCache
+from gateway_app.catalog import KeyEntry, Snapshot, TenantEntry
+from gateway_app.config import GatewayConfig
+from gateway_app.metering import Meter
+from gateway_app.proxy import StreamRelay
+from gateway_app.writer import persist
 from serving_app.usage import UsageEvent, UsageHour, UsageMinute
 from tests.factories import make_tenant
 from tests.gateway.conftest import REDIS_URL
@@ -103,7 +103,7 @@ def test_monthly_budget_is_seeded_from_the_rollups_and_refuses_with_insufficient
 
 
 def test_redis_unreachable_is_reported_not_swallowed():
-    from serving_app.gateway.metering import RedisUnavailable
+    from gateway_app.metering import RedisUnavailable
 
     config = dataclasses.replace(CONFIG, redis_url="redis://127.0.0.1:1/0")
 

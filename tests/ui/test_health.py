@@ -8,10 +8,11 @@ import json
 import time
 
 import pytest
+from django.conf import settings
 from django.test import Client, override_settings
 
+from gateway_app.writer import UsageWriter
 from serving_app import health
-from serving_app.gateway.writer import UsageWriter
 from tests.factories import make_user
 from tests.redis_server import PrivateRedis
 
@@ -25,7 +26,8 @@ def redis_for_health(tmp_path, monkeypatch):
     server.start()
     monkeypatch.setattr(health, "_cached", None)
     try:
-        with override_settings(GATEWAY_REDIS_URL=server.url, GATEWAY_USAGE_STREAM=STREAM,
+        gateway = {**settings.GATEWAY, "REDIS_URL": server.url, "USAGE_STREAM": STREAM}
+        with override_settings(GATEWAY=gateway,
                                HEALTH_WRITER_MAX_LAG_SECONDS=60.0,
                                HEALTH_CHECK_TIMEOUT_SECONDS=0.5):
             yield server

@@ -218,7 +218,8 @@ def test_gpus_mig_and_mps_environment(tenant, base_model):
     spec = build_launch_spec(mps, Instance.objects.create(deployment=mps, port=3,
                                                           gpu_memory_fraction=0.25), gpus=[gpu1])
     assert spec.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
-    assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G"
+    # In MiB, as the placer writes it (one function for both).
+    assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
 
 
 def test_placement_environment_wins_and_declared_gpus_keep_the_cpu_cache(tenant, base_model):

@@ -12,7 +12,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from serving_app import reconcile
+from serving_app import reconcile, signals
 from serving_app.engine import agent
 from serving_app.models import AuditLog, Deployment, Instance, Node
 from tests.factories import make_deployment, make_tenant
@@ -40,12 +40,16 @@ def deployment(base_model):
 
 
 @pytest.fixture
-def invalidations(monkeypatch):
-    """Catalog invalidations published to the gateway workers."""
+def invalidations():
+    """Routing changes announced to the gateway workers (the signal its receiver listens to)."""
     calls: list[None] = []
-    monkeypatch.setattr("serving_app.models.gateway_invalidation.catalog_changed",
-                        lambda: calls.append(None))
-    return calls
+
+    def heard(sender, **kwargs) -> None:
+        calls.append(None)
+
+    signals.instance_routing_changed.connect(heard, dispatch_uid="test-routing-changed")
+    yield calls
+    signals.instance_routing_changed.disconnect(dispatch_uid="test-routing-changed")
 
 
 def running(deployment) -> list[Instance]:

@@ -10,9 +10,9 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.urls import reverse
 
-from serving_app.gateway.catalog import TenantEntry, load_snapshot
-from serving_app.gateway.errors import GatewayError
-from serving_app.gateway.validation import encode_body, parse_request
+from gateway_app.catalog import TenantEntry, load_snapshot
+from gateway_app.errors import GatewayError
+from gateway_app.validation import encode_body, parse_request
 from tenants_app.models import PrefixCacheGroup, Tenant, prefix_cache_salt
 from tests.api.helpers import as_user, results
 from tests.factories import make_tenant

@@ -195,12 +195,12 @@ class UsageWriter:
         batch_size: int | None = None,
     ) -> None:
         self.redis = client or redis.Redis.from_url(
-            settings.GATEWAY_REDIS_URL, socket_timeout=10.0, socket_connect_timeout=5.0
+            settings.GATEWAY["REDIS_URL"], socket_timeout=10.0, socket_connect_timeout=5.0
         )
-        self.stream = stream or settings.GATEWAY_USAGE_STREAM
-        self.group = group or settings.GATEWAY_USAGE_GROUP
+        self.stream = stream or settings.GATEWAY["USAGE_STREAM"]
+        self.group = group or settings.GATEWAY["USAGE_GROUP"]
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
-        self.batch_size = batch_size or settings.GATEWAY_USAGE_BATCH_SIZE
+        self.batch_size = batch_size or settings.GATEWAY["USAGE_BATCH_SIZE"]
         self._group_ready = False
         self._ack = self.redis.register_script(ACK_LUA)
         self._create_group = self.redis.register_script(CREATE_GROUP_LUA)

@@ -3,7 +3,7 @@
 Called from the processes that change those rows (the management API, the admin, the engine
 lifecycle). A message is published on Redis pub/sub after the surrounding transaction commits,
 so a worker that reloads on receipt reads the committed row. Each worker's listener lives in
-`serving_app.gateway.cache`.
+`gateway_app.cache`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ CHANNEL = "gw:invalidate"
 @lru_cache(maxsize=1)
 def _client() -> redis.Redis:
     return redis.Redis.from_url(
-        settings.GATEWAY_REDIS_URL, socket_timeout=2.0, socket_connect_timeout=2.0
+        settings.GATEWAY["REDIS_URL"], socket_timeout=2.0, socket_connect_timeout=2.0
     )
 
 

@@ -16,20 +16,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving_app.gateway import admission, errors
-from serving_app.gateway.cache import GatewayCache
-from serving_app.gateway.catalog import KeyEntry, Route, TenantEntry
-from serving_app.gateway.config import GatewayConfig
-from serving_app.gateway.errors import GatewayError
-from serving_app.gateway.http1 import UpstreamBroken
-from serving_app.gateway.metering import Meter, RedisUnavailable, Ticket
-from serving_app.gateway.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
-from serving_app.gateway.routing import Router
-from serving_app.gateway.validation import ParsedRequest, encode_body, parse_request
+from gateway_app import admission, errors
+from gateway_app.cache import GatewayCache
+from gateway_app.catalog import KeyEntry, Route, TenantEntry
+from gateway_app.config import GatewayConfig
+from gateway_app.errors import GatewayError
+from gateway_app.http1 import UpstreamBroken
+from gateway_app.metering import Meter, RedisUnavailable, Ticket
+from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
+from gateway_app.routing import Router
+from gateway_app.validation import ParsedRequest, encode_body, parse_request
+from tenants_app.models import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "lcsk-"
 ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
 JSON = b"application/json"
 

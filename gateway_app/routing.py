@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from serving_app.gateway.catalog import InstanceEntry, Route, Snapshot, Target
+from gateway_app.catalog import InstanceEntry, Route, Snapshot, Target
 
 
 class Router:

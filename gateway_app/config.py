@@ -32,16 +32,16 @@ class GatewayConfig:
     @classmethod
     def from_settings(cls) -> GatewayConfig:
         return cls(
-            redis_url=settings.GATEWAY_REDIS_URL,
-            fail_open=settings.GATEWAY_REDIS_FAILURE_POLICY == "open",
-            redis_timeout=settings.GATEWAY_REDIS_TIMEOUT_SECONDS,
-            max_body_bytes=settings.GATEWAY_MAX_BODY_BYTES,
-            key_ttl=settings.GATEWAY_KEY_CACHE_SECONDS,
-            negative_key_ttl=settings.GATEWAY_NEGATIVE_KEY_CACHE_SECONDS,
-            catalog_refresh=settings.GATEWAY_CATALOG_REFRESH_SECONDS,
-            connect_timeout=settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS,
-            upstream_timeout=settings.GATEWAY_UPSTREAM_TIMEOUT_SECONDS,
-            upstream_retries=settings.GATEWAY_UPSTREAM_RETRIES,
-            usage_stream=settings.GATEWAY_USAGE_STREAM,
-            event_buffer_max=settings.GATEWAY_EVENT_BUFFER_MAX,
+            redis_url=settings.GATEWAY["REDIS_URL"],
+            fail_open=settings.GATEWAY["REDIS_FAILURE_POLICY"] == "open",
+            redis_timeout=settings.GATEWAY["REDIS_TIMEOUT_SECONDS"],
+            max_body_bytes=settings.GATEWAY["MAX_BODY_BYTES"],
+            key_ttl=settings.GATEWAY["KEY_CACHE_SECONDS"],
+            negative_key_ttl=settings.GATEWAY["NEGATIVE_KEY_CACHE_SECONDS"],
+            catalog_refresh=settings.GATEWAY["CATALOG_REFRESH_SECONDS"],
+            connect_timeout=settings.GATEWAY["UPSTREAM_CONNECT_TIMEOUT_SECONDS"],
+            upstream_timeout=settings.GATEWAY["UPSTREAM_TIMEOUT_SECONDS"],
+            upstream_retries=settings.GATEWAY["UPSTREAM_RETRIES"],
+            usage_stream=settings.GATEWAY["USAGE_STREAM"],
+            event_buffer_max=settings.GATEWAY["EVENT_BUFFER_MAX"],
         )

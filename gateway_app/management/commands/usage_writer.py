@@ -11,8 +11,8 @@ import signal
 
 from django.core.management.base import BaseCommand, CommandError
 
+from gateway_app.writer import UsageWriter
 from serving_app import health
-from serving_app.gateway.writer import UsageWriter
 
 
 class Command(BaseCommand):

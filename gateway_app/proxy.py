@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving_app.gateway.config import GatewayConfig
-from serving_app.gateway.http1 import Pool, Response
+from gateway_app.config import GatewayConfig
+from gateway_app.http1 import Pool, Response
 
 # Failures before the engine answered, which are safe to retry on another instance: refused,
 # unreachable, closed before answering (`http1.UpstreamDisconnected`), and timeouts.

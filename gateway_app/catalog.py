@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import lru_cache
 
 from django.db import connection
-from django.db.models import F, Sum
 
+from serving_app.catalog import served_models
+from serving_app.models import Deployment, Instance
+from serving_app.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
 
 
@@ -105,33 +106,20 @@ class Snapshot:
     loaded_at: float = 0.0
 
 
-def month_start(now: datetime | None = None) -> datetime:
-    now = now or datetime.now(UTC)
-    return now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-
-
 def load_snapshot() -> Snapshot:
     """Read tenants, running deployments with their adapters, and ready instances."""
-    from serving_app.models import Deployment, Instance
-    from serving_app.usage import UsageHour
-
     try:
-        return _load_snapshot(Deployment, Instance, UsageHour)
+        return _load_snapshot()
     except Exception:
         # A broken connection (PostgreSQL restarted) must not stick to this thread.
         connection.close()
         raise
 
 
-def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
-    budgets = {
-        row["tenant_id"]: int(row["used"] or 0)
-        for row in UsageHour.objects.filter(
-            bucket__gte=month_start(), tenant__monthly_token_budget__isnull=False
-        )
-        .values("tenant_id")
-        .annotate(used=Sum(F("prompt_tokens") + F("completion_tokens")))
-    }
+def _load_snapshot() -> Snapshot:
+    budgets = UsageHour.objects.month_tokens(
+        Tenant.objects.filter(monthly_token_budget__isnull=False)
+    )
     tenants: dict[int, TenantEntry] = {}
     for t in Tenant.objects.select_related("prefix_cache_group"):
         secret = t.prefix_cache_secret
@@ -152,38 +140,22 @@ def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
         )
 
     routes: dict[int, dict[str, Route]] = {}
-    adapter_routes: dict[int, dict[str, Route]] = {}
-    deployments = (
-        Deployment.objects.filter(desired_state=Deployment.DesiredState.RUNNING)
-        .select_related("base_model")
-        .prefetch_related("tenants", "adapters")
-        .order_by("pk")
-    )
-    deployment_ids = []
-    for dep in deployments:
-        deployment_ids.append(dep.pk)
-        base = dep.base_model
+    deployment_ids: set[int] = set()
+    for served in served_models(Deployment.objects.all()):
+        dep = served.deployment
+        deployment_ids.add(dep.pk)
         priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
-        max_len = dep.max_model_len or base.max_position_embeddings or 0
         created = int(dep.created_at.timestamp())
-        base_target = Target(dep.pk, base.name, "", priority, max_len)
-        served = {t.pk for t in dep.tenants.all()}
-        for tenant_id in served:
-            catalog = routes.setdefault(tenant_id, {})
-            _add(catalog, Route(base.name, (base_target,), "platform", None, created))
-        for adapter in dep.adapters.all():
-            owner = tenants.get(adapter.tenant_id)
-            if owner is None or adapter.tenant_id not in served:
-                continue
-            # LoraAdapter.engine_name, without a query for the tenant.
-            engine_name = f"{owner.slug}--{adapter.name}"
-            target = Target(dep.pk, engine_name, engine_name, priority, max_len)
-            catalog = adapter_routes.setdefault(adapter.tenant_id, {})
-            _add(catalog, Route(adapter.name, (target,), owner.slug, base.name, created))
-    for tenant_id, extra in adapter_routes.items():
-        catalog = routes.setdefault(tenant_id, {})
-        for name, route in extra.items():
-            catalog.setdefault(name, route)  # a base model's name wins
+        if served.adapter is None:
+            target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len)
+            owner = "platform"
+        else:
+            engine_name = served.adapter.engine_name
+            target = Target(dep.pk, engine_name, engine_name, priority,
+                            dep.effective_max_model_len)
+            owner = served.adapter.tenant.slug
+        _add(routes.setdefault(served.tenant_id, {}),
+             Route(served.public_name, (target,), owner, served.parent, created))
 
     instances: dict[int, list[InstanceEntry]] = {}
     ready = Instance.objects.filter(

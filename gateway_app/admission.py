@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from serving_app.gateway.catalog import TenantEntry
-from serving_app.gateway.errors import GatewayError
+from gateway_app.catalog import TenantEntry
+from gateway_app.errors import GatewayError
 
 ADMIT = 0
 RPM = 1

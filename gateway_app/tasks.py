@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from serving_app.gateway.writer import UsageWriter
+from gateway_app.writer import UsageWriter
 
 _writer: UsageWriter | None = None
 
 
-@shared_task(name="serving_app.gateway.drain_usage_events", ignore_result=True,
+@shared_task(name="gateway_app.drain_usage_events", ignore_result=True,
              soft_time_limit=55, time_limit=60)
 def drain_usage_events(max_seconds: float = 45.0) -> int:
     """Persist the usage events waiting in the Redis stream; returns how many were handled.

@@ -15,11 +15,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from serving_app.gateway import admission
-from serving_app.gateway.admission import Decision
-from serving_app.gateway.catalog import TenantEntry
-from serving_app.gateway.config import GatewayConfig
-from serving_app.gateway.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
+from gateway_app import admission
+from gateway_app.admission import Decision
+from gateway_app.catalog import TenantEntry
+from gateway_app.config import GatewayConfig
+from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from serving_app.gateway import catalog, invalidation
-from serving_app.gateway.catalog import KeyEntry, Snapshot
-from serving_app.gateway.config import GatewayConfig
+from gateway_app import catalog, invalidation
+from gateway_app.catalog import KeyEntry, Snapshot
+from gateway_app.config import GatewayConfig
 
 log = logging.getLogger(__name__)
 

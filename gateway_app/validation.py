@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serving_app.gateway.errors import GatewayError, invalid
+from gateway_app.errors import GatewayError, invalid
 
 # Upper bound of template tokens around one chat message (role markers, separators) and around
 # the whole conversation (BOS, generation prompt). Generous on purpose.
