@@ -184,6 +184,9 @@ ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engine-logs")))
 ENGINE_START_TIMEOUT_SECONDS = env_float("ENGINE_START_TIMEOUT_SECONDS", 180.0, minimum=1.0)
 ENGINE_STOP_GRACE_SECONDS = env_float("ENGINE_STOP_GRACE_SECONDS", 15.0, minimum=0.0)
 ENGINE_CPU_KVCACHE_GIB = env_int("ENGINE_CPU_KVCACHE_GIB", 1, minimum=1)
+# Extra variables an engine inherits from its node agent (names, or prefixes ending in "*"),
+# beyond the host basics and vLLM/CUDA/PyTorch/Hugging Face ones (serving_app/engine/supervisor.py).
+ENGINE_ENV_ALLOW = env_list("ENGINE_ENV_ALLOW", [])
 # CPU engines run under SCHED_IDLE by default (see serving_app/engine/launch.py for why).
 ENGINE_CPU_SCHEDULING = env_choice("ENGINE_CPU_SCHEDULING", "idle", ("idle", "normal"))
 ENGINE_SUPERVISE_SECONDS = env_float("ENGINE_SUPERVISE_SECONDS", 2.0, minimum=0.1)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from django.conf import settings
 
 # Children this agent process launched, so their exit codes can be reaped (a zombie would look
 # alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
@@ -48,12 +49,33 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+# What an engine inherits from the node agent's environment: the host's basics and the
+# variables its own stack reads (vLLM, CUDA, NCCL, PyTorch, OpenMP, Hugging Face). Nothing else:
+# the agent's environment holds the console's secrets (DATABASE_URL, SECRET_KEY, REDIS_URL,
+# broker URLs), which a tenant's adapter or prompt must never be one exploit away from.
+# ENGINE_ENV_ALLOW adds names (or prefixes ending in "*") for a site that needs more.
+ENGINE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
+    "TOKENIZERS_PARALLELISM", "PYTORCH_CUDA_ALLOC_CONF",
+})
+ENGINE_ENV_PREFIXES = ("LC_", "XDG_", "VLLM_", "CUDA_", "NCCL_", "NVIDIA_", "TORCH", "OMP_",
+                       "KMP_", "MKL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "TRITON_")
+
+
+def engine_environment(inherited: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """The engine's environment: the allowed part of `inherited`, then `env` (the launch spec's,
+    which always wins)."""
+    extra = [name.strip() for name in settings.ENGINE_ENV_ALLOW if name.strip()]
+    names = ENGINE_ENV_NAMES | {n for n in extra if not n.endswith("*")}
+    prefixes = ENGINE_ENV_PREFIXES + tuple(n[:-1] for n in extra if n.endswith("*"))
+    allowed = {k: v for k, v in inherited.items() if k in names or k.startswith(prefixes)}
+    return {**allowed, **env}
+
+
 def launch(argv: list[str], env: dict[str, str], log_path: Path) -> Launched:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **env}
-    # The console's settings must not leak into the engine's Python.
-    for name in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV"):
-        full_env.pop(name, None)
+    full_env = engine_environment(dict(os.environ), env)
     with log_path.open("ab") as log:
         log.write(f"\n=== launch at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
         log.flush()

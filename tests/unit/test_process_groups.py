@@ -11,6 +11,7 @@ played here by a tree that ignores it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -158,3 +159,29 @@ def test_stopping_an_engine_that_ignores_sigterm_kills_it(tmp_path, base_model, 
     assert agent.stop_instance(instance.pk, node_config) == "killed"
     assert Instance.objects.get(pk=instance.pk).state == State.STOPPED
     assert session_members(leader) == []
+
+
+def test_an_engine_inherits_none_of_the_agents_secrets(tmp_path, monkeypatch, settings):
+    """The agent's environment holds the console's database URL and secret key; the engine gets
+    the host basics, its stack's variables, what the launch spec sets and what the site allows."""
+    monkeypatch.setenv("DATABASE_URL", "postgres://console:hunter2@db/console")
+    monkeypatch.setenv("SECRET_KEY", "not-for-engines")
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://broker/0")
+    monkeypatch.setenv("HF_HOME", "/srv/hf")
+    monkeypatch.setenv("SITE_PROXY_CONF", "kept")
+    settings.ENGINE_ENV_ALLOW = ["SITE_*"]
+    out = tmp_path / "env.txt"
+    launched = supervisor.launch(
+        [sys.executable, "-c", f"import os, json; open({str(out)!r}, 'w').write("
+                               "json.dumps(dict(os.environ)))"],
+        {"VLLM_API_KEY": "instance-secret"}, tmp_path / "engine.log")
+    deadline = time.monotonic() + 10
+    while supervisor.exit_code(launched.pid) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    seen = json.loads(out.read_text())
+    assert not {"DATABASE_URL", "SECRET_KEY", "CELERY_BROKER_URL"} & set(seen)
+    assert seen["VLLM_API_KEY"] == "instance-secret"
+    assert seen["HF_HOME"] == "/srv/hf"
+    assert seen["SITE_PROXY_CONF"] == "kept"
+    assert seen["PATH"] == os.environ["PATH"]
