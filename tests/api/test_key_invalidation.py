@@ -12,8 +12,8 @@ import redis
 from django.test import Client
 from django.urls import reverse
 
+from audit_app.models import AuditLog
 from serving_app.gateway import invalidation
-from serving_app.models import AuditLog
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
 
