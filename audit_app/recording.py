@@ -67,6 +67,10 @@ class Policy:
         return name in IGNORED_FIELDS or name in self.ignored
 
 
+# Filled by `audit_app.registry.track()`: how each audited model is recorded.
+POLICIES: dict[type[models.Model], Policy] = {}
+
+
 @dataclass(frozen=True)
 class Hidden:
     """A secret's value inside a snapshot: comparable (a digest), never written out."""
@@ -269,6 +273,3 @@ def record(action: str, obj: models.Model, changes: dict[str, Any] | None = None
     policy = POLICIES.get(cast("type[models.Model]", obj._meta.concrete_model), Policy())
     return _write(action, obj, policy, {k: _plain(v) for k, v in (changes or {}).items()})
 
-
-# Filled by `audit_app.registry.track()`: how each audited model is recorded.
-POLICIES: dict[type[models.Model], Policy] = {}

@@ -193,8 +193,10 @@ def _gpu(w: World) -> Gpu:
 
 def _axes(model: Any) -> Callable[[World], models.Model]:
     def make(w: World) -> models.Model:
-        fields: dict[str, Any] = {"user_agent": "curl", "ip_address": "10.0.0.1", "username": f"who{w.n()}",
-                  "http_accept": "*/*", "path_info": "/login/"}
+        fields: dict[str, Any] = {
+            "user_agent": "curl", "ip_address": "10.0.0.1", "username": f"who{w.n()}",
+            "http_accept": "*/*", "path_info": "/login/",
+        }
         if model is AccessAttempt:
             fields.update(get_data="", post_data="", failures_since_start=1)
         row = model.objects.create(**fields)

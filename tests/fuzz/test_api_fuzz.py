@@ -124,7 +124,7 @@ def path_values(prefix: str, param: str) -> list:
         "base-models": "serving_app.BaseModel", "adapters": "serving_app.LoraAdapter",
         "nodes": "serving_app.Node", "gpus": "serving_app.Gpu",
         "deployments": "serving_app.Deployment", "instances": "serving_app.Instance",
-        "audit-log": "serving_app.AuditLog",
+        "audit-log": "audit_app.AuditLog",
     }
     label = models.get(prefix)
     if label is None:

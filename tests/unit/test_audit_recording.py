@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from asgiref.sync import async_to_sync
+from celery.signals import task_postrun, task_prerun
 from django.contrib.auth.models import Group, Permission
 from django.core import checks
 from django.db import transaction
-from django.test import RequestFactory
+from django.test import AsyncClient, RequestFactory
 from django.utils import timezone
 from knox.models import AuthToken
 
@@ -216,17 +218,34 @@ def test_model_methods_record_their_conditional_updates(base_model, acme, platfo
 
 
 @pytest.mark.django_db
-def test_a_task_names_the_source_task_and_ends_with_it(acme):
-    context.task_started(task_id="t-1")
+def test_a_celery_task_names_the_source_task_and_ends_with_it(acme):
+    task_prerun.send(sender=None, task_id="t-1", task=None, args=(), kwargs={})
     try:
         acme.tenant.name = "Changed by a task"
         acme.tenant.save()
         assert context.current().source == Source.TASK
     finally:
-        context.task_finished(task_id="t-1")
+        task_postrun.send(sender=None, task_id="t-1", task=None, args=(), kwargs={},
+                          retval=None, state="SUCCESS")
     assert context.current().source == Source.SHELL
     entry = entries(object_type="tenants_app.Tenant", action="update")[-1]
     assert (entry.via, entry.actor) == ("task", None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_asgi_a_change_names_the_signed_in_user_and_the_page(platform_admin):
+    """The console runs under uvicorn: the context set by the (sync) middleware reaches the
+    view that the ASGI handler runs in a thread."""
+    tenant = make_tenant("asgi-co")
+    client = AsyncClient()
+    async_to_sync(client.aforce_login)(platform_admin)
+    response = async_to_sync(client.post)(f"/tenants/{tenant.slug}/edit/", {
+        "slug": tenant.slug, "name": "Renamed over ASGI", "status": "active",
+        "priority_tier": 2})
+    assert response.status_code == 302
+    [entry] = entries(object_type="tenants_app.Tenant", action="update")
+    assert (entry.actor, entry.via) == (platform_admin, "console")
+    assert entry.changes == {"name": ["Asgi-Co", "Renamed over ASGI"]}
 
 
 @pytest.mark.parametrize(("path", "source"), [
