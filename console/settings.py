@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular_sidecar",
     "drf_spectacular",
+    "audit_app",
     "tenants_app",
     "serving_app",
     "gateway_app",
@@ -58,6 +59,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Who changes what, and from where, for the audit log (audit_app.context).
+    "audit_app.middleware.AuditContextMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -114,6 +117,11 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
 
 LOGIN_URL = "/login/"
+
+# The source an audit entry names for a change a request made, by the longest matching path
+# prefix (any other path is the console's pages).
+AUDIT_REQUEST_SOURCES = {"/admin/": "admin", "/api/": "api", "/api-auth/": "api",
+                         "/portal/": "portal"}
 
 # How long an invitation to join a tenant stays open (days).
 INVITATION_EXPIRY_DAYS = env_int("INVITATION_EXPIRY_DAYS", 7, minimum=1)

@@ -1,4 +1,7 @@
-"""Django admin for the serving domain (every change audited)."""
+"""Django admin for the serving domain. Every change made here is audited by audit_app's
+receivers (and the deployment actions by the deployments' own methods); what the control plane
+writes (instances' states, GPU samples, metering, adapter file removals) is read only here, but
+for deleting an instance."""
 
 from __future__ import annotations
 
@@ -8,12 +11,9 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.utils.html import format_html
 
-from serving_app import audit
-from serving_app.admin_audit import AuditedAdmin
 from serving_app.forms import DeploymentForm
 from serving_app.models import (
     AdapterFileRemoval,
-    AuditLog,
     BaseModel,
     Deployment,
     Gpu,
@@ -28,14 +28,14 @@ from serving_app.models import (
 
 
 @admin.register(BaseModel)
-class BaseModelAdmin(AuditedAdmin):
+class BaseModelAdmin(admin.ModelAdmin):
     list_display = ["name", "architecture", "num_layers", "hidden_size", "dtype", "weight_bytes"]
     search_fields = ["name", "path"]
     readonly_fields = BaseModel.ARCHITECTURE_FIELDS
 
 
 @admin.register(LoraAdapter)
-class LoraAdapterAdmin(AuditedAdmin):
+class LoraAdapterAdmin(admin.ModelAdmin):
     list_display = ["name", "tenant", "base_model", "rank", "size_bytes", "last_error"]
     list_filter = ["tenant", "base_model"]
     search_fields = ["name", "path"]
@@ -57,11 +57,10 @@ def _node_action(name: str, method: Callable[[Node], dict], description: str):
         done = []
         for node in queryset:
             try:
-                changes = method(node)
+                method(node)  # records its own audit entry
             except ValidationError as exc:
                 messages.error(request, f"{node}: {' '.join(exc.messages)}")
                 continue
-            audit.record(request, name, node, changes=changes, via="admin")
             done.append(node.name)
         if done:
             messages.success(request, f"{name.capitalize()}: {', '.join(done)}.")
@@ -71,7 +70,7 @@ def _node_action(name: str, method: Callable[[Node], dict], description: str):
 
 
 @admin.register(Node)
-class NodeAdmin(AuditedAdmin):
+class NodeAdmin(admin.ModelAdmin):
     list_display = ["name", "queue", "state", "last_heartbeat", "inventory_source", "cordoned",
                     "drain_status"]
     readonly_fields = ["agent_pid", "last_heartbeat", "lost_at", "draining", "drain_status"]
@@ -85,7 +84,7 @@ class NodeAdmin(AuditedAdmin):
 
 
 @admin.register(Gpu)
-class GpuAdmin(AuditedAdmin):
+class GpuAdmin(admin.ModelAdmin):
     list_display = ["node", "index", "name", "uuid", "memory_total_bytes", "mig_mode"]
     list_filter = ["node", "mig_mode"]
 
@@ -116,7 +115,7 @@ def _desired_state_action(name: str, method: Callable[[Deployment], dict]):
     @admin.action(description=f"{name.capitalize()} selected deployments")
     def run(modeladmin, request, queryset) -> None:
         for deployment in queryset:
-            audit.record(request, name, deployment, changes=method(deployment), via="admin")
+            method(deployment)  # one audit entry each, written by the method
         messages.success(
             request, f"{name.capitalize()} recorded for {queryset.count()} deployments."
         )
@@ -126,7 +125,7 @@ def _desired_state_action(name: str, method: Callable[[Deployment], dict]):
 
 
 @admin.register(Deployment)
-class DeploymentAdmin(AuditedAdmin):
+class DeploymentAdmin(admin.ModelAdmin):
     form = DeploymentAdminForm
     list_display = [
         "name",
@@ -149,7 +148,6 @@ class DeploymentAdmin(AuditedAdmin):
     def save_model(self, request, obj, form, change) -> None:
         # Tenants and adapters are set by save_related() in the same transaction, before the
         # reconciler that save_settings() asks for runs (after commit).
-        self.remember_before(request, obj, change)
         obj.save_settings()
 
 
@@ -170,24 +168,18 @@ class InstanceAdmin(admin.ModelAdmin):
     def log(self, obj: Instance) -> str:
         return format_html("<pre style='max-height:30em;overflow:auto'>{}</pre>", obj.log_tail)
 
+    # Instances are the reconciler's: shown, and deleted (audited) by a person at most.
     def has_add_permission(self, request) -> bool:
         return False
 
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
 
-@admin.register(AuditLog)
-class AuditLogAdmin(admin.ModelAdmin):
-    list_display = [
-        "created_at",
-        "actor_label",
-        "action",
-        "object_type",
-        "object_repr",
-        "via",
-        "remote_addr",
-    ]
-    list_filter = ["action", "object_type", "via"]
-    search_fields = ["actor_label", "object_repr", "object_id"]
-    readonly_fields = [f.name for f in AuditLog._meta.concrete_fields]
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows the control plane writes (samples, metering, file removals): nobody adds, changes
+    or deletes them by hand, so no admin change can skip the audit log or the budgets (usage
+    rollups feed the monthly token budgets)."""
 
     def has_add_permission(self, request) -> bool:
         return False
@@ -200,25 +192,10 @@ class AuditLogAdmin(admin.ModelAdmin):
 
 
 @admin.register(GpuSample)
-class GpuSampleAdmin(admin.ModelAdmin):
+class GpuSampleAdmin(ReadOnlyAdmin):
     list_display = ["at", "gpu", "memory_used_bytes", "utilization_percent", "temperature_c",
                     "power_w"]
     list_filter = ["gpu__node"]
-    readonly_fields = ["gpu", "at", "memory_used_bytes", "utilization_percent", "temperature_c",
-                       "power_w"]
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Written by the gateway's metering, never by hand."""
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(UsageEvent)

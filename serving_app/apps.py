@@ -2,8 +2,32 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+from audit_app.registry import exclude, track
+
 
 class ServingAppConfig(AppConfig):
     name = "serving_app"
     verbose_name = "Serving"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # What people change is audited; what the control plane writes (agents' heartbeats and
+        # readings, placement and load errors) is named here and is no change of its own.
+        # docs/architecture.md ("The audit log") says why each exclusion is one.
+        track(self.get_model("BaseModel"))
+        track(self.get_model("LoraAdapter"), ignore=["last_error"])
+        track(self.get_model("Deployment"), ignore=["placement_error"])
+        track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"])
+        track(self.get_model("Gpu"), ignore=[
+            "memory_used_bytes", "utilization_percent", "temperature_c", "power_w", "processes",
+        ])
+        track(self.get_model("Instance"), events=["delete"], ignore=["log_tail"],
+              secret=["environment"], reason=(
+            "instances are created, placed and moved through their states by the reconciler and "
+            "the node agents (control-plane transitions); a person only deletes one"))
+        control_plane = "written by the control plane, never by a person (read only everywhere)"
+        exclude(self.get_model("GpuSample"), f"GPU readings, {control_plane}")
+        exclude(self.get_model("AdapterFileRemoval"),
+                f"files of deleted adapters waiting for removal, {control_plane}")
+        for name in ("UsageEvent", "UsageMinute", "UsageHour"):
+            exclude(self.get_model(name), f"metering, {control_plane}")

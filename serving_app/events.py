@@ -15,7 +15,7 @@ from typing import Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
-from serving_app import audit
+from audit_app import recording
 
 VIA = "control"
 
@@ -23,4 +23,4 @@ VIA = "control"
 def record(action: str, obj: models.Model, **details: Any) -> None:
     """Record that the control plane did `action` to `obj` (a node or a deployment)."""
     plain = json.loads(json.dumps(details, cls=DjangoJSONEncoder))  # times as ISO text
-    audit.record(None, action, obj, changes=plain, via=VIA)
+    recording.record(action, obj, changes=plain)

@@ -20,6 +20,7 @@ from django.db import models, transaction
 from django.db.models.signals import post_delete
 from django.utils import timezone
 
+from audit_app import recording
 from serving_app import lifecycle, signals, storage
 from serving_app.modelfiles import (
     ModelFilesError,
@@ -384,15 +385,15 @@ class Node(models.Model):
             return "draining"
         return "cordoned" if self.cordoned else "ready"
 
-    # -- operator actions. Each returns the change made ({field: [before, after]}, empty when
-    # nothing changed) for the audit entry the caller writes.
+    # -- operator actions. Each records its audit entry (a conditional update sends no signal)
+    # and returns the change made ({field: [before, after]}, empty when nothing changed).
     def cordon(self) -> dict[str, list]:
         """No new instances on this node; what runs here goes on running."""
-        return self._change(cordoned=True)
+        return self._change("cordon", cordoned=True)
 
     def uncordon(self) -> dict[str, list]:
         """Take new instances again; a drain in progress stops after the move under way."""
-        changes = self._change(cordoned=False, draining=False, drain_status="")
+        changes = self._change("uncordon", cordoned=False, draining=False, drain_status="")
         lifecycle.nodes_changed()  # placements that waited for room may fit now
         return changes
 
@@ -410,13 +411,13 @@ class Node(models.Model):
                 f"Nothing to move the {serving} instance(s) of {self.name} to: no other node is "
                 "online and uncordoned. Start another node agent, or cordon this node instead."
             )
-        changes = self._change(cordoned=True, draining=True,
+        changes = self._change("drain", cordoned=True, draining=True,
                                drain_status="Drain requested." if not self.draining
                                else self.drain_status)
         lifecycle.nodes_changed()
         return changes
 
-    def _change(self, **values: object) -> dict[str, list]:
+    def _change(self, action: str, **values: object) -> dict[str, list]:
         with transaction.atomic():
             current = Node.objects.select_for_update().get(pk=self.pk)
             changes = {name: [getattr(current, name), value] for name, value in values.items()
@@ -426,6 +427,8 @@ class Node(models.Model):
             for name, value in values.items():
                 setattr(self, name, value)
         changes.pop("drain_status", None)  # a message, not a setting
+        if changes:
+            recording.record(action, self, changes)
         return changes
 
 
@@ -650,27 +653,34 @@ class Deployment(models.Model):
     def lora_enabled(self) -> bool:
         return self.adapters.exists()
 
-    # -- workflows: each one transaction that asks the reconciler once it commits. They return
-    # the change made ({field: [before, after]}, empty when nothing changed) for the audit entry.
+    # -- workflows: each one transaction that asks the reconciler once it commits and leaves its
+    # audit entry (their conditional updates send no signal). They return the change made
+    # ({field: [before, after]}, empty when nothing changed). A request that changes nothing (a
+    # start of a running deployment) is still recorded: someone asked for it.
     def start(self) -> dict[str, list]:
         """Ask for the deployment to run."""
-        return self._change_desired_state(self.DesiredState.RUNNING)
+        return self._change_desired_state("start", self.DesiredState.RUNNING)
 
-    def stop(self) -> dict[str, list]:
-        """Ask for every instance of the deployment to stop."""
-        return self._change_desired_state(self.DesiredState.STOPPED)
+    def stop(self, *, reconcile: bool = True) -> dict[str, list]:
+        """Ask for every instance of the deployment to stop (`reconcile=False`: the caller
+        stops the engines itself, as `manage.py stop_engines` does)."""
+        return self._change_desired_state("stop", self.DesiredState.STOPPED, reconcile)
 
     def restart(self) -> dict[str, list]:
         """Replace every instance (a new generation) and ask for the deployment to run."""
         with transaction.atomic():
-            before = self._locked().generation
+            locked = self._locked()
             Deployment.objects.filter(pk=self.pk).update(
                 generation=models.F("generation") + 1,
                 desired_state=self.DesiredState.RUNNING, updated_at=timezone.now(),
             )
             self.refresh_from_db(fields=["generation", "desired_state", "updated_at"])
+            changes: dict[str, list] = {"generation": [locked.generation, self.generation]}
+            if locked.desired_state != self.desired_state:
+                changes["desired_state"] = [locked.desired_state, self.desired_state]
+            recording.record("restart", self, changes)
             lifecycle.deployment_changed(self.pk)
-        return {"generation": [before, self.generation]}
+        return changes
 
     def scale_to(self, replicas: int) -> dict[str, list]:
         """Ask for `replicas` instances (0 to 64)."""
@@ -682,14 +692,17 @@ class Deployment(models.Model):
                 replicas=replicas, updated_at=timezone.now()
             )
             self.replicas = replicas
+            changes = {"replicas": [before, replicas]}
+            recording.record("scale", self, changes)
             lifecycle.deployment_changed(self.pk)
-        return {"replicas": [before, replicas]}
+        return changes
 
     def save_settings(self, tenants: Iterable[Tenant] | None = None,
                       adapters: Iterable[LoraAdapter] | None = None) -> None:
         """Save edited settings (and the tenants and adapters when given; None leaves them to a
         caller that sets them in the same transaction, as the Django admin does), then ask the
-        reconciler to roll them out."""
+        reconciler to roll them out. The save and the many-to-many changes are audited by the
+        signals (one entry)."""
         with transaction.atomic():
             self.save()
             if tenants is not None:
@@ -698,12 +711,16 @@ class Deployment(models.Model):
                 self.adapters.set(adapters)
             lifecycle.deployment_changed(self.pk)
 
-    def _change_desired_state(self, state: str) -> dict[str, list]:
+    def _change_desired_state(self, action: str, state: str,
+                              reconcile: bool = True) -> dict[str, list]:
         with transaction.atomic():
             before = self._locked().desired_state
             changed = self._set_desired_state(state)
-            lifecycle.deployment_changed(self.pk)
-        return {"desired_state": [before, state]} if changed else {}
+            changes = {"desired_state": [before, state]} if changed else {}
+            recording.record(action, self, changes)
+            if reconcile:
+                lifecycle.deployment_changed(self.pk)
+        return changes
 
     def _locked(self) -> Deployment:
         """The row as committed, locked until the surrounding transaction ends."""
@@ -833,49 +850,6 @@ class Instance(models.Model):
     def base_url(self) -> str:
         address = self.node.address if self.node_id else "127.0.0.1"
         return f"http://{address}:{self.port}"
-
-
-class AuditLogQuerySet(models.QuerySet):
-    def for_user(self, user: AbstractBaseUser) -> AuditLogQuerySet:
-        """Staff see everything; tenant owners and admins see their tenant's entries."""
-        if not user.is_authenticated:
-            return self.none()
-        if user.is_staff:
-            return self.all()
-        return self.filter(tenant__in=Tenant.objects.managed_by(user))
-
-    def for_tenant(self, tenant: Tenant) -> AuditLogQuerySet:
-        return self.filter(tenant=tenant)
-
-
-class AuditLog(models.Model):
-    """Who did what to which object, with the changed fields, when and from where."""
-
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    actor_label = models.CharField(max_length=150, blank=True)
-    action = models.CharField(max_length=50)
-    object_type = models.CharField(max_length=100)
-    object_id = models.CharField(max_length=64)
-    object_repr = models.CharField(max_length=200)
-    tenant = models.ForeignKey(
-        Tenant, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_entries"
-    )
-    changes = models.JSONField(default=dict, blank=True)
-    via = models.CharField(max_length=16)
-    remote_addr = models.GenericIPAddressField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
-
-    objects = AuditLogQuerySet.as_manager()
-
-    class Meta:
-        ordering = ["-created_at", "-id"]
-        verbose_name = "audit log entry"
-        verbose_name_plural = "audit log"
-
-    def __str__(self) -> str:
-        return f"{self.actor_label} {self.action} {self.object_type} {self.object_repr}"
 
 
 # Usage metering models live in their own module (written by the gateway); importing them here

@@ -1,8 +1,9 @@
 """The admin console's pages (platform admins only): overview, tenants, models, adapters,
 deployments with their plan and actions, instances and their logs, the audit log, dashboards.
 
-Views are thin: they parse input, call one model method (or the placement service), write the
-audit entry (`via="ui"`) and render. Signing in lives here too; tenant users land in the portal.
+Views are thin: they parse input, call one model method (or the placement service) and render;
+the audit log records each change on its own (source "console"). Signing in lives here too;
+tenant users land in the portal.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from django.urls import reverse, reverse_lazy
 from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
 
-from serving_app import audit, health, storage
+from audit_app.models import AuditLog
+from serving_app import health, storage
 from serving_app.dashboards import figures, panels, queries
 from serving_app.forms import (
     AuditFilterForm,
@@ -33,13 +35,12 @@ from serving_app.forms import (
     ScaleForm,
     TenantForm,
 )
-from serving_app.models import AuditLog, BaseModel, Deployment, Instance, LoraAdapter, Node
+from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from serving_app.placement import service
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
 
 LOG_TAIL_BYTES = 64 * 1024
-VIA = "ui"
 
 
 def is_htmx(request: HttpRequest) -> bool:
@@ -180,7 +181,7 @@ class OverviewDeploymentsPartial(StaffRequiredMixin, View):
 # ----------------------------------------------------------------------------- generic CRUD
 
 
-class AuditedCreateView(StaffRequiredMixin, CreateView):
+class ObjectCreateView(StaffRequiredMixin, CreateView):
     template_name = "serving_app/object_form.html"
     noun = ""
 
@@ -199,13 +200,11 @@ class AuditedCreateView(StaffRequiredMixin, CreateView):
         for name, value in self.extra_fields().items():
             setattr(form.instance, name, value)
         self.object = form.save()
-        audit.record(self.request, "create", self.object, changes=audit.snapshot(self.object),
-                     via=VIA)
         messages.success(self.request, f"{self.noun.capitalize()} {self.object} created.")
         return redirect(self.get_success_url())
 
 
-class AuditedUpdateView(StaffRequiredMixin, UpdateView):
+class ObjectUpdateView(StaffRequiredMixin, UpdateView):
     template_name = "serving_app/object_form.html"
     noun = ""
 
@@ -216,11 +215,7 @@ class AuditedUpdateView(StaffRequiredMixin, UpdateView):
         return context
 
     def form_valid(self, form: Any) -> HttpResponse:
-        # The form already wrote the new values into self.object while validating.
-        before = audit.snapshot(type(self.object).objects.get(pk=self.object.pk))
         self.object = form.save()
-        changes = audit.diff(before, audit.snapshot(self.object))
-        audit.record(self.request, "update", self.object, changes=changes, via=VIA)
         messages.success(self.request, f"{self.noun.capitalize()} {self.object} saved.")
         return redirect(self.get_success_url())
 
@@ -268,7 +263,7 @@ class TenantDetailView(StaffRequiredMixin, DetailView):
         return context
 
 
-class TenantCreateView(AuditedCreateView):
+class TenantCreateView(ObjectCreateView):
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
@@ -277,7 +272,7 @@ class TenantCreateView(AuditedCreateView):
         return reverse("console:tenant-detail", args=[self.object.slug])
 
 
-class TenantUpdateView(AuditedUpdateView):
+class TenantUpdateView(ObjectUpdateView):
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
@@ -305,7 +300,7 @@ class BaseModelDetailView(StaffRequiredMixin, DetailView):
     queryset = BaseModel.objects.all()
 
 
-class BaseModelCreateView(AuditedCreateView):
+class BaseModelCreateView(ObjectCreateView):
     model = BaseModel
     form_class = BaseModelForm
     noun = "base model"
@@ -314,7 +309,7 @@ class BaseModelCreateView(AuditedCreateView):
         return reverse("console:basemodel-detail", args=[self.object.pk])
 
 
-class BaseModelUpdateView(AuditedUpdateView):
+class BaseModelUpdateView(ObjectUpdateView):
     model = BaseModel
     form_class = BaseModelForm
     noun = "base model"
@@ -340,7 +335,7 @@ class AdapterDetailView(StaffRequiredMixin, DetailView):
     queryset = LoraAdapter.objects.select_related("tenant", "base_model")
 
 
-class AdapterCreateView(AuditedCreateView):
+class AdapterCreateView(ObjectCreateView):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
@@ -349,7 +344,7 @@ class AdapterCreateView(AuditedCreateView):
         return reverse("console:loraadapter-detail", args=[self.object.pk])
 
 
-class AdapterUpdateView(AuditedUpdateView):
+class AdapterUpdateView(ObjectUpdateView):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
@@ -392,7 +387,7 @@ class DeploymentFormMixin:
         return reverse("console:deployment-detail", args=[self.object.pk])
 
 
-class DeploymentCreateView(DeploymentFormMixin, AuditedCreateView):
+class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView):
     def extra_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
@@ -402,7 +397,7 @@ class DeploymentCreateView(DeploymentFormMixin, AuditedCreateView):
         return context
 
 
-class DeploymentUpdateView(DeploymentFormMixin, AuditedUpdateView):
+class DeploymentUpdateView(DeploymentFormMixin, ObjectUpdateView):
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         context["plan_url"] = reverse("console:deployment-plan-edit", args=[self.object.pk])
@@ -464,8 +459,7 @@ class DeploymentActionView(StaffRequiredMixin, View):
         if action not in self.ACTIONS:
             raise Http404(f"Unknown action {action!r}.")
         method, note = self.ACTIONS[action]
-        changes = method(deployment)
-        audit.record(request, action, deployment, changes=changes, via=VIA)
+        method(deployment)
         return _after_action(request, deployment, f"{note} {deployment.name}.")
 
 
@@ -477,11 +471,10 @@ class DeploymentScaleView(StaffRequiredMixin, View):
             error = "; ".join(e for errs in form.errors.values() for e in errs)
             return _after_action(request, deployment, f"Not scaled: {error}", level="error")
         try:
-            changes = deployment.scale_to(form.cleaned_data["replicas"])
+            deployment.scale_to(form.cleaned_data["replicas"])
         except ValidationError as exc:
             return _after_action(request, deployment, f"Not scaled: {exc.messages[0]}",
                                  level="error")
-        audit.record(request, "scale", deployment, changes=changes, via=VIA)
         return _after_action(request, deployment,
                              f"Scaling {deployment.name} to {deployment.replicas}.")
 
@@ -546,11 +539,10 @@ class NodeActionView(StaffRequiredMixin, View):
             raise Http404(f"Unknown action {action!r}.")
         method, note = self.ACTIONS[action]
         try:
-            changes = method(node)
+            method(node)  # records its own audit entry
         except ValidationError as exc:
             messages.error(request, f"Not {action}ed: {' '.join(exc.messages)}")
         else:
-            audit.record(request, action, node, changes=changes, via=VIA)
             messages.success(request, note.format(node.name))
         return redirect("console:node-detail", pk=node.pk)
 

@@ -1,5 +1,6 @@
-"""Django admin for tenants, memberships, invitations, API keys and prefix-cache sharing groups
-(every change audited)."""
+"""Django admin for tenants, memberships, invitations, API keys and prefix-cache sharing groups.
+Every change made here is audited by audit_app's receivers (revocations by the models' own
+methods)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from django.contrib import admin, messages
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
-from serving_app import audit
-from serving_app.admin_audit import AuditedAdmin
 from tenants_app.models import (
     ApiKey,
     Invitation,
@@ -27,7 +26,7 @@ class MembershipInline(admin.TabularInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(AuditedAdmin):
+class TenantAdmin(admin.ModelAdmin):
     list_display = [
         "slug",
         "name",
@@ -60,13 +59,13 @@ class GroupTenantInline(admin.TabularInline):
 def rotate_cache_secret(modeladmin, request, queryset) -> None:
     for group in queryset:
         group.cache_secret = new_cache_secret()
-        group.save(update_fields=["cache_secret"])  # the gateway re-reads its catalog
-        audit.record(request, "rotate_secret", group, via="admin")
+        # Saved (audited as a changed secret), so the gateway re-reads its catalog.
+        group.save(update_fields=["cache_secret"])
     messages.success(request, "New secrets set; members share only blocks cached from now on.")
 
 
 @admin.register(PrefixCacheGroup)
-class PrefixCacheGroupAdmin(AuditedAdmin):
+class PrefixCacheGroupAdmin(admin.ModelAdmin):
     """Tenants in one group share prefix-cache blocks on the engines they share (and so can
     learn from timing which prefixes the others sent); everyone else is isolated."""
 
@@ -77,7 +76,7 @@ class PrefixCacheGroupAdmin(AuditedAdmin):
 
 
 @admin.register(Membership)
-class MembershipAdmin(AuditedAdmin):
+class MembershipAdmin(admin.ModelAdmin):
     list_display = ["tenant", "user", "role", "created_at"]
     list_filter = ["role", "tenant"]
     search_fields = ["user__username", "tenant__slug"]
@@ -87,14 +86,12 @@ class MembershipAdmin(AuditedAdmin):
 @admin.action(description="Revoke selected invitations")
 def revoke_invitations(modeladmin, request, queryset) -> None:
     for invitation in queryset:
-        if invitation.revoke():
-            audit.record(request, "revoke", invitation,
-                         changes={"status": ["pending", "revoked"]}, via="admin")
+        invitation.revoke()  # one audit entry for each one it revoked
     messages.success(request, "Selected pending invitations are revoked.")
 
 
 @admin.register(Invitation)
-class InvitationAdmin(AuditedAdmin):
+class InvitationAdmin(admin.ModelAdmin):
     """Platform admins see whom an invitation resolved to; they add members directly instead
     (Memberships), so invitations are created by tenant managers and only revoked here."""
 
@@ -118,14 +115,12 @@ class ApiKeyCreateForm(forms.ModelForm):
 
 @admin.action(description="Revoke selected keys")
 def revoke_keys(modeladmin, request, queryset) -> None:
-    for key in queryset.revoke():
-        audit.record(request, "revoke", key,
-                     changes={"revoked_at": [None, str(key.revoked_at)]}, via="admin")
+    queryset.revoke()  # one audit entry for each key it revoked
     messages.success(request, "Selected keys are revoked.")
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(AuditedAdmin):
+class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ["prefix", "name", "tenant", "expires_at", "revoked_at", "last_used_at"]
     list_filter = ["tenant", ("revoked_at", admin.EmptyFieldListFilter)]
     search_fields = ["prefix", "name", "tenant__slug"]
@@ -163,7 +158,6 @@ class ApiKeyAdmin(AuditedAdmin):
             created_by=request.user,
         )
         form.instance = key
-        request._audit_before = None
         # Shown by response_add on a page of its own, never through messages (a cookie or the
         # session would carry it beyond this one response).
         request._new_api_key = (key, secret)

@@ -20,6 +20,7 @@ from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit_app import recording
 from tenants_app.signals import api_keys_revoked
 
 if TYPE_CHECKING:
@@ -378,6 +379,7 @@ class ApiKeyQuerySet(TenantOwnedQuerySet):
                 revoked_at=now)
             for key in revoked:
                 key.revoked_at = now
+                recording.record("revoke", key, {"revoked_at": [None, now]})
             if keys:
                 api_keys_revoked.send(sender=ApiKey, keys=keys)
         return revoked
@@ -569,13 +571,26 @@ class Invitation(models.Model):
             return "expired"
         return self.status
 
+    # The audit entry's action for each answer.
+    ANSWERS: dict[str, str] = {
+        Status.ACCEPTED: "accept", Status.DECLINED: "decline", Status.REVOKED: "revoke",
+    }
+
     def _answer(self, new_status: str, expected: tuple[str, ...]) -> bool:
+        """Move from one of `expected` to `new_status`, conditionally (two answers at once: one
+        wins), and record the answer when it was this one."""
         now = timezone.now()
         filters = Q(pk=self.pk, status__in=expected)
         if new_status == self.Status.ACCEPTED:
             filters &= Q(expires_at__gt=now)
-        updated = Invitation.objects.filter(filters).update(status=new_status, answered_at=now)
-        self.refresh_from_db(fields=["status", "answered_at"])
+        with transaction.atomic():
+            before = self.status
+            updated = Invitation.objects.filter(filters).update(status=new_status,
+                                                                answered_at=now)
+            self.refresh_from_db(fields=["status", "answered_at"])
+            if updated:
+                recording.record(self.ANSWERS[new_status], self,
+                                 {"status": [before, new_status]})
         return bool(updated)
 
     def accept(self, user: AbstractBaseUser) -> Membership:

@@ -2,8 +2,8 @@
 
 Every page under `/portal/<slug>/` finds the tenant through `Tenant.objects.for_user()`, so
 another tenant's pages answer 404; changes need the owner or admin role (403 otherwise), and an
-owner is made, demoted or removed only by an owner, as in the management API. Writes leave an
-audit entry (`via="ui"`).
+owner is made, demoted or removed only by an owner, as in the management API. The audit log
+records each change on its own (source "portal").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from django.utils import timezone
 from django.views import View
 from django.views.generic import TemplateView
 
-from serving_app import audit, storage
+from serving_app import storage
 from serving_app.catalog import served_models
 from serving_app.dashboards import queries
 from serving_app.models import Deployment, Instance, LoraAdapter
@@ -37,7 +37,6 @@ from tenants_app.forms import (
 )
 from tenants_app.models import MANAGER_ROLES, ApiKey, Invitation, Membership, Role, Tenant
 
-VIA = "ui"
 PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
 
 
@@ -76,9 +75,7 @@ class InvitationAnswerView(PortalAccessMixin, View):
             Invitation.objects.addressed_to(request.user).select_related("tenant"), pk=pk
         )
         if answer == "decline":
-            if invitation.decline(request.user):
-                audit.record(request, "decline", invitation,
-                             changes={"status": ["pending", "declined"]}, via=VIA)
+            invitation.decline(request.user)
             messages.success(request, f"Invitation to {invitation.tenant.name} declined.")
             return redirect("portal:home")
         try:
@@ -86,9 +83,6 @@ class InvitationAnswerView(PortalAccessMixin, View):
         except ValidationError as exc:
             messages.error(request, exc.messages[0])
             return redirect("portal:home")
-        audit.record(request, "accept", invitation, changes={"status": ["pending", "accepted"]},
-                     via=VIA)
-        audit.record(request, "create", membership, changes=audit.snapshot(membership), via=VIA)
         messages.success(request, f"You joined {invitation.tenant.name} as {membership.role}.")
         return redirect("portal:tenant-home", slug=invitation.tenant.slug)
 
@@ -247,7 +241,6 @@ class ApiKeysView(TenantMixin, View):
                 for error in errors:
                     form.add_error(field if field in form.fields else None, error)
             return self.keys_page(form, status=400)
-        audit.record(request, "create", key, changes=audit.snapshot(key), via=VIA)
         # Rendered, not redirected: the secret must not travel through the session.
         response = self.keys_page(ApiKeyForm(model_names=self.model_names()), new_key=key,
                                   secret=secret)
@@ -260,8 +253,6 @@ class ApiKeyRevokeView(TenantMixin, View):
         self.require_manager()
         key = get_object_or_404(ApiKey.objects.for_tenant(self.tenant), pk=pk)
         if key.revoke():
-            audit.record(request, "revoke", key,
-                         changes={"revoked_at": [None, str(key.revoked_at)]}, via=VIA)
             messages.success(request, f"Key {key.name} revoked.")
         return redirect("portal:keys", slug=slug)
 
@@ -309,7 +300,6 @@ class AdaptersView(TenantMixin, View):
             if not form.is_valid():
                 return self.page(status=400, path_form=form)
             adapter = form.save()
-        audit.record(request, "create", adapter, changes=audit.snapshot(adapter), via=VIA)
         messages.success(request, f"Adapter {adapter.name} registered (rank {adapter.rank}, "
                                   f"{', '.join(adapter.target_modules)}).")
         return redirect("portal:adapters", slug=slug)
@@ -323,7 +313,6 @@ class AdapterDeleteView(TenantMixin, View):
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         self.require_manager()
         adapter = get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
-        audit.record(request, "delete", adapter, changes=audit.snapshot(adapter), via=VIA)
         adapter.delete()
         messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
                                   "no engine has it loaded.")
@@ -366,7 +355,6 @@ class PlaygroundKeyView(TenantMixin, View):
             expires_at=now + PLAYGROUND_KEY_LIFETIME,
             created_by=request.user,
         )
-        audit.record(request, "create", key, changes=audit.snapshot(key), via=VIA)
         response = JsonResponse({"secret": secret, "prefix": key.prefix,
                                  "expires_at": key.expires_at.isoformat()})
         response["Cache-Control"] = "no-store"
@@ -413,7 +401,6 @@ class MembersView(TenantMixin, View):
                 for error in errors:
                     form.add_error(field if field in form.fields else None, error)
             return self.page(form, status=400)
-        audit.record(request, "create", invitation, changes=audit.snapshot(invitation), via=VIA)
         messages.success(request, f"Invitation for {invitation.invited_as} created; it is open "
                                   f"until {invitation.expires_at:%Y-%m-%d %H:%M} UTC.")
         return redirect("portal:members", slug=slug)
@@ -425,8 +412,6 @@ class InvitationRevokeView(MembersView):
         invitation = get_object_or_404(Invitation.objects.for_tenant(self.tenant), pk=pk)
         self.check_owner_grant(invitation.role)
         if invitation.revoke():
-            audit.record(request, "revoke", invitation,
-                         changes={"status": ["pending", "revoked"]}, via=VIA)
             messages.success(request, f"Invitation for {invitation.invited_as} revoked.")
         return redirect("portal:members", slug=slug)
 
@@ -439,13 +424,11 @@ class MemberChangeView(MembersView):
         membership = get_object_or_404(Membership.objects.for_tenant(self.tenant), pk=pk)
         Membership.objects.check_change(request.user, membership)
         if request.POST.get("action") == "remove":
-            before = audit.snapshot(membership)
             try:
                 membership.remove(by=request.user)
             except ValidationError as exc:
                 messages.error(request, exc.messages[0])
                 return redirect("portal:members", slug=slug)
-            audit.record(request, "delete", membership, changes=before, object_id=pk, via=VIA)
             messages.success(request, f"{membership.user.username} removed.")
             return redirect("portal:members", slug=slug)
         form = MemberRoleForm(request.POST)
@@ -454,10 +437,9 @@ class MemberChangeView(MembersView):
             return redirect("portal:members", slug=slug)
         role = form.cleaned_data["role"]
         try:
-            changes = membership.change_role(role, by=request.user)
+            membership.change_role(role, by=request.user)
         except ValidationError as exc:
             messages.error(request, "; ".join(exc.messages))
             return redirect("portal:members", slug=slug)
-        audit.record(request, "update", membership, changes=changes, via=VIA)
         messages.success(request, f"{membership.user.username} is now {role}.")
         return redirect("portal:members", slug=slug)

@@ -10,9 +10,9 @@ from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 from rest_framework.serializers import as_serializer_error
 
+from audit_app.models import AuditLog
 from serving_app import storage
 from serving_app.models import (
-    AuditLog,
     BaseModel,
     Deployment,
     Gpu,

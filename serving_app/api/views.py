@@ -16,7 +16,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
-from serving_app import audit, storage
+from audit_app.models import AuditLog
+from serving_app import storage
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
     AuditLogSerializer,
@@ -28,7 +29,7 @@ from serving_app.api.serializers import (
     NodeSerializer,
     ScaleSerializer,
 )
-from serving_app.models import AuditLog, BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
 from serving_app.uploads import register_upload
 from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyModelViewSet
 from tenants_app.models import Tenant
@@ -77,7 +78,6 @@ class LoraAdapterViewSet(ScopedModelViewSet):
                                       data["archive"])
         except DjangoValidationError as exc:
             raise ValidationError(as_serializer_error(storage.public_errors(exc, user))) from exc
-        audit.record(request, "create", adapter, changes=audit.snapshot(adapter))
         return Response(LoraAdapterSerializer(adapter, context=self.get_serializer_context()).data,
                         status=status.HTTP_201_CREATED)
 
@@ -99,7 +99,7 @@ class NodeViewSet(ScopedModelViewSet):
 
     def _action(self, name: str, method: Callable[[Node], dict]) -> Response:
         node = self.get_object()
-        self.audited_action(name, node, method(node))
+        method(node)  # records its own audit entry
         return Response(self.get_serializer(node).data)
 
     @extend_schema(request=None, responses=NodeSerializer)
@@ -162,25 +162,26 @@ class DeploymentViewSet(ScopedModelViewSet):
     def extra_create_fields(self) -> dict:
         return {"created_by": self.request.user}
 
-    def _action(self, name: str, method: Callable[[Deployment], dict]) -> Response:
+    def _action(self, method: Callable[[Deployment], object]) -> Response:
+        """Run one of the deployment's workflows (which records its own audit entry)."""
         deployment = self.get_object()
-        self.audited_action(name, deployment, method(deployment))
+        method(deployment)
         return Response(self.get_serializer(deployment).data)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def start(self, request: Request, pk: str | None = None) -> Response:
-        return self._action("start", Deployment.start)
+        return self._action(Deployment.start)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str | None = None) -> Response:
-        return self._action("stop", Deployment.stop)
+        return self._action(Deployment.stop)
 
     @extend_schema(request=None, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
-        return self._action("restart", Deployment.restart)
+        return self._action(Deployment.restart)
 
     @extend_schema(request=ScaleSerializer, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
@@ -188,7 +189,7 @@ class DeploymentViewSet(ScopedModelViewSet):
         serializer = ScaleSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         replicas = serializer.validated_data["replicas"]
-        return self._action("scale", lambda deployment: deployment.scale_to(replicas))
+        return self._action(lambda deployment: deployment.scale_to(replicas))
 
 
 class InstanceViewSet(ScopedReadOnlyModelViewSet):
@@ -223,6 +224,7 @@ class AuditLogViewSet(ScopedReadOnlyModelViewSet):
         "object_id": ["exact"],
         "tenant__slug": ["exact"],
         "actor_label": ["exact"],
+        "via": ["exact"],
     }
 
     def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:

@@ -2,8 +2,9 @@
 
 `ScopedModelViewSet` reads through the model's `for_user()` (so another tenant's object is a
 404 that no endpoint can forget), asks `check_write()` before every write (403 for too low a
-role), runs the models' `full_clean()` through `ValidatedModelSerializer`, and writes the audit
-trail for every create, update, delete and action.
+role), and runs the models' `full_clean()` through `ValidatedModelSerializer`. The audit log
+records every write on its own (audit_app: model signals, with the request's user and the
+source "api").
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from rest_framework import permissions, serializers, viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.serializers import as_serializer_error
 
-from serving_app import audit
 from tenants_app.models import Tenant
 
 
@@ -138,7 +138,6 @@ class ScopedModelViewSet(ScopedQuerysetMixin, viewsets.ModelViewSet):
     """
 
     write_role = "staff"
-    audit_actions = True
 
     def get_object(self) -> models.Model:
         # A text lookup (a tenant's slug) holding a NUL character matches nothing; PostgreSQL
@@ -184,11 +183,10 @@ class ScopedModelViewSet(ScopedQuerysetMixin, viewsets.ModelViewSet):
                 raise PermissionDenied("Your role in this tenant does not allow this change.")
         return super().create(request, *args, **kwargs)
 
-    # -- writes, each audited ----------------------------------------------------------------
+    # -- writes --------------------------------------------------------------------------------
     def perform_create(self, serializer: serializers.BaseSerializer) -> None:
         self.check_write(serializer.validated_data)
-        instance = serializer.save(**self.extra_create_fields())
-        audit.record(self.request, "create", instance, changes=audit.snapshot(instance))
+        serializer.save(**self.extra_create_fields())
 
     def extra_create_fields(self) -> dict[str, Any]:
         return {}
@@ -196,21 +194,11 @@ class ScopedModelViewSet(ScopedQuerysetMixin, viewsets.ModelViewSet):
     def perform_update(self, serializer: serializers.BaseSerializer) -> None:
         if "tenant" in serializer.validated_data:
             self.check_write(serializer.validated_data)
-        before = audit.snapshot(serializer.instance)
-        instance = serializer.save()
-        audit.record(
-            self.request, "update", instance, changes=audit.diff(before, audit.snapshot(instance))
-        )
+        serializer.save()
 
     def perform_destroy(self, instance: models.Model) -> None:
         self.before_destroy(instance)
-        before = audit.snapshot(instance)
-        pk = instance.pk
-        audit.record(self.request, "delete", instance, changes=before, object_id=pk)
         instance.delete()
 
     def before_destroy(self, instance: models.Model) -> None:
         """Raise a ValidationError to refuse a delete."""
-
-    def audited_action(self, name: str, obj: models.Model, changes: dict | None = None) -> None:
-        audit.record(self.request, name, obj, changes=changes or {})

@@ -11,7 +11,6 @@ from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from serving_app import audit
 from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyModelViewSet
 from tenants_app.api.serializers import (
     ApiKeySerializer,
@@ -67,14 +66,10 @@ class MembershipViewSet(ScopedModelViewSet):
     def perform_update(self, serializer: drf_serializers.BaseSerializer) -> None:
         membership = serializer.instance
         role = serializer.validated_data.get("role", membership.role)
-        changes = membership.change_role(role, by=self.request.user)
-        audit.record(self.request, "update", membership,
-                     changes=changes if changes["role"][0] != role else {})
+        membership.change_role(role, by=self.request.user)
 
     def perform_destroy(self, membership: Membership) -> None:
-        before, pk = audit.snapshot(membership), membership.pk
         membership.remove(by=self.request.user)
-        audit.record(self.request, "delete", membership, changes=before, object_id=pk)
 
 
 class InvitationViewSet(ScopedModelViewSet):
@@ -95,8 +90,7 @@ class InvitationViewSet(ScopedModelViewSet):
         data = serializer.validated_data
         Membership.objects.check_owner_grant(self.request.user, data["tenant"], data.get("role"))
         self.check_write(data)
-        invitation = serializer.save(invited_by=self.request.user)
-        audit.record(self.request, "create", invitation, changes=audit.snapshot(invitation))
+        serializer.save(invited_by=self.request.user)
 
     @extend_schema(request=None, responses=InvitationSerializer)
     @action(detail=True, methods=["post"])
@@ -104,8 +98,7 @@ class InvitationViewSet(ScopedModelViewSet):
         invitation = self.get_object()
         self.check_write(invitation)
         Membership.objects.check_owner_grant(request.user, invitation.tenant, invitation.role)
-        if invitation.revoke():
-            audit.record(request, "revoke", invitation, changes={"status": ["pending", "revoked"]})
+        invitation.revoke()
         return Response(self.get_serializer(invitation).data)
 
 
@@ -129,18 +122,13 @@ class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet):
     def accept(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
         membership = invitation.accept(request.user)
-        audit.record(request, "accept", invitation, changes={"status": ["pending", "accepted"]})
-        audit.record(request, "create", membership, changes=audit.snapshot(membership))
         return Response(MembershipSerializer(membership, context={"request": request}).data)
 
     @extend_schema(request=None, responses=ReceivedInvitationSerializer)
     @action(detail=True, methods=["post"])
     def decline(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
-        if invitation.decline(request.user):
-            audit.record(
-                request, "decline", invitation, changes={"status": ["pending", "declined"]}
-            )
+        invitation.decline(request.user)
         return Response(self.get_serializer(invitation).data)
 
 
@@ -163,10 +151,7 @@ class ApiKeyViewSet(ScopedModelViewSet):
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         key = self.get_object()
-        if key.revoke():
-            audit.record(
-                request, "revoke", key, changes={"revoked_at": [None, str(key.revoked_at)]}
-            )
+        key.revoke()
         return Response(self.get_serializer(key).data)
 
 

@@ -12,7 +12,8 @@ import json
 import pytest
 from django.test import Client
 
-from serving_app.models import AuditLog, Instance, Node
+from audit_app.models import AuditLog
+from serving_app.models import Instance, Node
 from tests.api.helpers import as_user, results
 from tests.factories import make_adapter, make_deployment, make_tenant, make_user
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving_app.models import AuditLog
+from audit_app.models import AuditLog
 from tenants_app.models import Invitation, Membership
 from tests.api.helpers import as_user, assert_forbidden_for, results
 from tests.factories import make_user

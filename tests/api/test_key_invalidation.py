@@ -12,8 +12,9 @@ import redis
 from django.test import Client
 from django.urls import reverse
 
+from audit_app.models import AuditLog
 from gateway_app import invalidation
-from serving_app.models import AuditLog, Instance
+from serving_app.models import Instance
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
 from tests.factories import make_base_model, make_deployment

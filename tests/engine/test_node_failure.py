@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from audit_app.models import AuditLog
 from gateway_app.catalog import load_snapshot
-from serving_app.models import AuditLog, Instance, Node
+from serving_app.models import Instance, Node
 from tests.api.helpers import as_user
 from tests.engine.conftest import engine_sessions, wait_for
 from tests.engine.test_engine_lifecycle import (

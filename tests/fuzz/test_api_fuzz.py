@@ -39,9 +39,10 @@ from hypothesis import HealthCheck, Phase, given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from audit_app.models import AuditLog
 from console.celery import app as celery_app
 from console.wsgi import application
-from serving_app.models import AuditLog, Gpu, GpuSample, Instance, Node
+from serving_app.models import Gpu, GpuSample, Instance, Node
 from tenants_app.models import ApiKey, Invitation
 from tests.factories import make_adapter, make_deployment, make_user
 
@@ -123,7 +124,7 @@ def path_values(prefix: str, param: str) -> list:
         "base-models": "serving_app.BaseModel", "adapters": "serving_app.LoraAdapter",
         "nodes": "serving_app.Node", "gpus": "serving_app.Gpu",
         "deployments": "serving_app.Deployment", "instances": "serving_app.Instance",
-        "audit-log": "serving_app.AuditLog",
+        "audit-log": "audit_app.AuditLog",
     }
     label = models.get(prefix)
     if label is None:

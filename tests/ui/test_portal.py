@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from django.urls import reverse
 
+from audit_app.models import AuditLog
 from serving_app import storage
-from serving_app.models import AdapterFileRemoval, AuditLog, Instance, LoraAdapter
+from serving_app.models import AdapterFileRemoval, Instance, LoraAdapter
 from tenants_app.models import ApiKey, Invitation, Membership, Role
 from tests.factories import add_member, make_adapter, make_adapter_dir, make_deployment, make_user
 
@@ -115,7 +116,7 @@ def test_admin_creates_key_and_sees_secret_once(login, acme, served):
     assert secret in response.content.decode()
     again = client.get(reverse("portal:keys", args=["acme"])).content.decode()
     assert secret not in again and key.prefix in again
-    assert AuditLog.objects.get(action="create", object_type="tenants_app.ApiKey").via == "ui"
+    assert AuditLog.objects.get(action="create", object_type="tenants_app.ApiKey").via == "portal"
 
 
 def test_duplicate_key_name_is_refused_with_the_models_message(login, acme):
@@ -377,7 +378,7 @@ def test_deleting_an_adapter_removes_its_uploaded_files_once_no_engine_has_it(
     assert response.status_code == 302
     assert not LoraAdapter.objects.exists()
     assert AuditLog.objects.filter(action="delete", object_type="serving_app.LoraAdapter",
-                                   via="ui").exists()
+                                   via="portal").exists()
     AdapterFileRemoval.objects.remove_released()
     assert folder.is_dir()  # the engine still has it
     Instance.objects.filter(pk=instance.pk).update(loaded_adapters=[])

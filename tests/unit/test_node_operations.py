@@ -12,9 +12,10 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
+from audit_app.models import AuditLog
 from serving_app import reconcile, signals
 from serving_app.engine import agent
-from serving_app.models import AuditLog, Deployment, Instance, Node
+from serving_app.models import Deployment, Instance, Node
 from tests.factories import make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db

@@ -8,9 +8,10 @@ import pytest
 from django.apps import apps
 from django.utils import timezone
 
+from audit_app.models import AuditLog
 from console.urls import router
 from serving_app.dashboards import panels, queries
-from serving_app.models import AuditLog, Deployment, Instance, LoraAdapter
+from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.usage import UsageEvent, UsageHour, UsageMinute
 from tenants_app.api.base import ScopedModelViewSet, ScopedQuerysetMixin
 from tenants_app.models import ApiKey, Invitation, Membership, Tenant

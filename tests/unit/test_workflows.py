@@ -13,8 +13,9 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.test import Client
 from django.urls import reverse
 
+from audit_app.models import AuditLog
 from serving_app import lifecycle
-from serving_app.models import AuditLog, Deployment
+from serving_app.models import Deployment
 from tenants_app.models import Membership, Role
 from tests.api.helpers import as_user
 from tests.factories import add_member, make_adapter, make_deployment, make_user
@@ -56,7 +57,7 @@ def test_start_stop_record_the_change_once_and_ask_the_reconciler(deployment, qu
 
 
 def test_restart_raises_the_generation_and_runs(deployment, queued):
-    assert deployment.restart() == {"generation": [0, 1]}
+    assert deployment.restart() == {"generation": [0, 1], "desired_state": [STOPPED, RUNNING]}
     deployment.refresh_from_db()
     assert (deployment.generation, deployment.desired_state) == (1, RUNNING)
     assert queued == [reconciles(deployment)]

@@ -12,7 +12,9 @@ class Command(BaseCommand):
     help = "Mark all deployments stopped and stop their engine processes on this host."
 
     def handle(self, *args, **options) -> None:
-        Deployment.objects.update(desired_state=Deployment.DesiredState.STOPPED)
+        # One audited stop each; the engines are stopped right here, not by a reconcile.
+        for deployment in Deployment.objects.exclude(desired_state=Deployment.DesiredState.STOPPED):
+            deployment.stop(reconcile=False)
         for instance in Instance.objects.exclude(state=Instance.State.STOPPED).select_related(
             "node"
         ):
