@@ -427,8 +427,8 @@ class Node(models.Model):
             for name, value in values.items():
                 setattr(self, name, value)
         changes.pop("drain_status", None)  # a message, not a setting
-        if changes:
-            recording.record(action, self, changes)
+        # Recorded even when nothing changed, as a deployment's start is: someone asked for it.
+        recording.record(action, self, changes)
         return changes
 
 

@@ -275,7 +275,9 @@ ADMIN_CASES: dict[str, AdminCase] = {
     "serving_app.Node": AdminCase(
         make=lambda w: Node.objects.create(name=f"host{(n := w.n())}", queue=f"node.host{n}"),
         add=lambda w: {"name": f"host{(n := w.n())}", "queue": f"node.host{n}"},
-        change=lambda w: {"cordoned": "on"}, changed=("cordoned",)),
+        change=lambda w: {"cordoned": "on"}, changed=("cordoned",),
+        actions={"cordon_nodes": "cordon", "uncordon_nodes": "uncordon",
+                 "drain_nodes": "drain"}),
     "serving_app.Gpu": AdminCase(
         make=_gpu,
         add=lambda w: {"node": str(_node(w).pk), "index": "1", "uuid": f"GPU-{w.n()}",
@@ -283,7 +285,7 @@ ADMIN_CASES: dict[str, AdminCase] = {
         change=lambda w: {"name": "H200 NVL"}, changed=("name",)),
     "serving_app.Deployment": AdminCase(
         make=lambda w: make_deployment(w.base, [w.acme.tenant]),
-        add=lambda w: {"name": f"dep{w.n()}", "base_model": str(w.base.pk),
+        add=lambda w: {"name": f"admin-dep{w.n()}", "base_model": str(w.base.pk),
                        "tenants": [str(w.acme.tenant.pk)]},
         change=lambda w: {"max_num_seqs": "11",
                           "tenants": [str(w.acme.tenant.pk), str(w.globex.tenant.pk)]},
@@ -558,6 +560,14 @@ def _deployment_action(name: str, data: dict[str, Any] | None = None):
     return run
 
 
+def _node_action(name: str):
+    def run(w: World) -> list[Expect]:
+        node = _node(w)
+        call(w.staff, "post", f"/api/v1/nodes/{node.pk}/{name}/")
+        return [Expect(w.staff, name, Node, node.pk)]
+    return run
+
+
 def _invite(w: World) -> list[Expect]:
     data = call(w.acme.owner, "post", "/api/v1/invitations/",
                 {"tenant": "acme", "invited_as": f"friend{w.n()}@example.com"})
@@ -636,6 +646,7 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "v1_deployments_stop_create": _deployment_action("stop"),
     "v1_deployments_restart_create": _deployment_action("restart"),
     "v1_deployments_scale_create": _deployment_action("scale", {"replicas": 2}),
+    **{f"v1_nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
     "v1_invitations_create": _invite,
     "v1_invitations_revoke_create": _revoke_invitation,
     "v1_my_invitations_accept_create": _answer("accept"),

@@ -12,8 +12,9 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from audit_app.models import AuditLog
 from serving_app import lifecycle
-from serving_app.models import AuditLog, Instance, Node
+from serving_app.models import Instance, Node
 from tests.api.helpers import as_user, assert_forbidden_for
 from tests.factories import make_deployment
 
@@ -106,7 +107,7 @@ def test_the_node_page_shows_its_state_and_its_buttons_act(platform_admin, busy_
     assert Node.objects.get(pk=busy_node.pk).cordoned
     page = response.content.decode()
     assert reverse("console:node-action", args=[busy_node.pk, "uncordon"]) in page
-    assert AuditLog.objects.get(action="cordon").via == "ui"
+    assert AuditLog.objects.get(action="cordon").via == "console"
 
 
 def test_the_node_page_is_for_platform_admins(acme, node):

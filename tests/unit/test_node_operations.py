@@ -70,7 +70,7 @@ def serving_on(node: Node, deployment) -> list[Instance]:
 
 
 def events(action: str) -> list[AuditLog]:
-    return list(AuditLog.objects.filter(action=action, via="control").order_by("id"))
+    return list(AuditLog.objects.filter(action=action).order_by("id"))
 
 
 # -- lost nodes --------------------------------------------------------------------------------
