@@ -94,6 +94,13 @@ def parse(text: str) -> Reading:
         raise NotEngineMetrics(f"unparsable metrics: {exc}") from exc
     if GAUGES["requests_running"][0] not in families:
         raise NotEngineMetrics("no vllm:num_requests_running: not a vLLM engine's /metrics")
+    try:
+        return _reduce(families)
+    except (KeyError, ValueError) as exc:  # a bucket without a numeric `le`
+        raise NotEngineMetrics(f"malformed vLLM metrics: {exc!r}") from exc
+
+
+def _reduce(families: dict[str, Metric]) -> Reading:
     gauges = {}
     for name, candidates in GAUGES.items():
         values = _values(_first(families, candidates), "")
