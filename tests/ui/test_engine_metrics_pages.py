@@ -58,7 +58,9 @@ def test_the_deployment_page_holds_the_engine_charts(login, platform_admin, depl
     assert f'data-url="{data_url}"' in text
     for chart in engine.CHARTS:
         assert f'id="chart-{chart}"' in text
-    assert "/static/console/dashboard.js" in text and "/static/vendor/plotly.min.js" in text
+    assert 'src="/static/console/engine-metrics.js" defer' in text
+    assert 'data-plotly="/static/vendor/plotly.min.js"' in text
+    assert 'data-script="/static/console/dashboard.js"' in text
 
 
 def test_the_charts_show_each_engine_and_add_the_engines_up(login, platform_admin,
