@@ -16,6 +16,8 @@ from serving_app import lifecycle
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "console.settings")
 
+ENGINE_ROLLUP_SECONDS = 300.0
+
 app = Celery("console")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
@@ -33,5 +35,12 @@ def _schedule(sender: Celery, **kwargs) -> None:
         5.0, sender.signature(lifecycle.DRAIN_USAGE_EVENTS, queue=lifecycle.CONTROL_QUEUE,
                               options={"expires": 5}),
         name="drain usage events",
+    )
+    # Engine metric samples: finished hours rolled up, old samples and rollups pruned.
+    sender.add_periodic_task(
+        ENGINE_ROLLUP_SECONDS,
+        sender.signature(lifecycle.ROLL_UP_ENGINE_SAMPLES, queue=lifecycle.CONTROL_QUEUE,
+                         options={"expires": ENGINE_ROLLUP_SECONDS}),
+        name="roll up engine samples",
     )
 

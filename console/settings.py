@@ -204,7 +204,16 @@ RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, mi
 CRASH_LOOP_RESTARTS = env_int("CRASH_LOOP_RESTARTS", 5, minimum=1)
 CRASH_LOOP_WINDOW_SECONDS = env_float("CRASH_LOOP_WINDOW_SECONDS", 600.0, minimum=1.0)
 NODE_HEARTBEAT_SECONDS = env_float("NODE_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
-NODE_INVENTORY_SECONDS = env_float("NODE_INVENTORY_SECONDS", 60.0, minimum=1.0)
+# Engine metrics: node agents scrape each ready engine's /metrics at this pace, and read their
+# GPUs through NVML at the same pace unless NODE_INVENTORY_SECONDS says otherwise
+# (serving_app/engine/scrape.py; samples are kept, then rolled up per hour:
+# serving_app/engine_metrics.py).
+ENGINE_METRICS_INTERVAL_SECONDS = env_float("ENGINE_METRICS_INTERVAL_SECONDS", 10.0, minimum=1.0)
+ENGINE_SAMPLE_RETENTION_HOURS = env_float("ENGINE_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)
+ENGINE_ROLLUP_RETENTION_DAYS = env_float("ENGINE_ROLLUP_RETENTION_DAYS", 31.0, minimum=1.0)
+NODE_INVENTORY_SECONDS = env_float(
+    "NODE_INVENTORY_SECONDS", ENGINE_METRICS_INTERVAL_SECONDS, minimum=1.0
+)
 # A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
 # its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
 NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)

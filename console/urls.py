@@ -39,6 +39,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),
+    path("api/v1/", include("serving_app.api.metrics_views")),
     path("api/v1/", include(router.urls)),
     path("api/v1/auth/token/", TokenLoginView.as_view(), name="api-token"),
     # Revoking tokens: this one, or every token of the signed-in user.

@@ -16,6 +16,8 @@ from serving_app.models import (
     AdapterFileRemoval,
     BaseModel,
     Deployment,
+    EngineHour,
+    EngineSample,
     Gpu,
     GpuSample,
     Instance,
@@ -220,3 +222,25 @@ class AdapterFileRemovalAdmin(ReadOnlyAdmin):
 
     list_display = ["engine_name", "path", "requested_at", "removed_at", "last_error"]
     list_filter = ["removed_at"]
+
+
+@admin.register(EngineSample)
+class EngineSampleAdmin(ReadOnlyAdmin):
+    """Written by node agents from each engine's /metrics."""
+
+    list_display = ["at", "instance", "requests_running", "requests_waiting", "kv_cache_usage",
+                    "prompt_tokens", "generation_tokens", "ttft_p95_ms", "itl_p95_ms"]
+    list_filter = ["deployment"]
+    list_select_related = ["instance__deployment"]
+    date_hierarchy = "at"
+
+
+@admin.register(EngineHour)
+class EngineHourAdmin(ReadOnlyAdmin):
+    """Hourly rollups of engine samples (written by the control worker)."""
+
+    list_display = ["bucket", "instance", "samples", "requests_running_mean",
+                    "requests_waiting_max", "kv_cache_usage_max", "prompt_tokens",
+                    "generation_tokens"]
+    list_filter = ["deployment"]
+    list_select_related = ["instance__deployment"]

@@ -31,3 +31,5 @@ class ServingAppConfig(AppConfig):
                 f"files of deleted adapters waiting for removal, {control_plane}")
         for name in ("UsageEvent", "UsageMinute", "UsageHour"):
             exclude(self.get_model(name), f"metering, {control_plane}")
+        for name in ("EngineSample", "EngineHour"):
+            exclude(self.get_model(name), f"engine metric samples, {control_plane}")

@@ -23,6 +23,7 @@ SYNC_ADAPTERS = "serving.sync_adapters"
 RECONCILE_DEPLOYMENT = "serving.reconcile_deployment"
 RECONCILE_ALL = "serving.reconcile_all"
 REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
+ROLL_UP_ENGINE_SAMPLES = "serving.roll_up_engine_samples"  # scheduled by beat
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)

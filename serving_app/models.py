@@ -852,6 +852,7 @@ class Instance(models.Model):
         return f"http://{address}:{self.port}"
 
 
-# Usage metering models live in their own module (written by the gateway); importing them here
-# registers them with the app.
+# Usage metering models and engine metric samples live in their own modules (written by the
+# gateway, and by node agents and the control worker); importing them here registers them.
+from serving_app.engine_metrics import EngineHour, EngineSample  # noqa: E402,F401
 from serving_app.usage import *  # noqa: E402,F401,F403

@@ -20,7 +20,7 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from serving_app import lifecycle, reconcile
 from serving_app.engine import agent
-from serving_app.models import AdapterFileRemoval
+from serving_app.models import AdapterFileRemoval, EngineHour, EngineSample
 
 # Failures that pass by themselves: a restarted PostgreSQL, Redis or broker.
 TRANSIENT = (OperationalError, InterfaceError, redis.ConnectionError, redis.TimeoutError,
@@ -55,6 +55,15 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
 @shared_task(name=lifecycle.RECONCILE_ALL)
 def reconcile_all() -> int:
     return reconcile.reconcile_all()
+
+
+@shared_task(name=lifecycle.ROLL_UP_ENGINE_SAMPLES)
+def roll_up_engine_samples() -> dict[str, int]:
+    """Roll finished hours of engine samples up, then prune samples and rollups past their
+    retention (in that order: no sample goes before its hour is rolled up)."""
+    return {"rolled_up": EngineHour.objects.roll_up(),
+            "samples_pruned": EngineSample.objects.prune(),
+            "hours_pruned": EngineHour.objects.prune()}
 
 
 @shared_task(name=lifecycle.REMOVE_ADAPTER_FILES, **RETRY)

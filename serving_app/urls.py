@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from serving_app import views
+from serving_app import metrics_views, views
 
 app_name = "console"
 
@@ -43,6 +43,8 @@ urlpatterns = [
          name="deployment-instances"),
     path("deployments/<int:pk>/scale/", views.DeploymentScaleView.as_view(),
          name="deployment-scale"),
+    path("deployments/<int:pk>/metrics/", metrics_views.DeploymentMetricsData.as_view(),
+         name="deployment-metrics"),
     re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",
             views.DeploymentActionView.as_view(), name="deployment-action"),
     # nodes
@@ -52,6 +54,8 @@ urlpatterns = [
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),
+    path("instances/<int:pk>/metrics/", metrics_views.InstanceMetricsData.as_view(),
+         name="instance-metrics"),
     # audit log and dashboards
     path("audit/", views.AuditLogView.as_view(), name="audit-log"),
     re_path(r"^dashboards/(?P<name>usage|latency|gpus)/$", views.DashboardView.as_view(),

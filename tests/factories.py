@@ -14,7 +14,7 @@ from pathlib import Path
 
 from django.contrib.auth import get_user_model
 
-from serving_app.models import BaseModel, Deployment, LoraAdapter
+from serving_app.models import BaseModel, Deployment, EngineSample, Instance, LoraAdapter
 from tenants_app.models import Membership, Role, Tenant
 
 _counter = itertools.count(1)
@@ -144,3 +144,9 @@ def make_deployment(base: BaseModel, tenants: list[Tenant], name: str | None = N
     deployment.tenants.set(tenants)
     deployment.adapters.set(adapters)
     return deployment
+
+
+def make_engine_sample(instance: Instance, at, **fields) -> EngineSample:
+    """A sample as a node agent stores it; an interval's increases only with `interval_seconds`."""
+    return EngineSample.objects.create(instance=instance, deployment_id=instance.deployment_id,
+                                       at=at, **fields)

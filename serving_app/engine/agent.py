@@ -1,10 +1,10 @@
 """The node agent: what a Celery worker on a GPU host does for the engines of its own node.
 
 A worker started with NODE_NAME set (and `-Q node.<name>`) registers its Node, adopts the
-engines that already run there, then keeps a heartbeat and supervises its engines from a
-background thread. The Celery tasks in `serving_app.tasks` call `start_instance()`,
-`stop_instance()` and `sync_adapters()` here. Every step re-reads its row and changes state
-with a conditional update, so a task delivered twice does no harm.
+engines that already run there, then keeps a heartbeat, supervises its engines and samples
+their metrics and its GPUs from a background thread. The Celery tasks in `serving_app.tasks`
+call `start_instance()`, `stop_instance()` and `sync_adapters()` here. Every step re-reads its
+row and changes state with a conditional update, so a task delivered twice does no harm.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from serving_app import events, lifecycle, storage
-from serving_app.engine import supervisor
+from serving_app.engine import scrape, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.modelfiles import (
@@ -580,7 +580,8 @@ def refresh_log_tails(config: AgentConfig) -> int:
 
 
 class AgentLoop(threading.Thread):
-    """Heartbeat and supervision, in the background of the node agent's worker process."""
+    """Heartbeat, supervision, GPU inventory and engine metrics, in the background of the node
+    agent's worker process."""
 
     def __init__(self, config: AgentConfig) -> None:
         super().__init__(name=f"node-agent-{config.name}", daemon=True)
@@ -590,7 +591,7 @@ class AgentLoop(threading.Thread):
     def run(self) -> None:
         last_heartbeat = 0.0
         last_logs = 0.0
-        last_inventory = time.monotonic()
+        last_inventory = last_metrics = time.monotonic()
         while not self.stopping.is_set():
             close_old_connections()
             try:
@@ -606,6 +607,9 @@ class AgentLoop(threading.Thread):
                 if now - last_logs >= LOG_TAIL_SECONDS:
                     refresh_log_tails(self.config)
                     last_logs = now
+                if now - last_metrics >= settings.ENGINE_METRICS_INTERVAL_SECONDS:
+                    scrape.scrape_node(self.config.name)
+                    last_metrics = now
             except Exception:  # keep supervising whatever one round hit
                 log.exception("node agent loop")
             self.stopping.wait(settings.ENGINE_SUPERVISE_SECONDS)

@@ -1,4 +1,5 @@
-"""A small synchronous client for one engine's control endpoints (health, models, adapters)."""
+"""A small synchronous client for one engine's control endpoints (health, metrics, models,
+adapters)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ class EngineClient:
         except httpx.HTTPError:
             return False
         return response.status_code == 200
+
+    def metrics(self, timeout: float | None = None) -> str:
+        """The engine's Prometheus exposition (`/metrics` is not behind the engine's key)."""
+        response = _http().get(f"{self.base_url}/metrics", timeout=timeout or self.timeout)
+        response.raise_for_status()
+        return response.text
 
     def models(self) -> list[dict[str, Any]]:
         response = _http().get(f"{self.base_url}/v1/models", headers=self.headers,

@@ -43,6 +43,8 @@ from serving_app.models import (
     AdapterFileRemoval,
     BaseModel,
     Deployment,
+    EngineHour,
+    EngineSample,
     Gpu,
     GpuSample,
     Instance,
@@ -60,6 +62,7 @@ from tests.factories import (
     make_adapter_dir,
     make_base_model,
     make_deployment,
+    make_engine_sample,
     make_model_dir,
     make_tenant,
     make_user,
@@ -67,7 +70,7 @@ from tests.factories import (
 
 pytestmark = pytest.mark.django_db
 
-METERING = {UsageEvent, UsageMinute, UsageHour}
+METERING = {UsageEvent, UsageMinute, UsageHour, EngineSample, EngineHour}
 _n = itertools.count(1)
 
 
@@ -179,6 +182,10 @@ class AdminCase:
 
 def _token(w: World) -> AuthToken:
     return AuthToken.objects.create(make_user())[0]
+
+
+def _instance(w: World) -> Instance:
+    return Instance.objects.create(deployment=make_deployment(w.base, [w.acme.tenant]))
 
 
 def _node(w: World) -> Node:
@@ -296,6 +303,12 @@ ADMIN_CASES: dict[str, AdminCase] = {
         make=lambda w: Instance.objects.create(
             deployment=make_deployment(w.base, [w.acme.tenant]))),
     "serving_app.GpuSample": AdminCase(make=lambda w: GpuSample.objects.create(gpu=_gpu(w))),
+    "serving_app.EngineSample": AdminCase(
+        make=lambda w: make_engine_sample(_instance(w), timezone.now())),
+    "serving_app.EngineHour": AdminCase(
+        make=lambda w: EngineHour.objects.create(
+            instance=(i := _instance(w)), deployment=i.deployment,
+            bucket=timezone.now().replace(minute=0, second=0, microsecond=0))),
     "serving_app.UsageEvent": AdminCase(make=_usage(UsageEvent)),
     "serving_app.UsageMinute": AdminCase(make=_usage(UsageMinute)),
     "serving_app.UsageHour": AdminCase(make=_usage(UsageHour)),

@@ -54,6 +54,7 @@ class Cluster:
             "RECONCILE_INTERVAL_SECONDS": "1",
             "NODE_HEARTBEAT_SECONDS": "1",
             "ENGINE_SUPERVISE_SECONDS": "0.5",
+            "ENGINE_METRICS_INTERVAL_SECONDS": "1",
             "RESTART_BACKOFF_SECONDS": "1",
             "ENGINE_STOP_GRACE_SECONDS": "10",
             "ENGINE_START_TIMEOUT_SECONDS": "280",

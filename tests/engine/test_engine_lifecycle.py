@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from serving_app.engine import supervisor
-from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.models import Deployment, EngineSample, Instance, LoraAdapter
 from tests.api.helpers import as_user
 from tests.engine.conftest import MODELS, engine_sessions, instance_state, wait_for
 from tests.unit.test_process_groups import session_members
@@ -92,6 +92,11 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     outputs = {model: complete(instance, model)["choices"][0]["text"]
                for model in ("tiny-llama", "acme--support", "acme--billing")}
     assert len(set(outputs.values())) == 3, outputs  # adapters visibly change the output
+    # The node agent samples the engine's own metrics, at its interval: the completions' tokens
+    # show up in the engine's counters as read, and later readings cover an interval.
+    wait_for(lambda: EngineSample.objects.filter(
+        instance=instance, generation_tokens_total__gt=0, interval_seconds__isnull=False,
+    ).exists(), 30, "engine samples of the agent with the completions' tokens")
     api_view = client.get(f"/api/v1/instances/{instance.pk}/").data
     assert "--lora-modules" in api_view["command"]
     # The key is in the engine's environment only: on no command line that `ps` shows, not in

@@ -1,0 +1,139 @@
+"""Engine metrics end to end: the real CPU vLLM engine (the session's shared one, registered as
+the ready instance of a deployment on node "local") is scraped as its node agent scrapes it, and
+what is stored matches what the engine's own /metrics said at that moment; the API answers the
+samples and the deployment page draws them.
+
+Each scrape is bracketed by two reads of the engine's /metrics (summed line by line here, not
+with the agent's parser): a gauge the scrape read lies between them, a counter too, and where
+the two reads agree the sample holds exactly their value. At rest (no request in flight) both
+reads agree on everything, so the last sample is checked exactly, and the increases of the
+samples add up to the tokens the engine reported in its own responses.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from django.utils import timezone
+from playwright.sync_api import expect
+
+from serving_app.engine import scrape
+from serving_app.models import BaseModel, Instance, Node
+from tests.api.helpers import as_user
+from tests.browser.conftest import shot, sign_in
+from tests.engines import MODELS, wait_until
+from tests.factories import make_deployment, make_tenant, make_user
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+GAUGES = {"requests_running": "vllm:num_requests_running",
+          "requests_waiting": "vllm:num_requests_waiting"}
+COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
+            "generation_tokens": "vllm:generation_tokens_total",
+            "preemptions": "vllm:num_preemptions_total",
+            "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+            "prefix_cache_hits": "vllm:prefix_cache_hits_total"}
+
+
+def bracketed_scrape(engine):
+    before = engine.metrics()
+    [sample] = scrape.scrape_node("local")
+    after = engine.metrics()
+    for field, name in {**GAUGES, **{f"{k}_total": v for k, v in COUNTERS.items()}}.items():
+        low, high = sorted((before[name], after[name]))
+        assert low <= getattr(sample, field) <= high, (field, before[name], after[name])
+    return before, sample, after
+
+
+def complete(engine, prompt: str, max_tokens: int, usage: list[dict], stream: bool = False):
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+    headers = {"Authorization": f"Bearer {engine.secret}"}
+    if not stream:
+        reply = httpx.post(engine.url + "/v1/completions", json=body, headers=headers,
+                           timeout=120)
+        usage.append(reply.raise_for_status().json()["usage"])
+        return
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", engine.url + "/v1/completions", json=body, headers=headers,
+                      timeout=120) as reply:
+        for line in reply.raise_for_status().iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage.append(chunk["usage"])
+
+
+def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, transactional_db):
+    admin = make_user("root-admin", staff=True)
+    tiny = BaseModel(name="tiny-llama", path=str(MODELS / "tiny-llama"))
+    tiny.full_clean()
+    tiny.save()
+    deployment = make_deployment(tiny, [make_tenant("acme")], name="metrics-chat",
+                                 desired_state="running", max_model_len=1024)
+    node = Node.objects.create(name="local", queue="node.local", address="127.0.0.1",
+                               last_heartbeat=timezone.now())
+    instance = Instance.objects.create(deployment=deployment, node=node, port=engine.port,
+                                       state="ready", secret=engine.secret)
+
+    _, first, _ = bracketed_scrape(engine)
+    assert first.interval_seconds is None  # the engine's first reading: no increases yet
+
+    usage: list[dict] = []
+    for n in range(3):
+        complete(engine, f"metrics test {n}: tell a story", 8, usage)
+    streams = [threading.Thread(target=complete, args=(engine, f"a long story {n}", 400, usage),
+                                kwargs={"stream": True}) for n in range(2)]
+    for stream in streams:
+        stream.start()
+    try:
+        wait_until(lambda: engine.metric("vllm:num_requests_running") == 2, 60,
+                   "both streams running")
+        before, busy, after = bracketed_scrape(engine)
+    finally:
+        for stream in streams:
+            stream.join(120)
+    assert busy.interval_seconds > 0
+    # All five prompts were processed before this scrape, and both streams began: their first
+    # tokens are in this interval's time-to-first-token histogram, as in the engine's.
+    assert before["vllm:prompt_tokens_total"] == busy.prompt_tokens_total
+    assert sum(count for _, _, count in busy.ttft_buckets) == 5
+    assert busy.ttft_p50_ms is not None and busy.itl_p95_ms is not None
+    assert busy.requests_waiting == 0
+
+    wait_until(lambda: engine.metric("vllm:num_requests_running") == 0, 60, "the engine idle")
+    before, last, after = bracketed_scrape(engine)
+    # At rest the two reads agree, so the sample holds exactly their values.
+    checked = [*GAUGES.values(), *COUNTERS.values(), "vllm:kv_cache_usage_perc"]
+    assert [before[name] for name in checked] == [after[name] for name in checked]
+    assert (last.requests_running, last.requests_waiting) == (0, 0)
+    for field, name in COUNTERS.items():
+        assert getattr(last, f"{field}_total") == after[name], field
+    assert last.kv_cache_usage == after["vllm:kv_cache_usage_perc"]
+    # The increases add up to what the engine counted for the five requests it answered.
+    assert len(usage) == 5
+    assert busy.prompt_tokens + last.prompt_tokens == sum(u["prompt_tokens"] for u in usage)
+    assert busy.generation_tokens + last.generation_tokens == sum(
+        u["completion_tokens"] for u in usage)
+
+    api = as_user(admin).get(f"/api/v1/deployments/{deployment.pk}/metrics/").json()
+    assert [s["prompt_tokens_total"] for s in api["samples"]] == [
+        first.prompt_tokens_total, busy.prompt_tokens_total, last.prompt_tokens_total]
+    assert api["samples"][1]["requests_running"] == busy.requests_running
+    assert api["samples"][2]["generation_tokens_total"] == after["vllm:generation_tokens_total"]
+
+    sign_in(page, "root-admin")
+    page.goto(f"/deployments/{deployment.pk}/?range=15m")
+    for chart in ("queue", "kv_cache", "latency", "tokens"):
+        expect(page.locator(f"#chart-{chart}")).to_have_attribute("data-rendered", "1")
+        assert page.locator(f"#chart-{chart} .main-svg").count() >= 1
+    for chart in ("queue", "latency", "tokens"):
+        assert int(page.locator(f"#chart-{chart}").get_attribute("data-points")) > 0, chart
+    expect(page.locator("#dashboard-tables table")).to_contain_text("#0")
+    shot(page, "deployment-engine-metrics")
+    page.goto(f"/instances/{instance.pk}/")
+    expect(page.locator("#chart-tokens")).to_have_attribute("data-rendered", "1")
+    assert page.js_errors == []
