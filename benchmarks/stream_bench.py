@@ -31,10 +31,13 @@ Upstreams:
 
 Per measurement it prints requests/s, TTFT p50/p99, ITL p50, end-to-end p50/p99 and failures;
 for the relay and gateways also their CPU time per request and per relayed chunk (from /proc,
-less their idle background CPU). After the rounds, per cell: each side's ratio of totals
-(requests over time, all rounds together) to direct, and added median TTFT and end-to-end
-latency over the pooled samples. `--profile` samples the first gateway's worker with py-spy
-during its streamed measurements at 32 concurrent and prints the top functions.
+less their idle background CPU; "per chunk" is the CPU per request over the chunks of one
+response, per-request work included), and for the gateways the CPU their Redis spent per
+request (it too is taken from the engine's cores). After the rounds, per cell: each side's
+ratio of totals (requests over time, all rounds together) to direct, and added median TTFT and
+end-to-end latency over the pooled samples. `--profile N` then runs N more (unrecorded)
+streamed measurements at 32 concurrent of each code's first gateway while py-spy samples its
+worker, and prints the top functions.
 
 Everything runs on 127.0.0.1 and stops by itself; each measurement is bounded by its number of
 prompts (`--prompts`, `--prompts-single` one at a time).
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -284,6 +288,7 @@ class Side:
     key: str
     pids: dict[str, int] = field(default_factory=dict)
     idle_cpu: dict[int, float] = field(default_factory=dict)
+    redis_pid: int | None = None  # the gateways' Redis: its CPU counts against the engine too
     rounds: dict[tuple, list[dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -365,7 +370,11 @@ def _ms(value: float | None) -> str:
 
 
 def vllm_argv(args: argparse.Namespace, url: str, upstream: str, mode: str,
-              concurrency: int, round_no: int) -> list[str]:
+              concurrency: int, seed: int) -> list[str]:
+    """vLLM's client arguments for one measurement. `seed` picks the random prompts: a new one
+    for every measurement, because the engine caches prefixes and the gateway salts them per
+    tenant (direct and relay requests would hit what the other side sent, gateway requests
+    never)."""
     prompts = args.prompts if concurrency > 1 else args.prompts_single
     return ["--backend", "openai-chat" if mode == "stream" else WHOLE_BACKEND,
             "--base-url", url, "--endpoint", "/v1/chat/completions",
@@ -373,18 +382,19 @@ def vllm_argv(args: argparse.Namespace, url: str, upstream: str, mode: str,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
             "--max-concurrency", str(concurrency), "--num-warmups", str(max(2, concurrency)),
-            "--seed", str(round_no), "--temperature", "0", "--ignore-eos", "--disable-tqdm",
+            "--seed", str(seed), "--temperature", "0", "--ignore-eos", "--disable-tqdm",
             "--save-detailed"]
 
 
 def measure(client: Client, side: Side, args: argparse.Namespace, cell: tuple,
-            round_no: int, chunks_per_request: int, profiler: Profiler | None = None) -> dict:
+            seed: int, chunks_per_request: int, profiler: Profiler | None = None) -> dict:
     """One call of vLLM's client against one side. A profiled call is not recorded (the
     profiler takes CPU from everyone on this machine)."""
     upstream, mode, concurrency = cell
-    argv = vllm_argv(args, side.urls[upstream], upstream, mode, concurrency, round_no)
+    argv = vllm_argv(args, side.urls[upstream], upstream, mode, concurrency, seed)
     pid = side.pids.get(upstream)
     cpu0, t0 = (cpu_seconds(pid), time.perf_counter()) if pid else (0.0, 0.0)
+    redis0 = cpu_seconds(side.redis_pid) if side.redis_pid else 0.0
     if profiler:
         profiler.start()
     try:
@@ -406,6 +416,8 @@ def measure(client: Client, side: Side, args: argparse.Namespace, cell: tuple,
         handled = row["completed"] + row["failed"] + max(2, concurrency)
         row["cpu_ms_per_request"] = cpu * 1000 / handled
         row["cpu_us_per_chunk"] = cpu * 1e6 / (handled * chunks_per_request)
+        if side.redis_pid:
+            row["redis_ms_per_request"] = (cpu_seconds(side.redis_pid) - redis0) * 1000 / handled
     if profiler is None:
         side.rounds.setdefault(cell, []).append(row)
     return row
@@ -417,6 +429,8 @@ def print_row(cell: tuple, round_no: int, side: Side, row: dict) -> None:
     if "cpu_ms_per_request" in row:
         cpu = (f" | CPU {row['cpu_ms_per_request']:.3f} ms/req "
                f"{row['cpu_us_per_chunk']:5.1f} us/chunk")
+        if "redis_ms_per_request" in row:
+            cpu += f", Redis {row['redis_ms_per_request']:.3f} ms/req"
     print(f"{upstream:7} {mode:6} c={concurrency:<3} r{round_no} {side.name:24} "
           f"{row['rps']:7.1f} rps | TTFT {_ms(row['ttft_p50'])} / {_ms(row['ttft_p99'])} | ITL "
           f"{_ms(row['itl_p50'])} | e2e {_ms(row['e2e_p50'])} / {_ms(row['e2e_p99'])} ms | "
@@ -438,6 +452,7 @@ def summarize(cell: tuple, sides: list[Side]) -> dict[str, Any]:
         duration = sum(r["duration"] for r in rounds)
         cpu = [r["cpu_ms_per_request"] for r in rounds if "cpu_ms_per_request" in r]
         chunk = [r["cpu_us_per_chunk"] for r in rounds if "cpu_us_per_chunk" in r]
+        redis = [r["redis_ms_per_request"] for r in rounds if "redis_ms_per_request" in r]
         pooled[side.name] = {
             "rps": sum(r["completed"] for r in rounds) / duration if duration else 0.0,
             "failed": sum(r["failed"] for r in rounds),
@@ -448,6 +463,7 @@ def summarize(cell: tuple, sides: list[Side]) -> dict[str, Any]:
             "rounds_rps": [round(r["rps"], 1) for r in rounds],
             "cpu_ms_per_request": statistics.median(cpu) if cpu else None,
             "cpu_us_per_chunk": statistics.median(chunk) if chunk else None,
+            "redis_ms_per_request": statistics.median(redis) if redis else None,
         }
     direct = pooled.get("direct")
     relay = pooled.get("relay")
@@ -467,16 +483,18 @@ def print_summary(cell: tuple, pooled: dict[str, Any], chunks: int) -> None:
     print(f"\n== {upstream} {mode} c={concurrency}: all rounds ({chunks} chunks per request)")
     print(f"{'side':24} {'rps':>7} {'ratio':>6} {'TTFT p50':>9} {'(+added)':>9} {'p99':>7} "
           f"{'ITL p50':>7} {'e2e p50':>8} {'(+added)':>9} {'p99':>7} {'fail':>4} "
-          f"{'CPU ms/req':>10} {'us/chunk':>8}  rounds")
+          f"{'CPU ms/req':>10} {'us/chunk':>8} {'Redis':>6}  rounds")
     for name, row in pooled.items():
         cpu = row["cpu_ms_per_request"]
         chunk = row["cpu_us_per_chunk"]
+        redis = row["redis_ms_per_request"]
         print(f"{name:24} {row['rps']:7.1f} {row.get('ratio', 0):6.3f} "
               f"{_ms(row['ttft_p50']):>9} {row.get('added_ttft_p50', 0):+9.2f} "
               f"{_ms(row['ttft_p99']):>7} {_ms(row['itl_p50']):>7} {_ms(row['e2e_p50']):>8} "
               f"{row.get('added_e2e_p50', 0):+9.2f} {_ms(row['e2e_p99']):>7} "
               f"{row['failed']:4d} {'' if cpu is None else f'{cpu:.3f}':>10} "
-              f"{'' if chunk is None else f'{chunk:.1f}':>8}  {row['rounds_rps']}")
+              f"{'' if chunk is None else f'{chunk:.1f}':>8} "
+              f"{'' if redis is None else f'{redis:.3f}':>6}  {row['rounds_rps']}")
     print(flush=True)
 
 
@@ -598,7 +616,8 @@ def main() -> int:
                     key = keys["limits" if limits == "on" else "nolimits"]
                     name = f"{label} w{workers} {'limits' if limits == 'on' else 'nolimits'}"
                     sides.append(Side(name, dict.fromkeys(upstreams, url), key,
-                                      dict.fromkeys(upstreams, proc.pid)))
+                                      dict.fromkeys(upstreams, proc.pid),
+                                      redis_pid=redis_proc.pid))
         for _proc, url, key in gateways:
             wait_http(url + "/v1/models", 60, {"Authorization": f"Bearer {key}"})
         if "engine" in upstreams:
@@ -623,11 +642,13 @@ def main() -> int:
         chunks = {(u, m): chunks_per_request(sides[0].urls[u], MODELS[u], args.output_len, m)
                   for u, m, _c in cells}
         client = Client(tmp / "client.log")
+        seeds = itertools.count()
         for round_no in range(args.rounds):
             for cell in cells:
                 order = sides if round_no % 2 == 0 else sides[::-1]
                 for side in order:
-                    row = measure(client, side, args, cell, round_no, chunks[cell[:2]])
+                    seed = next(seeds)
+                    row = measure(client, side, args, cell, seed, chunks[cell[:2]])
                     print_row(cell, round_no, side, row)
         results: dict[str, Any] = {"args": vars(args), "cells": {}}
         for cell in cells:
@@ -650,7 +671,8 @@ def main() -> int:
                 folder.mkdir()
                 profiler = Profiler(_worker_pid(side.pids[upstream]), folder)
                 for run in range(args.profile):
-                    row = measure(client, side, args, cell, run, chunks[cell[:2]], profiler)
+                    row = measure(client, side, args, cell, next(seeds), chunks[cell[:2]],
+                                  profiler)
                     print_row(cell, run, side, row)
                 report = profiler.report()
                 results[f"profile {upstream} {label}"] = report
