@@ -312,9 +312,13 @@ class Profiler:
         time.sleep(0.5)  # attached before the load starts
 
     def stop(self) -> None:
+        """SIGINT makes py-spy write what it sampled; one that does not exit is killed."""
         if self.proc is not None:
             self.proc.send_signal(signal.SIGINT)
-            self.proc.wait(30)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                kill_group(self.proc, grace=1)
             self.proc = None
 
     def report(self, top: int = 15) -> list[str]:
@@ -571,6 +575,8 @@ def main() -> int:
     if args.client:
         _client_main()
         return 0
+    # Stopped from outside (`timeout`, Ctrl-C): still stop everything it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs: list[subprocess.Popen] = []
     stack = contextlib.ExitStack()
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stream-bench-")))
@@ -683,6 +689,9 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
+        for proc in procs:  # all at once, then wait for each
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
         for proc in reversed(procs):
             kill_group(proc)
         stack.close()
