@@ -112,6 +112,8 @@ class Response:
         if self._conn is not None:
             self._conn.resume()  # a reader that came late may have paused it
         self._deliver()
+        if self._sink is not sink:  # it had all it needed
+            return
         if self._error is not None:
             sink.end(self._error)
         elif self._done:
