@@ -689,7 +689,7 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
-        for proc in procs:  # all at once, then wait for each
+        for proc in procs[1:]:  # all at once (Redis, the first, last), then wait for each
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in reversed(procs):
