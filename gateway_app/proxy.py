@@ -255,10 +255,10 @@ class StreamRelay:
             self._write(b"".join(backlog))
             if self._writing is not None:
                 return
+        if self._response is not None:  # also at the end: the engine's end of message is
+            self._response.resume_reading()  # still read, so that its connection is kept
         if self._ending:
             self.end(self._ending[0])
-        elif self._response is not None:
-            self._response.resume_reading()
 
 
 @types.coroutine
