@@ -371,10 +371,10 @@ async def sliced(sides: dict[str, tuple[str, dict]], body: dict, concurrency: in
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its live children (uvicorn's workers), from
-    Linux's /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    """CPU time of a process and its live children (uvicorn's workers), all their threads, from
+    Linux's /proc/<pid>/task/<tid>/schedstat (nanoseconds: the clock-tick counters of
+    /proc/<pid>/stat are 10 ms apart, too coarse for a few hundred requests)."""
+    pids = [pid]
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -382,12 +382,18 @@ def cpu_seconds(pid: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(entry.name) == pid or int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        if int(fields[1]) == pid:
+            pids.append(int(entry.name))
+    total = 0
+    for each in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{each}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
-# -- setup -----------------------------------------------------------------------------------------
+# -- setup (shared with benchmarks/stream_bench.py) -----------------------------------------------
 SEED = """
 import json, sys
 from serving_app.models import BaseModel, Deployment, Instance, Node
@@ -397,18 +403,101 @@ Instance.objects.all().delete(); Deployment.objects.all().delete()
 ApiKey.objects.all().delete(); Tenant.objects.all().delete(); BaseModel.objects.all().delete()
 base = BaseModel(name="tiny-llama", path=args["model"]); base.full_clean(); base.save()
 limits = dict(requests_per_minute=10_000_000, tokens_per_minute=1_000_000_000)
-tenant = Tenant.objects.create(slug="bench", name="Bench", **(limits if args["limits"] else {}))
+tenants = {"limits": Tenant.objects.create(slug="bench", name="Bench", **limits),
+           "nolimits": Tenant.objects.create(slug="bench-free", name="Bench (no limits)")}
 node, _ = Node.objects.get_or_create(name="bench", defaults={"queue": "node.bench"})
 for kind, port in args["upstreams"].items():
     dep = Deployment.objects.create(name=f"bench-{kind}", base_model=base if kind == "engine"
-        else BaseModel.objects.get_or_create(name="instant", defaults={"path": args["model"]})[0],
+        else BaseModel.objects.get_or_create(name=kind, defaults={"path": args["model"]})[0],
         desired_state="running", max_model_len=1024)
-    dep.tenants.set([tenant])
+    dep.tenants.set(tenants.values())
     Instance.objects.create(deployment=dep, node=node, port=port, state="ready",
                             secret=args["secret"])
-_, secret = ApiKey.objects.create_key(tenant=tenant, name="bench")
-print(json.dumps({"key": secret}))
+keys = {name: ApiKey.objects.create_key(tenant=t, name="bench")[1] for name, t in tenants.items()}
+print(json.dumps(keys))
 """
+ENGINE_SECRET = "bench-engine-secret"
+
+
+def spawn(function: str, *args: Any, rt: list[str] | None = None) -> subprocess.Popen:
+    """Run `benchmarks.<module>.<function>(*args)` in a process of its own (its own session, so
+    `kill_group` stops it and whatever it started)."""
+    module, name = function.rsplit(".", 1)
+    return subprocess.Popen(
+        [*(rt or []), sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+         f"from benchmarks.{module} import {name}; {name}(*{args!r})"],
+        start_new_session=True)
+
+
+def start_redis(rt: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A Redis of the benchmark's own (no persistence) on a free port: (process, URL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*(rt or []), "redis-server", "--bind", "127.0.0.1", "--port", str(port),
+         "--save", "", "--appendonly", "no", "--loglevel", "warning"],
+        start_new_session=True, stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_redis(url, 10)
+    return proc, url
+
+
+def start_engine(port: int, scheduling: str = "idle") -> subprocess.Popen:
+    """The real CPU engine (tiny model) as node agents launch it: under SCHED_IDLE unless
+    `scheduling` is "normal" (serving_app.engine.launch.CPU_IDLE_PREFIX)."""
+    engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    sched = ["chrt", "--idle", "0"] if scheduling == "idle" else []
+    return subprocess.Popen(
+        [*sched, str(ROOT / "var/engine-venv/bin/python"), "-m",
+         "vllm.entrypoints.openai.api_server", "--model",
+         str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
+         "--dtype", "float32", "--max-model-len", "1024", "--api-key", ENGINE_SECRET,
+         "--host", "127.0.0.1", "--port", str(port)],
+        env=engine_env, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+
+
+def gateway_env(redis_url: str, database_url: str, code: Path = ROOT) -> dict[str, str]:
+    """The environment of a gateway (and its migrate/seed commands) running the code in `code`
+    (this checkout, or another commit's) on `database_url` and the benchmark's Redis."""
+    return {"DEBUG": "true", **os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
+            "PYTHONPATH": str(code), "DATABASE_URL": database_url,
+            "MODEL_ROOTS": str(ROOT / "var" / "models"), "GATEWAY_REDIS_URL": redis_url,
+            "LOG_LEVEL": "WARNING", "GATEWAY_USAGE_STREAM": "gw:bench-usage"}
+
+
+def seed_gateway_db(env: dict[str, str], upstreams: dict[str, int],
+                    code: Path = ROOT) -> dict[str, str]:
+    """Migrate the gateway's database and seed it: one deployment per upstream (`engine` serves
+    the tiny model as "tiny-llama", any other kind a model named after it), a tenant with RPM
+    and TPM limits (both Redis round trips run) and one without. Returns each tenant's key
+    ({"limits": ..., "nolimits": ...})."""
+    python = sys.executable
+    subprocess.run([python, "manage.py", "migrate", "-v0"], cwd=code, env=env, check=True)
+    out = subprocess.run(
+        [python, "manage.py", "shell", "-c", SEED.replace("sys.argv[1]", repr(json.dumps(
+            {"model": str(ROOT / "var/models/tiny-llama"), "upstreams": upstreams,
+             "secret": ENGINE_SECRET})))],
+        cwd=code, env=env, check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def start_gateway(env: dict[str, str], port: int, workers: int, code: Path = ROOT,
+                  rt: list[str] | None = None) -> subprocess.Popen:
+    """`uvicorn console.asgi:application` as deployed (uvloop, httptools, no access log)."""
+    return subprocess.Popen(
+        [*(rt or []), sys.executable, "-m", "uvicorn", "console.asgi:application", "--host",
+         "127.0.0.1", "--port", str(port), "--workers", str(workers), "--loop",
+         "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
+        cwd=code, env=env, start_new_session=True)
+
+
+def idle_cpu_rate(pid: int, seconds: float = 6.0) -> float:
+    """Background work (catalog re-reads, the invalidation listener) costs CPU with no traffic
+    too: its rate in CPU seconds per second, to take out of per-request figures."""
+    idle0, t0 = cpu_seconds(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - idle0) / (time.perf_counter() - t0)
 
 
 def main() -> int:
@@ -434,9 +523,7 @@ def main() -> int:
                         help="a tenant without limits: no admission round trip (for comparison)")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     args = parser.parse_args()
-    python = sys.executable
     rt = ["chrt", "-r", str(args.realtime)] if args.realtime else []
-    secret = "bench-engine-secret"
     procs: list[subprocess.Popen] = []
     results: dict[str, Any] = {"realtime_priority": args.realtime,
                                "engine_scheduling": args.engine_scheduling}
@@ -446,72 +533,33 @@ def main() -> int:
 
         redis_url = args.redis_url
         if not redis_url:
-            redis_port = free_port()
-            procs.append(subprocess.Popen(
-                [*rt, "redis-server", "--bind", "127.0.0.1", "--port", str(redis_port),
-                 "--save", "", "--appendonly", "no", "--loglevel", "warning"],
-                start_new_session=True, stdout=subprocess.DEVNULL))
-            redis_url = f"redis://127.0.0.1:{redis_port}/0"
-            wait_redis(redis_url, 10)
+            redis_proc, redis_url = start_redis(rt)
+            procs.append(redis_proc)
         client = redis.Redis.from_url(redis_url)
         client.delete("gw:bench-usage")
         client.close()
-        env = {"DEBUG": "true", **os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
-               "DATABASE_URL": f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}",
-               "GATEWAY_REDIS_URL": redis_url, "LOG_LEVEL": "WARNING",
-               "GATEWAY_USAGE_STREAM": "gw:bench-usage"}
+        env = gateway_env(redis_url, f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}")
         if args.only in (None, "engine"):
             port = free_port()
-            engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                          "VLLM_NO_USAGE_STATS": "1"}
-            # As node agents launch CPU engines (serving_app.engine.launch.CPU_IDLE_PREFIX).
-            sched = ["chrt", "--idle", "0"] if args.engine_scheduling == "idle" else []
-            procs.append(subprocess.Popen(
-                [*sched, str(ROOT / "var/engine-venv/bin/python"), "-m",
-                 "vllm.entrypoints.openai.api_server", "--model",
-                 str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
-                 "--dtype", "float32", "--max-model-len", "1024", "--api-key", secret,
-                 "--host", "127.0.0.1", "--port", str(port)],
-                env=engine_env, start_new_session=True, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL))
+            procs.append(start_engine(port, args.engine_scheduling))
             upstreams["engine"] = port
             if args.relay:
                 relay_port = free_port()
-                procs.append(subprocess.Popen(
-                    [*rt, python, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                     f"from benchmarks.gateway_bench import _relay_main; "
-                     f"_relay_main({relay_port}, {port})"],
-                    start_new_session=True))
+                procs.append(spawn("gateway_bench._relay_main", relay_port, port, rt=rt))
         if args.only in (None, "instant"):
             port = free_port()
-            procs.append(subprocess.Popen(
-                [*rt, python, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                 f"from benchmarks.gateway_bench import _instant_main; _instant_main({port})"],
-                start_new_session=True))
+            procs.append(spawn("gateway_bench._instant_main", port, rt=rt))
             upstreams["instant"] = port
-        subprocess.run([python, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-        out = subprocess.run(
-            [python, "manage.py", "shell", "-c", SEED.replace("sys.argv[1]", repr(json.dumps(
-                {"model": str(ROOT / "var/models/tiny-llama"), "upstreams": upstreams,
-                 "secret": secret, "limits": not args.no_limits})))],
-            cwd=ROOT, env=env, check=True, capture_output=True, text=True,
-        ).stdout
-        key = json.loads(out.strip().splitlines()[-1])["key"]
+        keys = seed_gateway_db(env, upstreams)
+        key = keys["nolimits" if args.no_limits else "limits"]
         gw_port = free_port()
-        procs.append(subprocess.Popen(
-            [*rt, python, "-m", "uvicorn", "console.asgi:application", "--host",
-             "127.0.0.1", "--port", str(gw_port), "--workers", str(args.workers), "--loop",
-             "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning"],
-            cwd=ROOT, env=env, start_new_session=True))
+        procs.append(start_gateway(env, gw_port, args.workers, rt=rt))
         gw_headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        direct_headers = {"Authorization": f"Bearer {secret}", "Content-Type": "application/json"}
+        direct_headers = {"Authorization": f"Bearer {ENGINE_SECRET}",
+                          "Content-Type": "application/json"}
         wait_http(f"http://127.0.0.1:{gw_port}/v1/models", 60, gw_headers)
         gateway_pid = procs[-1].pid
-        # Background work (catalog re-reads, the invalidation listener) costs CPU with no
-        # traffic too: measured here, then taken out of the per-request figure.
-        idle0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
-        time.sleep(6.0)
-        idle_rate = (cpu_seconds(gateway_pid) - idle0) / (time.perf_counter() - t0)
+        idle_rate = idle_cpu_rate(gateway_pid)
         print(f"gateway idle CPU: {idle_rate * 100:.1f}% of a core", flush=True)
         results["gateway_idle_cpu_fraction"] = idle_rate
         if args.realtime:  # after every child started: the engine must not inherit it

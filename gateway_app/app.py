@@ -441,34 +441,24 @@ class GatewayApp:
             return
 
         ctx.status = 200
-        relay = StreamRelay(not parsed.wants_usage, engine_model, route.public_name)
+        relay = StreamRelay(send, not parsed.wants_usage, engine_model, route.public_name)
         await send({
             "type": "http.response.start",
             "status": 200,
             "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"cache-control", b"no-cache"), *base_headers],
         })
-        chunks = 0
-        final = b""
         try:
-            async for chunk in resp.chunks():
-                if ctx.ttft_ms is None:
-                    ctx.ttft_ms = round((time.perf_counter() - ctx.started) * 1000.0, 3)
-                out = relay.feed(chunk)
-                if out:
-                    chunks += out.count(b"\n\ndata: ") + 1
-                    if out.endswith(b"data: [DONE]\n\n"):
-                        final = out  # complete: answer now rather than at the upstream's EOF
-                        break
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            await relay.start(resp)
         except asyncio.CancelledError:
             # The client went away: the engine's count if it came, else what was relayed so far
             # (an estimate).
+            relay.stop()
             if relay.usage:
                 ctx.prompt_tokens, ctx.completion_tokens = relay.usage
             else:
                 ctx.prompt_tokens = min(ctx.reserved, parsed.prompt_upper)
-                ctx.completion_tokens = max(0, chunks - 1)
+                ctx.completion_tokens = max(0, relay.events - 1)
             raise
         except Exception as exc:
             log.warning("stream from instance %s broke: %r", ctx.instance_id, exc)
@@ -476,10 +466,13 @@ class GatewayApp:
             message = errors.error_body("The engine's stream ended early.", "server_error", None)
             await send({"type": "http.response.body", "body": b"data: " + message + b"\n\n",
                         "more_body": True})
+        finally:
+            if relay.first_at is not None:
+                ctx.ttft_ms = round((relay.first_at - ctx.started) * 1000.0, 3)
         if relay.usage:
             ctx.prompt_tokens, ctx.completion_tokens = relay.usage
         ctx.complete = True
-        await send({"type": "http.response.body", "body": final + relay.flush()})
+        await send({"type": "http.response.body", "body": relay.final + relay.flush()})
 
 
 def _reservation(

@@ -7,6 +7,13 @@ same request shape to the same few local engines. Responses are parsed by httpto
 the parser uvicorn serves with), which also undoes chunked transfer encoding; only the
 connection handling is here.
 
+Bodies are read in one of two ways. `read()`/`chunks()` wake the calling task as bytes arrive
+(a whole response, or a test). `stream_to(sink)` hands every read's body bytes, all of them in
+one call, to `sink.data()` from the connection's own callback: a relayed stream then costs no
+task wake-up, future or generator step per chunk, only the read, the sink's work and its write.
+The sink stops the flow with `pause_reading()` while it cannot write (a slow client); the kernel
+then holds the engine back.
+
 Errors: `OSError` (refused, unreachable, `UpstreamDisconnected` when the engine closed the
 connection before answering) and `TimeoutError` happen before any byte of the response and are
 safe to retry elsewhere; `UpstreamBroken` is a response that stopped part-way.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -25,7 +33,16 @@ MAX_IDLE_PER_ENGINE = 256
 # Idle connections older than this are not reused: the engine (uvicorn) closes them after 5 s,
 # and one taken just as it does so would cost a retry.
 IDLE_SECONDS = 4.0
-READ_HIGH_WATER = 1 << 20  # buffered body bytes before reading from the engine pauses
+READ_HIGH_WATER = 256 * 1024  # body bytes buffered for a reader before reading the engine pauses
+
+
+class Sink(Protocol):
+    """Where `Response.stream_to` delivers a body: `data` once per read (never empty), then
+    `end` once, with the error that stopped the response or None at its end."""
+
+    def data(self, data: bytes) -> None: ...
+
+    def end(self, error: BaseException | None) -> None: ...
 
 
 class UpstreamDisconnected(ConnectionError):
@@ -42,7 +59,7 @@ class Response:
     one still in the middle of a response (which is how the engine learns to stop)."""
 
     __slots__ = ("status", "headers", "_conn", "_chunks", "_size", "_waiter", "_done", "_error",
-                 "_head", "_timer", "_keep_alive", "_draining")
+                 "_head", "_timer", "_keep_alive", "_draining", "_sink")
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -57,6 +74,7 @@ class Response:
         self._timer: asyncio.TimerHandle | None = None
         self._keep_alive = False
         self._draining = False
+        self._sink: Sink | None = None
 
     # -- what the caller uses -------------------------------------------------------------------
     async def read(self) -> bytes:
@@ -84,6 +102,31 @@ class Response:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    def stream_to(self, sink: Sink | None) -> None:
+        """Deliver the body to `sink` from now on, starting with what is buffered already;
+        `None` stops delivery (the caller has what it needs: see `close(drain=...)`)."""
+        self._sink = sink
+        if sink is None:
+            return
+        if self._conn is not None:
+            self._conn.resume()  # a reader that came late may have paused it
+        self._deliver()
+        if self._sink is not sink:  # it had all it needed
+            return
+        if self._error is not None:
+            sink.end(self._error)
+        elif self._done:
+            sink.end(None)
+
+    def pause_reading(self) -> None:
+        """Stop reading from the engine (the sink cannot pass more on for now)."""
+        if self._conn is not None:
+            self._conn.pause()
+
+    def resume_reading(self) -> None:
+        if self._conn is not None:
+            self._conn.resume()
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -126,10 +169,21 @@ class Response:
         if self._draining:
             return
         self._chunks.append(data)
+        if self._sink is not None:
+            return  # delivered once the whole read is parsed (`_deliver`)
         self._size += len(data)
         if self._size > READ_HIGH_WATER and self._conn is not None:
             self._conn.pause()
         self._wake()
+
+    def _deliver(self) -> None:
+        """Everything one read brought, to the sink in one call."""
+        chunks = self._chunks
+        if chunks and self._sink is not None:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._size = 0
+            self._sink.data(data)
 
     def _finish(self, keep_alive: bool) -> None:
         self._done = True
@@ -137,6 +191,11 @@ class Response:
         if self._draining:
             self._draining = False
             self.close()
+            return
+        if self._sink is not None:
+            self._deliver()
+            if self._sink is not None:
+                self._sink.end(None)
             return
         self._wake()
 
@@ -147,6 +206,9 @@ class Response:
             self._head.set_exception(error)
             return
         self._error = error
+        if self._sink is not None:
+            self._sink.end(error)
+            return
         self._wake()
 
 
@@ -172,11 +234,15 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.received_any = True
+        response = self.response
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.response._fail(UpstreamBroken(f"bad response from the engine: {exc}"))
+            response._fail(UpstreamBroken(f"bad response from the engine: {exc}"))
             self.abort()
+            return
+        if response._sink is not None:
+            response._deliver()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -118,20 +118,35 @@ def test_redis_unreachable_is_reported_not_swallowed():
 
 
 def test_stream_relay_strips_the_usage_event_and_renames_the_model():
-    relay = StreamRelay(strip_usage=True, engine_model="acme--style", public_model="style")
-    chunk = b'data: {"model":"acme--style","choices":[{"delta":{"content":"hi"}}]}\n\n'
-    usage = b'data: {"model":"acme--style","choices":[],"usage":{"prompt_tokens":3,' \
-            b'"completion_tokens":2,"total_tokens":5}}\n\n'
-    stream = chunk + usage + b"data: [DONE]\n\n"
-    out = b"".join(relay.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
-    out += relay.flush()
-    assert relay.usage == (3, 2)
-    assert b"usage" not in out
-    assert out.count(b'"model":"style"') == 1 and b"acme--style" not in out
-    assert out.endswith(b"data: [DONE]\n\n")
+    async def scenario():
+        relay = StreamRelay(None, strip_usage=True, engine_model="acme--style",
+                            public_model="style")
+        chunk = b'data: {"model":"acme--style","choices":[{"delta":{"content":"hi"}}]}\n\n'
+        usage = b'data: {"model":"acme--style","choices":[],"usage":{"prompt_tokens":3,' \
+                b'"completion_tokens":2,"total_tokens":5}}\n\n'
+        stream = chunk + usage + b"data: [DONE]\n\n"
+        out = b"".join(relay.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
+        out += relay.flush()
+        assert relay.usage == (3, 2)
+        assert b"usage" not in out
+        assert out.count(b'"model":"style"') == 1 and b"acme--style" not in out
+        assert out.endswith(b"data: [DONE]\n\n")
 
-    keep = StreamRelay(strip_usage=False, engine_model="m", public_model="m")
-    assert keep.feed(usage) == usage and keep.usage == (3, 2)
+        keep = StreamRelay(None, strip_usage=False, engine_model="m", public_model="m")
+        assert keep.feed(usage) is usage and keep.usage == (3, 2)  # relayed untouched
+        whole = StreamRelay(None, strip_usage=False, engine_model="m", public_model="m")
+        assert whole.feed(chunk + chunk) == chunk + chunk and whole.usage is None
+
+        # Usage on an event that also has a choice (continuous usage stats): only the usage
+        # field goes, the choice stays.
+        both = (b'data: {"model":"m","choices":[{"delta":{"content":"a"}}],"usage":'
+                b'{"prompt_tokens":1,"completion_tokens":1}}\n\n')
+        trim = StreamRelay(None, strip_usage=True, engine_model="m", public_model="m")
+        out = trim.feed(chunk + both + b"data: [DONE]\n\n")
+        assert trim.usage == (1, 1) and b"usage" not in out
+        assert out.startswith(chunk) and out.count(b'"content":"a"') == 1
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.django_db
