@@ -33,6 +33,7 @@ class TenantAdmin(AuditedAdmin):
         "name",
         "status",
         "priority_tier",
+        "fair_share_weight",
         "requests_per_minute",
         "tokens_per_minute",
         "monthly_token_budget",
