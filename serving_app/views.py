@@ -379,6 +379,11 @@ class DeploymentDetailView(StaffRequiredMixin, DetailView):
         context["scale_form"] = ScaleForm(initial={"replicas": self.object.replicas})
         context["instances"] = list(self.object.instances.all())
         context["deployment"] = self.object
+        # Its tenants' settings on this engine, and how its GPUs are charged to them (24 h).
+        trange = queries.get_range(queries.DEFAULT_RANGE)
+        context["charges"] = service.deployment_charges(
+            self.object, panels.accounting_period(trange))
+        context["charges_range"] = trange
         return context
 
 

@@ -13,6 +13,7 @@ from django.db.models import QuerySet
 
 from serving_app.dashboards import figures, queries
 from serving_app.placement import service
+from serving_app.placement.accounting import Period, period_ending_now
 from tenants_app.models import Tenant
 
 
@@ -52,12 +53,22 @@ def latency_panel(
     }
 
 
+def accounting_period(trange: queries.TimeRange) -> Period:
+    """The period a dashboard range charges shared deployments over (the range's own rollup)."""
+    return period_ending_now(trange.span, trange.rollup, trange.key)
+
+
 def gpu_panel(trange: queries.TimeRange) -> dict[str, Any]:
-    allocation = service.allocation()
+    """Live GPU allocation, shared deployments charged to their tenants over the range."""
+    report = service.accounting(accounting_period(trange))
+    allocation = report["gpus"]
     for row in allocation:
         owned = sum(p["reserved_bytes"] for p in row["by_deployment"])
         row["console_reserved_bytes"] = owned
         row["other_bytes"] = min(row["unmanaged_bytes"], max(row["memory_total_bytes"] - owned, 0))
+    for row in [*report["deployments"], *report["tenants"],
+                *(t for d in report["deployments"] for t in d["tenants"])]:
+        row["gpu_hours"] = (row["gpu_seconds"] or 0.0) / 3600
     series = queries.gpu_series(trange)
     return {
         "figures": {
@@ -67,4 +78,7 @@ def gpu_panel(trange: queries.TimeRange) -> dict[str, Any]:
             "memory": figures.gpu_memory_figure(series),
         },
         "rows": allocation,
+        "deployments": report["deployments"],
+        "tenants": report["tenants"],
+        "period": report["period"],
     }
