@@ -9,12 +9,13 @@ from django.utils.html import format_html
 
 from serving_app import audit
 from serving_app.admin_audit import AuditedAdmin
-from serving_app.forms import DeploymentForm
+from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
     AuditLog,
     BaseModel,
     Deployment,
+    FleetPlan,
     Gpu,
     GpuSample,
     Instance,
@@ -121,6 +122,21 @@ class DeploymentAdmin(AuditedAdmin):
         # reconciler that save_settings() asks for runs (after commit).
         self.remember_before(request, obj, change)
         obj.save_settings()
+
+
+@admin.register(FleetPlan)
+class FleetPlanAdmin(AuditedAdmin):
+    """What-if plans; validated by the model's clean() as in the console and the API."""
+
+    form = FleetPlanForm
+    list_display = ["name", "policy", "updated_at", "created_by"]
+    search_fields = ["name", "description"]
+    readonly_fields = ["created_by", "created_at", "updated_at"]
+
+    def save_model(self, request, obj, form, change) -> None:
+        if not change:
+            obj.created_by = request.user
+        super().save_model(request, obj, form, change)
 
 
 @admin.register(Instance)

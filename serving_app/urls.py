@@ -45,6 +45,11 @@ urlpatterns = [
          name="deployment-scale"),
     re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",
             views.DeploymentActionView.as_view(), name="deployment-action"),
+    # what-if plans
+    path("plans/", views.FleetPlanListView.as_view(), name="fleetplan-list"),
+    path("plans/new/", views.FleetPlanCreateView.as_view(), name="fleetplan-create"),
+    path("plans/<int:pk>/", views.FleetPlanDetailView.as_view(), name="fleetplan-detail"),
+    path("plans/<int:pk>/edit/", views.FleetPlanUpdateView.as_view(), name="fleetplan-edit"),
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),

@@ -12,7 +12,8 @@ from typing import Any
 from django.db.models import QuerySet
 
 from serving_app.dashboards import figures, queries
-from serving_app.placement import service
+from serving_app.models import FleetPlan
+from serving_app.placement import fleetplans, service
 from serving_app.placement.accounting import Period, period_ending_now
 from tenants_app.models import Tenant
 
@@ -58,8 +59,24 @@ def accounting_period(trange: queries.TimeRange) -> Period:
     return period_ending_now(trange.span, trange.rollup, trange.key)
 
 
-def gpu_panel(trange: queries.TimeRange) -> dict[str, Any]:
-    """Live GPU allocation, shared deployments charged to their tenants over the range."""
+def plan_panel(plan: FleetPlan) -> dict[str, Any]:
+    """A what-if plan's placement and its two allocation charts, titled as a plan."""
+    result = fleetplans.plan_result(plan)
+    label = f"PLAN {plan.name}, not running: per"
+    return {
+        "plan": result,
+        "figures": {
+            "plan_by_deployment": figures.allocation_figure(
+                result["gpus"], by="deployment", title=f"{label} deployment"),
+            "plan_by_tenant": figures.allocation_figure(
+                result["gpus"], by="tenant", title=f"{label} tenant"),
+        },
+    }
+
+
+def gpu_panel(trange: queries.TimeRange, plan: FleetPlan | None = None) -> dict[str, Any]:
+    """Live GPU allocation, shared deployments charged to their tenants over the range; beside
+    it, when given, a what-if plan's (``plan_panel``)."""
     report = service.accounting(accounting_period(trange))
     allocation = report["gpus"]
     for row in allocation:
@@ -70,15 +87,18 @@ def gpu_panel(trange: queries.TimeRange) -> dict[str, Any]:
                 *(t for d in report["deployments"] for t in d["tenants"])]:
         row["gpu_hours"] = (row["gpu_seconds"] or 0.0) / 3600
     series = queries.gpu_series(trange)
+    planned = plan_panel(plan) if plan is not None else {"plan": None, "figures": {}}
     return {
         "figures": {
             "by_deployment": figures.allocation_figure(allocation, by="deployment"),
             "by_tenant": figures.allocation_figure(allocation, by="tenant"),
             "utilization": figures.gpu_utilization_figure(series),
             "memory": figures.gpu_memory_figure(series),
+            **planned["figures"],
         },
         "rows": allocation,
         "deployments": report["deployments"],
         "tenants": report["tenants"],
         "period": report["period"],
+        "plan": planned["plan"],
     }

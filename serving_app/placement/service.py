@@ -230,10 +230,11 @@ def load_cluster(
         placed_at[key] = min(placed_at.get(key, inst.created_at), inst.created_at)
         dep_since = held_since.get(inst.deployment_id, inst.created_at)
         held_since[inst.deployment_id] = min(dep_since, inst.created_at)
+    deployment_ids = list(held_since)
     charges = (
-        measured_charges(held_since, period, held_since)
+        measured_charges(deployment_ids, period, held_since)
         if period is not None
-        else entitled_charges(held_since)
+        else entitled_charges(deployment_ids)
     )
     first_tenant = {dep: min(c.weights) for dep, c in charges.items()}
     pairs = {dep: c.as_pairs() for dep, c in charges.items()}
