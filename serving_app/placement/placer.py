@@ -197,6 +197,13 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.1f} GiB"
 
 
+def _charged_bytes(alloc: Allocation, size: int) -> dict[Id, int]:
+    """An allocation's reserved bytes per tenant it is charged to (parts add up to ``size``)."""
+    if not alloc.shares:
+        return {alloc.tenant_id: size}
+    return split_amount(size, dict(alloc.shares))
+
+
 def _quota_owner(tenant: TenantShare) -> str:
     return f"tenant {tenant.label}'s" if tenant.label else "tenant"
 
@@ -362,8 +369,7 @@ class Placer:
         return state.total * _fraction_pct(alloc.fraction) // 100
 
     def _add_tenant_bytes(self, alloc: Allocation, state: _GpuState, sign: int) -> None:
-        parts = split_amount(self._reserved_bytes(alloc, state), dict(alloc.charged()))
-        for tenant, size in parts.items():
+        for tenant, size in _charged_bytes(alloc, self._reserved_bytes(alloc, state)).items():
             self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + sign * size
 
     def _apply(self, state: _GpuState, alloc: Allocation) -> None:
@@ -513,8 +519,7 @@ class Placer:
             if tenant.quota_gib is None:
                 continue
             reserved = sum(
-                split_amount(self._reserved_bytes(alloc, state), dict(alloc.charged())).get(
-                    tenant.tenant_id, 0)
+                _charged_bytes(alloc, self._reserved_bytes(alloc, state)).get(tenant.tenant_id, 0)
                 for state, alloc in applied
             )
             base = (
@@ -869,7 +874,7 @@ def allocation_view(nodes: Iterable[Node], *, headroom: float = 0.10) -> list[Gp
                     size = total * _fraction_pct(alloc.fraction) // 100
                 reserved_bytes += size
                 by_dep[alloc.deployment_id] = by_dep.get(alloc.deployment_id, 0) + size
-                for tenant, part in split_amount(size, dict(alloc.charged())).items():
+                for tenant, part in _charged_bytes(alloc, size).items():
                     by_tenant[tenant] = by_tenant.get(tenant, 0) + part
                 entries.append(
                     AllocationEntry(

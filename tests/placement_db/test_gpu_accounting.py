@@ -192,3 +192,7 @@ def test_deployment_page_shows_each_tenants_settings_and_share(shared, platform_
     html = page.content.decode()
     assert "Tenants on this engine" in html and "Charged to tenant" not in html
     assert "<td class=\"num\">256</td>" in html
+    # The placement panel charges the deployment to all three by weight (nothing has run there).
+    panel = client.get(reverse("console:deployment-plan-edit", args=[deployment.pk]))
+    assert "Charged to dept-a 50%, dept-b 25%, dept-c 25%: the entitled split" in (
+        panel.content.decode())
