@@ -40,6 +40,7 @@ class TenantEntry:
     max_tokens: int | None
     max_prompt: int | None
     month_used: int = 0
+    weight: int = 1  # fair share within its band; the band is `priority` (the tier)
     cache_secret: str = field(default="", repr=False)
     cache_salt: str = field(default="", repr=False)
 
@@ -135,6 +136,7 @@ def _load_snapshot() -> Snapshot:
             max_tokens=t.max_tokens_per_request,
             max_prompt=t.max_prompt_tokens,
             month_used=budgets.get(t.pk, 0),
+            weight=t.fair_share_weight,
             cache_secret=secret,
             cache_salt=_tenant_salt(secret),
         )

@@ -50,6 +50,7 @@ start console .venv/bin/uvicorn console.asgi:application --host 127.0.0.1 --port
     --workers 2
 
 echo "[demo] console: http://127.0.0.1:${PORT}/  admin: /admin/  API docs: /api/docs/"
+echo "[demo] GPU allocation (the three-department what-if plan): http://127.0.0.1:${PORT}/dashboards/gpus/"
 echo "[demo] waiting for the engine to become ready (about a minute), then sending traffic"
 $PY manage.py demo_traffic --base-url "http://127.0.0.1:${PORT}/v1" \
     --seconds "${DEMO_TRAFFIC_SECONDS:-90}" || echo "[demo] traffic generator failed; see above"

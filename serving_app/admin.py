@@ -11,13 +11,14 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.utils.html import format_html
 
-from serving_app.forms import DeploymentForm
+from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
     BaseModel,
     Deployment,
     EngineHour,
     EngineSample,
+    FleetPlan,
     Gpu,
     GpuSample,
     Instance,
@@ -151,6 +152,21 @@ class DeploymentAdmin(admin.ModelAdmin):
         # Tenants and adapters are set by save_related() in the same transaction, before the
         # reconciler that save_settings() asks for runs (after commit).
         obj.save_settings()
+
+
+@admin.register(FleetPlan)
+class FleetPlanAdmin(admin.ModelAdmin):
+    """What-if plans; validated by the model's clean() as in the console and the API."""
+
+    form = FleetPlanForm
+    list_display = ["name", "policy", "updated_at", "created_by"]
+    search_fields = ["name", "description"]
+    readonly_fields = ["created_by", "created_at", "updated_at"]
+
+    def save_model(self, request, obj, form, change) -> None:
+        if not change:
+            obj.created_by = request.user
+        super().save_model(request, obj, form, change)
 
 
 @admin.register(Instance)

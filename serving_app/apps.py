@@ -15,6 +15,7 @@ class ServingAppConfig(AppConfig):
         # readings, placement and load errors) is named here and is no change of its own.
         # docs/architecture.md ("The audit log") says why each exclusion is one.
         track(self.get_model("BaseModel"))
+        track(self.get_model("FleetPlan"))
         track(self.get_model("LoraAdapter"), ignore=["last_error"])
         track(self.get_model("Deployment"), ignore=["placement_error"])
         track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"])

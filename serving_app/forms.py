@@ -4,12 +4,13 @@ the Django admin reject, with the same message."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
 
-from serving_app.models import BaseModel, Deployment, LoraAdapter
+from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
 from tenants_app.models import Tenant
 
 
@@ -108,6 +109,29 @@ class DeploymentForm(forms.ModelForm):
         return list(self.cleaned_data.get("tenants", [])), list(
             self.cleaned_data.get("adapters", [])
         )
+
+
+class IndentedJSONField(forms.JSONField):
+    """JSON shown indented, so a plan's deployments can be read and edited in a text area."""
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, forms.fields.InvalidJSONInput):
+            return value
+        return json.dumps(value, ensure_ascii=False, indent=2, cls=self.encoder)
+
+
+class FleetPlanForm(forms.ModelForm):
+    """A what-if plan; the model's `clean()` checks the fleet and the deployments."""
+
+    class Meta:
+        model = FleetPlan
+        fields = ["name", "description", "fleet", "deployments", "policy", "headroom"]
+        field_classes = {"deployments": IndentedJSONField}
+        widgets = {
+            "description": forms.Textarea(attrs={"rows": 2}),
+            "fleet": forms.Textarea(attrs={"rows": 5, "class": "mono"}),
+            "deployments": forms.Textarea(attrs={"rows": 18, "class": "mono"}),
+        }
 
 
 class ScaleForm(forms.Form):

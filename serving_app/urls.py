@@ -51,6 +51,11 @@ urlpatterns = [
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
             views.NodeActionView.as_view(), name="node-action"),
+    # what-if plans
+    path("plans/", views.FleetPlanListView.as_view(), name="fleetplan-list"),
+    path("plans/new/", views.FleetPlanCreateView.as_view(), name="fleetplan-create"),
+    path("plans/<int:pk>/", views.FleetPlanDetailView.as_view(), name="fleetplan-detail"),
+    path("plans/<int:pk>/edit/", views.FleetPlanUpdateView.as_view(), name="fleetplan-edit"),
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),

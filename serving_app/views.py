@@ -31,12 +31,13 @@ from serving_app.forms import (
     AuditFilterForm,
     BaseModelForm,
     DeploymentForm,
+    FleetPlanForm,
     LoraAdapterForm,
     ScaleForm,
     TenantForm,
 )
-from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
-from serving_app.placement import service
+from serving_app.models import BaseModel, Deployment, FleetPlan, Instance, LoraAdapter, Node
+from serving_app.placement import fleetplans, service
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
 
@@ -374,6 +375,11 @@ class DeploymentDetailView(StaffRequiredMixin, DetailView):
         context["scale_form"] = ScaleForm(initial={"replicas": self.object.replicas})
         context["instances"] = list(self.object.instances.all())
         context["deployment"] = self.object
+        # Its tenants' settings on this engine, and how its GPUs are charged to them (24 h).
+        trange = queries.get_range(queries.DEFAULT_RANGE)
+        context["charges"] = service.deployment_charges(
+            self.object, panels.accounting_period(trange))
+        context["charges_range"] = trange
         return context
 
 
@@ -547,6 +553,56 @@ class NodeActionView(StaffRequiredMixin, View):
         return redirect("console:node-detail", pk=node.pk)
 
 
+# ----------------------------------------------------------------------------- what-if plans
+
+
+class FleetPlanListView(StaffRequiredMixin, ListView):
+    template_name = "serving_app/fleetplan_list.html"
+
+    def get_queryset(self) -> QuerySet[FleetPlan]:
+        return FleetPlan.objects.for_user(self.request.user)
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["rows"] = [(p, fleetplans.plan_result(p)) for p in context["object_list"]]
+        return context
+
+
+class FleetPlanDetailView(StaffRequiredMixin, DetailView):
+    template_name = "serving_app/fleetplan_detail.html"
+
+    def get_queryset(self) -> QuerySet[FleetPlan]:
+        return FleetPlan.objects.for_user(self.request.user)
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context["result"] = fleetplans.plan_result(self.object)
+        return context
+
+
+class FleetPlanFormMixin:
+    template_name = "serving_app/fleetplan_form.html"
+    model = FleetPlan
+    form_class = FleetPlanForm
+    noun = "what-if plan"
+
+    def get_success_url(self) -> str:
+        return reverse("console:fleetplan-detail", args=[self.object.pk])
+
+
+class FleetPlanCreateView(FleetPlanFormMixin, ObjectCreateView):
+    def extra_fields(self) -> dict[str, Any]:
+        return {"created_by": self.request.user}
+
+    def cancel_url(self) -> str:
+        return reverse("console:fleetplan-list")
+
+
+class FleetPlanUpdateView(FleetPlanFormMixin, ObjectUpdateView):
+    def get_queryset(self) -> QuerySet[FleetPlan]:
+        return FleetPlan.objects.for_user(self.request.user)
+
+
 # ----------------------------------------------------------------------------- instances
 
 
@@ -637,7 +693,7 @@ def dashboard_payload(
     elif name == "latency":
         panel = panels.latency_panel(trange, tenants, request.GET.get("model") or None)
     else:
-        panel = panels.gpu_panel(trange)
+        panel = panels.gpu_panel(trange, selected_plan(request))
     tables = render_to_string(DASHBOARDS[name][1], {**panel, "range": trange, "portal": portal},
                               request=request)
     body = figures.to_json({"figures": panel["figures"], "tables": tables,
@@ -663,7 +719,23 @@ class DashboardView(StaffRequiredMixin, TemplateView):
             model=self.request.GET.get("model", ""),
             charts=CHARTS[name],
         )
+        if name == "gpus":
+            # A what-if plan beside the live allocation (platform admins only, as plans are).
+            plan = selected_plan(self.request)
+            context.update(
+                plans=list(FleetPlan.objects.for_user(self.request.user).only("pk", "name")),
+                plan=fleetplans.plan_result(plan) if plan is not None else None,
+            )
         return context
+
+
+def selected_plan(request: HttpRequest) -> FleetPlan | None:
+    """The plan the GPU allocation page shows: `?plan=<id>`, else the latest changed one."""
+    plans = FleetPlan.objects.for_user(request.user)
+    chosen = request.GET.get("plan", "")
+    if chosen.isdigit():
+        return plans.filter(pk=int(chosen)).first()
+    return plans.first()
 
 
 CHARTS = {

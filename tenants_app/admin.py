@@ -32,6 +32,7 @@ class TenantAdmin(admin.ModelAdmin):
         "name",
         "status",
         "priority_tier",
+        "fair_share_weight",
         "requests_per_minute",
         "tokens_per_minute",
         "monthly_token_budget",

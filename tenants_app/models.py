@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -42,7 +42,9 @@ MANAGER_ROLES = (Role.OWNER, Role.ADMIN)
 
 
 class PriorityTier(models.IntegerChoices):
-    """vLLM's priority scheduling serves lower values first."""
+    """vLLM's priority scheduling serves lower values first. The tier is also the tenant's
+    priority band on shared engines (`Tenant.band`): bands order waiting requests, and within a
+    band tenants share by `fair_share_weight`."""
 
     CRITICAL = 0, "Critical"
     HIGH = 1, "High"
@@ -128,6 +130,9 @@ class PrefixCacheGroup(models.Model):
         return self.name
 
 
+MAX_FAIR_SHARE_WEIGHT = 1000
+
+
 def _positive(null_ok: bool = True, **kwargs) -> models.PositiveIntegerField:
     return models.PositiveIntegerField(
         null=null_ok, blank=null_ok, validators=[MinValueValidator(1)], **kwargs
@@ -164,6 +169,17 @@ class Tenant(models.Model):
         help_text="GPU memory this tenant's deployments may reserve. Empty: unlimited.",
     )
     latency_objective_ms = _positive(help_text="p95 latency objective, drawn on dashboards.")
+    # blank: a form or admin post that leaves the field out keeps the weight (1 when new).
+    fair_share_weight = models.PositiveSmallIntegerField(
+        default=1,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_FAIR_SHARE_WEIGHT)],
+        help_text=(
+            "Share of a shared engine among tenants of the same band (the priority tier): with "
+            "weight 2 a tenant is entitled to twice the tokens of a tenant with weight 1. Also "
+            "splits a shared deployment's GPU reservation while it is idle."
+        ),
+    )
     prefix_cache_group = models.ForeignKey(
         PrefixCacheGroup,
         null=True,
@@ -189,7 +205,7 @@ class Tenant(models.Model):
         "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
         "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
         "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
-        "prefix_cache_group", "storage_quota_mb",
+        "fair_share_weight", "prefix_cache_group", "storage_quota_mb",
     )
 
     class Meta:
@@ -225,6 +241,12 @@ class Tenant(models.Model):
     @property
     def is_active(self) -> bool:
         return self.status == self.Status.ACTIVE
+
+    @property
+    def band(self) -> int:
+        """The priority band on shared engines: the priority tier itself (0 is served first),
+        so one setting decides both vLLM's `priority` and the gateway's ordering."""
+        return int(self.priority_tier)
 
     @property
     def prefix_cache_secret(self) -> str:

@@ -4,10 +4,13 @@
 - ``POST /api/v1/plan/``: the same for a deployment body that is not saved. The body is
   validated by ``DeploymentSerializer``, exactly as a create would be, so a form can show the
   plan, or the same validation errors, before saving.
-- ``GET  /api/v1/gpu-allocation/``: per GPU, what is reserved for which deployment and tenant.
+- ``GET  /api/v1/gpu-allocation/?range=24h``: per GPU, what is reserved for which deployment
+  and tenant, shared deployments split among their tenants by use over the range.
+- ``GET  /api/v1/gpu-accounting/?range=24h``: the same split per deployment and per tenant
+  (GPU memory now, GPU-seconds over the range, MIG slices).
 - ``GET  /api/v1/gpus/{id}/samples/?hours=N``: the GPU's recent samples, oldest first.
 
-All four answer 403 to anyone but staff. ``urlpatterns`` at the bottom lists them, and
+All of them answer 403 to anyone but staff. ``urlpatterns`` at the bottom lists them, and
 console/urls.py includes them.
 """
 
@@ -26,6 +29,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving_app.api.serializers import DeploymentSerializer
+from serving_app.dashboards import panels, queries
 from serving_app.models import Deployment, Gpu, GpuSample
 from serving_app.placement import service
 from serving_app.placement.sync import sample_retention
@@ -61,12 +65,40 @@ class PlanView(StaffView):
         return Response(service.dry_run(candidate, tenants=tenants, adapters=adapters))
 
 
-class GpuAllocationView(StaffView):
-    """What every GPU holds: its total, the reservations per deployment and tenant, what is free."""
+RANGE_PARAMETER = OpenApiParameter(
+    "range", str, enum=list(queries.RANGES),
+    description="The period shared deployments are charged over (default 24h).",
+)
 
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+
+class RangeQuery(serializers.Serializer):
+    range = serializers.ChoiceField(choices=list(queries.RANGES), default=queries.DEFAULT_RANGE)
+
+
+def _period(request: Request) -> service.Period:
+    query = RangeQuery(data=request.query_params)
+    query.is_valid(raise_exception=True)
+    return panels.accounting_period(queries.get_range(query.validated_data["range"]))
+
+
+class GpuAllocationView(StaffView):
+    """What every GPU holds: its total, the reservations per deployment and tenant, what is free.
+    A shared deployment's reservation is split among its tenants by use over ``range``."""
+
+    @extend_schema(parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        return Response(service.allocation())
+        return Response(service.allocation(_period(request)))
+
+
+class GpuAccountingView(StaffView):
+    """The GPU reservation charged to each tenant over ``range``: per deployment (the split, by
+    use or by weight, and each tenant's part) and per tenant (GPU memory now, GPU-seconds over
+    the range, MIG slices)."""
+
+    @extend_schema(parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        report = service.accounting(_period(request))
+        return Response({key: report[key] for key in ("period", "deployments", "tenants")})
 
 
 class SamplesQuery(serializers.Serializer):
@@ -115,5 +147,6 @@ urlpatterns = [
     ),
     path("plan/", PlanView.as_view(), name="plan"),
     path("gpu-allocation/", GpuAllocationView.as_view(), name="gpu-allocation"),
+    path("gpu-accounting/", GpuAccountingView.as_view(), name="gpu-accounting"),
     path("gpus/<int:pk>/samples/", GpuSamplesView.as_view(), name="gpu-samples"),
 ]

@@ -223,9 +223,10 @@ def _gpu_label(row: dict[str, Any]) -> str:
     return f"{row['node']} · GPU {row['index']}"
 
 
-def allocation_figure(rows: list[dict[str, Any]], by: str = "deployment") -> dict[str, Any]:
+def allocation_figure(rows: list[dict[str, Any]], by: str = "deployment",
+                      title: str | None = None) -> dict[str, Any]:
     """Per GPU, reserved GiB per deployment (or tenant), other processes and free, vs total."""
-    title = f"Reserved GPU memory per {by}"
+    title = title or f"Reserved GPU memory per {by}"
     layout = _layout(title, "", barmode="stack", hovermode="closest",
                      height=max(240, 110 + 46 * len(rows)))
     layout["margin"]["l"] = 120

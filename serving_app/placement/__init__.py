@@ -1,7 +1,7 @@
 """GPU inventory, memory planning and placement.
 
-``inventory``, ``planner`` and ``placer`` are plain Python with no Django imports, so they are
-unit-tested without a database (docs/placement.md describes them):
+``inventory``, ``planner``, ``placer``, ``shares`` and ``whatif`` are plain Python with no Django
+imports, so they are unit-tested without a database (docs/placement.md describes them):
 
 - ``inventory``: read GPUs through NVML (``read_nvml`` -> JSON snapshot -> ``parse_snapshot``) or
   from a declared configuration string (``declared_inventory``) on hosts without NVML.
@@ -9,6 +9,8 @@ unit-tested without a database (docs/placement.md describes them):
   the ``gpu_memory_utilization`` to give vLLM, and how many full-length sequences fit.
 - ``placer``: choose node and GPUs for every replica of a deployment (filters, fit with headroom,
   bin-pack or spread, isolation modes), all replicas or none, and the per-GPU allocation view.
+- ``shares``: the one rule that charges a shared deployment's reservation to its tenants.
+- ``whatif``: a what-if plan's deployments placed on a declared fleet that is not running.
 
 The Django side converts model rows to and from these dataclasses.
 """

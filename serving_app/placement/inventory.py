@@ -10,7 +10,8 @@ Reading is split in two so the parser can be tested on a recorded snapshot:
 
 ``declared_inventory(spec)`` builds the same dataclasses for a host without NVML (CPU engines in
 development, tests and demos) from a string such as ``"2x24GiB"`` or
-``"0:NVIDIA L4:24GiB,1:NVIDIA L4:24GiB"``; those GPUs carry ``declared=True``.
+``"0:NVIDIA L4:24GiB,1:NVIDIA L4:24GiB[3g.40gb,3g.40gb]"`` (``serving_app.fleetspec`` holds the
+format); those GPUs carry ``declared=True``.
 """
 
 from __future__ import annotations
@@ -24,23 +25,14 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
 
+from serving_app.fleetspec import DeclaredGpu, parse_gpus
+from serving_app.fleetspec import parse_size as parse_size  # the declared format's, re-exported
+
 SNAPSHOT_SCHEMA = 1
 
 # Bytes; the one definition of each, which placement and the dashboards import.
 GIB = 1024**3
 MIB = 1024**2
-_UNITS = {
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*$", re.IGNORECASE)
 _MIG_PROFILE_RE = re.compile(r"\bMIG\s+(\S+)")
 
 
@@ -413,92 +405,51 @@ def parse_snapshot(snapshot: dict[str, Any]) -> list[GpuInfo]:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_size(text: str) -> int:
-    """``"24GiB"`` -> bytes. Units: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (1024)."""
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise ValueError(
-            f"invalid memory size {text!r}: expected a number and a unit, such as 24GiB or 80GB"
-        )
-    number, unit = match.groups()
-    size = int(float(number) * _UNITS[unit.lower()])
-    if size <= 0:
-        raise ValueError(f"invalid memory size {text!r}: must be greater than zero")
-    return size
-
-
-DEFAULT_DECLARED_NAME = "Declared GPU"
-
-
 def declared_inventory(spec: str, host: str = "") -> list[GpuInfo]:
     """Build ``GpuInfo`` objects (``declared=True``) from a configuration string.
 
-    Comma-separated entries, each one of:
+    The format is ``fleetspec.parse_gpus``'s: comma-separated entries, each one of
 
     - ``COUNTxSIZE`` or ``COUNTxNAME:SIZE``: COUNT GPUs with the next free indexes,
       e.g. ``"2x24GiB"`` or ``"4xNVIDIA A100 80GB:80GiB"``;
-    - ``INDEX:NAME:SIZE``: one GPU at that index, e.g. ``"0:NVIDIA L4:24GiB"``.
+    - ``INDEX:NAME:SIZE``: one GPU at that index, e.g. ``"0:NVIDIA L4:24GiB"``;
 
-    UUIDs are synthetic (``declared-<host>-<index>``), so pass ``host`` to keep them unique across
-    nodes. Raises ``ValueError`` with the offending entry for anything else, for duplicate indexes,
-    and for an empty spec.
+    optionally followed by MIG devices in brackets (``"0:NVIDIA A100 80GB:80GiB[3g.40gb,
+    3g.40gb]"``), which puts the GPU in MIG mode with those devices.
+
+    UUIDs are synthetic (``declared-<host>-<index>``, a MIG device's ``...-<index>-mig-<n>``), so
+    pass ``host`` to keep them unique across nodes. Raises ``ValueError`` with the offending
+    entry for anything else, for duplicate indexes, and for an empty spec.
     """
-    if not spec or not spec.strip():
-        raise ValueError("empty GPU declaration: expected e.g. '2x24GiB' or '0:NVIDIA L4:24GiB'")
-    entries: list[tuple[int, str, int]] = []
-    next_index = 0
-    for raw_entry in spec.split(","):
-        entry = raw_entry.strip()
-        if not entry:
-            raise ValueError(f"empty entry in GPU declaration {spec!r}")
-        count_match = re.match(r"^(\d+)\s*[xX]\s*(.+)$", entry)
-        parts = entry.split(":")
-        if count_match and not (len(parts) == 3 and parts[0].strip().isdigit()):
-            count = int(count_match.group(1))
-            if count < 1:
-                raise ValueError(f"GPU count must be at least 1 in {entry!r}")
-            rest = count_match.group(2)
-            name, _, size_text = rest.rpartition(":")
-            size = _size_in_entry(size_text, entry)
-            for _ in range(count):
-                entries.append((next_index, name.strip() or DEFAULT_DECLARED_NAME, size))
-                next_index += 1
-        elif len(parts) == 3:
-            index_text, name, size_text = (part.strip() for part in parts)
-            if not index_text.isdigit():
-                raise ValueError(f"GPU index must be a non-negative integer in {entry!r}")
-            index = int(index_text)
-            entries.append((index, name or DEFAULT_DECLARED_NAME, _size_in_entry(size_text, entry)))
-            next_index = max(next_index, index + 1)
-        else:
-            raise ValueError(
-                f"invalid GPU declaration entry {entry!r}: expected COUNTxSIZE (2x24GiB), "
-                "COUNTxNAME:SIZE (2xNVIDIA L4:24GiB) or INDEX:NAME:SIZE (0:NVIDIA L4:24GiB)"
-            )
-    seen: set[int] = set()
-    for index, _, _ in entries:
-        if index in seen:
-            raise ValueError(f"GPU index {index} is declared twice in {spec!r}")
-        seen.add(index)
+    return declared_gpu_infos(parse_gpus(spec), host)
+
+
+def declared_gpu_infos(gpus: list[DeclaredGpu], host: str = "") -> list[GpuInfo]:
+    """``GpuInfo`` objects for GPUs already parsed by ``fleetspec``."""
     prefix = f"declared-{host}-" if host else "declared-"
     return [
         GpuInfo(
-            index=index,
-            uuid=f"{prefix}{index}",
-            name=name,
-            memory_total_bytes=size,
+            index=gpu.index,
+            uuid=f"{prefix}{gpu.index}",
+            name=gpu.name,
+            memory_total_bytes=gpu.memory_total_bytes,
             memory_used_bytes=0,
-            memory_free_bytes=size,
-            mig_mode_current=False,
-            mig_mode_pending=False,
+            memory_free_bytes=gpu.memory_total_bytes,
+            mig_mode_current=bool(gpu.migs),
+            mig_mode_pending=bool(gpu.migs),
+            mig_devices=[
+                MigDeviceInfo(
+                    index=n,
+                    uuid=f"{prefix}{gpu.index}-mig-{n}",
+                    profile=mig.profile,
+                    memory_total_bytes=mig.memory_total_bytes,
+                    memory_used_bytes=0,
+                    gpu_instance_id=n + 1,
+                    slice_count=mig.slices,
+                )
+                for n, mig in enumerate(gpu.migs)
+            ],
             declared=True,
         )
-        for index, name, size in sorted(entries)
+        for gpu in gpus
     ]
-
-
-def _size_in_entry(size_text: str, entry: str) -> int:
-    try:
-        return parse_size(size_text)
-    except ValueError as exc:
-        raise ValueError(f"{exc} (in GPU declaration entry {entry!r})") from None

@@ -7,7 +7,8 @@ next request sees them. ``Placer.plan()`` is the dry run: same answer, nothing k
 Rules:
 
 - **Filters.** The node is ready and not lost; TP GPUs come from one node; the attention heads
-  (and KV heads, when given) divide by the TP size; the tenant's GPU memory quota holds.
+  (and KV heads, when given) divide by the TP size; the GPU memory quota of every tenant the
+  deployment is charged to holds for its share (``PlacementRequest.tenants``).
 - **Fit.** On every GPU the reserved fractions of its memory never exceed ``1 - headroom``
   (default 0.10). Fractions are whole hundredths, as vLLM's ``gpu_memory_utilization`` is given.
   Memory held by processes the console does not manage (``GpuSlot.other_used_bytes``) counts too.
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .inventory import GIB, MIB, GpuInfo
+from .shares import split_amount
 
 Id = Hashable
 
@@ -60,9 +62,16 @@ class Policy(StrEnum):
     SPREAD = "spread"
 
 
+Shares = tuple[tuple[Id, float], ...]
+
+
 @dataclass
 class Allocation:
-    """A share of a GPU (or a whole MIG device) reserved for one instance of a deployment."""
+    """A share of a GPU (or a whole MIG device) reserved for one instance of a deployment.
+
+    ``shares`` charges the reservation to several tenants, (tenant, share) pairs summing to 1
+    (``shares.charged_shares``); empty charges all of it to ``tenant_id``.
+    """
 
     deployment_id: Id
     tenant_id: Id
@@ -71,6 +80,11 @@ class Allocation:
     replica: int | None = None
     mig_uuid: str | None = None
     exclusive: bool = False
+    shares: Shares = ()
+
+    def charged(self) -> Shares:
+        """The tenants this reservation is charged to, with their shares."""
+        return self.shares or ((self.tenant_id, 1.0),)
 
 
 @dataclass
@@ -108,11 +122,24 @@ class Node:
 
 
 @dataclass(frozen=True)
+class TenantShare:
+    """A tenant a deployment is charged to: its share of the reservation and its GPU memory
+    quota (None: unlimited). ``label`` names it in a refusal."""
+
+    tenant_id: Id
+    share: float = 1.0
+    quota_gib: float | None = None
+    label: str = ""
+
+
+@dataclass(frozen=True)
 class PlacementRequest:
     """One deployment to place: ``replicas`` instances of ``tensor_parallel_size`` GPUs each.
 
-    ``memory_bytes_per_gpu`` is the planner's ``MemoryPlan.needed_bytes``. ``tenant_used_gib``
-    ``None`` means: count what the placer's own allocations hold for the tenant.
+    ``memory_bytes_per_gpu`` is the planner's ``MemoryPlan.needed_bytes``. ``tenants`` charges
+    the deployment to several tenants by share, each quota checked against its share; empty
+    charges it all to ``tenant_id`` with ``tenant_quota_gib``. ``tenant_used_gib`` ``None``
+    means: count what the placer's own allocations hold for the tenant.
     """
 
     deployment_id: Id
@@ -126,6 +153,17 @@ class PlacementRequest:
     tenant_quota_gib: float | None = None
     tenant_used_gib: float | None = None
     mps_thread_percentage: int | None = None
+    tenants: tuple[TenantShare, ...] = ()
+
+    def charged(self) -> tuple[TenantShare, ...]:
+        """The tenants the deployment is charged to, with their shares and quotas."""
+        if self.tenants:
+            return self.tenants
+        return (TenantShare(self.tenant_id, 1.0, self.tenant_quota_gib),)
+
+    def allocation_shares(self) -> Shares:
+        """What each of its allocations records (empty: all to ``tenant_id``)."""
+        return tuple((t.tenant_id, t.share) for t in self.tenants)
 
 
 @dataclass(frozen=True)
@@ -165,6 +203,24 @@ class PlacementError(ValueError):
 
 def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.1f} GiB"
+
+
+def _charged_bytes(alloc: Allocation, size: int) -> dict[Id, int]:
+    """An allocation's reserved bytes per tenant it is charged to (parts add up to ``size``)."""
+    if not alloc.shares:
+        return {alloc.tenant_id: size}
+    return split_amount(size, dict(alloc.shares))
+
+
+def _quota_owner(tenant: TenantShare) -> str:
+    return f"tenant {tenant.label}'s" if tenant.label else "tenant"
+
+
+def _its_part(tenant: TenantShare, what: str = "deployment") -> str:
+    """How a refusal names what the tenant is charged: all of it, or its share of it."""
+    if tenant.share >= 1:
+        return f"this {what}"
+    return f"its share ({tenant.share:.0%}) of this {what}"
 
 
 def _pct_up(n_bytes: int, total: int) -> int:
@@ -321,8 +377,8 @@ class Placer:
         return state.total * _fraction_pct(alloc.fraction) // 100
 
     def _add_tenant_bytes(self, alloc: Allocation, state: _GpuState, sign: int) -> None:
-        used = self._tenant_bytes.get(alloc.tenant_id, 0)
-        self._tenant_bytes[alloc.tenant_id] = used + sign * self._reserved_bytes(alloc, state)
+        for tenant, size in _charged_bytes(alloc, self._reserved_bytes(alloc, state)).items():
+            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + sign * size
 
     def _apply(self, state: _GpuState, alloc: Allocation) -> None:
         state.gpu.allocations.append(alloc)
@@ -447,39 +503,44 @@ class Placer:
                 f"needs {tp} GPUs on one node for tensor parallelism; the most on a ready node "
                 f"is {most}"
             )
-        if request.tenant_quota_gib is not None:
-            quota = request.tenant_quota_gib * GIB
-            used = self._tenant_used(request)
-            need = request.memory_bytes_per_gpu * tp * request.replicas
-            if used + need > quota + 1:
+        for tenant in request.charged():
+            if tenant.quota_gib is None:
+                continue
+            used = self._tenant_used(request, tenant)
+            need = int(request.memory_bytes_per_gpu * tp * request.replicas * tenant.share)
+            if used + need > tenant.quota_gib * GIB + 1:
                 raise PlacementError(
-                    f"tenant GPU memory quota is {request.tenant_quota_gib:.1f} GiB; it already "
-                    f"uses {_gib(used)} and this deployment needs {_gib(need)} more"
+                    f"{_quota_owner(tenant)} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
+                    f"already uses {_gib(used)} and {_its_part(tenant)} needs {_gib(need)} more"
                 )
 
-    def _tenant_used(self, request: PlacementRequest) -> int:
-        if request.tenant_used_gib is not None:
+    def _tenant_used(self, request: PlacementRequest, tenant: TenantShare) -> int:
+        if request.tenant_used_gib is not None and not request.tenants:
             return int(request.tenant_used_gib * GIB)
-        return self.tenant_reserved_bytes(request.tenant_id)
+        return self.tenant_reserved_bytes(tenant.tenant_id)
 
     def _check_quota_after(
         self, request: PlacementRequest, applied: list[tuple[_GpuState, Allocation]]
     ) -> None:
         """Quota on what is really reserved (a dedicated GPU reserves all of its memory)."""
-        if request.tenant_quota_gib is None:
-            return
-        quota = request.tenant_quota_gib * GIB
-        reserved = sum(self._reserved_bytes(alloc, state) for state, alloc in applied)
-        base = (
-            int(request.tenant_used_gib * GIB)
-            if request.tenant_used_gib is not None
-            else self.tenant_reserved_bytes(request.tenant_id) - reserved
-        )
-        if base + reserved > quota + 1:
-            raise PlacementError(
-                f"tenant GPU memory quota is {request.tenant_quota_gib:.1f} GiB; it already uses "
-                f"{_gib(base)} and this placement would reserve {_gib(reserved)} more"
+        for tenant in request.charged():
+            if tenant.quota_gib is None:
+                continue
+            reserved = sum(
+                _charged_bytes(alloc, self._reserved_bytes(alloc, state)).get(tenant.tenant_id, 0)
+                for state, alloc in applied
             )
+            base = (
+                int(request.tenant_used_gib * GIB)
+                if request.tenant_used_gib is not None and not request.tenants
+                else self.tenant_reserved_bytes(tenant.tenant_id) - reserved
+            )
+            if base + reserved > tenant.quota_gib * GIB + 1:
+                raise PlacementError(
+                    f"{_quota_owner(tenant)} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
+                    f"already uses {_gib(base)} and {_its_part(tenant, 'placement')} would "
+                    f"reserve {_gib(reserved)} more"
+                )
 
     # ---------------------------------------------------------------- one replica
 
@@ -507,6 +568,7 @@ class Placer:
                     isolation=isolation.value,
                     replica=replica,
                     exclusive=exclusive,
+                    shares=request.allocation_shares(),
                 ),
             )
             for state in states
@@ -690,6 +752,7 @@ class Placer:
             replica=replica,
             mig_uuid=mig.uuid,
             exclusive=True,
+            shares=request.allocation_shares(),
         )
         instance = InstancePlacement(
             replica=replica,
@@ -700,7 +763,8 @@ class Placer:
             reserved_bytes_per_gpu=mig.memory_total_bytes,
             isolation=Isolation.MIG.value,
             mig_uuid=mig.uuid,
-            env={"CUDA_VISIBLE_DEVICES": mig.uuid},
+            # A declared MIG device (a what-if plan, a CPU host) has no real UUID to select.
+            env={} if state.gpu.declared else {"CUDA_VISIBLE_DEVICES": mig.uuid},
         )
         return instance, [(state, alloc)]
 
@@ -761,7 +825,7 @@ class Placer:
 
 @dataclass(frozen=True)
 class AllocationEntry:
-    """One reservation on a GPU, as the dashboards show it."""
+    """One reservation on a GPU, as the dashboards show it (``shares``: see ``Allocation``)."""
 
     deployment_id: Id
     tenant_id: Id
@@ -770,6 +834,7 @@ class AllocationEntry:
     isolation: str
     replica: int | None = None
     mig_uuid: str | None = None
+    shares: Shares = ()
 
 
 @dataclass(frozen=True)
@@ -817,7 +882,8 @@ def allocation_view(nodes: Iterable[Node], *, headroom: float = 0.10) -> list[Gp
                     size = total * _fraction_pct(alloc.fraction) // 100
                 reserved_bytes += size
                 by_dep[alloc.deployment_id] = by_dep.get(alloc.deployment_id, 0) + size
-                by_tenant[alloc.tenant_id] = by_tenant.get(alloc.tenant_id, 0) + size
+                for tenant, part in _charged_bytes(alloc, size).items():
+                    by_tenant[tenant] = by_tenant.get(tenant, 0) + part
                 entries.append(
                     AllocationEntry(
                         deployment_id=alloc.deployment_id,
@@ -827,6 +893,7 @@ def allocation_view(nodes: Iterable[Node], *, headroom: float = 0.10) -> list[Gp
                         isolation=alloc.isolation,
                         replica=alloc.replica,
                         mig_uuid=alloc.mig_uuid,
+                        shares=alloc.charged(),
                     )
                 )
             reserved_bytes = min(reserved_bytes, total)

@@ -8,7 +8,8 @@ This module turns rows into the plain dataclasses of ``planner`` and ``placer`` 
 - ``place_replicas(deployment, ordinals)``: creates the Instance rows for all ordinals, or none.
 - ``place_instance(deployment, instance)``: places one Instance the reconciler already created.
 - ``dry_run(deployment)``: what the plan endpoint shows, with nothing written.
-- ``allocation()``: per GPU, what is reserved for which deployment and tenant.
+- ``allocation(period=None)``: per GPU, what is reserved for which deployment and tenant.
+- ``accounting(period)``: per deployment and per tenant, the reservation charged to each tenant.
 
 Choices this module makes (docs/placement.md, "Placement against the database"):
 
@@ -16,9 +17,11 @@ Choices this module makes (docs/placement.md, "Placement against the database"):
   any state, deployments go to GPU nodes only; CPU hosts are used only when no GPU node is
   registered at all. A GPU deployment never lands on a CPU host because its GPU nodes are full
   or lost. CPU hosts take up to ``Node.max_instances`` active instances each, fewest first.
-- **Quota tenant.** A deployment may serve several tenants, but its memory counts against one:
-  the first tenant by primary key. That tenant's ``gpu_memory_quota_gib`` is checked, and every
-  instance of the deployment is charged to it in the allocation view.
+- **Charged tenants.** A deployment that serves several tenants is charged to all of them by
+  ``shares.charged_shares`` (docs/placement.md, "Charging a shared deployment"). At placement,
+  where nothing has run, the split is the entitled one (fair-share weights), and each tenant's
+  ``gpu_memory_quota_gib`` is checked for its share. The allocation view with a ``period``
+  splits by the weighted tokens each tenant was served over it (``accounting``).
 - **Unmanaged memory.** On each GPU, the memory NVML reports as used beyond what the console's
   active instances reserve counts as held by others. This way a foreign process, or the
   driver's own reserve, is never placed over. Process ids are not matched, because vLLM's GPU
@@ -38,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -46,12 +49,15 @@ from django.db import transaction
 from django.db.models import Count, Max, Min
 from django.utils import timezone
 
+from serving_app.fleetspec import GPU_COMPUTE_SLICES, mig_slices
 from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
 from tenants_app.models import Tenant
 
 from . import placer as P
+from .accounting import DeploymentCharge, Period, entitled_charges, measured_charges
 from .inventory import GIB
 from .planner import EngineSettings, MemoryPlan, ModelArchitecture, plan_memory
+from .shares import entitled_shares, split_amount
 
 State = Instance.State
 
@@ -155,6 +161,9 @@ class Cluster:
     other_used: dict[int, int] = field(default_factory=dict)
     deployment_names: dict[Any, str] = field(default_factory=dict)
     tenant_slugs: dict[Any, str] = field(default_factory=dict)
+    charges: dict[int, DeploymentCharge] = field(default_factory=dict)
+    placed_at: dict[tuple[Any, int], datetime] = field(default_factory=dict)
+    period: Period | None = None
 
 
 def _headroom() -> float:
@@ -169,28 +178,41 @@ def _policy() -> str:
     return str(getattr(settings, "PLACEMENT_POLICY", DEFAULT_POLICY))
 
 
-def first_tenant_ids(deployment_ids: Iterable[int]) -> dict[int, int]:
-    """Per deployment, the pk of its first tenant (the one its memory is charged to)."""
-    through = Deployment.tenants.through
-    rows = (
-        through.objects.filter(deployment_id__in=list(deployment_ids))
-        .values("deployment_id")
-        .annotate(first=Min("tenant_id"))
-    )
-    return {row["deployment_id"]: row["first"] for row in rows}
-
-
-def quota_tenant(deployment: Deployment, tenants: Iterable[Tenant] | None = None) -> Tenant | None:
-    """The tenant whose GPU memory quota a deployment counts against: its first by pk."""
+def deployment_tenants(
+    deployment: Deployment, tenants: Iterable[Tenant] | None = None
+) -> list[Tenant]:
+    """The tenants a deployment serves, by pk (``tenants`` for an unsaved one)."""
     if tenants is not None:
-        return min(tenants, key=lambda t: t.pk, default=None)
+        return sorted(tenants, key=lambda t: t.pk)
     if deployment.pk is None:
-        return None
-    return deployment.tenants.order_by("pk").first()
+        return []
+    return list(deployment.tenants.order_by("pk"))
 
 
-def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
-    """Read nodes, GPUs and active instances into a ``Cluster`` (a handful of queries)."""
+def charged_tenants(
+    deployment: Deployment, tenants: Iterable[Tenant] | None = None
+) -> tuple[P.TenantShare, ...]:
+    """The tenants a deployment is charged to at placement, each with its entitled share
+    (nothing has run yet) and its GPU memory quota, which the placer checks for that share."""
+    rows = deployment_tenants(deployment, tenants)
+    shares = entitled_shares({t.pk: t.fair_share_weight or 1 for t in rows})
+    return tuple(
+        P.TenantShare(
+            tenant_id=t.pk, share=shares[t.pk], label=t.slug,
+            quota_gib=None if t.gpu_memory_quota_gib is None else float(t.gpu_memory_quota_gib),
+        )
+        for t in rows
+    )
+
+
+def load_cluster(
+    exclude_deployment: Deployment | int | None = None, period: Period | None = None
+) -> Cluster:
+    """Read nodes, GPUs and active instances into a ``Cluster`` (a handful of queries).
+
+    Each instance's reservation is charged to its deployment's tenants: by the entitled split,
+    or with ``period`` by the split measured over it (``accounting``).
+    """
     exclude_id = getattr(exclude_deployment, "pk", exclude_deployment)
     nodes = list(Node.objects.annotate(gpu_count=Count("gpus")).order_by("name"))
     by_name: dict[str, Node] = {n.name: n for n in nodes}
@@ -206,7 +228,21 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
     if exclude_id is not None:
         active = active.exclude(deployment_id=exclude_id)
     instances = list(active.select_related("deployment").prefetch_related("gpus").distinct())
-    first_tenant = first_tenant_ids({i.deployment_id for i in instances})
+    placed_at: dict[tuple[Any, int], datetime] = {}
+    held_since: dict[int, datetime] = {}
+    for inst in instances:
+        key = (inst.deployment_id, inst.ordinal)
+        placed_at[key] = min(placed_at.get(key, inst.created_at), inst.created_at)
+        dep_since = held_since.get(inst.deployment_id, inst.created_at)
+        held_since[inst.deployment_id] = min(dep_since, inst.created_at)
+    deployment_ids = list(held_since)
+    charges = (
+        measured_charges(deployment_ids, period, held_since)
+        if period is not None
+        else entitled_charges(deployment_ids)
+    )
+    first_tenant = {dep: min(c.weights) for dep, c in charges.items()}
+    pairs = {dep: c.as_pairs() for dep, c in charges.items()}
     headroom = _headroom()
     cap = 1 - round(headroom * 100) / 100
 
@@ -223,7 +259,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
                 alloc = P.Allocation(
                     deployment_id=dep.pk, tenant_id=first_tenant.get(dep.pk), fraction=cap,
                     isolation=P.Isolation.MIG.value, replica=inst.ordinal, mig_uuid=gpu.uuid,
-                    exclusive=True,
+                    exclusive=True, shares=pairs.get(dep.pk, ()),
                 )
                 allocs.setdefault(gpu.parent_id, []).append(alloc)
                 continue
@@ -233,6 +269,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
                 P.Allocation(
                     deployment_id=dep.pk, tenant_id=first_tenant.get(dep.pk), fraction=fraction,
                     isolation=isolation, replica=inst.ordinal, exclusive=exclusive,
+                    shares=pairs.get(dep.pk, ()),
                 )
             )
             share = gpu.memory_total_bytes if exclusive else math.ceil(
@@ -304,7 +341,7 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
         )
     placer = P.Placer(placer_nodes, headroom=headroom, policy=_policy())
     cpu_nodes: list[Node] = [n for n in nodes if n.gpu_count == 0]
-    tenant_ids = set(first_tenant.values())
+    tenant_ids = {t for c in charges.values() for t in c.weights}
     slugs = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "slug"))
     return Cluster(
         placer=placer,
@@ -315,6 +352,9 @@ def load_cluster(exclude_deployment: Deployment | int | None = None) -> Cluster:
         other_used=other_used,
         deployment_names={i.deployment_id: i.deployment.name for i in instances},
         tenant_slugs=slugs,
+        charges=charges,
+        placed_at=placed_at,
+        period=period,
     )
 
 
@@ -336,22 +376,22 @@ def placement_request(
     deployment: Deployment,
     plan: MemoryPlan,
     replicas: int,
-    tenant: Tenant | None,
+    tenants: Sequence[P.TenantShare],
 ) -> P.PlacementRequest:
-    """The placer's request for ``replicas`` instances of ``deployment``."""
+    """The placer's request for ``replicas`` instances of ``deployment``, charged to
+    ``tenants`` (``charged_tenants()``)."""
     base = deployment.base_model
-    quota = tenant.gpu_memory_quota_gib if tenant is not None else None
     return P.PlacementRequest(
         deployment_id=deployment.pk if deployment.pk is not None else UNSAVED,
-        tenant_id=tenant.pk if tenant is not None else None,
+        tenant_id=tenants[0].tenant_id if tenants else None,
         memory_bytes_per_gpu=plan.needed_bytes,
         replicas=replicas,
         tensor_parallel_size=deployment.tensor_parallel_size,
         num_attention_heads=base.num_attention_heads or None,
         num_kv_heads=base.num_kv_heads or None,
         isolation=deployment.isolation_mode,
-        tenant_quota_gib=None if quota is None else float(quota),
         mps_thread_percentage=deployment.mps_thread_percentage,
+        tenants=tuple(tenants),
     )
 
 
@@ -415,7 +455,7 @@ def _choose(deployment: Deployment, count: int) -> tuple[_Choice | None, str]:
         plan = plan_deployment(deployment)
     except PlanningError as exc:
         return None, str(exc)
-    request = placement_request(deployment, plan, count, quota_tenant(deployment))
+    request = placement_request(deployment, plan, count, charged_tenants(deployment))
     result = cluster.placer.place(request, commit=False)
     if not result.ok:
         return None, result.reason or "refused"
@@ -548,7 +588,8 @@ def dry_run(
     ``tenants`` and ``adapters``, which a row without a pk cannot hold.
     """
     replicas = max(1, deployment.replicas)
-    tenant = quota_tenant(deployment, tenants)
+    served = deployment_tenants(deployment, tenants)
+    charged = charged_tenants(deployment, served)
     cluster = load_cluster(exclude_deployment=deployment.pk)
     out: dict[str, Any] = {
         "deployment": deployment.pk,
@@ -558,7 +599,7 @@ def dry_run(
         "target": "gpu" if cluster.has_gpu_nodes else "cpu",
         "headroom": cluster.placer.headroom,
         "policy": cluster.placer.policy.value,
-        "quota_tenant": None,
+        "tenants": [],
         "ok": False,
         "reason": None,
         "memory": None,
@@ -566,14 +607,19 @@ def dry_run(
         "placements": [],
         "current": _current(deployment),
     }
-    if tenant is not None:
-        quota = tenant.gpu_memory_quota_gib
-        out["quota_tenant"] = {
-            "id": tenant.pk,
-            "slug": tenant.slug,
-            "gpu_memory_quota_gib": None if quota is None else float(quota),
-            "reserved_bytes": cluster.placer.tenant_reserved_bytes(tenant.pk),
+    # Each tenant's entitled share of this deployment, its quota and what it already reserves.
+    out["tenants"] = [
+        {
+            "id": share.tenant_id,
+            "slug": share.label,
+            "fair_share_weight": tenant.fair_share_weight,
+            "share": round(share.share, 6),
+            "gpu_memory_quota_gib": share.quota_gib,
+            "reserved_bytes": cluster.placer.tenant_reserved_bytes(share.tenant_id),
+            "charged_bytes": None,
         }
+        for tenant, share in zip(served, charged, strict=True)
+    ]
     try:
         plan = plan_deployment(deployment, adapters)
     except PlanningError as exc:
@@ -584,7 +630,11 @@ def dry_run(
     if not cluster.has_gpu_nodes:
         return _cpu_dry_run(out, plan, cluster, replicas, deployment.pk)
 
-    result = cluster.placer.plan(placement_request(deployment, plan, replicas, tenant))
+    result = cluster.placer.plan(placement_request(deployment, plan, replicas, charged))
+    if result.ok:
+        parts = split_amount(result.reserved_bytes, {t.tenant_id: t.share for t in charged})
+        for row in out["tenants"]:
+            row["charged_bytes"] = parts.get(row["id"], 0)
     sizes = [g.memory_total_bytes for g in cluster.gpu_rows.values() if g.parent_id is None]
     explain_total = max(sizes) if sizes else None
     for number, ip in enumerate(result.instances):
@@ -640,20 +690,142 @@ def _cpu_dry_run(
 # ----------------------------------------------------------------------------- allocation
 
 
-def allocation() -> list[dict[str, Any]]:
+def allocation(period: Period | None = None) -> list[dict[str, Any]]:
     """Per GPU: total memory, what is reserved per deployment and per tenant, and what is free.
 
     ``free_bytes`` is what a new instance could still reserve there (below the headroom cap);
-    ``unmanaged_bytes`` is memory NVML reports as used beyond the console's reservations.
+    ``unmanaged_bytes`` is memory NVML reports as used beyond the console's reservations. A
+    shared deployment's reservations are split among its tenants: by entitlement, or with
+    ``period`` by the split measured over it, which also gives each entry its GPU-seconds.
     """
-    cluster = load_cluster()
+    gpus: list[dict[str, Any]] = _report(load_cluster(period=period))["gpus"]
+    return gpus
+
+
+def accounting(period: Period) -> dict[str, Any]:
+    """The reservation charged to each tenant over ``period``: per GPU (as ``allocation``), per
+    deployment (its split, measured or entitled, and each tenant's part) and per tenant (GiB
+    reserved now, GPU-seconds over the period, MIG slices)."""
+    return _report(load_cluster(period=period))
+
+
+def deployment_charges(deployment: Deployment, period: Period) -> dict[str, Any]:
+    """How one deployment is charged to its tenants over ``period``, for its page: per tenant its
+    band, weight and limits, its entitled and charged share, and its part of the GPUs."""
+    report = accounting(period)
+    row = next((d for d in report["deployments"] if d["id"] == deployment.pk), None)
+    if row is not None:
+        measured = row["measured"]
+        split = {t["id"]: t for t in row["tenants"]}
+    else:  # no GPU reservation (CPU engines, or stopped): the split of its usage alone
+        since = deployment.instances.active().aggregate(first=Min("created_at"))["first"]
+        held = {deployment.pk: since} if since else {}
+        charge = measured_charges([deployment.pk], period, held).get(deployment.pk)
+        measured = bool(charge and charge.measured)
+        split = {} if charge is None else {
+            t: {"entitled_share": charge.entitled[t], "share": charge.shares[t],
+                "weighted_tokens": charge.weighted_tokens.get(t, 0.0)}
+            for t in charge.weights
+        }
+    tenants = []
+    for tenant in deployment.tenants.order_by("pk"):
+        part = split.get(tenant.pk, {})
+        tenants.append({
+            "tenant": tenant,
+            "entitled_share": part.get("entitled_share"),
+            "share": part.get("share"),
+            "weighted_tokens": part.get("weighted_tokens", 0.0),
+            "reserved_bytes": part.get("reserved_bytes", 0),
+            "gpu_seconds": part.get("gpu_seconds"),
+            "mig_slices": part.get("mig_slices", 0.0),
+        })
+    return {"tenants": tenants, "measured": measured, "on_gpus": row is not None}
+
+
+def _gpu_share(view: P.GpuAllocationView, entry: P.AllocationEntry, profile: str) -> float:
+    """The part of a physical GPU an entry holds: a MIG device its compute slices, a dedicated
+    GPU all of it, a shared reservation its memory fraction."""
+    if entry.mig_uuid is not None:
+        slices = mig_slices(profile)
+        if slices is not None:
+            return slices / GPU_COMPUTE_SLICES
+        return entry.reserved_bytes / view.memory_total_bytes
+    if entry.reserved_bytes >= view.memory_total_bytes:
+        return 1.0
+    return entry.reserved_bytes / view.memory_total_bytes
+
+
+def _report(cluster: Cluster) -> dict[str, Any]:
     names = cluster.deployment_names
     slugs = cluster.tenant_slugs
+    period = cluster.period
     states = {n.name: n.state for n in cluster.nodes.values()}
-    out = []
+    deployments: dict[Any, dict[str, Any]] = {}
+    tenants: dict[Any, dict[str, Any]] = {}
+    no_seconds = None if period is None else 0.0  # GPU-seconds need a period
+
+    def add(into: dict[str, Any], size: int, seconds: float | None, slices: float) -> None:
+        into["reserved_bytes"] += size
+        into["mig_slices"] += slices
+        if seconds is not None:
+            into["gpu_seconds"] += seconds
+
+    gpus = []
     for view in cluster.placer.allocation_view():
         row = cluster.gpu_rows[(view.node, view.gpu_uuid)]
-        out.append(
+        entries = []
+        per_tenant: dict[Any, dict[str, Any]] = {}
+        for e in view.entries:
+            mig_row = cluster.gpu_rows.get((view.node, e.mig_uuid)) if e.mig_uuid else None
+            profile = mig_row.mig_profile if mig_row is not None else ""
+            slices = float(mig_slices(profile) or 0) if e.mig_uuid else 0.0
+            held = None
+            if period is not None:
+                since = cluster.placed_at.get((e.deployment_id, e.replica or 0))
+                held = _gpu_share(view, e, profile) * period.seconds_from(since)
+            shares = dict(e.shares)
+            parts = split_amount(e.reserved_bytes, shares)
+            charged: list[dict[str, Any]] = [
+                {
+                    "id": t,
+                    "slug": slugs.get(t),
+                    "share": round(share, 6),
+                    "reserved_bytes": parts[t],
+                    "gpu_seconds": None if held is None else held * share,
+                    "mig_slices": slices * share,
+                }
+                for t, share in shares.items()
+            ]
+            entries.append({
+                "deployment": e.deployment_id,
+                "tenant": e.tenant_id,
+                "replica": e.replica,
+                "isolation": e.isolation,
+                "fraction": e.fraction,
+                "reserved_bytes": e.reserved_bytes,
+                "mig_uuid": e.mig_uuid,
+                "mig_profile": profile or None,
+                "gpu_seconds": held,
+                "mig_slices": slices,
+                "tenants": charged,
+            })
+            dep = deployments.setdefault(e.deployment_id, {
+                "id": e.deployment_id, "name": names.get(e.deployment_id, str(e.deployment_id)),
+                "reserved_bytes": 0, "gpu_seconds": no_seconds, "mig_slices": 0.0,
+                "tenants": {},
+            })
+            add(dep, e.reserved_bytes, held, slices)
+            for part in charged:
+                t = part["id"]
+                blank = {"id": t, "slug": part["slug"], "reserved_bytes": 0,
+                         "gpu_seconds": no_seconds, "mig_slices": 0.0}
+                for into in (
+                    per_tenant.setdefault(t, dict(blank)),
+                    dep["tenants"].setdefault(t, dict(blank)),
+                    tenants.setdefault(t, dict(blank)),
+                ):
+                    add(into, part["reserved_bytes"], part["gpu_seconds"], part["mig_slices"])
+        gpus.append(
             {
                 "gpu": row.pk,
                 "node": view.node,
@@ -674,28 +846,42 @@ def allocation() -> list[dict[str, Any]]:
                     for dep, size in view.by_deployment.items()
                 ],
                 "by_tenant": [
-                    {"id": t, "slug": slugs.get(t), "reserved_bytes": size}
+                    {**per_tenant.get(t, {}), "id": t, "slug": slugs.get(t),
+                     "reserved_bytes": size}
                     for t, size in view.by_tenant.items()
                 ],
-                "entries": [
-                    {
-                        "deployment": e.deployment_id,
-                        "tenant": e.tenant_id,
-                        "replica": e.replica,
-                        "isolation": e.isolation,
-                        "fraction": e.fraction,
-                        "reserved_bytes": e.reserved_bytes,
-                        "mig_uuid": e.mig_uuid,
-                    }
-                    for e in view.entries
-                ],
+                "entries": entries,
             }
         )
-    return out
+    for dep in deployments.values():
+        charge = cluster.charges.get(dep["id"])
+        dep["measured"] = bool(charge and charge.measured)
+        dep["busy_buckets"] = charge.busy_buckets if charge else 0
+        dep["buckets"] = charge.buckets if charge else 0
+        rows = []
+        for t, part in dep["tenants"].items():
+            rows.append({
+                **part,
+                "fair_share_weight": charge.weights.get(t) if charge else None,
+                "entitled_share": round(charge.entitled.get(t, 0.0), 6) if charge else None,
+                "share": round(charge.shares.get(t, 0.0), 6) if charge else None,
+                "weighted_tokens": charge.weighted_tokens.get(t, 0.0) if charge else 0.0,
+            })
+        dep["tenants"] = sorted(rows, key=lambda r: -r["reserved_bytes"])
+    return {
+        "period": None if period is None else {
+            "key": period.key, "start": period.start, "end": period.end,
+            "bucket_seconds": period.bucket_seconds,
+        },
+        "gpus": gpus,
+        "deployments": sorted(deployments.values(), key=lambda d: d["name"]),
+        "tenants": sorted(tenants.values(), key=lambda t: str(t["slug"])),
+    }
 
 
 __all__ = [
     "Cluster",
+    "Period",
     "PlanningError",
     "allocation",
     "build_placer",
@@ -708,5 +894,8 @@ __all__ = [
     "place_replicas",
     "placement_request",
     "plan_deployment",
-    "quota_tenant",
+    "accounting",
+    "charged_tenants",
+    "deployment_charges",
+    "deployment_tenants",
 ]

@@ -45,6 +45,7 @@ from serving_app.models import (
     Deployment,
     EngineHour,
     EngineSample,
+    FleetPlan,
     Gpu,
     GpuSample,
     Instance,
@@ -303,6 +304,11 @@ ADMIN_CASES: dict[str, AdminCase] = {
         make=lambda w: Instance.objects.create(
             deployment=make_deployment(w.base, [w.acme.tenant]))),
     "serving_app.GpuSample": AdminCase(make=lambda w: GpuSample.objects.create(gpu=_gpu(w))),
+    "serving_app.FleetPlan": AdminCase(
+        make=lambda w: FleetPlan.objects.create(name=f"plan{w.n()}", fleet="gpu-a: 1x80GiB",
+                                                deployments=[]),
+        add=lambda w: {"name": f"plan{w.n()}", "fleet": "gpu-a: 1x80GiB", "deployments": "[]"},
+        change=lambda w: {"description": "next quarter"}, changed=("description",)),
     "serving_app.EngineSample": AdminCase(
         make=lambda w: make_engine_sample(_instance(w), timezone.now())),
     "serving_app.EngineHour": AdminCase(
@@ -542,6 +548,9 @@ RESOURCES = [
     Resource("nodes", Node, _staff,
              lambda w: {"name": f"host{(n := w.n())}", "queue": f"node.host{n}"},
              lambda w: {"cordoned": True}),
+    Resource("fleet-plans", FleetPlan, _staff,
+             lambda w: {"name": f"plan{w.n()}", "fleet": "gpu-a: 1x80GiB", "deployments": []},
+             lambda w: {"description": "next quarter"}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),

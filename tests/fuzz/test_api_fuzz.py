@@ -42,7 +42,7 @@ from schemathesis import GenerationMode
 from audit_app.models import AuditLog
 from console.celery import app as celery_app
 from console.wsgi import application
-from serving_app.models import Gpu, GpuSample, Instance, Node
+from serving_app.models import FleetPlan, Gpu, GpuSample, Instance, Node
 from tenants_app.models import ApiKey, Invitation
 from tests.factories import make_adapter, make_deployment, make_user
 
@@ -99,6 +99,9 @@ def seeded(acme, globex, platform_admin, base_model, tmp_path):
                              memory_used_bytes=1024**3, utilization_percent=10.0)
     Instance.objects.create(deployment=deployment, node=node, port=18300, pid=4242,
                             state=Instance.State.READY, log_tail="ready")
+    FleetPlan.objects.create(name="what-if", fleet="gpu-b: 1x80GiB[3g.40gb,3g.40gb]",
+                             deployments=[{"name": "on-mig", "model": "llama-mini",
+                                           "tenants": ["acme", "globex"], "isolation": "mig"}])
     for tenant in (acme.tenant, globex.tenant):
         ApiKey.objects.create_key(tenant=tenant, name=f"{tenant.slug}-key")
         Invitation.objects.invite(tenant=tenant, invited_as="someone", role="member",
@@ -124,7 +127,7 @@ def path_values(prefix: str, param: str) -> list:
         "base-models": "serving_app.BaseModel", "adapters": "serving_app.LoraAdapter",
         "nodes": "serving_app.Node", "gpus": "serving_app.Gpu",
         "deployments": "serving_app.Deployment", "instances": "serving_app.Instance",
-        "audit-log": "audit_app.AuditLog",
+        "audit-log": "audit_app.AuditLog", "fleet-plans": "serving_app.FleetPlan",
     }
     label = models.get(prefix)
     if label is None:

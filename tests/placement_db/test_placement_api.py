@@ -48,7 +48,9 @@ def test_plan_of_a_saved_deployment(platform_admin, acme, model_7b, gpu_cluster)
     assert len(body["placements"]) == 2
     # Llama-2-7B-like KV: 2 x 32 layers x 32 KV heads x 128 x 2 B.
     assert body["memory"]["kv_bytes_per_token"] == 524_288
-    assert body["quota_tenant"]["slug"] == "acme"
+    assert [(t["slug"], t["share"]) for t in body["tenants"]] == [("acme", 1.0)]
+    assert body["tenants"][0]["charged_bytes"] == sum(
+        p["reserved_bytes_per_gpu"] for p in body["placements"])
     assert any(line.startswith("KV cache:") for line in body["explain"])
 
 

@@ -140,8 +140,8 @@ def test_new_replicas_respect_existing_allocations(qwen, tenant, cluster):
     gpu = instance.gpus.get()
     row = view[(gpu.node.name, gpu.index)]
     assert {d["name"] for d in row["by_deployment"]} == {first.name, second.name}
-    assert row["by_tenant"] == [
-        {"id": tenant.pk, "slug": tenant.slug, "reserved_bytes": row["reserved_bytes"]}
+    assert [(t["id"], t["slug"], t["reserved_bytes"]) for t in row["by_tenant"]] == [
+        (tenant.pk, tenant.slug, row["reserved_bytes"])
     ]
     total = row["memory_total_bytes"]
     assert row["free_bytes"] == pytest.approx(row["free_fraction"] * total, rel=1e-3)
@@ -189,8 +189,8 @@ def test_quota_refusal_counts_what_the_tenant_already_holds(qwen, cluster):
     instances, reason = service.place_replicas(second, [0])
     assert instances == []
     assert reason == (
-        "tenant GPU memory quota is 40.0 GiB; it already uses 22.4 GiB and this deployment "
-        "needs 22.0 GiB more"
+        "tenant quota's GPU memory quota is 40.0 GiB; it already uses 22.4 GiB and this "
+        "deployment needs 22.0 GiB more"
     )
     second.refresh_from_db()
     assert second.placement_error == reason
@@ -210,13 +210,27 @@ def test_a_replacement_for_a_lost_nodes_instance_fits_within_the_quota(qwen, clu
     assert reason == "" and replacement.node != lost
 
 
-def test_quota_is_charged_to_the_first_tenant_by_pk(qwen, cluster):
-    first = make_tenant("first", gpu_memory_quota_gib=Decimal("10"))
-    second = make_tenant("second")
-    deployment = make_deployment(qwen, [second, first], max_num_seqs=32, max_model_len=8192)
-    assert service.quota_tenant(deployment) == first
+
+def test_a_shared_deployment_checks_each_tenants_quota_for_its_entitled_share(qwen, cluster):
+    # 22.0 GiB needed, reserved as 0.28 of an 80 GiB GPU (22.4 GiB): weights 3 and 1 charge
+    # 16.8 and 5.6 GiB (5.5 of the 22.0 needed). Nothing has run: the split is the entitled one.
+    big = make_tenant("big", fair_share_weight=3, gpu_memory_quota_gib=Decimal("20"))
+    small = make_tenant("small", fair_share_weight=1, gpu_memory_quota_gib=Decimal("5"))
+    deployment = make_deployment(qwen, [big, small], max_num_seqs=32, max_model_len=8192)
+    assert [(t.label, t.share) for t in service.charged_tenants(deployment)] == [
+        ("big", 0.75), ("small", 0.25)]
     _, reason = service.place_replicas(deployment, [0])
-    assert reason.startswith("tenant GPU memory quota is 10.0 GiB")
+    assert reason == (
+        "tenant small's GPU memory quota is 5.0 GiB; it already uses 0.0 GiB and its share (25%) "
+        "of this deployment needs 5.5 GiB more"
+    )
+    small.gpu_memory_quota_gib = Decimal("6")
+    small.save()
+    (instance,), reason = service.place_replicas(deployment, [0])
+    assert reason == ""
+    (gpu,) = [g for g in service.allocation() if g["entries"]]
+    assert {t["slug"]: t["reserved_bytes"] for t in gpu["by_tenant"]} == {
+        "big": int(0.28 * 80 * GIB * 0.75), "small": int(0.28 * 80 * GIB * 0.25)}
 
 
 def test_tensor_parallel_group_stays_on_one_node(qwen, tenant, cluster):

@@ -75,7 +75,9 @@ def test_rows_written_before_the_move_are_intact_after_it():
         executor = migrate(MigrationExecutor(connection).loader.graph.leaf_nodes())
 
     after = every_row()
-    assert {table: after[table] for table in before} == before
+    # Columns added since the move come last in their table: the rows' old columns are intact.
+    assert {table: [row[:len(old[0])] if old else row for row in after[table]]
+            for table, old in before.items()} == before
     assert not any(after[table] for table in set(after) - set(before))  # tables added since
     moved = AuditLog.objects.get(pk=entry.pk)
     assert (moved.actor.username, moved.tenant, moved.via, moved.remote_addr) == (

@@ -1,5 +1,7 @@
 """Seed the demo: a platform admin, the three seed-scenario tenants with members, limits and keys,
-the generated tiny model with each tenant's adapter, and one shared deployment.
+the generated tiny model with each tenant's adapter, one shared deployment, and the
+three-department fleet (4 x A100-80GB, two of them split into MIG devices) as a what-if plan, so
+that the GPU allocation page shows an allocation on a host without GPUs.
 
 Idempotent: running it again updates what exists and prints fresh key secrets only for keys it
 creates.
@@ -14,7 +16,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from serving_app.models import BaseModel, Deployment, LoraAdapter
+from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
 from tenants_app.models import ApiKey, Membership, PriorityTier, Role, Tenant
 
 TENANTS = [
@@ -25,12 +27,13 @@ TENANTS = [
         "priority_tier": PriorityTier.HIGH,
         "requests_per_minute": 600,
         "tokens_per_minute": 60_000,
-        "max_concurrent_requests": 16,
+        "max_concurrent_requests": 8,  # its max_num_seqs on the shared engine
         "monthly_token_budget": 50_000_000,
         "max_tokens_per_request": 256,
         "max_prompt_tokens": 1024,
         "latency_objective_ms": 500,
-        "gpu_memory_quota_gib": 40,
+        "fair_share_weight": 2,
+        "gpu_memory_quota_gib": 80,
     },
     {
         "slug": "code-assistant",
@@ -44,6 +47,7 @@ TENANTS = [
         "max_tokens_per_request": 1024,
         "max_prompt_tokens": 1536,
         "latency_objective_ms": 2000,
+        "fair_share_weight": 1,
         "gpu_memory_quota_gib": 80,
     },
     {
@@ -53,13 +57,59 @@ TENANTS = [
         "priority_tier": PriorityTier.LOW,
         "requests_per_minute": 1200,
         "tokens_per_minute": 300_000,
-        "max_concurrent_requests": 32,
+        "max_concurrent_requests": 64,
         "monthly_token_budget": 500_000_000,
         "max_tokens_per_request": 1024,
         "max_prompt_tokens": 1024,
         "latency_objective_ms": 5000,
+        "fair_share_weight": 1,
         "gpu_memory_quota_gib": 160,
     },
+]
+
+# The three-department case on the hardware it was measured on: one host with 4 x A100-80GB,
+# GPUs 2 and 3 split into MIG devices (3g.40gb twice; 4g.40gb + 2g.20gb + 1g.10gb).
+THREE_DEPARTMENT_FLEET = """\
+# 4 x A100-80GB on one host; GPUs 2 and 3 are split into MIG devices.
+a100-host: 2xNVIDIA A100-SXM4-80GB:80GiB, 2:NVIDIA A100-SXM4-80GB:80GiB[2x3g.40gb], \
+3:NVIDIA A100-SXM4-80GB:80GiB[4g.40gb,2g.20gb,1g.10gb]
+"""
+
+# Architectures from the models' config.json and safetensors sizes (bf16 checkpoints).
+LLAMA_3_1_8B = {
+    "name": "Llama-3.1-8B-Instruct", "num_layers": 32, "hidden_size": 4096,
+    "num_attention_heads": 32, "num_kv_heads": 8, "head_dim": 128, "intermediate_size": 14336,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "weight_bytes": 16_060_522_496,
+}
+QWEN2_7B = {
+    "name": "Qwen2-7B-Instruct", "num_layers": 28, "hidden_size": 3584,
+    "num_attention_heads": 28, "num_kv_heads": 4, "head_dim": 128, "intermediate_size": 18944,
+    "vocab_size": 152064, "max_position_embeddings": 32768, "weight_bytes": 15_231_233_024,
+}
+LLAMA_3_2_1B = {
+    "name": "Llama-3.2-1B-Instruct", "num_layers": 16, "hidden_size": 2048,
+    "num_attention_heads": 32, "num_kv_heads": 8, "head_dim": 64, "intermediate_size": 8192,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "weight_bytes": 2_471_628_800,
+    "tie_word_embeddings": True,
+}
+DEPARTMENTS = ["customer-service", "code-assistant", "content-gen"]
+
+# The optimised layout: all three departments on one shared multi-LoRA Llama-3.1-8B instance
+# per whole GPU (customer service at most 8 sequences and 256 tokens, content generation 64,
+# through their tenant limits), and the MIG devices for what is better kept apart: code
+# completion with a long, cached context, content generation's offline batch, and customer
+# service's small guard model.
+THREE_DEPARTMENT_DEPLOYMENTS = [
+    {"name": "shared-llama", "model": LLAMA_3_1_8B, "tenants": DEPARTMENTS, "replicas": 2,
+     "isolation": "shared", "max_num_seqs": 96, "max_model_len": 4096,
+     "max_num_batched_tokens": 8192, "max_loras": 4, "max_lora_rank": 16},
+    {"name": "code-completion", "model": QWEN2_7B, "tenants": ["code-assistant"],
+     "isolation": "mig", "max_num_seqs": 16, "max_model_len": 8192,
+     "target_kv_tokens": 2 * 16 * 8192, "max_loras": 1},
+    {"name": "content-batch", "model": LLAMA_3_1_8B, "tenants": ["content-gen"],
+     "isolation": "mig", "max_num_seqs": 32, "max_model_len": 2048, "max_loras": 1},
+    {"name": "support-guard", "model": LLAMA_3_2_1B, "tenants": ["customer-service"],
+     "isolation": "mig", "max_num_seqs": 16, "max_model_len": 2048, "max_loras": 1},
 ]
 
 
@@ -142,9 +192,28 @@ class Command(BaseCommand):
         deployment.adapters.set(adapters)
         if start:
             deployment.start()
+        plan = seed_plan(admin)
         self.stdout.write(
             self.style.SUCCESS(
                 f"seeded {len(tenants)} tenants, model {base.name}, deployment {deployment.name} "
-                f"({deployment.desired_state})"
+                f"({deployment.desired_state}), what-if plan {plan.name} (GPU allocation page)"
             )
         )
+
+
+def seed_plan(admin=None) -> FleetPlan:
+    """The three-department fleet and its optimised layout as a what-if plan (its tenants must
+    exist); idempotent."""
+    plan = FleetPlan.objects.filter(name="three-departments").first() or FleetPlan(
+        name="three-departments", created_by=admin
+    )
+    plan.description = (
+        "Customer service, code assistant and content generation on 4 x A100-80GB: one shared "
+        "multi-LoRA Llama-3.1-8B instance per whole GPU, MIG devices for code completion, "
+        "content generation's batch work and customer service's guard model."
+    )
+    plan.fleet = THREE_DEPARTMENT_FLEET
+    plan.deployments = THREE_DEPARTMENT_DEPLOYMENTS
+    plan.full_clean()
+    plan.save()
+    return plan
