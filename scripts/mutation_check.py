@@ -90,9 +90,9 @@ BREAKAGES = (
     ),
     Breakage(
         "gateway-any-tenant-any-deployment",
-        "gateway_app/catalog.py",
-        "        for tenant_id in served:\n",
-        "        for tenant_id in tenants:\n",
+        "serving_app/catalog.py",
+        "        served = {t.pk for t in dep.tenants.all()}\n",
+        "        served = {t.pk for d in running for t in d.tenants.all()}\n",
         ("tests/gateway/test_catalog.py",),
     ),
     Breakage(
