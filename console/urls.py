@@ -37,7 +37,7 @@ urlpatterns = [
     path("healthz", console_views.healthz, name="healthz"),
     path("readyz", console_views.readyz, name="readyz"),
     path("", include("serving_app.urls")),
-    path("portal/", include("tenants_app.urls")),
+    path("portal/", include("serving_app.portal_urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),
