@@ -14,10 +14,10 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
-from django.contrib.auth.mixins import AccessMixin
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.contrib.auth.mixins import UserPassesTestMixin
+from django.core.exceptions import ValidationError
 from django.db.models import Count, Prefetch, QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse, reverse_lazy
@@ -67,17 +67,15 @@ class LogoutView(auth_views.LogoutView):
     next_page = reverse_lazy("console:login")
 
 
-class StaffRequiredMixin(AccessMixin):
-    """Signed-out visitors go to the sign-in page; signed-in non-staff users get 403."""
+class StaffRequiredMixin(UserPassesTestMixin):
+    """Signed-out visitors go to the sign-in page; signed-in non-staff users get 403 (Django's
+    `UserPassesTestMixin` does both)."""
 
     login_url = reverse_lazy("console:login")
+    permission_denied_message = "The console is for platform admins; tenants use the portal."
 
-    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if not request.user.is_authenticated:
-            return self.handle_no_permission()
-        if not request.user.is_staff:
-            raise PermissionDenied("The console is for platform admins; tenants use the portal.")
-        return super().dispatch(request, *args, **kwargs)
+    def test_func(self) -> bool:
+        return bool(self.request.user.is_staff)
 
 
 # ----------------------------------------------------------------------------- overview

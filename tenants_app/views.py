@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import messages
-from django.contrib.auth.mixins import AccessMixin
+from django.contrib.auth.mixins import LoginRequiredMixin
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
@@ -24,13 +24,8 @@ from tenants_app.forms import InviteForm, MemberRoleForm
 from tenants_app.models import MANAGER_ROLES, ApiKey, Invitation, Membership, Role, Tenant
 
 
-class PortalAccessMixin(AccessMixin):
+class PortalAccessMixin(LoginRequiredMixin):
     login_url = reverse_lazy("console:login")
-
-    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if not request.user.is_authenticated:
-            return self.handle_no_permission()
-        return super().dispatch(request, *args, **kwargs)
 
 
 class PortalHomeView(PortalAccessMixin, TemplateView):
