@@ -963,5 +963,6 @@ class Instance(models.Model):
 
 # Usage metering models and engine metric samples live in their own modules (written by the
 # gateway, and by node agents and the control worker); importing them here registers them.
+from serving_app.autoscalers import Autoscaler  # noqa: E402,F401
 from serving_app.engine_metrics import EngineHour, EngineSample  # noqa: E402,F401
 from serving_app.usage import *  # noqa: E402,F401,F403
