@@ -40,6 +40,7 @@ from audit_app import recording
 from audit_app.models import AuditLog
 from serving_app.models import (
     AdapterFileRemoval,
+    Autoscaler,
     BaseModel,
     Deployment,
     EngineHour,
@@ -235,6 +236,15 @@ ADMIN_CASES: dict[str, AdminCase] = {
         changed=("max_num_seqs", "tenants"),
         actions={"start_deployments": "start", "stop_deployments": "stop",
                  "restart_deployments": "restart"}),
+    "serving_app.Autoscaler": AdminCase(
+        make=lambda w: Autoscaler.objects.create(deployment=make_deployment(w.base,
+                                                                            [w.acme.tenant])),
+        add=lambda w: {"deployment": str(make_deployment(w.base, [w.acme.tenant]).pk),
+                       "min_replicas": "1", "max_replicas": "2", "metric": "waiting",
+                       "target": "2", "up_window_seconds": "30", "down_window_seconds": "300",
+                       "up_cooldown_seconds": "60", "down_cooldown_seconds": "300"},
+        change=lambda w: {"enabled": "on", "max_replicas": "3"},
+        changed=("enabled", "max_replicas")),
     "serving_app.Instance": AdminCase(
         make=lambda w: Instance.objects.create(
             deployment=make_deployment(w.base, [w.acme.tenant]))),
@@ -487,6 +497,10 @@ RESOURCES = [
     Resource("fleet-plans", FleetPlan, _staff,
              lambda w: {"name": f"plan{w.n()}", "fleet": "gpu-a: 1x80GiB", "deployments": []},
              lambda w: {"description": "next quarter"}),
+    Resource("autoscalers", Autoscaler, _staff,
+             lambda w: {"deployment": make_deployment(w.base, [w.acme.tenant]).name,
+                        "enabled": True, "max_replicas": 3},
+             lambda w: {"target": 4.0, "min_replicas": 2}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),
