@@ -11,6 +11,7 @@ from __future__ import annotations
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.urls import reverse
 
 from tenants_app.models import StaffOnlyQuerySet
 
@@ -74,7 +75,11 @@ class Autoscaler(models.Model):
         ordering = ["deployment_id"]
 
     def __str__(self) -> str:
-        return f"autoscaling of {self.deployment}"
+        return str(self.deployment)
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (the admin's "view on site" too)."""
+        return reverse("console:deployment-autoscaling", args=[self.deployment_id])
 
     def clean(self) -> None:
         errors: dict[str, str] = {}

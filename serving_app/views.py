@@ -36,7 +36,15 @@ from serving_app.forms import (
     ScaleForm,
     TenantForm,
 )
-from serving_app.models import BaseModel, Deployment, FleetPlan, Instance, LoraAdapter, Node
+from serving_app.models import (
+    Autoscaler,
+    BaseModel,
+    Deployment,
+    FleetPlan,
+    Instance,
+    LoraAdapter,
+    Node,
+)
 from serving_app.placement import fleetplans, service
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
@@ -359,6 +367,10 @@ class DeploymentDetailView(StaffRequiredMixin, DetailView):
         context["charges"] = service.deployment_charges(
             self.object, panels.accounting_period(trange))
         context["charges_range"] = trange
+        context["autoscaler"] = Autoscaler.objects.filter(deployment=self.object).first()
+        context["autoscale_changes"] = AuditLog.objects.filter(
+            action="autoscale", object_type=Deployment._meta.label,
+            object_id=str(self.object.pk))[:10]
         return context
 
 
