@@ -380,6 +380,9 @@ GATEWAY: dict[str, Any] = {
     # Events a worker keeps in memory while Redis is unreachable (the oldest are dropped beyond
     # it).
     "EVENT_BUFFER_MAX": env_int("GATEWAY_EVENT_BUFFER_MAX", 100_000, minimum=100),
+    # How long a request for a deployment scaled to zero waits for its first instance to be
+    # ready (an engine takes one to two minutes to start here) before a 503 with retry-after.
+    "WAKE_TIMEOUT_SECONDS": env_float("GATEWAY_WAKE_TIMEOUT_SECONDS", 180.0, minimum=1.0),
 }
 
 # --- Health (/healthz, /readyz, /api/v1/health/, the console's "degraded" banner) ---

@@ -21,6 +21,7 @@ class GatewayConfig:
     upstream_retries: int
     usage_stream: str
     event_buffer_max: int
+    wake_timeout: float = 180.0
     window_ms: int = 60_000
 
     @property
@@ -44,4 +45,5 @@ class GatewayConfig:
             upstream_retries=settings.GATEWAY["UPSTREAM_RETRIES"],
             usage_stream=settings.GATEWAY["USAGE_STREAM"],
             event_buffer_max=settings.GATEWAY["EVENT_BUFFER_MAX"],
+            wake_timeout=settings.GATEWAY["WAKE_TIMEOUT_SECONDS"],
         )
