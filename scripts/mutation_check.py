@@ -117,6 +117,35 @@ BREAKAGES = (
         ("tests/api/test_api_keys.py", "tests/api/test_serving_api.py"),
     ),
     Breakage(
+        "webhook-private-targets-allowed",
+        "alerts_app/targets.py",
+        "    if not allow_private:\n        for address in addresses:\n",
+        "    if False:\n        for address in addresses:\n",
+        ("tests/alerts/test_delivery.py",),
+    ),
+    Breakage(
+        "notification-claimed-twice",
+        "alerts_app/delivery.py",
+        "        pk=notification_id, state=State.PENDING, next_attempt_at__lte=now + "
+        "timedelta(seconds=1),\n",
+        "        pk=notification_id,\n",
+        ("tests/alerts/test_delivery.py",),
+    ),
+    Breakage(
+        "alert-without-hysteresis",
+        "alerts_app/evaluate.py",
+        "        if compare(rule.comparison, reading.value, rule.recovery_for(threshold)):\n",
+        "        if False:\n",
+        ("tests/alerts/test_evaluation.py",),
+    ),
+    Breakage(
+        "alert-fires-before-for",
+        "alerts_app/evaluate.py",
+        "        if (now - pending_since).total_seconds() + 1e-6 >= rule.for_seconds:\n",
+        "        if True:\n",
+        ("tests/alerts/test_evaluation.py",),
+    ),
+    Breakage(
         "shared-deployment-charged-to-one-tenant",
         "serving_app/placement/service.py",
         "                    shares=pairs.get(dep.pk, ()),\n",
