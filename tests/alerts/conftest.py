@@ -69,7 +69,9 @@ def receiver():
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     holder["r"] = Receiver(server)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll, so that shutdown() at teardown returns at once (the default waits 0.5 s).
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
     thread.start()
     yield holder["r"]
     server.shutdown()

@@ -5,8 +5,8 @@ it, and a webhook receiver on loopback started here gets the notifications.
 GPU values go through the real sampler (the node agent's `report_inventory`: `read_nvml`,
 `parse_snapshot`, `store_inventory`) over a stand-in NVML module put in place of `pynvml`: no
 host here has a GPU whose utilisation a test could set. Usage goes through the real usage
-writer. The worker uses Redis DB 7 as its broker: run these under the lock with the other tests
-that start workers.
+writer. The worker uses Redis DB 9 as its broker, like the engine tests: run these with the
+other tests that start workers, one suite at a time.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from tests.api.helpers import as_user
 
 pytestmark = pytest.mark.celery
 ROOT = Path(__file__).resolve().parents[2]
-BROKER = os.environ.get("TEST_ALERTS_BROKER_URL", "redis://127.0.0.1:6379/7")
+BROKER = os.environ.get("TEST_ALERTS_BROKER_URL", "redis://127.0.0.1:6379/9")
 GIB = 2**30
 
 

@@ -2,7 +2,7 @@
 kernel, the usage writer stores their events, and every worker's scrape shows counters equal to
 the requests sent. A real gateway and PostgreSQL; the engine is the instant upstream the
 gateway tests use (no model output is needed to count requests). Uses Redis DB 9, like the
-gateway tests: run it under the lock with them."""
+gateway tests: never run it beside them."""
 
 from __future__ import annotations
 
