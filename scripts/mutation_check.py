@@ -10,7 +10,8 @@ Each breakage names a file, the exact text it replaces (which must still be in t
 breakage whose text moved fails the check, so the list is kept up to date with the code) and the
 tests that must notice. The scratch copy is the working tree's files (tracked and untracked, not
 ignored) with `var/` and `.venv` linked in; the tests run there against a database of their own
-(`test_mutation`, kept between runs). Before any breakage, the same tests run once on the
+(`test_<name>_mutation` beside DATABASE_URL's `<name>`, kept between runs, so that checkouts
+using databases of their own never share it). Before any breakage, the same tests run once on the
 unbroken copy and must pass, so a "caught" breakage is never a test that fails anyway.
 
 Exit status 0 when every breakage was caught. pytest's output for each run goes to
@@ -211,7 +212,8 @@ def scratch_copy(dest: Path) -> None:
 def run_tests(copy: Path, tests: tuple[str, ...], log_name: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(copy)}
     url = env.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    env["DATABASE_URL"] = url.rsplit("/", 1)[0] + "/mutation"
+    server, name = url.rsplit("/", 1)
+    env["DATABASE_URL"] = f"{server}/{name}_mutation"
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / f"{log_name}.log").open("wb") as log:
         return subprocess.run(
