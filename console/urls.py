@@ -47,7 +47,7 @@ urlpatterns = [
     path("alerts/", include("alerts_app.urls")),
     path("portal/<slug:slug>/alerts/", include("alerts_app.portal_urls")),
     path("", include("serving_app.urls")),
-    path("portal/", include("tenants_app.urls")),
+    path("portal/", include("serving_app.portal_urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),

@@ -18,6 +18,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
 from django.db.models.signals import post_delete
+from django.urls import reverse
 from django.utils import timezone
 
 from audit_app import recording
@@ -100,6 +101,10 @@ class BaseModel(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:basemodel-detail", args=[self.pk])
+
     def clean(self) -> None:
         if not self.path:
             return
@@ -161,6 +166,10 @@ class LoraAdapter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id and self.tenant.slug}/{self.name}"
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:loraadapter-detail", args=[self.pk])
 
     @property
     def engine_name(self) -> str:
@@ -366,6 +375,10 @@ class Node(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:node-detail", args=[self.pk])
+
     def clean(self) -> None:
         if self.queue and not self.queue.startswith("node."):
             raise ValidationError({"queue": "A node agent's queue is named node.<host>."})
@@ -536,6 +549,10 @@ class FleetPlan(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:fleetplan-detail", args=[self.pk])
+
     def clean(self) -> None:
         errors: dict[str, list[str]] = {}
         try:
@@ -675,6 +692,10 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:deployment-detail", args=[self.pk])
 
     def clean(self) -> None:
         errors: dict[str, str] = {}
@@ -905,6 +926,10 @@ class Instance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment_id and self.deployment.name}#{self.ordinal}"
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:instance-detail", args=[self.pk])
 
     def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
         """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""

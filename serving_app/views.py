@@ -211,8 +211,7 @@ class ObjectUpdateView(StaffRequiredMixin, UpdateView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update(noun=self.noun, cancel_url=self.object.get_absolute_url()
-                       if hasattr(self.object, "get_absolute_url") else self.get_success_url())
+        context.update(noun=self.noun, cancel_url=self.object.get_absolute_url())
         return context
 
     def form_valid(self, form: Any) -> HttpResponse:
@@ -269,18 +268,12 @@ class TenantCreateView(ObjectCreateView):
     form_class = TenantForm
     noun = "tenant"
 
-    def get_success_url(self) -> str:
-        return reverse("console:tenant-detail", args=[self.object.slug])
-
 
 class TenantUpdateView(ObjectUpdateView):
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
     slug_field = "slug"
-
-    def get_success_url(self) -> str:
-        return reverse("console:tenant-detail", args=[self.object.slug])
 
 
 # ----------------------------------------------------------------------------- base models
@@ -306,17 +299,11 @@ class BaseModelCreateView(ObjectCreateView):
     form_class = BaseModelForm
     noun = "base model"
 
-    def get_success_url(self) -> str:
-        return reverse("console:basemodel-detail", args=[self.object.pk])
-
 
 class BaseModelUpdateView(ObjectUpdateView):
     model = BaseModel
     form_class = BaseModelForm
     noun = "base model"
-
-    def get_success_url(self) -> str:
-        return reverse("console:basemodel-detail", args=[self.object.pk])
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -341,17 +328,11 @@ class AdapterCreateView(ObjectCreateView):
     form_class = LoraAdapterForm
     noun = "adapter"
 
-    def get_success_url(self) -> str:
-        return reverse("console:loraadapter-detail", args=[self.object.pk])
-
 
 class AdapterUpdateView(ObjectUpdateView):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
-
-    def get_success_url(self) -> str:
-        return reverse("console:loraadapter-detail", args=[self.object.pk])
 
 
 # ----------------------------------------------------------------------------- deployments
@@ -388,9 +369,6 @@ class DeploymentFormMixin:
     model = Deployment
     form_class = DeploymentForm
     noun = "deployment"
-
-    def get_success_url(self) -> str:
-        return reverse("console:deployment-detail", args=[self.object.pk])
 
 
 class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView):
@@ -585,9 +563,6 @@ class FleetPlanFormMixin:
     model = FleetPlan
     form_class = FleetPlanForm
     noun = "what-if plan"
-
-    def get_success_url(self) -> str:
-        return reverse("console:fleetplan-detail", args=[self.object.pk])
 
 
 class FleetPlanCreateView(FleetPlanFormMixin, ObjectCreateView):

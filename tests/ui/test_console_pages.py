@@ -12,7 +12,7 @@ from django.utils import timezone
 from audit_app.models import AuditLog
 from serving_app.dashboards.queries import percentile
 from serving_app.engine.launch import build_launch_spec
-from serving_app.models import Deployment, Instance, Node
+from serving_app.models import Deployment, FleetPlan, Instance, Node
 from tenants_app.models import Tenant
 from tests.factories import make_adapter, make_deployment, make_tenant
 
@@ -337,3 +337,28 @@ def test_figures_use_no_python_only_property_shortcuts(login, platform_admin, ac
         for figure in data["figures"].values():
             for trace in figure["data"]:
                 assert not [k for k in trace if "_" in k], trace.keys()
+
+
+def test_each_object_links_to_its_console_page_and_edits_return_there(
+    login, platform_admin, acme, base_model, tmp_path
+):
+    """`get_absolute_url` is each object's console page (the admin's "view on site" too): it
+    answers 200 with the object's name, and saving an edit form redirects back to it."""
+    client = login(platform_admin)
+    node = Node.objects.create(name="cpu-1", queue="node.cpu-1")
+    deployment = make_deployment(base_model, [acme.tenant], name="support-bot")
+    instance = Instance.objects.create(deployment=deployment, node=node, port=1)
+    adapter = make_adapter(acme.tenant, base_model, tmp_path / "adapters", name="style")
+    plan = FleetPlan.objects.create(name="mini", fleet="gpu-a: 1xNVIDIA A100-SXM4-80GB:80GiB",
+                                   deployments=[])
+    for obj, shown in [(acme.tenant, "Acme Corp"), (base_model, base_model.name),
+                       (adapter, "style"), (node, "cpu-1"), (deployment, "support-bot"),
+                       (instance, "support-bot"), (plan, "mini")]:
+        response = client.get(obj.get_absolute_url())
+        assert response.status_code == 200, obj
+        assert shown in response.content.decode(), obj
+    response = client.post(reverse("console:tenant-edit", args=["acme"]), {
+        "slug": "acme", "name": "Acme Inc", "status": "active", "priority_tier": 2,
+        "fair_share_weight": 1})
+    assert response.status_code == 302, response.context and response.context["form"].errors
+    assert response["Location"] == acme.tenant.get_absolute_url()
