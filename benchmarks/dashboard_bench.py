@@ -126,27 +126,32 @@ def generate(events: int) -> None:
         for statement in restore:
             cur.execute(statement)
     print(f"  event indexes rebuilt  ({time.perf_counter() - started:5.1f} s)", flush=True)
-    bounds = (100, 250, 500, 1000, 2500, 5000, 10000)
+    from serving_app.usage import LATENCY_BUCKETS_MS, LATENCY_FIELDS, TTFT_FIELDS
+
     hist = []
-    lower = None
-    for bound in bounds:
-        cond = f"latency_ms <= {bound}" + (f" AND latency_ms > {lower}" if lower else "")
-        hist.append(f"count(*) FILTER (WHERE {cond})")
-        lower = bound
-    columns = ", ".join(f"latency_le_{b}" for b in bounds)
+    for source in ("latency_ms", "ttft_ms"):
+        lower = None
+        for bound in LATENCY_BUCKETS_MS:
+            cond = f"{source} <= {bound}" + (f" AND {source} > {lower}" if lower else "")
+            hist.append(f"count(*) FILTER (WHERE {cond})")
+            lower = bound
+    columns = ", ".join((*LATENCY_FIELDS, *TTFT_FIELDS))
     for table, unit in (("minute", "minute"), ("hour", "hour")):
         with transaction.atomic(), connection.cursor() as cur:
             cur.execute(f"""
-                INSERT INTO {t[table]} (bucket, tenant_id, model, requests, errors, rate_limited,
-                    prompt_tokens, completion_tokens, latency_ms_total, latency_ms_max,
-                    ttft_ms_total, ttft_count, {columns})
-                SELECT date_trunc('{unit}', created_at), tenant_id, model, count(*),
+                INSERT INTO {t[table]} (bucket, tenant_id, model, deployment_id, requests, errors,
+                    server_errors, rate_limited, prompt_tokens, completion_tokens,
+                    latency_ms_total, latency_ms_max, ttft_ms_total, ttft_ms_max, ttft_count,
+                    {columns})
+                SELECT date_trunc('{unit}', created_at), tenant_id, model,
+                       coalesce(deployment_id, 0), count(*),
                        count(*) FILTER (WHERE status_code >= 400),
+                       count(*) FILTER (WHERE status_code >= 500),
                        count(*) FILTER (WHERE status_code = 429),
                        sum(prompt_tokens), sum(completion_tokens), sum(latency_ms),
-                       max(latency_ms), coalesce(sum(ttft_ms), 0), count(ttft_ms),
-                       {", ".join(hist)}
-                FROM {t['event']} GROUP BY 1, 2, 3
+                       max(latency_ms), coalesce(sum(ttft_ms), 0), coalesce(max(ttft_ms), 0),
+                       count(ttft_ms), {", ".join(hist)}
+                FROM {t['event']} GROUP BY 1, 2, 3, 4
             """)
             cur.execute(f"SELECT count(*) FROM {t[table]}")
             rows = cur.fetchone()[0]

@@ -36,6 +36,17 @@ def _schedule(sender: Celery, **kwargs) -> None:
                               options={"expires": 5}),
         name="drain usage events",
     )
+    sender.add_periodic_task(
+        600.0, sender.signature(lifecycle.PRUNE_USAGE_ROLLUPS, queue=lifecycle.CONTROL_QUEUE,
+                                options={"expires": 600}),
+        name="prune ten-second usage rollups",
+    )
+    sender.add_periodic_task(
+        settings.ALERTS_EVALUATION_SECONDS,
+        sender.signature(lifecycle.EVALUATE_ALERTS, queue=lifecycle.CONTROL_QUEUE,
+                         options={"expires": settings.ALERTS_EVALUATION_SECONDS}),
+        name="evaluate alert rules",
+    )
     # Engine metric samples: finished hours rolled up, old samples and rollups pruned.
     sender.add_periodic_task(
         ENGINE_ROLLUP_SECONDS,

@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "tenants_app",
     "serving_app",
     "gateway_app",
+    "alerts_app",
 ]
 
 MIDDLEWARE = [
@@ -159,6 +160,16 @@ SPECTACULAR_SETTINGS = {
     # Served from our own static files: the console must work on an air-gapped host.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # One name per choice set where several models' fields share a name ("state", "kind").
+    "ENUM_NAME_OVERRIDES": {
+        "InstanceStateEnum": "serving_app.models.Instance.State",
+        "AlertStateEnum": "alerts_app.models.Alert.State",
+        "NotificationStateEnum": "alerts_app.models.Notification.State",
+        "ChannelKindEnum": "alerts_app.models.Channel.Kind",
+        "NotificationKindEnum": "alerts_app.models.Notification.Kind",
+        "TransitionKindEnum": "alerts_app.models.AlertTransition.Kind",
+        "SeverityEnum": "alerts_app.models.Severity",
+    },
 }
 
 # Celery: JSON only, explicit queues, bounded tasks (cookiecutter-django style).
@@ -220,6 +231,10 @@ NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
 PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
 PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))
 GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)
+# How long the ten-second usage rollups are kept (alert windows read them; charts do not).
+USAGE_TEN_SECOND_RETENTION_HOURS = env_float(
+    "USAGE_TEN_SECOND_RETENTION_HOURS", 24.0, minimum=0.1
+)
 
 # Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
 # path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
@@ -384,6 +399,32 @@ GATEWAY: dict[str, Any] = {
     # ready (an engine takes one to two minutes to start here) before a 503 with retry-after.
     "WAKE_TIMEOUT_SECONDS": env_float("GATEWAY_WAKE_TIMEOUT_SECONDS", 180.0, minimum=1.0),
 }
+
+# --- Alerts and notifications (alerts_app) ---
+# How often beat runs an evaluation round on the control worker.
+ALERTS_EVALUATION_SECONDS = env_float("ALERTS_EVALUATION_SECONDS", 10.0, minimum=0.5)
+# Webhook deliveries: the request's time limit, and the retries of a failed one (exponential
+# backoff from the first delay, capped; then the notification is marked failed).
+ALERTS_WEBHOOK_TIMEOUT_SECONDS = env_float("ALERTS_WEBHOOK_TIMEOUT_SECONDS", 10.0, minimum=0.1)
+ALERTS_MAX_ATTEMPTS = env_int("ALERTS_MAX_ATTEMPTS", 6, minimum=1)
+ALERTS_RETRY_BACKOFF_SECONDS = env_float("ALERTS_RETRY_BACKOFF_SECONDS", 5.0, minimum=0.0)
+ALERTS_RETRY_BACKOFF_MAX_SECONDS = env_float(
+    "ALERTS_RETRY_BACKOFF_MAX_SECONDS", 600.0, minimum=0.0
+)
+# Email channels go through Django's email backend (SMTP unless EMAIL_BACKEND says otherwise;
+# `django.core.mail.backends.filebased.EmailBackend` with EMAIL_FILE_PATH writes files).
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
+EMAIL_FILE_PATH = env_str("EMAIL_FILE_PATH", str(VAR_DIR / "mail"))
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "alerts@localhost")
+# `/metrics` (Prometheus) answers only requests with `Authorization: Bearer <this>`; empty: the
+# endpoint is off (404).
+METRICS_SCRAPE_TOKEN = env_str("METRICS_SCRAPE_TOKEN", "")
 
 # --- Health (/healthz, /readyz, /api/v1/health/, the console's "degraded" banner) ---
 # The usage writer counts as unhealthy once the oldest event not yet stored is older than this.

@@ -1,5 +1,5 @@
-"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs, and the
-liveness and readiness probes (`/healthz`, `/readyz`)."""
+"""Root URLs: admin, management API under /api/v1/, OpenAPI schema and docs, the liveness and
+readiness probes (`/healthz`, `/readyz`) and Prometheus' `/metrics`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 from rest_framework.routers import DefaultRouter
 
+from alerts_app import exporter
+from alerts_app.api import views as alert_views
 from serving_app import views as console_views
 from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
@@ -32,12 +34,20 @@ router.register("gpus", serving_views.GpuViewSet)
 router.register("deployments", serving_views.DeploymentViewSet)
 router.register("instances", serving_views.InstanceViewSet)
 router.register("audit-log", serving_views.AuditLogViewSet)
+router.register("alert-rules", alert_views.AlertRuleViewSet)
+router.register("alerts", alert_views.AlertViewSet)
+router.register("alert-channels", alert_views.ChannelViewSet)
+router.register("alert-silences", alert_views.SilenceViewSet)
+router.register("alert-deliveries", alert_views.NotificationViewSet)
 router.register("fleet-plans", FleetPlanViewSet)
 router.register("autoscalers", AutoscalerViewSet)
 
 urlpatterns = [
     path("healthz", console_views.healthz, name="healthz"),
     path("readyz", console_views.readyz, name="readyz"),
+    path("metrics", exporter.metrics, name="metrics"),
+    path("alerts/", include("alerts_app.urls")),
+    path("portal/<slug:slug>/alerts/", include("alerts_app.portal_urls")),
     path("", include("serving_app.urls")),
     path("portal/", include("serving_app.portal_urls")),
     path("admin/", admin.site.urls),

@@ -21,7 +21,6 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -31,15 +30,30 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Q
 
-from serving_app.usage import LATENCY_BUCKETS_MS, UsageEvent, UsageHour, UsageMinute
+from serving_app.usage import (
+    LATENCY_FIELDS,
+    ROLLUP_COUNTERS,
+    TOTAL_BUCKET,
+    TTFT_FIELDS,
+    UsageEvent,
+    UsageHour,
+    UsageMinute,
+    UsageTenSecond,
+    UsageTotal,
+    bucket_index,
+)
 from tenants_app.models import ApiKey
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = (
-    "requests", "errors", "rate_limited", "prompt_tokens", "completion_tokens",
-    "latency_ms_total", "ttft_ms_total", "ttft_count",
-    *(f"latency_le_{b}" for b in LATENCY_BUCKETS_MS),
+_COUNTERS = ROLLUP_COUNTERS
+_MAXIMA = ("latency_ms_max", "ttft_ms_max")
+# Each rollup and how it truncates an event's time to its bucket.
+_ROLLUPS: tuple[tuple[type, Callable[[datetime], datetime]], ...] = (
+    (UsageTenSecond, lambda d: d.replace(second=d.second - d.second % 10, microsecond=0)),
+    (UsageMinute, lambda d: d.replace(second=0, microsecond=0)),
+    (UsageHour, lambda d: d.replace(minute=0, second=0, microsecond=0)),
+    (UsageTotal, lambda d: TOTAL_BUCKET),
 )
 CLAIM_IDLE_MS = 60_000
 NO_COUNTER = b"gw:{none}:u"  # entries without a budget counter (never incremented)
@@ -100,54 +114,62 @@ def _event_row(event: dict[str, Any]) -> UsageEvent:
     )
 
 
-def _rollups(rows: list[UsageEvent], truncate: Callable[[datetime], datetime]) -> dict:
-    groups: dict[tuple, dict[str, float]] = defaultdict(lambda: dict.fromkeys(_COUNTERS, 0))
-    maxima: dict[tuple, float] = defaultdict(float)
+def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:
+    """For each of _ROLLUPS: counters and maxima per (bucket, tenant, model, deployment)."""
+    groups: list[dict[tuple, dict[str, float]]] = [{} for _ in _ROLLUPS]
+    over = len(LATENCY_FIELDS)  # above the last bound: counted in the requests, in no bucket
     for row in rows:
         if row.tenant_id is None:
             continue
-        key = (truncate(row.created_at), row.tenant_id, row.model)
-        g = groups[key]
-        g["requests"] += 1
-        g["errors"] += row.status_code >= 400
-        g["rate_limited"] += row.status_code == 429
-        g["prompt_tokens"] += row.prompt_tokens
-        g["completion_tokens"] += row.completion_tokens
-        g["latency_ms_total"] += row.latency_ms
-        if row.ttft_ms is not None:
-            g["ttft_ms_total"] += row.ttft_ms
-            g["ttft_count"] += 1
-        for bound in LATENCY_BUCKETS_MS:
-            if row.latency_ms <= bound:
-                g[f"latency_le_{bound}"] += 1
-                break
-        maxima[key] = max(maxima[key], row.latency_ms)
-    return {key: (counters, maxima[key]) for key, counters in groups.items()}
+        latency_bucket = bucket_index(row.latency_ms)
+        ttft = row.ttft_ms
+        ttft_bucket = None if ttft is None else bucket_index(ttft)
+        server_error = row.status_code >= 500
+        for (_, truncate), by_key in zip(_ROLLUPS, groups, strict=True):
+            key = (truncate(row.created_at), row.tenant_id, row.model, row.deployment_id or 0)
+            g = by_key.get(key)
+            if g is None:
+                g = by_key[key] = dict.fromkeys((*_COUNTERS, *_MAXIMA), 0)
+            g["requests"] += 1
+            g["errors"] += row.status_code >= 400
+            g["server_errors"] += server_error
+            g["rate_limited"] += row.status_code == 429
+            g["prompt_tokens"] += row.prompt_tokens
+            g["completion_tokens"] += row.completion_tokens
+            g["latency_ms_total"] += row.latency_ms
+            g["latency_ms_max"] = max(g["latency_ms_max"], row.latency_ms)
+            if latency_bucket < over:
+                g[LATENCY_FIELDS[latency_bucket]] += 1
+            if ttft is not None and ttft_bucket is not None:
+                g["ttft_ms_total"] += ttft
+                g["ttft_count"] += 1
+                g["ttft_ms_max"] = max(g["ttft_ms_max"], ttft)
+                if ttft_bucket < over:
+                    g[TTFT_FIELDS[ttft_bucket]] += 1
+    return groups
 
 
-def _upsert(model: type, groups: dict) -> None:
+def _upsert(model: type, groups: dict[tuple, dict[str, float]]) -> None:
     if not groups:
         return
     qn = connection.ops.quote_name
     table = qn(model._meta.db_table)
-    columns = ["bucket", "tenant_id", "model", *_COUNTERS, "latency_ms_max"]
+    columns = ["bucket", "tenant_id", "model", "deployment_id", *_COUNTERS, *_MAXIMA]
     greatest = "GREATEST" if connection.vendor == "postgresql" else "MAX"
     updates = [f"{qn(c)} = {table}.{qn(c)} + EXCLUDED.{qn(c)}" for c in _COUNTERS]
-    updates.append(
-        f"{qn('latency_ms_max')} = {greatest}({table}.{qn('latency_ms_max')}, "
-        f"EXCLUDED.{qn('latency_ms_max')})"
-    )
+    updates += [f"{qn(c)} = {greatest}({table}.{qn(c)}, EXCLUDED.{qn(c)})" for c in _MAXIMA]
     sql = (
         f"INSERT INTO {table} ({', '.join(qn(c) for c in columns)}) "
         f"VALUES ({', '.join(['%s'] * len(columns))}) "
-        f"ON CONFLICT ({qn('bucket')}, {qn('tenant_id')}, {qn('model')}) "
+        f"ON CONFLICT ({qn('bucket')}, {qn('tenant_id')}, {qn('model')}, {qn('deployment_id')}) "
         f"DO UPDATE SET {', '.join(updates)}"
     )
     params = []
-    for (bucket, tenant_id, name), (counters, latency_max) in groups.items():
+    # Sorted, so that two writers lock the rows they share in the same order (no deadlock).
+    for (bucket, tenant_id, name, deployment_id), values in sorted(groups.items()):
         params.append([
-            connection.ops.adapt_datetimefield_value(bucket), tenant_id, name,
-            *(counters[c] for c in _COUNTERS), latency_max,
+            connection.ops.adapt_datetimefield_value(bucket), tenant_id, name, deployment_id,
+            *(values[c] for c in _COUNTERS), *(values[c] for c in _MAXIMA),
         ])
     with connection.cursor() as cursor:
         cursor.executemany(sql, params)
@@ -168,8 +190,8 @@ def persist(events: list[dict[str, Any]]) -> int:
         )
         new = [row for rid, row in rows.items() if rid not in existing]
         UsageEvent.objects.bulk_create(new, batch_size=1000)
-        _upsert(UsageMinute, _rollups(new, lambda d: d.replace(second=0, microsecond=0)))
-        _upsert(UsageHour, _rollups(new, lambda d: d.replace(minute=0, second=0, microsecond=0)))
+        for (rollup, _), groups in zip(_ROLLUPS, _rollups(new), strict=True):
+            _upsert(rollup, groups)
         last_used: dict[int, datetime] = {}
         for row in new:
             if row.api_key_id and row.status_code < 400:

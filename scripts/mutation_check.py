@@ -10,7 +10,8 @@ Each breakage names a file, the exact text it replaces (which must still be in t
 breakage whose text moved fails the check, so the list is kept up to date with the code) and the
 tests that must notice. The scratch copy is the working tree's files (tracked and untracked, not
 ignored) with `var/` and `.venv` linked in; the tests run there against a database of their own
-(`test_mutation`, kept between runs). Before any breakage, the same tests run once on the
+(`test_<name>_mutation` beside DATABASE_URL's `<name>`, kept between runs, so that checkouts
+using databases of their own never share it). Before any breakage, the same tests run once on the
 unbroken copy and must pass, so a "caught" breakage is never a test that fails anyway.
 
 Exit status 0 when every breakage was caught. pytest's output for each run goes to
@@ -117,6 +118,35 @@ BREAKAGES = (
         ("tests/api/test_api_keys.py", "tests/api/test_serving_api.py"),
     ),
     Breakage(
+        "webhook-private-targets-allowed",
+        "alerts_app/targets.py",
+        "    if not allow_private:\n        for address in addresses:\n",
+        "    if False:\n        for address in addresses:\n",
+        ("tests/alerts/test_delivery.py",),
+    ),
+    Breakage(
+        "notification-claimed-twice",
+        "alerts_app/delivery.py",
+        "        pk=notification_id, state=State.PENDING, next_attempt_at__lte=now + "
+        "timedelta(seconds=1),\n",
+        "        pk=notification_id,\n",
+        ("tests/alerts/test_delivery.py",),
+    ),
+    Breakage(
+        "alert-without-hysteresis",
+        "alerts_app/evaluate.py",
+        "        if compare(rule.comparison, reading.value, rule.recovery_for(threshold)):\n",
+        "        if False:\n",
+        ("tests/alerts/test_evaluation.py",),
+    ),
+    Breakage(
+        "alert-fires-before-for",
+        "alerts_app/evaluate.py",
+        "        if (now - pending_since).total_seconds() + 1e-6 >= rule.for_seconds:\n",
+        "        if True:\n",
+        ("tests/alerts/test_evaluation.py",),
+    ),
+    Breakage(
         "shared-deployment-charged-to-one-tenant",
         "serving_app/placement/service.py",
         "                    shares=pairs.get(dep.pk, ()),\n",
@@ -191,7 +221,8 @@ def scratch_copy(dest: Path) -> None:
 def run_tests(copy: Path, tests: tuple[str, ...], log_name: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(copy)}
     url = env.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    env["DATABASE_URL"] = url.rsplit("/", 1)[0] + "/mutation"
+    server, name = url.rsplit("/", 1)
+    env["DATABASE_URL"] = f"{server}/{name}_mutation"
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / f"{log_name}.log").open("wb") as log:
         return subprocess.run(

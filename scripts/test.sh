@@ -32,7 +32,8 @@ echo "[test] type check (mypy)"
 PYTHONPATH=. .venv/bin/mypy
 echo "[test] duplicate code (pylint duplicate-code)"
 .venv/bin/pylint --disable=all --enable=duplicate-code --score=n \
-    console audit_app tenants_app serving_app gateway_app tests benchmarks scripts manage.py
+    console audit_app tenants_app serving_app gateway_app alerts_app tests benchmarks scripts \
+    manage.py
 # The fast part of the mutation check (scripts/mutation_check.py): deliberate breakages the
 # suite must catch. Run before the suite (its pytest runs go to var/mutation-logs), and only for
 # the whole suite, not when test paths are given.

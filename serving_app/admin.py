@@ -28,6 +28,8 @@ from serving_app.models import (
     UsageEvent,
     UsageHour,
     UsageMinute,
+    UsageTenSecond,
+    UsageTotal,
 )
 
 
@@ -237,10 +239,10 @@ class UsageEventAdmin(ReadOnlyAdmin):
     date_hierarchy = "created_at"
 
 
-@admin.register(UsageMinute, UsageHour)
+@admin.register(UsageTenSecond, UsageMinute, UsageHour, UsageTotal)
 class UsageRollupAdmin(ReadOnlyAdmin):
-    list_display = ["bucket", "tenant", "model", "requests", "errors", "rate_limited",
-                    "prompt_tokens", "completion_tokens"]
+    list_display = ["bucket", "tenant", "model", "deployment_id", "requests", "errors",
+                    "server_errors", "rate_limited", "prompt_tokens", "completion_tokens"]
     list_filter = ["tenant", "model"]
 
 

@@ -28,16 +28,25 @@ AUTOSCALE = "serving.autoscale"  # scheduled by beat
 WAKE_DEPLOYMENT = "serving.wake_deployment"
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
+PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
+# Registered by `alerts_app.tasks` (evaluation scheduled by beat).
+EVALUATE_ALERTS = "alerts.evaluate"
+DELIVER_NOTIFICATION = "alerts.deliver_notification"
 NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
 
 
-def enqueue(name: str, *args: Any, queue: str = CONTROL_QUEUE) -> None:
-    """Queue task `name` with `args` on `queue` once the current transaction (if any) commits.
+def enqueue(name: str, *args: Any, queue: str = CONTROL_QUEUE,
+            countdown: float | None = None) -> None:
+    """Queue task `name` with `args` on `queue` once the current transaction (if any) commits,
+    to run no sooner than `countdown` seconds from then.
 
     A signature by name, not an imported task: in a process that registered the task (a worker,
     or any process with `CELERY_TASK_ALWAYS_EAGER`) it runs through the task's own `apply_async`,
     elsewhere it is sent by name."""
-    signature = current_app.signature(name, args=args, queue=queue)
+    options: dict[str, Any] = {"queue": queue}
+    if countdown:
+        options["countdown"] = countdown
+    signature = current_app.signature(name, args=args, **options)
     transaction.on_commit(signature.apply_async)
 
 

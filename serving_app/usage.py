@@ -1,15 +1,27 @@
-"""Usage metering: one event per gateway request, and time-bucketed rollups for the dashboards.
+"""Usage metering: one event per gateway request, and time-bucketed rollups for the dashboards,
+the alert rules and the Prometheus endpoint.
 
 The gateway never writes these rows itself: it appends events to a Redis stream and the batch
-writer (`gateway_app.writer`) persists them, together with the per-minute and per-hour
-rollups, in one transaction per batch. Ids of keys, deployments and instances are stored as plain
-numbers (not foreign keys) so that usage history outlives the rows it refers to and a deleted
-instance can never make a batch fail; the tenant is a foreign key without a database constraint
-for the same reason, so the dashboards can still join on it.
+writer (`gateway_app.writer`) persists them, together with the rollups (per ten seconds, minute
+and hour, and one all-time total), in one transaction per batch. Ids of keys, deployments and
+instances are stored as plain numbers (not foreign keys) so that usage history outlives the rows
+it refers to and a deleted instance can never make a batch fail; the tenant is a foreign key
+without a database constraint for the same reason, so the dashboards can still join on it.
+
+The rollups carry latency and time-to-first-token histograms with log-spaced buckets, ten per
+decade from 10 ms to 100 s (the R10 preferred numbers, rounded to whole milliseconds): a
+bucket's upper edge is at most 1.3 times its lower one, so a percentile read off it, or the share
+of requests above a threshold, is close wherever the threshold lies, and the old edges (100,
+250, 500, 1000 ms...) are among the new ones. Histograms of several rows merge by adding their
+counts, in SQL (`SUM`) or in Python. The ten-second rollup is kept for
+`USAGE_TEN_SECOND_RETENTION_HOURS` only: alert windows are short and read it; charts read the
+minute and hour rollups.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,10 +31,56 @@ from django.utils import timezone
 
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
-__all__ = ["UsageEvent", "UsageMinute", "UsageHour", "LATENCY_BUCKETS_MS"]
+__all__ = [
+    "UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",
+    "LATENCY_BUCKETS_MS", "LATENCY_FIELDS", "TTFT_FIELDS", "ROLLUP_COUNTERS", "bucket_index",
+    "histogram_quantile",
+]
 
-# Upper bounds (ms) of the latency histogram kept in the rollups; a p95 can be read off them.
-LATENCY_BUCKETS_MS = (100, 250, 500, 1000, 2500, 5000, 10000)
+# Upper bounds (ms) of the histogram buckets kept in the rollups, for latency and time to first
+# token alike; above the last bound the row's maximum is the upper end.
+_R10 = (1.0, 1.25, 1.6, 2.0, 2.5, 3.15, 4.0, 5.0, 6.3, 8.0)
+LATENCY_BUCKETS_MS: tuple[int, ...] = (
+    *(int(step * 10**decade + 0.5) for decade in range(1, 5) for step in _R10), 100_000,
+)
+LATENCY_FIELDS = tuple(f"latency_le_{bound}" for bound in LATENCY_BUCKETS_MS)
+TTFT_FIELDS = tuple(f"ttft_le_{bound}" for bound in LATENCY_BUCKETS_MS)
+# Every counter a rollup row adds up (the maxima are kept apart: they merge by GREATEST).
+ROLLUP_COUNTERS = (
+    "requests", "errors", "server_errors", "rate_limited", "prompt_tokens", "completion_tokens",
+    "latency_ms_total", "ttft_ms_total", "ttft_count", *LATENCY_FIELDS, *TTFT_FIELDS,
+)
+# The all-time total's one bucket.
+TOTAL_BUCKET = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def bucket_index(value: float) -> int:
+    """The histogram bucket holding `value` (ms): the first bound at or above it;
+    len(LATENCY_BUCKETS_MS) for a value above the last bound."""
+    return bisect_left(LATENCY_BUCKETS_MS, value)
+
+
+def histogram_quantile(
+    counts: Sequence[float], total: float, maximum: float, q: float
+) -> float | None:
+    """The q-quantile (0..1) of a rollup histogram: `counts` per LATENCY_BUCKETS_MS bucket,
+    `total` observations (those above the last bound are the difference), `maximum` the largest
+    one. Linear inside a bucket; None without observations."""
+    if not total:
+        return None
+    rank = q * total
+    seen = 0.0
+    lower = 0.0
+    for bound, count in zip(LATENCY_BUCKETS_MS, counts, strict=True):
+        if count and seen + count >= rank:
+            return lower + (bound - lower) * (rank - seen) / count
+        seen += count
+        lower = float(bound)
+    overflow = max(total - seen, 0)
+    upper = max(float(maximum or 0.0), lower)
+    if not overflow:
+        return lower
+    return lower + (upper - lower) * min(max(rank - seen, 0) / overflow, 1.0)
 
 
 def month_start(now: datetime | None = None) -> datetime:
@@ -102,54 +160,88 @@ class UsageEvent(models.Model):
         return self.prompt_tokens + self.completion_tokens
 
 
+class UsageRollupQuerySet(UsageQuerySet):
+    def prune(self, older_than: datetime) -> int:
+        """Delete the buckets that start before `older_than`; how many went."""
+        deleted, _ = self.filter(bucket__lt=older_than).delete()
+        return deleted
+
+
 class UsageRollup(models.Model):
-    """Counters for one tenant and public model over one time bucket (abstract)."""
+    """Counters for one tenant, public model and deployment over one time bucket (abstract).
+
+    `deployment_id` is 0 for requests that reached no deployment (refused before routing).
+    The histogram fields (`latency_le_<ms>`, `ttft_le_<ms>`, one per LATENCY_BUCKETS_MS bound)
+    count the requests in (previous bound, bound]; they are added below the class.
+    """
 
     bucket = models.DateTimeField(help_text="Start of the bucket (UTC).")
     tenant = models.ForeignKey(
         "tenants_app.Tenant", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
     )
     model = models.CharField(max_length=200)
+    deployment_id = models.PositiveBigIntegerField(default=0)
     requests = models.PositiveBigIntegerField(default=0)
     errors = models.PositiveBigIntegerField(default=0, help_text="Responses with status >= 400.")
+    server_errors = models.PositiveBigIntegerField(
+        default=0, help_text="Failed on the serving side: status >= 500 (engine errors too)."
+    )
     rate_limited = models.PositiveBigIntegerField(default=0, help_text="429 responses.")
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
     latency_ms_total = models.FloatField(default=0.0)
     latency_ms_max = models.FloatField(default=0.0)
     ttft_ms_total = models.FloatField(default=0.0)
+    ttft_ms_max = models.FloatField(default=0.0)
     ttft_count = models.PositiveBigIntegerField(default=0)
-    latency_le_100 = models.PositiveBigIntegerField(default=0)
-    latency_le_250 = models.PositiveBigIntegerField(default=0)
-    latency_le_500 = models.PositiveBigIntegerField(default=0)
-    latency_le_1000 = models.PositiveBigIntegerField(default=0)
-    latency_le_2500 = models.PositiveBigIntegerField(default=0)
-    latency_le_5000 = models.PositiveBigIntegerField(default=0)
-    latency_le_10000 = models.PositiveBigIntegerField(default=0)
 
-    objects = UsageQuerySet.as_manager()
+    objects = UsageRollupQuerySet.as_manager()
 
     class Meta:
         abstract = True
         ordering = ["-bucket"]
 
     def __str__(self) -> str:
-        return f"{self.tenant_id}/{self.model}@{self.bucket:%Y-%m-%d %H:%M}"
+        return f"{self.tenant_id}/{self.model}@{self.bucket:%Y-%m-%d %H:%M:%S}"
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
+# Four-byte counts: a bucket of one hour would need 600,000 requests a second to overflow, and
+# sums of `integer` are cheaper in PostgreSQL than sums of `bigint` (which add up as numeric).
+for _name in (*LATENCY_FIELDS, *TTFT_FIELDS):
+    UsageRollup.add_to_class(_name, models.PositiveIntegerField(default=0))
+
+
+def _rollup_meta(name: str) -> dict[str, Any]:
+    return {
+        "constraints": [
+            models.UniqueConstraint(
+                fields=["bucket", "tenant", "model", "deployment_id"], name=f"unique_{name}"
+            ),
+        ],
+        "indexes": [models.Index(fields=["tenant", "-bucket"], name=f"{name}_tenant_bucket")],
+    }
+
+
+class UsageTenSecond(UsageRollup):
+    """Per-ten-second rollup, kept for USAGE_TEN_SECOND_RETENTION_HOURS: what alert rules with
+    windows of seconds to minutes read (a minute bucket would blur them by up to a minute)."""
+
+    class Meta(UsageRollup.Meta):
+        # The unique constraint's index leads with `bucket`: it serves the windows across
+        # tenants that alert rules read, and the pruning.
+        constraints = _rollup_meta("usage10s")["constraints"]
+        indexes = _rollup_meta("usage10s")["indexes"]
+
+
 class UsageMinute(UsageRollup):
     """Per-minute rollup per tenant and model (kept for recent, fine-grained charts)."""
 
     class Meta(UsageRollup.Meta):
-        constraints = [
-            models.UniqueConstraint(
-                fields=["bucket", "tenant", "model"], name="unique_usage_minute"
-            ),
-        ]
+        constraints = _rollup_meta("usage_minute")["constraints"]
         indexes = [models.Index(fields=["tenant", "-bucket"], name="usageminute_tenant_bucket")]
 
 
@@ -157,7 +249,13 @@ class UsageHour(UsageRollup):
     """Per-hour rollup per tenant and model (long-range charts and monthly budgets)."""
 
     class Meta(UsageRollup.Meta):
-        constraints = [
-            models.UniqueConstraint(fields=["bucket", "tenant", "model"], name="unique_usage_hour"),
-        ]
+        constraints = _rollup_meta("usage_hour")["constraints"]
         indexes = [models.Index(fields=["tenant", "-bucket"], name="usagehour_tenant_bucket")]
+
+
+class UsageTotal(UsageRollup):
+    """Everything ever counted, per tenant, model and deployment (one bucket, TOTAL_BUCKET):
+    the monotonic counters `/metrics` exposes, read without summing the history."""
+
+    class Meta(UsageRollup.Meta):
+        constraints = _rollup_meta("usage_total")["constraints"]

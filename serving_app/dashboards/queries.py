@@ -3,8 +3,9 @@
 Every chart is one aggregate query grouped by rollup bucket (and tenant), folded into the
 range's display bins in Python. The last hour and day read the per-minute rollup, longer
 ranges the per-hour one, so a 30-day chart reads at most 720 buckets per tenant and model.
-Percentiles come from the rollups' latency histogram (`LATENCY_BUCKETS_MS`), interpolated
-linearly inside a bucket; above the last bound the bucket's maximum latency is the upper end.
+Percentiles come from the rollups' latency histogram (`LATENCY_BUCKETS_MS`, log-spaced),
+interpolated linearly inside a bucket; above the last bound the bucket's maximum latency is the
+upper end.
 
 Every usage query takes `tenants`, an already-scoped Tenant queryset (`Tenant.objects.for_user(
 user)`, `.for_tenant(t)`, or `.all()` for a platform admin's view): there is no default, and ids
@@ -27,10 +28,10 @@ from django.utils import timezone
 
 from serving_app.models import Gpu, GpuSample
 from serving_app.placement.inventory import GIB
-from serving_app.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
+from serving_app.usage import LATENCY_FIELDS, UsageHour, UsageMinute, histogram_quantile
 from tenants_app.models import Tenant
 
-HIST_FIELDS = tuple(f"latency_le_{bound}" for bound in LATENCY_BUCKETS_MS)
+HIST_FIELDS = LATENCY_FIELDS
 COUNTERS = (
     "requests",
     "errors",
@@ -150,25 +151,18 @@ def _add(into: dict[str, float], row: dict[str, Any], counters: Sequence[str]) -
         into["latency_ms_max"] = max(into.get("latency_ms_max", 0.0), row["latency_ms_max"] or 0)
 
 
-def percentile(hist: dict[str, float], q: float) -> float | None:
-    """The q-quantile (0..1) of latency, interpolated in the rollups' histogram buckets."""
-    total = hist.get("requests", 0)
-    if not total:
-        return None
-    rank = q * total
-    seen = 0.0
-    lower = 0.0
-    for bound, name in zip(LATENCY_BUCKETS_MS, HIST_FIELDS, strict=True):
-        count = hist.get(name, 0)
-        if count and seen + count >= rank:
-            return lower + (bound - lower) * (rank - seen) / count
-        seen += count
-        lower = float(bound)
-    overflow = max(total - seen, 0)
-    upper = max(float(hist.get("latency_ms_max") or 0.0), lower)
-    if not overflow:
-        return lower
-    return lower + (upper - lower) * min(max(rank - seen, 0) / overflow, 1.0)
+def percentile(
+    hist: dict[str, float],
+    q: float,
+    fields: Sequence[str] = HIST_FIELDS,
+    total: str = "requests",
+    maximum: str = "latency_ms_max",
+) -> float | None:
+    """The q-quantile (0..1) of a rollup histogram (latency by default; `fields`, `total` and
+    `maximum` name another's, e.g. time to first token's), interpolated inside its buckets."""
+    return histogram_quantile(
+        [hist.get(name, 0) for name in fields], hist.get(total, 0), hist.get(maximum) or 0.0, q
+    )
 
 
 def tenant_names(tenants: QuerySet[Tenant]) -> dict[int, Tenant]:

@@ -36,6 +36,15 @@ from drf_spectacular.generators import SchemaGenerator
 from knox.models import AuthToken
 from rest_framework.test import APIClient
 
+from alerts_app.models import (
+    Alert,
+    AlertRule,
+    AlertTransition,
+    Channel,
+    EvaluationState,
+    Notification,
+    Silence,
+)
 from audit_app import recording
 from audit_app.models import AuditLog
 from serving_app.models import (
@@ -54,6 +63,8 @@ from serving_app.models import (
     UsageEvent,
     UsageHour,
     UsageMinute,
+    UsageTenSecond,
+    UsageTotal,
 )
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
 from tests.api.helpers import admin_form_data, as_user
@@ -71,7 +82,8 @@ from tests.factories import (
 
 pytestmark = pytest.mark.django_db
 
-METERING = {UsageEvent, UsageMinute, UsageHour, EngineSample, EngineHour}
+METERING = {UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal, EngineSample,
+            EngineHour}
 _n = itertools.count(1)
 
 
@@ -148,6 +160,17 @@ def _axes(model: Any) -> Callable[[World], models.Model]:
         model.objects.filter(pk=row.pk).update(attempt_time=timezone.now() - timedelta(days=1))
         return row
     return make
+
+
+def _rule(w: World, tenant: Any = None) -> AlertRule:
+    return AlertRule.objects.create(tenant=tenant, name=f"rule{w.n()}", metric="latency",
+                                    scope="tenant" if tenant else "cluster", threshold=500)
+
+
+def _alert(w: World) -> Alert:
+    rule = _rule(w, w.acme.tenant)
+    return Alert.objects.create(rule=rule, scope_key=f"tenant:{w.acme.tenant.pk}",
+                                scope_label="acme", tenant=w.acme.tenant, state="firing")
 
 
 def _usage(model: Any) -> Callable[[World], models.Model]:
@@ -263,6 +286,40 @@ ADMIN_CASES: dict[str, AdminCase] = {
     "serving_app.UsageEvent": AdminCase(make=_usage(UsageEvent)),
     "serving_app.UsageMinute": AdminCase(make=_usage(UsageMinute)),
     "serving_app.UsageHour": AdminCase(make=_usage(UsageHour)),
+    "serving_app.UsageTenSecond": AdminCase(make=_usage(UsageTenSecond)),
+    "serving_app.UsageTotal": AdminCase(make=_usage(UsageTotal)),
+    "alerts_app.AlertRule": AdminCase(
+        make=lambda w: _rule(w),
+        add=lambda w: {"name": f"rule{w.n()}", "metric": "latency", "scope": "cluster",
+                       "comparison": ">", "threshold": "500", "percentile": "95",
+                       "window_seconds": "60", "for_seconds": "0", "min_requests": "1",
+                       "severity": "warning"},
+        change=lambda w: {"threshold": "700"}, changed=("threshold",)),
+    "alerts_app.Alert": AdminCase(make=lambda w: _alert(w),
+                                  actions={"acknowledge": "acknowledge"}),
+    "alerts_app.AlertTransition": AdminCase(
+        make=lambda w: AlertTransition.objects.create(alert=_alert(w), kind="firing",
+                                                      severity="warning")),
+    "alerts_app.Channel": AdminCase(
+        make=lambda w: Channel.objects.create(name=f"hook{w.n()}", kind="webhook",
+                                              url="https://example.com/hook"),
+        add=lambda w: {"name": f"hook{w.n()}", "kind": "webhook",
+                       "url": "https://example.com/hook", "min_severity": "warning",
+                       "scopes": "[]"},
+        change=lambda w: {"min_severity": "critical"}, changed=("min_severity",),
+        actions={"send_test": "test"}),
+    "alerts_app.Silence": AdminCase(
+        make=lambda w: Silence.objects.create(ends_at=timezone.now() + timedelta(hours=1),
+                                              reason="maintenance"),
+        add=lambda w: {"ends_at_0": "2031-01-02", "ends_at_1": "03:04:05",
+                       "starts_at_0": "2031-01-01", "starts_at_1": "03:04:05",
+                       "reason": "maintenance"},
+        change=lambda w: {"reason": "a longer maintenance"}, changed=("reason",)),
+    "alerts_app.Notification": AdminCase(
+        make=lambda w: Notification.objects.create(
+            channel=Channel.objects.create(name=f"hook{w.n()}", kind="webhook",
+                                           url="https://example.com/hook"), kind="test")),
+    "alerts_app.EvaluationState": AdminCase(make=lambda w: EvaluationState.objects.create()),
     "serving_app.AdapterFileRemoval": AdminCase(
         make=lambda w: AdapterFileRemoval.objects.create(engine_name="x", path="/nowhere")),
     "audit_app.AuditLog": AdminCase(
@@ -501,6 +558,18 @@ RESOURCES = [
              lambda w: {"deployment": make_deployment(w.base, [w.acme.tenant]).name,
                         "enabled": True, "max_replicas": 3},
              lambda w: {"target": 4.0, "min_replicas": 2}),
+    Resource("alert-rules", AlertRule, _owner,
+             lambda w: {"tenant": "acme", "name": f"slow{w.n()}", "metric": "latency",
+                        "scope": "tenant", "threshold": 500},
+             lambda w: {"threshold": 600}),
+    Resource("alert-channels", Channel, _owner,
+             lambda w: {"tenant": "acme", "name": f"hook{w.n()}", "kind": "webhook",
+                        "url": "https://example.com/hook"},
+             lambda w: {"min_severity": "critical"}),
+    Resource("alert-silences", Silence, _owner,
+             lambda w: {"tenant": "acme", "reason": "load test",
+                        "ends_at": (timezone.now() + timedelta(hours=1)).isoformat()},
+             lambda w: {"reason": "a longer load test"}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),
@@ -570,6 +639,28 @@ def _revoke_key(w: World) -> list[Expect]:
     return [Expect(w.acme.owner, "revoke", ApiKey, key.pk)]
 
 
+def _acknowledge(w: World) -> list[Expect]:
+    alert = _alert(w)
+    call(w.acme.owner, "post", f"/api/v1/alerts/{alert.pk}/acknowledge/")
+    return [Expect(w.acme.owner, "acknowledge", Alert, alert.pk)]
+
+
+def _channel_action(name: str, action: str):
+    def run(w: World) -> list[Expect]:
+        channel = Channel.objects.create(tenant=w.acme.tenant, name=f"hook{w.n()}",
+                                         kind="webhook", url="https://example.com/hook")
+        call(w.acme.owner, "post", f"/api/v1/alert-channels/{channel.pk}/{name}/")
+        return [Expect(w.acme.owner, action, Channel, channel.pk)]
+    return run
+
+
+def _end_silence(w: World) -> list[Expect]:
+    silence = Silence.objects.create(tenant=w.acme.tenant, reason="x",
+                                     ends_at=timezone.now() + timedelta(hours=1))
+    call(w.acme.owner, "post", f"/api/v1/alert-silences/{silence.pk}/end/")
+    return [Expect(w.acme.owner, "update", Silence, silence.pk)]
+
+
 def _upload(w: World) -> list[Expect]:
     make_deployment(w.base, [w.acme.tenant])  # a tenant uploads for a model it is served
     buffer = io.BytesIO()
@@ -623,6 +714,10 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "v1_invitations_revoke_create": _revoke_invitation,
     "v1_my_invitations_accept_create": _answer("accept"),
     "v1_my_invitations_decline_create": _answer("decline"),
+    "v1_alerts_acknowledge_create": _acknowledge,
+    "v1_alert_channels_test_create": _channel_action("test", "test"),
+    "v1_alert_channels_rotate_secret_create": _channel_action("rotate-secret", "update"),
+    "v1_alert_silences_end_create": _end_silence,
     "v1_auth_token_create": _sign_in,
     "v1_auth_logout_create": _sign_out(everywhere=False),
     "v1_auth_logout_all_create": _sign_out(everywhere=True),

@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, Phase, given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from alerts_app.models import Alert, AlertRule, Channel, Notification, Silence
 from audit_app.models import AuditLog
 from console.celery import app as celery_app
 from console.wsgi import application
@@ -108,6 +109,15 @@ def seeded(acme, globex, platform_admin, base_model, tmp_path):
                                   invited_by=None)
         AuditLog.objects.create(actor_label="seed", action="create", object_type="x",
                                 object_id="1", object_repr="seed", tenant=tenant, via="api")
+        rule = AlertRule.objects.create(tenant=tenant, name="slow", metric="latency",
+                                        scope="tenant", threshold=500)
+        alert = Alert.objects.create(rule=rule, scope_key=f"tenant:{tenant.pk}",
+                                     scope_label=tenant.slug, tenant=tenant, state="firing")
+        channel = Channel.objects.create(tenant=tenant, name="hook", kind="webhook",
+                                         url="https://example.com/hook")
+        Notification.objects.create(channel=channel, tenant=tenant, kind="test")
+        Silence.objects.create(tenant=tenant, alert=alert, reason="seed",
+                               ends_at=timezone.now() + timedelta(hours=1))
     invited = make_user("invited-user")
     Invitation.objects.invite(tenant=globex.tenant, invited_as="invited-user", role="viewer",
                               invited_by=None)
@@ -128,6 +138,9 @@ def path_values(prefix: str, param: str) -> list:
         "nodes": "serving_app.Node", "gpus": "serving_app.Gpu",
         "deployments": "serving_app.Deployment", "instances": "serving_app.Instance",
         "audit-log": "audit_app.AuditLog", "fleet-plans": "serving_app.FleetPlan",
+        "alert-rules": "alerts_app.AlertRule", "alerts": "alerts_app.Alert",
+        "alert-channels": "alerts_app.Channel", "alert-silences": "alerts_app.Silence",
+        "alert-deliveries": "alerts_app.Notification",
     }
     label = models.get(prefix)
     if label is None:

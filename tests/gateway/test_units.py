@@ -166,7 +166,8 @@ def test_writer_persists_each_event_once_with_rollups():
     for rollup in (minute, hour):
         assert (rollup.requests, rollup.errors, rollup.rate_limited) == (3, 1, 1)
         assert (rollup.prompt_tokens, rollup.completion_tokens) == (9, 15)
-        assert rollup.latency_ms_max == 30.0 and rollup.latency_le_100 == 3
+        assert rollup.latency_ms_max == 30.0
+        assert (rollup.latency_le_10, rollup.latency_le_20, rollup.latency_le_32) == (1, 1, 1)
     assert UsageEvent.objects.count() == 3
 
 

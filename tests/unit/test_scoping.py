@@ -8,11 +8,19 @@ import pytest
 from django.apps import apps
 from django.utils import timezone
 
+from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
 from audit_app.models import AuditLog
 from console.urls import router
 from serving_app.dashboards import panels, queries
 from serving_app.models import Deployment, Instance, LoraAdapter
-from serving_app.usage import UsageEvent, UsageHour, UsageMinute
+from serving_app.usage import (
+    TOTAL_BUCKET,
+    UsageEvent,
+    UsageHour,
+    UsageMinute,
+    UsageTenSecond,
+    UsageTotal,
+)
 from tenants_app.api.base import ScopedModelViewSet, ScopedQuerysetMixin
 from tenants_app.models import ApiKey, Invitation, Membership, Tenant
 from tests.factories import make_adapter, make_deployment, make_user
@@ -20,7 +28,8 @@ from tests.factories import make_adapter, make_deployment, make_user
 pytestmark = pytest.mark.django_db
 
 TENANT_OWNED = {Tenant, Membership, ApiKey, Invitation, LoraAdapter, Deployment, Instance,
-                AuditLog, UsageEvent, UsageMinute, UsageHour}
+                AuditLog, UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal,
+                AlertRule, Alert, AlertTransition, Channel, Silence, Notification}
 
 
 def test_every_tenant_owned_model_is_listed_here():
@@ -28,7 +37,7 @@ def test_every_tenant_owned_model_is_listed_here():
     the scoping tests below cover it."""
     found = set()
     for model in apps.get_models():
-        if model._meta.app_label not in ("serving_app", "tenants_app"):
+        if model._meta.app_label not in ("serving_app", "tenants_app", "alerts_app"):
             continue
         names = {f.name for f in model._meta.get_fields() if not f.auto_created}
         if model is Tenant or names & {"tenant", "tenants"}:
@@ -51,11 +60,14 @@ def usage_rows(*tenants):
         UsageHour.objects.create(bucket=now.replace(minute=0), tenant=tenant, model="m",
                                  requests=1)
         UsageMinute.objects.create(bucket=now, tenant=tenant, model="m", requests=1)
+        UsageTenSecond.objects.create(bucket=now, tenant=tenant, model="m", requests=1)
+        UsageTotal.objects.create(bucket=TOTAL_BUCKET, tenant=tenant, model="m", requests=1)
         UsageEvent.objects.create(request_id=f"r-{tenant.slug}", created_at=now, tenant=tenant,
                                   endpoint="completions", status_code=200)
 
 
-@pytest.mark.parametrize("model", [UsageEvent, UsageMinute, UsageHour])
+@pytest.mark.parametrize("model", [UsageEvent, UsageTenSecond, UsageMinute, UsageHour,
+                                   UsageTotal])
 def test_usage_is_read_per_user_and_per_scope(model, acme, globex, platform_admin):
     usage_rows(acme.tenant, globex.tenant)
     mine = model.objects.for_user(acme.viewer)
