@@ -9,6 +9,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 from rest_framework.routers import DefaultRouter
 
 from serving_app import views as console_views
+from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from tenants_app.api import views as tenant_views
 from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
@@ -30,6 +31,7 @@ router.register("gpus", serving_views.GpuViewSet)
 router.register("deployments", serving_views.DeploymentViewSet)
 router.register("instances", serving_views.InstanceViewSet)
 router.register("audit-log", serving_views.AuditLogViewSet)
+router.register("events", fleet_views.EventViewSet)
 
 urlpatterns = [
     path("healthz", console_views.healthz, name="healthz"),

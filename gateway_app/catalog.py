@@ -154,7 +154,7 @@ def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
     adapter_routes: dict[int, dict[str, Route]] = {}
     deployments = (
         Deployment.objects.filter(desired_state=Deployment.DesiredState.RUNNING)
-        .select_related("base_model")
+        .select_related("base_model", "applied_revision")
         .prefetch_related("tenants", "adapters")
         .order_by("pk")
     )
@@ -162,6 +162,8 @@ def _load_snapshot(Deployment, Instance, UsageHour) -> Snapshot:  # noqa: N803
     for dep in deployments:
         deployment_ids.append(dep.pk)
         base = dep.base_model
+        # What the engines run (an edit waiting to be applied changes nothing here yet).
+        dep = dep.applied_settings()
         priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
         max_len = dep.max_model_len or base.max_position_embeddings or 0
         created = int(dep.created_at.timestamp())

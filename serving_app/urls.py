@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from serving_app import views
+from serving_app import fleet_views, views
 
 app_name = "console"
 
@@ -45,6 +45,15 @@ urlpatterns = [
          name="deployment-scale"),
     re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",
             views.DeploymentActionView.as_view(), name="deployment-action"),
+    path("deployments/<int:pk>/revisions/", fleet_views.DeploymentRevisionsPartial.as_view(),
+         name="deployment-revisions"),
+    path("deployments/<int:pk>/apply/", fleet_views.DeploymentApplyView.as_view(),
+         name="deployment-apply"),
+    re_path(r"^deployments/(?P<pk>\d+)/rollout/(?P<action>pause|resume|abort|rollback)/$",
+            fleet_views.RolloutActionView.as_view(), name="deployment-rollout"),
+    path("deployments/<int:pk>/events/", fleet_views.DeploymentEventsPartial.as_view(),
+         name="deployment-events"),
+    path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),

@@ -100,7 +100,8 @@ def gpu_display(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deployments_with_instances() -> QuerySet[Deployment]:
-    active = Instance.objects.select_related("node").prefetch_related("gpus").order_by("ordinal")
+    active = (Instance.objects.select_related("node", "revision").prefetch_related("gpus")
+              .order_by("ordinal"))
     return (
         Deployment.objects.select_related("base_model")
         .prefetch_related("tenants", Prefetch("instances", queryset=active))
@@ -387,6 +388,11 @@ class DeploymentFormMixin:
     model = Deployment
     form_class = DeploymentForm
     noun = "deployment"
+
+    def get_form(self, form_class: Any = None) -> DeploymentForm:
+        form = super().get_form(form_class)
+        form.editor = self.request.user
+        return form
 
     def get_success_url(self) -> str:
         return reverse("console:deployment-detail", args=[self.object.pk])

@@ -17,6 +17,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
 from serving_app import audit, storage
+from serving_app.api.fleet import DeploymentOperations
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
     AuditLogSerializer,
@@ -122,8 +123,9 @@ class DeploymentFilter(django_filters.FilterSet):
         return queryset.filter(tenants__in=tenants).distinct()
 
 
-class DeploymentViewSet(ScopedModelViewSet):
-    """Deployments: what should run. Tenants read the ones they may use."""
+class DeploymentViewSet(DeploymentOperations):
+    """Deployments: what should run. Tenants read the ones they may use. Events, revisions and
+    rollouts: `serving_app/api/fleet.py`."""
 
     queryset = Deployment.objects.all()
     serializer_class = DeploymentSerializer
@@ -131,7 +133,7 @@ class DeploymentViewSet(ScopedModelViewSet):
     write_role = "staff"
 
     def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
-        return queryset.select_related("base_model").prefetch_related(
+        return queryset.select_related("base_model", "applied_revision").prefetch_related(
             "tenants", "adapters__tenant", "instances__node"
         )
 
