@@ -5,8 +5,10 @@ difference).
 
     .venv/bin/python benchmarks/rollout_bench.py [--replicas 2] [--clients 2] [--pause 0.3]
 
-It uses PostgreSQL (database `console_bench_rollout`, created afresh) and Redis DB 12 (broker,
-gateway limits, invalidation and the in-flight counts), and starts real processes: a control
+It uses PostgreSQL (database `console_bench_rollout`, created afresh), Redis DB 12 as the broker
+and a redis-server of its own for the gateway (limits, invalidation, the in-flight counts: pub/sub
+channels are shared by every database of a server, so another run's messages must not reach
+it), and starts real processes: a control
 worker with beat, a node agent (room for one engine more than the replicas, so the rollout
 surges), and a gateway (uvicorn, one worker). A deployment of the tiny model runs `--replicas`
 CPU engines; `--clients` threads send short completions through the gateway, one after another
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -41,7 +44,7 @@ REDIS = "redis://127.0.0.1:6379/12"
 LOGS = Path("/tmp/rollout-bench-logs")
 os.environ.update({
     "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{DB_NAME}",
-    "CELERY_BROKER_URL": REDIS, "CELERY_RESULT_BACKEND": REDIS, "GATEWAY_REDIS_URL": REDIS,
+    "CELERY_BROKER_URL": REDIS, "CELERY_RESULT_BACKEND": REDIS,
     "DJANGO_SETTINGS_MODULE": "console.settings", "RECONCILE_INTERVAL_SECONDS": "1",
     "ENGINE_LOG_DIR": str(LOGS / "engines"), "NODE_HEARTBEAT_SECONDS": "1",
     "ENGINE_SUPERVISE_SECONDS": "0.5", "GATEWAY_CATALOG_REFRESH_SECONDS": "0.5",
@@ -125,7 +128,7 @@ class Traffic:
         return {"seconds": round(elapsed, 1), "ok": self.ok, "failed": len(self.failed),
                 "failures": self.failed[:5], "rps": round(self.ok / elapsed, 1),
                 "p50_ms": round(1000 * statistics.median(lat), 1),
-                "p95_ms": round(1000 * lat[int(0.95 * (len(lat) - 1))], 1)}
+                "p95_ms": round(1000 * lat[max(0, math.ceil(0.95 * len(lat)) - 1)], 1)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -141,6 +144,22 @@ def main() -> None:
                         help="seconds each client waits between requests")
     args = parser.parse_args()
     ensure_database()
+    from benchmarks.gateway_bench import free_port, kill_group, wait_redis
+
+    LOGS.mkdir(exist_ok=True)
+    redis_port = free_port()
+    gateway_redis = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
+         "--appendonly", "no"], stdout=subprocess.DEVNULL, start_new_session=True)
+    os.environ["GATEWAY_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+    wait_redis(os.environ["GATEWAY_REDIS_URL"], 30)
+    try:
+        run(args)
+    finally:
+        kill_group(gateway_redis)
+
+
+def run(args: argparse.Namespace) -> None:
     import django
 
     django.setup()
@@ -157,7 +176,6 @@ def main() -> None:
 
     call_command("migrate", verbosity=0)
     redis.Redis.from_url(REDIS).flushdb()
-    LOGS.mkdir(exist_ok=True)
     base = BaseModel(name="tiny-llama", path=str(ROOT / "var/models/tiny-llama"),
                      dtype="float32")
     base.full_clean()
