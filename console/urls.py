@@ -9,6 +9,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 from rest_framework.routers import DefaultRouter
 
 from serving_app import views as console_views
+from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from serving_app.api.fleetplans import FleetPlanViewSet
 from tenants_app.api import views as tenant_views
@@ -32,6 +33,7 @@ router.register("deployments", serving_views.DeploymentViewSet)
 router.register("instances", serving_views.InstanceViewSet)
 router.register("audit-log", serving_views.AuditLogViewSet)
 router.register("fleet-plans", FleetPlanViewSet)
+router.register("events", fleet_views.EventViewSet)
 
 urlpatterns = [
     path("healthz", console_views.healthz, name="healthz"),
