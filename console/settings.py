@@ -169,6 +169,7 @@ SPECTACULAR_SETTINGS = {
         "NotificationKindEnum": "alerts_app.models.Notification.Kind",
         "TransitionKindEnum": "alerts_app.models.AlertTransition.Kind",
         "SeverityEnum": "alerts_app.models.Severity",
+        "RolloutStateEnum": "serving_app.revisions.Rollout.State",
     },
 }
 
@@ -228,6 +229,9 @@ NODE_INVENTORY_SECONDS = env_float(
 # A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
 # its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
 NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
+# How long an instance being stopped keeps running for the requests in flight on it, after it
+# left routing (serving_app/draining.py); then it is stopped whatever still runs.
+DRAIN_TIMEOUT_SECONDS = env_float("DRAIN_TIMEOUT_SECONDS", 120.0, minimum=0.0)
 PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
 PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))
 GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)

@@ -11,6 +11,7 @@ from rest_framework.routers import DefaultRouter
 from alerts_app import exporter
 from alerts_app.api import views as alert_views
 from serving_app import views as console_views
+from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
 from serving_app.api.fleetplans import FleetPlanViewSet
@@ -41,6 +42,7 @@ router.register("alert-silences", alert_views.SilenceViewSet)
 router.register("alert-deliveries", alert_views.NotificationViewSet)
 router.register("fleet-plans", FleetPlanViewSet)
 router.register("autoscalers", AutoscalerViewSet)
+router.register("events", fleet_views.EventViewSet)
 
 urlpatterns = [
     path("healthz", console_views.healthz, name="healthz"),

@@ -15,6 +15,12 @@ Per tenant (keys share the `{t<id>}` hash tag):
   and the writer lowers when it stores the event (in the same transaction as the XDEL). So a
   Redis restart does not hand a tenant its month's tokens again.
 The clock is Redis's own (`TIME`), so every worker and host agrees on the window.
+
+Per instance, the same scripts keep the requests in flight (`serving_app.inflight`): admission
+adds the request to the instance it will be sent to, settlement removes it, so the control plane
+reads how many requests each instance still serves (to finish a drain) at no extra round trip.
+That key is outside the tenant's hash tag (`allow-cross-slot-keys`: one Redis, or a cluster
+that allows it).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ BUDGET = 4
 # `#!lua` (Redis 7 script flags): a full Redis (noeviction) refuses the whole script up front, so
 # admission fails as the failure policy says. Without flags Redis would let a script that has
 # already run one write (ZREMRANGEBYSCORE) go on writing, depending on the tenant's limits.
-ADMIT_LUA = """#!lua
+ADMIT_LUA = """#!lua flags=allow-cross-slot-keys
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
@@ -138,16 +144,21 @@ if conc > 0 then
   redis.call('ZADD', KEYS[5], now + lease, rid)
   redis.call('PEXPIRE', KEYS[5], lease + 1000)
 end
+if ARGV[11] == '1' then
+  redis.call('ZADD', KEYS[8], now + lease, rid)
+  redis.call('PEXPIRE', KEYS[8], lease + 1000)
+end
 return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
 """
 
 # Settle a finished request and append its usage event, in one round trip. Idempotent for the
 # token log (the reservation is replaced, not decremented twice). For a tenant with a budget the
 # event's tokens also go to this month's `unwritten` counter (KEYS[7]), and the entry names that
-# counter and the tokens, so that the writer lowers it when the event is stored.
+# counter and the tokens, so that the writer lowers it when the event is stored. The request
+# leaves its instance's in-flight set (KEYS[8]).
 # `allow-oom`: a request admitted before Redis filled up still settles and appends its event
 # (Redis grows past maxmemory by at most the requests in flight; admission stops new ones).
-SETTLE_LUA = """#!lua flags=allow-oom
+SETTLE_LUA = """#!lua flags=allow-oom,allow-cross-slot-keys
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
 if ARGV[4] == '1' then
@@ -158,6 +169,7 @@ if ARGV[4] == '1' then
   end
 end
 if ARGV[5] == '1' then redis.call('ZREM', KEYS[4], rid) end
+if ARGV[9] == '1' then redis.call('ZREM', KEYS[8], rid) end
 if ARGV[6] == '1' then
   local held = tonumber(redis.call('HGET', KEYS[2], 'b:' .. rid))
   if held then redis.call('HDEL', KEYS[2], 'b:' .. rid) end
@@ -172,6 +184,21 @@ if ARGV[6] == '1' and actual > 0 then
 else
   redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
 end
+return 1
+"""
+
+
+# A request that skips admission (its tenant has no limit) enters its instance's in-flight set
+# with this, written without waiting for the reply; a request retried on another instance moves
+# with it (KEYS[2], the set it leaves). `allow-oom`: the count of what is being served must
+# hold even when Redis is full.
+INFLIGHT_LUA = """#!lua flags=allow-oom,allow-cross-slot-keys
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[2])
+if #KEYS > 1 then redis.call('ZREM', KEYS[2], ARGV[1]) end
+redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], lease + 1000)
 return 1
 """
 
@@ -305,7 +332,8 @@ def refusal(tenant: TenantEntry, decision: Decision, need: int) -> GatewayError:
     )
 
 
-def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, lease_ms: int):
+def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, lease_ms: int,
+               count_in_flight: bool = False):
     return [
         request_id,
         tenant.rpm or 0,
@@ -317,6 +345,7 @@ def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, 
         lease_ms,
         tenant.month_used,
         budget_ttl(),
+        "1" if count_in_flight else "0",
     ]
 
 

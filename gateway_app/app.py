@@ -65,6 +65,7 @@ class Context:
     reserved: int = 0
     ttft_ms: float | None = None
     ticket: Ticket | None = None
+    counted_on: int | None = None  # the instance whose in-flight set holds this request
     complete: bool = False  # the last byte of the response is being sent
     rate_headers: dict[str, str] = field(default_factory=dict)
 
@@ -212,7 +213,7 @@ class GatewayApp:
         finally:
             assert self.meter is not None
             actual = ctx.prompt_tokens + ctx.completion_tokens
-            await self.meter.settle(ctx.ticket, actual, ctx.event())
+            await self.meter.settle(ctx.ticket, actual, ctx.event(), ctx.counted_on)
 
     async def _send_error(self, send, ctx: Context, err: GatewayError) -> None:
         headers = {**ctx.rate_headers, **err.headers}
@@ -327,10 +328,15 @@ class GatewayApp:
                     code="context_length_exceeded",
                 )
         ctx.reserved = need = _reservation(parsed, prompt_tokens, max_tokens, route)
+        # The instance is chosen before admission, which counts the request in flight there.
+        first = self.router.choose(candidates, set())
+        assert first is not None
+        instance_id = first[0].id
 
         if tenant.admission_needed:
             try:
-                ticket, decision = await self.meter.admit(tenant, ctx.request_id, need)
+                ticket, decision = await self.meter.admit(
+                    tenant, ctx.request_id, need, instance_id)
             except RedisUnavailable as exc:
                 if not self.config.fail_open:
                     raise GatewayError(
@@ -345,6 +351,10 @@ class GatewayApp:
                 if not ticket.admitted:
                     raise admission.refusal(tenant, decision, need)
                 ctx.ticket = ticket
+                ctx.counted_on = instance_id
+        if ctx.counted_on is None:
+            self.meter.begin(instance_id, ctx.request_id)
+            ctx.counted_on = instance_id
 
         # Prefix-cache isolation: engines reuse cached blocks only between equal salts, so every
         # request carries its tenant's (or sharing group's); a client's own salt is mixed in.
@@ -355,7 +365,7 @@ class GatewayApp:
             body["stream_options"] = options
         body["model"] = target0.upstream_model
         await _until_disconnect(
-            self._proxy(send, ctx, parsed, route, candidates, tenant), receive, ctx
+            self._proxy(send, ctx, parsed, route, candidates, tenant, first), receive, ctx
         )
 
     async def _exact_prompt(self, parsed: ParsedRequest, candidate) -> int:
@@ -388,14 +398,15 @@ class GatewayApp:
             return parsed.prompt_upper
 
     async def _proxy(
-        self, send, ctx: Context, parsed: ParsedRequest, route: Route, candidates, tenant
+        self, send, ctx: Context, parsed: ParsedRequest, route: Route, candidates, tenant,
+        first,
     ) -> None:
-        assert self.upstream is not None and self.config is not None
+        assert self.upstream is not None and self.config is not None and self.meter is not None
         body = parsed.body
         encoded: dict[bool, bytes] = {}
         tried: set[int] = set()
         while True:
-            choice = self.router.choose(candidates, tried)
+            choice = first if not tried else self.router.choose(candidates, tried)
             if choice is None:
                 raise GatewayError(
                     503, f"No instance of `{parsed.model}` could be reached; please retry.",
@@ -404,6 +415,9 @@ class GatewayApp:
             inst, target = choice
             tried.add(inst.id)
             ctx.instance_id, ctx.deployment_id = inst.id, target.deployment_id
+            if ctx.counted_on is not None and ctx.counted_on != inst.id:
+                self.meter.begin(inst.id, ctx.request_id, moved_from=ctx.counted_on)
+                ctx.counted_on = inst.id
             if target.priority not in encoded:
                 if target.priority:
                     body["priority"] = tenant.priority

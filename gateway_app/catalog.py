@@ -145,8 +145,11 @@ def _load_snapshot() -> Snapshot:
 
     routes: dict[int, dict[str, Route]] = {}
     deployment_ids: set[int] = set()
+    # What the engines run (an edit waiting to be applied changes nothing here yet).
+    applied: dict[int, Deployment] = {}
     for served in served_models(Deployment.objects.all()):
-        dep = served.deployment
+        dep = applied.get(served.deployment.pk) or served.deployment.applied_settings()
+        applied[dep.pk] = dep
         deployment_ids.add(dep.pk)
         priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
         created = int(dep.created_at.timestamp())

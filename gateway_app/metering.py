@@ -3,6 +3,11 @@ event (round trip 2), plus the in-memory buffer that keeps events while Redis is
 
 A request that the gateway refuses before admission (bad key, bad body, unknown model) costs one
 round trip: its event alone. A tenant without any limit skips admission.
+
+The same two round trips keep the requests in flight per instance (`serving_app.inflight`):
+admission adds the request to the set of the instance it goes to, settlement removes it. A
+request that skips admission is added with a write nobody waits for (`begin()`), on the same
+pipelined connection as its later settlement, so Redis sees the two in order.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from gateway_app.admission import Decision
 from gateway_app.catalog import TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
+from serving_app import inflight
 
 log = logging.getLogger(__name__)
 
 _NO_KEYS = ["gw:{none}:tpm", "gw:{none}:tpmv", "gw:{none}:tpms", "gw:{none}:conc", "gw:{none}:b"]
 _NO_UNWRITTEN = "gw:{none}:u"
+_NO_INSTANCE = "gw:{none}:i"
 ADMIT_SCRIPT = Script(admission.ADMIT_LUA)
 SETTLE_SCRIPT = Script(admission.SETTLE_LUA)
+INFLIGHT_SCRIPT = Script(admission.INFLIGHT_LUA)
 
 __all__ = ["Meter", "RedisUnavailable", "Ticket"]
 
@@ -48,6 +56,7 @@ class Meter:
         self.redis = PipelinedRedis(config.redis_url, config.redis_timeout)
         self.buffer: deque[str] = deque(maxlen=config.event_buffer_max)
         self._flusher: asyncio.Task[None] | None = None
+        self._unawaited: set[asyncio.Task[Any]] = set()
 
     def start(self) -> None:
         self._flusher = asyncio.create_task(self._flush_loop(), name="gateway-event-flusher")
@@ -61,11 +70,14 @@ class Meter:
         await self.redis.aclose()
 
     async def admit(
-        self, tenant: TenantEntry, request_id: str, need: int
+        self, tenant: TenantEntry, request_id: str, need: int, instance_id: int | None = None
     ) -> tuple[Ticket, Decision]:
-        keys = admission.tenant_keys(tenant.id)
+        """Admit the request (and, if admitted, count it in flight on `instance_id`)."""
+        keys = [*admission.tenant_keys(tenant.id),
+                inflight.key(instance_id) if instance_id is not None else _NO_INSTANCE]
         args = admission.admit_args(
-            tenant, request_id, need, self.config.window_ms, self.config.lease_ms
+            tenant, request_id, need, self.config.window_ms, self.config.lease_ms,
+            count_in_flight=instance_id is not None,
         )
         try:
             raw = await self.redis.run_script(ADMIT_SCRIPT, keys, args)
@@ -75,20 +87,42 @@ class Meter:
         ticket = Ticket(tenant, keys, request_id, need, decision.code == admission.ADMIT)
         return ticket, decision
 
-    async def settle(self, ticket: Ticket | None, actual: int, event: dict[str, Any]) -> None:
-        """Replace the reservation by `actual` tokens, free the lease, append the event (one
-        script: one round trip, pipelined with every other request's on the connection)."""
+    def begin(self, instance_id: int, request_id: str, moved_from: int | None = None) -> None:
+        """Count a request that skipped admission in flight on `instance_id` (or move one that
+        is retried there from `moved_from`), without waiting for Redis."""
+        keys = [inflight.key(instance_id)]
+        if moved_from is not None:
+            keys.append(inflight.key(moved_from))
+        task = asyncio.ensure_future(self.redis.run_script(
+            INFLIGHT_SCRIPT, keys, [request_id, self.config.lease_ms]))
+        self._unawaited.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self._unawaited.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The count is low by one until the request settles (settlement removes nothing).
+            log.warning("request not counted in flight: %s", task.exception())
+
+    async def settle(self, ticket: Ticket | None, actual: int, event: dict[str, Any],
+                     instance_id: int | None = None) -> None:
+        """Replace the reservation by `actual` tokens, free the lease, take the request out of
+        `instance_id`'s in-flight set, append the event (one script: one round trip, pipelined
+        with every other request's on the connection)."""
         payload = json.dumps(event, separators=(",", ":"))
+        request_id = event.get("id", "") if ticket is None else ticket.request_id
+        counted = "1" if instance_id is not None else "0"
+        instance_key = inflight.key(instance_id) if instance_id is not None else _NO_INSTANCE
         if ticket is not None and ticket.admitted:
             tenant = ticket.tenant
-            keys = [*ticket.keys[1:6], self.config.usage_stream, ticket.keys[6]]
+            keys = [*ticket.keys[1:6], self.config.usage_stream, ticket.keys[6], instance_key]
             flags = ["1" if tenant.tpm else "0", "1" if tenant.concurrency else "0",
                      "1" if tenant.budget else "0"]
             args = [ticket.request_id, actual, ticket.reserved, *flags, payload,
-                    admission.budget_ttl()]
+                    admission.budget_ttl(), counted]
         else:
-            keys = [*_NO_KEYS, self.config.usage_stream, _NO_UNWRITTEN]
-            args = ["", 0, 0, "0", "0", "0", payload, 1]
+            keys = [*_NO_KEYS, self.config.usage_stream, _NO_UNWRITTEN, instance_key]
+            args = [request_id, 0, 0, "0", "0", "0", payload, 1, counted]
         try:
             await self.redis.run_script(SETTLE_SCRIPT, keys, args)
         except (RedisUnavailable, RedisReplyError) as exc:

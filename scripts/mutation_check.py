@@ -175,6 +175,20 @@ BREAKAGES = (
         ("tests/engine/test_lora_slots.py",),
         engine=True,
     ),
+    Breakage(
+        "drain-ignores-requests-in-flight",
+        "serving_app/draining.py",
+        "        if left == 0 and elapsed >= grace:\n",
+        "        if elapsed >= grace:\n",
+        ("tests/unit/test_rollout.py",),
+    ),
+    Breakage(
+        "rolling-drains-below-the-replicas",
+        "serving_app/rollout.py",
+        "    to_drain = max(0, min(len(old_ready), ready - floor))\n",
+        "    to_drain = len(old_ready)\n",
+        ("tests/unit/test_rollout.py",),
+    ),
     # No "SIGTERM to the leader only" against the real engine: measured on 2026-12-03, vLLM's
     # API server stops its EngineCore itself on SIGTERM within the grace period, so the real
     # engine cannot tell the two apart (that breakage survived the lifecycle test); the

@@ -1,7 +1,8 @@
 """Django admin for the serving domain. Every change made here is audited by audit_app's
 receivers (and the deployment actions by the deployments' own methods); what the control plane
-writes (instances' states, GPU samples, metering, adapter file removals) is read only here, but
-for deleting an instance."""
+writes (instances' states, GPU samples, metering, adapter file removals, events, revisions and
+rollouts' progress) is read only here, but for deleting an instance; rollouts are paused, resumed
+and aborted by their own methods, which record their entries."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Callable
 
 from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
+from serving_app.events import Event
 from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
@@ -31,6 +33,7 @@ from serving_app.models import (
     UsageTenSecond,
     UsageTotal,
 )
+from serving_app.revisions import DeploymentRevision, Rollout, describe
 
 
 @admin.register(BaseModel)
@@ -130,6 +133,39 @@ def _desired_state_action(name: str, method: Callable[[Deployment], dict]):
     return run
 
 
+def _apply_action(strategy: str):
+    label = Rollout.Strategy(strategy).label.lower()
+
+    @admin.action(description=f"Apply the pending revision ({label})")
+    def run(modeladmin, request, queryset) -> None:
+        for deployment in queryset:
+            pending = deployment.pending_revision
+            if pending is None:
+                messages.warning(request, f"{deployment}: nothing is pending.")
+                continue
+            try:
+                deployment.apply(pending, strategy, by=request.user)  # audited by the method
+            except ValidationError as exc:
+                messages.error(request, f"{deployment}: {'; '.join(exc.messages)}")
+                continue
+            messages.success(request, f"{deployment}: applying revision {pending.number} "
+                                      f"({label}).")
+
+    run.__name__ = f"apply_{strategy}"
+    return run
+
+
+@admin.action(description="Roll back to the revision applied before")
+def rollback_deployments(modeladmin, request, queryset) -> None:
+    for deployment in queryset:
+        try:
+            deployment.rollback(by=request.user)  # audited by the method
+        except ValidationError as exc:
+            messages.error(request, f"{deployment}: {'; '.join(exc.messages)}")
+            continue
+        messages.success(request, f"{deployment}: rolling back.")
+
+
 @admin.register(Deployment)
 class DeploymentAdmin(admin.ModelAdmin):
     form = DeploymentAdminForm
@@ -138,23 +174,57 @@ class DeploymentAdmin(admin.ModelAdmin):
         "base_model",
         "desired_state",
         "replicas",
+        "applied_revision",
+        "revision_status",
         "isolation_mode",
         "gpu_memory_utilization",
     ]
     list_filter = ["desired_state", "isolation_mode", "base_model"]
     filter_horizontal = ["tenants", "adapters"]
-    readonly_fields = ["generation"]
+    readonly_fields = ["generation", "applied_revision", "revision_status", "revision_history"]
     inlines = [InstanceInline]
     actions = [
         _desired_state_action("start", Deployment.start),
         _desired_state_action("stop", Deployment.stop),
         _desired_state_action("restart", Deployment.restart),
+        _apply_action(Rollout.Strategy.ROLLING),
+        _apply_action(Rollout.Strategy.BLUE_GREEN),
+        rollback_deployments,
     ]
+
+    @admin.display(description="Revisions")
+    def revision_status(self, obj: Deployment) -> str:
+        """What is pending, what it changes, and how many instances are out of date."""
+        if obj.pk is None:
+            return "—"
+        pending = obj.pending_revision
+        stale = len(obj.out_of_date())
+        if pending is None:
+            return f"Up to date; {stale} instance(s) out of date." if stale else "Up to date."
+        changes = describe(pending.changes_from(obj.applied_revision))
+        return (f"Revision {pending.number} pending ({changes}); {stale} instance(s) out of "
+                "date.")
+
+    @admin.display(description="Revision history")
+    def revision_history(self, obj: Deployment) -> str:
+        if obj.pk is None:
+            return "—"
+        rows = [(r.number, describe(r.changes_from(r.previous())), r.created_by or "—",
+                 f"{r.created_at:%Y-%m-%d %H:%M}")
+                for r in obj.revisions.select_related("created_by").order_by("-number")[:20]]
+        return format_html_join("", "<div>revision {}: {} ({}, {})</div>", rows)
 
     def save_model(self, request, obj, form, change) -> None:
         # Tenants and adapters are set by save_related() in the same transaction, before the
         # reconciler that save_settings() asks for runs (after commit).
-        obj.save_settings()
+        obj.save_settings(by=request.user)
+
+    def get_deleted_objects(self, objs, request):
+        """A deployment's revisions, rollouts and events go with it: that nobody deletes them
+        by hand does not stop the deployment's deletion."""
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        with_it = {str(m._meta.verbose_name) for m in (DeploymentRevision, Rollout, Event)}
+        return deleted, counts, perms_needed - with_it, protected
 
 
 @admin.register(FleetPlan)
@@ -185,7 +255,8 @@ class AutoscalerAdmin(admin.ModelAdmin):
 
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):
-    list_display = ["__str__", "node", "port", "pid", "state", "restarts", "state_changed_at"]
+    list_display = ["__str__", "node", "port", "pid", "state", "revision", "restarts",
+                    "state_changed_at"]
     list_filter = ["state", "node", "deployment"]
     # The command and the log tail are shown once each, formatted below; the secret never.
     readonly_fields = [f.name for f in Instance._meta.concrete_fields
@@ -274,3 +345,53 @@ class EngineHourAdmin(ReadOnlyAdmin):
                     "generation_tokens"]
     list_filter = ["deployment"]
     list_select_related = ["instance__deployment"]
+@admin.register(DeploymentRevision)
+class DeploymentRevisionAdmin(ReadOnlyAdmin):
+    """Revisions are recorded by edits of a deployment's engine settings, never by hand."""
+
+    list_display = ["deployment", "number", "changes", "created_by", "created_at"]
+    list_filter = ["deployment"]
+
+    @admin.display(description="Changes from the revision before")
+    def changes(self, obj: DeploymentRevision) -> str:
+        return describe(obj.changes_from(obj.previous()))
+
+
+def _rollout_action(name: str, method: Callable[[Rollout], dict]):
+    @admin.action(description=f"{name.capitalize()} selected rollouts")
+    def run(modeladmin, request, queryset) -> None:
+        for rollout in queryset:
+            try:
+                method(rollout)  # audited by the method
+            except ValidationError as exc:
+                messages.error(request, f"{rollout}: {'; '.join(exc.messages)}")
+                continue
+            messages.success(request, f"{rollout}: {name} done.")
+
+    run.__name__ = f"{name}_rollouts"
+    return run
+
+
+@admin.register(Rollout)
+class RolloutAdmin(ReadOnlyAdmin):
+    """Rollouts start from a deployment (its "apply" actions); here they are paused, resumed or
+    aborted."""
+
+    list_display = ["deployment", "__str__", "state", "phase", "instances_done",
+                    "instances_total", "step", "created_at", "finished_at"]
+    list_filter = ["state", "strategy", "deployment"]
+    actions = [_rollout_action("pause", Rollout.pause), _rollout_action("resume", Rollout.resume),
+               _rollout_action("abort", Rollout.abort)]
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    """What the control plane did and why (written by the reconciler and the node agents)."""
+
+    list_display = ["created_at", "kind", "level", "deployment", "instance", "node", "message"]
+    list_filter = ["kind", "level", "deployment", "node"]
+    search_fields = ["message"]
+    date_hierarchy = "created_at"
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False

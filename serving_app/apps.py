@@ -37,3 +37,10 @@ class ServingAppConfig(AppConfig):
             exclude(self.get_model(name), f"metering, {control_plane}")
         for name in ("EngineSample", "EngineHour"):
             exclude(self.get_model(name), f"engine metric samples, {control_plane}")
+        exclude(self.get_model("Event"), f"the control plane's timeline, {control_plane}")
+        exclude(self.get_model("DeploymentRevision"),
+                "a copy of a deployment's engine settings, recorded by the deployment's own "
+                "(audited) edit")
+        exclude(self.get_model("Rollout"),
+                "started by Deployment.apply()/rollback() and paused, resumed or aborted by its "
+                "own methods, each of which records its entry; its progress is the reconciler's")

@@ -5,8 +5,9 @@ the engine metric samples the node agents stored (never from the request path). 
 deployment it computes a recommendation (the `Autoscaler` docstring has the rule), keeps the
 recommendations of its windows, and scales through `Deployment.scale_to()` (the reconciler then
 starts instances, or drains and stops them) when the windows and cooldowns allow. Each change
-is recorded as an event with the metric's values, the old and new counts and why; a decision to
-hold is kept on the autoscaler (`last_decision`) for the deployment page, not recorded.
+is an `autoscale` event on the deployment's timeline (its message says what and why; its data
+holds the metric's values, the old and new counts and the reason); a decision to hold is kept on
+the autoscaler (`last_decision`) for the deployment page, not recorded.
 
 `wake()` is the way back from zero: the gateway asks for it (task `serving.wake_deployment`)
 when a request names a model whose deployment has scaled to zero, and holds the request until an
@@ -207,8 +208,8 @@ def _scale(autoscaler: Autoscaler, current: int, replicas: int, recommendation: 
     deployment.scale_to(replicas)
     verb = "up" if replicas > current else "down"
     message = f"scaled {verb} from {current} to {replicas}: {reason}"
-    events.record("autoscale", deployment, replicas=[current, replicas], reason=reason,
-                  **figures)
+    events.record(events.Kind.AUTOSCALE, message, deployment=deployment,
+                  data={"replicas": [current, replicas], "reason": reason, **figures})
     Autoscaler.objects.filter(pk=autoscaler.pk).update(
         recommendations=[list(h) for h in history], last_decision=message,
         last_scaled_at=now, last_evaluated_at=now)

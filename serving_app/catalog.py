@@ -35,7 +35,7 @@ def served_models(deployments: QuerySet[Deployment]) -> list[Served]:
     first, each group by deployment id. Three queries, whatever the number of rows."""
     running = (
         deployments.filter(desired_state=Deployment.DesiredState.RUNNING)
-        .select_related("base_model")
+        .select_related("base_model", "applied_revision")
         .prefetch_related("tenants", "adapters__tenant")
         .order_by("pk")
     )

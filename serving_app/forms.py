@@ -11,6 +11,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
+from serving_app.revisions import Rollout
 from tenants_app.models import Tenant
 
 
@@ -96,12 +97,15 @@ class DeploymentForm(forms.ModelForm):
         except ValidationError as exc:
             self._update_errors(exc)
 
+    # Who saves (the view sets it): recorded on a new revision of the engine settings.
+    editor: Any = None
+
     def save(self, commit: bool = True) -> Deployment:
         """Save through `Deployment.save_settings()`, which also asks the reconciler."""
         if not commit or self.errors:  # ModelForm's own save() refuses an invalid form
             return super().save(commit=False)
         tenants, adapters = self.relations()
-        self.instance.save_settings(tenants=tenants, adapters=adapters)
+        self.instance.save_settings(tenants=tenants, adapters=adapters, by=self.editor)
         return self.instance
 
     def relations(self) -> tuple[list[Tenant], list[LoraAdapter]]:
@@ -136,6 +140,23 @@ class FleetPlanForm(forms.ModelForm):
 
 class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=0, max_value=64)
+
+
+class ApplyForm(forms.Form):
+    """Applying a revision: which one (default the newest), the strategy and its options; the
+    same bounds as the API's (`Rollout` validates the pair)."""
+
+    revision = forms.IntegerField(min_value=1, max_value=2**31 - 1, required=False,
+                                  widget=forms.HiddenInput)
+    strategy = forms.ChoiceField(choices=Rollout.Strategy.choices,
+                                 initial=Rollout.Strategy.ROLLING)
+    max_surge = forms.IntegerField(min_value=0, max_value=64, initial=1,
+                                   help_text="Rolling: new instances beside the old at once.")
+    max_unavailable = forms.IntegerField(min_value=0, max_value=64, initial=0,
+                                         help_text="Rolling: ready instances that may be missing.")
+    keep_old_seconds = forms.IntegerField(
+        min_value=0, max_value=7 * 86400, initial=Rollout.DEFAULT_KEEP_OLD_SECONDS,
+        help_text="Blue-green: how long the old generation stays for a rollback.")
 
 
 class AuditFilterForm(forms.Form):

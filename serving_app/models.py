@@ -6,12 +6,13 @@ reconciler change Instance state only through conditional updates (`Instance.tra
 
 from __future__ import annotations
 
+import copy
 import secrets
 import shlex
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -22,19 +23,27 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit_app import recording
-from serving_app import fleetspec, lifecycle, signals, storage
+from serving_app import events, fleetspec, lifecycle, signals, storage
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
     read_adapter,
     read_model,
 )
+from serving_app.revisions import (
+    ENGINE_FIELDS,
+    DeploymentRevision,
+    Rollout,
+    describe,
+    diff,
+    spec_of,
+)
 from tenants_app.models import SignedInQuerySet, StaffOnlyQuerySet, Tenant, TenantOwnedQuerySet
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 
 
 def _path_error(exc: ModelFilesError) -> ValidationError:
@@ -293,7 +302,7 @@ class AdapterFileRemoval(models.Model):
     def still_in_use(self) -> bool:
         """Whether an engine may still read the files.
 
-        A ready or unhealthy engine has the adapter while its instance lists it in
+        A ready, unhealthy or draining engine has the adapter while its instance lists it in
         `loaded_adapters` (set when the engine became ready, changed by each runtime load and
         unload). A starting or stopping engine was given its adapters on the command line,
         which holds their paths. vLLM reads an adapter's files again when it was evicted from
@@ -303,7 +312,8 @@ class AdapterFileRemoval(models.Model):
         """
         State = Instance.State
         live = Instance.objects.filter(
-            state__in=(State.STARTING, State.READY, State.UNHEALTHY, State.STOPPING)
+            state__in=(State.STARTING, State.READY, State.UNHEALTHY, State.DRAINING,
+                       State.STOPPING)
         ).only("state", "loaded_adapters", "command")
         for instance in live:
             if self.engine_name in (instance.loaded_adapters or []):
@@ -442,7 +452,20 @@ class Node(models.Model):
         changes.pop("drain_status", None)  # a message, not a setting
         # Recorded even when nothing changed, as a deployment's start is: someone asked for it.
         recording.record(action, self, changes)
+        if changes:
+            kind, message = NODE_ACTION_EVENTS[action]
+            events.record(kind, message.format(node=self.name), node=self)
         return changes
+
+
+# The event on the cluster's timeline of each operator action on a node that changed it.
+NODE_ACTION_EVENTS: dict[str, tuple[str, str]] = {
+    "cordon": (events.Kind.NODE_CORDONED, "Node {node} cordoned: it gets no new instances."),
+    "uncordon": (events.Kind.NODE_UNCORDONED, "Node {node} uncordoned: it takes new instances "
+                                              "again."),
+    "drain": (events.Kind.NODE_DRAIN, "Node {node} cordoned and drained: its instances move "
+                                      "to other nodes, one at a time."),
+}
 
 
 class Gpu(models.Model):
@@ -673,6 +696,12 @@ class Deployment(models.Model):
     generation = models.PositiveIntegerField(
         default=0, editable=False, help_text="Raised by a restart; older instances are replaced."
     )
+    applied_revision = models.ForeignKey(
+        DeploymentRevision, null=True, blank=True, editable=False, on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="The revision of the engine settings that instances run (restarts, scale-ups "
+                  "and replacements too); an edit makes a pending revision until it is applied.",
+    )
     placement_error = models.TextField(
         blank=True, default="", editable=False,
         help_text="Why the last placement was refused (nothing is half-placed).",
@@ -692,6 +721,17 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """A new deployment starts with revision 1 of its engine settings, applied."""
+        adding = self._state.adding
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            if adding and self.applied_revision_id is None:
+                first = DeploymentRevision.objects.create(
+                    deployment=self, number=1, spec=spec_of(self), created_by=self.created_by)
+                Deployment.objects.filter(pk=self.pk).update(applied_revision=first)
+                self.applied_revision = first
 
     def get_absolute_url(self) -> str:
         """Its page in the console (also the admin's "view on site")."""
@@ -724,6 +764,13 @@ class Deployment(models.Model):
             errors["mps_thread_percentage"] = "Only used with MPS isolation."
         if self.isolation_mode == self.Isolation.MIG and self.tensor_parallel_size > 1:
             errors["tensor_parallel_size"] = "A MIG slice runs one GPU's worth: use 1."
+        if self.pk and self.base_model_id and Deployment.objects.filter(pk=self.pk).exclude(
+            base_model_id=self.base_model_id
+        ).exists():
+            # The gateway routes the deployment's public name to every instance at once, and
+            # adapters are trained for one base model: a new model is a new deployment.
+            errors["base_model"] = ("A deployment's base model cannot change; create a new "
+                                    "deployment for another model.")
         if errors:
             raise ValidationError(errors)
 
@@ -758,6 +805,173 @@ class Deployment(models.Model):
     def lora_enabled(self) -> bool:
         return self.adapters.exists()
 
+    # -- revisions ----------------------------------------------------------------------------
+    @property
+    def latest_revision(self) -> DeploymentRevision | None:
+        return self.revisions.order_by("-number").first()
+
+    @property
+    def pending_revision(self) -> DeploymentRevision | None:
+        """The newest revision if it is not the applied one (an edit waiting to be applied)."""
+        latest = self.latest_revision
+        if latest is None or latest.pk == self.applied_revision_id:
+            return None
+        return latest
+
+    @property
+    def active_rollout(self) -> Rollout | None:
+        return self.rollouts.active().select_related("from_revision", "to_revision").first()
+
+    def with_spec(self, revision: DeploymentRevision | None) -> Deployment:
+        """This deployment with the engine settings of `revision` (an unsaved copy; the row and
+        this object are untouched): what an instance of that revision is started with and
+        placed by. None: the settings as they are."""
+        if revision is None:
+            return self
+        clone = copy.copy(self)
+        for name in ENGINE_FIELDS:
+            if name in revision.spec:
+                setattr(clone, name, revision.spec[name])
+        return clone
+
+    def applied_settings(self) -> Deployment:
+        """This deployment with the engine settings of its applied revision."""
+        return self.with_spec(self.applied_revision)
+
+    def out_of_date(self) -> list[Instance]:
+        """Instances (not stopped) that do not run the newest revision."""
+        latest = self.latest_revision
+        return [i for i in self.instances.exclude(state=Instance.State.STOPPED)
+                if latest is not None and i.revision_id != latest.pk]
+
+    def record_revision(
+        self, by: AbstractBaseUser | AnonymousUser | None = None
+    ) -> DeploymentRevision | None:
+        """Record the engine settings as a new revision if they differ from the newest one.
+        Nothing runs (no instance, no rollout): it is applied at once, since there is nothing to
+        roll out. Otherwise it is pending until applied. Returns the new revision, if any."""
+        latest = self.latest_revision
+        spec = spec_of(self)
+        if latest is not None and latest.spec == spec:
+            return None
+        number = (latest.number if latest else 0) + 1
+        revision = DeploymentRevision.objects.create(
+            deployment=self, number=number, spec=spec,
+            created_by=by if by is not None and by.is_authenticated else None)
+        changes = describe(diff(latest.spec if latest else None, spec))
+        running = self.instances.exclude(state=Instance.State.STOPPED).exists()
+        stopped = Deployment.objects.filter(pk=self.pk,
+                                            desired_state=self.DesiredState.STOPPED).exists()
+        idle = (not running or stopped) and self.active_rollout is None
+        if idle:
+            Deployment.objects.filter(pk=self.pk).update(applied_revision=revision)
+            self.applied_revision = revision
+            events.record(events.Kind.APPLIED,
+                          f"Revision {number} applied at once (nothing was running): {changes}.",
+                          deployment=self, data={"revision": number})
+        else:
+            events.record(events.Kind.REVISION,
+                          f"Revision {number} recorded, pending until applied: {changes}.",
+                          deployment=self, data={"revision": number})
+        return revision
+
+    def apply(self, revision: DeploymentRevision | None = None,
+              strategy: str = Rollout.Strategy.ROLLING, *, max_surge: int = 1,
+              max_unavailable: int = 0,
+              keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
+              by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+        """Set `revision` (default: the newest) as the target and roll it out with `strategy`;
+        the reconciler carries the rollout out. With nothing running it is applied at once (a
+        rollout that succeeded immediately). Raises ValidationError when it cannot start.
+        Leaves the "apply" audit entry."""
+        with transaction.atomic():
+            started = self._start_rollout(revision, strategy, max_surge=max_surge,
+                                          max_unavailable=max_unavailable,
+                                          keep_old_seconds=keep_old_seconds, by=by)
+            recording.record("apply", self, {
+                "applied_revision": [started.from_revision.number if started.from_revision
+                                     else None, started.to_revision.number],
+                "strategy": [None, started.strategy]})
+        return started
+
+    def _start_rollout(self, revision: DeploymentRevision | None, strategy: str, *,
+                       max_surge: int = 1, max_unavailable: int = 0,
+                       keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
+                       by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+        with transaction.atomic():
+            locked = Deployment.objects.select_for_update().get(pk=self.pk)
+            revision = revision or locked.latest_revision
+            if revision is None or revision.deployment_id != self.pk:
+                raise ValidationError({"revision": "No such revision of this deployment."})
+            if locked.active_rollout is not None:
+                raise ValidationError("A rollout of this deployment is in progress: wait for it, "
+                                      "or abort it first.")
+            if revision.pk == locked.applied_revision_id:
+                raise ValidationError({"revision": f"Revision {revision.number} is already "
+                                                   "applied."})
+            rollout = Rollout(
+                deployment=locked, from_revision_id=locked.applied_revision_id,
+                to_revision=revision, strategy=strategy, max_surge=max_surge,
+                max_unavailable=max_unavailable, keep_old_seconds=keep_old_seconds,
+                instances_total=locked.replicas,
+                created_by=by if by is not None and by.is_authenticated else None,
+            )
+            rollout.full_clean(exclude=["deployment", "from_revision", "to_revision",
+                                        "created_by"])
+            previous = locked.applied_revision
+            changes = describe(revision.changes_from(previous))
+            running = locked.instances.exclude(state=Instance.State.STOPPED).exists()
+            if not running or locked.desired_state == self.DesiredState.STOPPED:
+                rollout.state = Rollout.State.SUCCEEDED
+                rollout.finished_at = timezone.now()
+                rollout.step = "Applied at once: nothing was running."
+                rollout.save()
+                Deployment.objects.filter(pk=self.pk).update(applied_revision=revision)
+                events.record(events.Kind.APPLIED,
+                              f"Revision {revision.number} applied at once (nothing was "
+                              f"running): {changes}.", deployment=self,
+                              data={"revision": revision.number, "rollout": rollout.pk})
+            else:
+                if strategy == Rollout.Strategy.BLUE_GREEN:
+                    rollout.phase = Rollout.Phase.STARTING
+                rollout.step = "Waiting for the reconciler."
+                rollout.save()
+                source = previous.number if previous else "none"
+                events.record(events.Kind.ROLLOUT_STARTED,
+                              f"Rollout from revision {source} to revision {revision.number} "
+                              f"({rollout.get_strategy_display().lower()}): {changes}.",
+                              deployment=self, data={"rollout": rollout.pk,
+                                                     "strategy": strategy,
+                                                     "revision": revision.number})
+            lifecycle.deployment_changed(self.pk)
+        self.refresh_from_db(fields=["applied_revision"])
+        return rollout
+
+    def rollback(self, by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+        """Return to the revision applied before: an active rollout is aborted (a blue-green one
+        that switched switches back at once); otherwise the revision the last finished rollout
+        started from is applied again, rolling. Leaves the "rollback" audit entry."""
+        self.refresh_from_db(fields=["applied_revision"])
+        before = self.applied_revision.number if self.applied_revision else None
+        with transaction.atomic():
+            active = self.active_rollout
+            if active is not None:
+                active.abort(reason="Rolled back by an operator.")
+                active.refresh_from_db()
+                result, target = active, active.from_revision
+            else:
+                last = (self.rollouts.filter(state=Rollout.State.SUCCEEDED,
+                                             from_revision__isnull=False,
+                                             to_revision_id=self.applied_revision_id)
+                        .select_related("from_revision").first())
+                if last is None or last.from_revision is None:
+                    raise ValidationError("There is no earlier applied revision to return to.")
+                result = self._start_rollout(last.from_revision, Rollout.Strategy.ROLLING, by=by)
+                target = result.to_revision
+            recording.record("rollback", self, {
+                "target_revision": [before, target.number if target else None]})
+        return result
+
     # -- workflows: each one transaction that asks the reconciler once it commits and leaves its
     # audit entry (their conditional updates send no signal). They return the change made
     # ({field: [before, after]}, empty when nothing changed). A request that changes nothing (a
@@ -767,12 +981,15 @@ class Deployment(models.Model):
         return self._change_desired_state("start", self.DesiredState.RUNNING)
 
     def stop(self, *, reconcile: bool = True) -> dict[str, list]:
-        """Ask for every instance of the deployment to stop (`reconcile=False`: the caller
-        stops the engines itself, as `manage.py stop_engines` does)."""
+        """Ask for every instance of the deployment to stop, each draining first
+        (`reconcile=False`: the caller stops the engines itself, as `manage.py stop_engines`
+        does)."""
         return self._change_desired_state("stop", self.DesiredState.STOPPED, reconcile)
 
     def restart(self) -> dict[str, list]:
-        """Replace every instance (a new generation) and ask for the deployment to run."""
+        """Replace every instance (a new generation, of the applied revision) and ask for the
+        deployment to run. The reconciler replaces them one by one, each new instance ready
+        before an old one drains, as in a rolling rollout."""
         with transaction.atomic():
             locked = self._locked()
             Deployment.objects.filter(pk=self.pk).update(
@@ -784,6 +1001,9 @@ class Deployment(models.Model):
             if locked.desired_state != self.desired_state:
                 changes["desired_state"] = [locked.desired_state, self.desired_state]
             recording.record("restart", self, changes)
+            events.record(events.Kind.DESIRED_STATE,
+                          f"Restart asked: generation {locked.generation} is replaced by "
+                          f"generation {self.generation}.", deployment=self)
             lifecycle.deployment_changed(self.pk)
         return changes
 
@@ -793,27 +1013,34 @@ class Deployment(models.Model):
             raise ValidationError({"replicas": "Must be between 0 and 64."})
         with transaction.atomic():
             before = self._locked().replicas
-            Deployment.objects.filter(pk=self.pk).exclude(replicas=replicas).update(
+            changed = Deployment.objects.filter(pk=self.pk).exclude(replicas=replicas).update(
                 replicas=replicas, updated_at=timezone.now()
             )
             self.replicas = replicas
             changes = {"replicas": [before, replicas]}
             recording.record("scale", self, changes)
+            if changed:
+                events.record(events.Kind.SCALED, f"Scaled from {before} to {replicas} "
+                              f"replica{'s' if replicas != 1 else ''}.", deployment=self,
+                              data={"before": before, "after": replicas})
             lifecycle.deployment_changed(self.pk)
         return changes
 
     def save_settings(self, tenants: Iterable[Tenant] | None = None,
-                      adapters: Iterable[LoraAdapter] | None = None) -> None:
+                      adapters: Iterable[LoraAdapter] | None = None,
+                      by: AbstractBaseUser | AnonymousUser | None = None) -> None:
         """Save edited settings (and the tenants and adapters when given; None leaves them to a
         caller that sets them in the same transaction, as the Django admin does), then ask the
-        reconciler to roll them out. The save and the many-to-many changes are audited by the
-        signals (one entry)."""
+        reconciler to converge. Changed engine settings become a pending revision
+        (`record_revision()`); adapters and tenants apply at once, without restarts. The save
+        and the many-to-many changes are audited by the signals (one entry)."""
         with transaction.atomic():
             self.save()
             if tenants is not None:
                 self.tenants.set(tenants)
             if adapters is not None:
                 self.adapters.set(adapters)
+            self.record_revision(by)
             lifecycle.deployment_changed(self.pk)
 
     def _change_desired_state(self, action: str, state: str,
@@ -823,6 +1050,9 @@ class Deployment(models.Model):
             changed = self._set_desired_state(state)
             changes = {"desired_state": [before, state]} if changed else {}
             recording.record(action, self, changes)
+            if changed:
+                events.record(events.Kind.DESIRED_STATE,
+                              f"Desired state {before} → {state}.", deployment=self)
             if reconcile:
                 lifecycle.deployment_changed(self.pk)
         return changes
@@ -876,6 +1106,9 @@ class Instance(models.Model):
         UNHEALTHY = "unhealthy", "Unhealthy"
         FAILED = "failed", "Failed"
         CRASH_LOOP = "crash_loop", "Crash loop"
+        # Out of routing in every gateway worker, still running: its requests in flight finish
+        # before it stops (serving_app/draining.py).
+        DRAINING = "draining", "Draining"
         STOPPING = "stopping", "Stopping"
         STOPPED = "stopped", "Stopped"
 
@@ -884,6 +1117,15 @@ class Instance(models.Model):
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="instances")
     ordinal = models.PositiveIntegerField(default=0)
     generation = models.PositiveIntegerField(default=0)
+    revision = models.ForeignKey(
+        DeploymentRevision, null=True, blank=True, on_delete=models.SET_NULL,
+        related_name="instances", help_text="The engine settings this instance runs.",
+    )
+    standby_until = models.DateTimeField(
+        null=True, blank=True,
+        help_text="Blue-green: the previous generation, out of routing but kept running until "
+                  "then so that a rollback switches back at once.",
+    )
     node = models.ForeignKey(
         Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances"
     )
@@ -927,9 +1169,20 @@ class Instance(models.Model):
     def __str__(self) -> str:
         return f"{self.deployment_id and self.deployment.name}#{self.ordinal}"
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # An instance created without a revision runs its deployment's applied one.
+        if self._state.adding and self.revision_id is None and self.deployment_id:
+            self.revision_id = self.deployment.applied_revision_id
+        super().save(*args, **kwargs)
+
     def get_absolute_url(self) -> str:
         """Its page in the console (also the admin's "view on site")."""
         return reverse("console:instance-detail", args=[self.pk])
+
+    def engine_deployment(self) -> Deployment:
+        """The deployment with the engine settings of this instance's revision: what its engine
+        is started with, whatever was edited since."""
+        return self.deployment.with_spec(self.revision)
 
     def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
         """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from serving_app import autoscaling_views, metrics_views, views
+from serving_app import autoscaling_views, fleet_views, metrics_views, views
 
 app_name = "console"
 
@@ -49,6 +49,15 @@ urlpatterns = [
          name="deployment-metrics"),
     re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",
             views.DeploymentActionView.as_view(), name="deployment-action"),
+    path("deployments/<int:pk>/revisions/", fleet_views.DeploymentRevisionsPartial.as_view(),
+         name="deployment-revisions"),
+    path("deployments/<int:pk>/apply/", fleet_views.DeploymentApplyView.as_view(),
+         name="deployment-apply"),
+    re_path(r"^deployments/(?P<pk>\d+)/rollout/(?P<action>pause|resume|abort|rollback)/$",
+            fleet_views.RolloutActionView.as_view(), name="deployment-rollout"),
+    path("deployments/<int:pk>/events/", fleet_views.DeploymentEventsPartial.as_view(),
+         name="deployment-events"),
+    path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # nodes
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",

@@ -27,6 +27,7 @@ from django.views.generic import CreateView, DetailView, ListView, TemplateView,
 from audit_app.models import AuditLog
 from serving_app import health, storage
 from serving_app.dashboards import figures, panels, queries
+from serving_app.events import Event, Kind
 from serving_app.forms import (
     AuditFilterForm,
     BaseModelForm,
@@ -108,7 +109,8 @@ def gpu_display(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deployments_with_instances() -> QuerySet[Deployment]:
-    active = Instance.objects.select_related("node").prefetch_related("gpus").order_by("ordinal")
+    active = (Instance.objects.select_related("node", "revision").prefetch_related("gpus")
+              .order_by("ordinal"))
     return (
         Deployment.objects.select_related("base_model")
         .prefetch_related("tenants", Prefetch("instances", queryset=active))
@@ -368,9 +370,8 @@ class DeploymentDetailView(StaffRequiredMixin, DetailView):
             self.object, panels.accounting_period(trange))
         context["charges_range"] = trange
         context["autoscaler"] = Autoscaler.objects.filter(deployment=self.object).first()
-        context["autoscale_changes"] = AuditLog.objects.filter(
-            action="autoscale", object_type=Deployment._meta.label,
-            object_id=str(self.object.pk))[:10]
+        context["autoscale_changes"] = self.object.events.filter(
+            kind=Kind.AUTOSCALE)[:10]
         return context
 
 
@@ -379,6 +380,11 @@ class DeploymentFormMixin:
     model = Deployment
     form_class = DeploymentForm
     noun = "deployment"
+
+    def get_form(self, form_class: Any = None) -> DeploymentForm:
+        form = super().get_form(form_class)
+        form.editor = self.request.user
+        return form
 
 
 class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView):
@@ -498,9 +504,13 @@ class DeploymentInstancesPartial(StaffRequiredMixin, View):
 # ----------------------------------------------------------------------------- nodes
 
 
+EVENTS_ON_NODE_PAGE = 30
+
+
 class NodeDetailView(StaffRequiredMixin, DetailView):
-    """A node: its state and heartbeat, what runs there, what the control plane did to it, and
-    the cordon, uncordon and drain actions."""
+    """A node: its state and heartbeat, what runs there, what the control plane did there (its
+    events) and who acted on it (its audit entries), and the cordon, uncordon and drain
+    actions."""
 
     template_name = "serving_app/node_detail.html"
     queryset = Node.objects.prefetch_related("gpus")
@@ -511,8 +521,10 @@ class NodeDetailView(StaffRequiredMixin, DetailView):
         context.update(
             instances=node.instances.active().select_related("deployment")
             .prefetch_related("gpus").order_by("deployment__name", "ordinal"),
-            events=AuditLog.objects.filter(object_type=Node._meta.label,
-                                           object_id=str(node.pk))[:30],
+            events=Event.objects.filter(node=node)
+            .select_related("deployment", "instance", "node")[:EVENTS_ON_NODE_PAGE],
+            entries=AuditLog.objects.filter(object_type=Node._meta.label,
+                                            object_id=str(node.pk))[:30],
         )
         return context
 

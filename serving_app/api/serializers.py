@@ -12,6 +12,7 @@ from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
 from serving_app import storage
+from serving_app.events import Event
 from serving_app.models import (
     BaseModel,
     Deployment,
@@ -26,6 +27,7 @@ from serving_app.redaction import (
     redact_value,
     visible_tenant_ids,
 )
+from serving_app.revisions import ENGINE_FIELDS, DeploymentRevision, Rollout
 from serving_app.uploads import allowed_base_models
 from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
@@ -264,6 +266,13 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
     tenants = TenantSlugField(many=True)
     adapters = AdapterChoiceField(many=True, required=False)
     instances = InstanceBriefSerializer(many=True, read_only=True)
+    applied_revision = serializers.SlugRelatedField(
+        slug_field="number", read_only=True,
+        help_text="The revision of the engine settings the instances run.")
+    pending_revision = serializers.SerializerMethodField(
+        help_text="The newest revision when it is not applied yet (an edit waiting), else null.")
+    out_of_date = serializers.SerializerMethodField(
+        help_text="Instances (not stopped) that do not run the newest revision.")
 
     class Meta:
         model = Deployment
@@ -274,22 +283,12 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
             "tenants",
             "adapters",
             "replicas",
-            "gpu_memory_utilization",
-            "max_num_seqs",
-            "max_model_len",
-            "max_num_batched_tokens",
-            "enable_prefix_caching",
-            "tensor_parallel_size",
-            "dtype",
-            "quantization",
-            "max_loras",
-            "max_lora_rank",
-            "scheduling_policy",
-            "isolation_mode",
-            "mps_thread_percentage",
-            "base_port",
+            *ENGINE_FIELDS,  # the engine settings a revision holds
             "desired_state",
             "generation",
+            "applied_revision",
+            "pending_revision",
+            "out_of_date",
             "instances",
             "created_at",
             "updated_at",
@@ -298,25 +297,39 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
             "id",
             "desired_state",
             "generation",
+            "applied_revision",
+            "pending_revision",
+            "out_of_date",
             "instances",
             "created_at",
             "updated_at",
         ]
 
+    def get_pending_revision(self, deployment: Deployment) -> int | None:
+        pending = deployment.pending_revision
+        return pending.number if pending is not None else None
+
+    def get_out_of_date(self, deployment: Deployment) -> int:
+        return len(deployment.out_of_date())
+
+    def _editor(self) -> Any:
+        return getattr(self.context.get("request"), "user", None)
+
     def create(self, validated_data: dict[str, Any]) -> Deployment:
         tenants = validated_data.pop("tenants", [])
         adapters = validated_data.pop("adapters", [])
         deployment = Deployment(**validated_data)
-        deployment.save_settings(tenants=tenants, adapters=adapters)
+        deployment.save_settings(tenants=tenants, adapters=adapters, by=self._editor())
         return deployment
 
     def update(self, deployment: Deployment, validated_data: dict[str, Any]) -> Deployment:
-        """Save through `Deployment.save_settings()`, which also asks the reconciler."""
+        """Save through `Deployment.save_settings()`, which also asks the reconciler (changed
+        engine settings become a pending revision)."""
         tenants = validated_data.pop("tenants", None)
         adapters = validated_data.pop("adapters", None)
         for name, value in validated_data.items():
             setattr(deployment, name, value)
-        deployment.save_settings(tenants=tenants, adapters=adapters)
+        deployment.save_settings(tenants=tenants, adapters=adapters, by=self._editor())
         return deployment
 
     def validate_relations(self, candidate: Deployment, attrs: dict[str, Any]) -> None:
@@ -376,4 +389,78 @@ class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):
         if not self.viewer_is_staff:
             data["changes"] = redact_value(data.get("changes") or {})
             data["object_repr"] = redact_paths(data.get("object_repr") or "")
+        return data
+
+
+# -- revisions, rollouts, events --------------------------------------------------------------
+class RevisionSerializer(serializers.ModelSerializer):
+    """A revision of the engine settings, with what it changed from the one before."""
+
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    changes = serializers.SerializerMethodField()
+    applied = serializers.SerializerMethodField()
+    instances = serializers.SerializerMethodField()
+
+    class Meta:
+        model = DeploymentRevision
+        fields = ["number", "spec", "changes", "applied", "instances", "created_by",
+                  "created_at"]
+        read_only_fields = fields
+
+    def get_changes(self, revision: DeploymentRevision) -> list[dict[str, Any]]:
+        return [c.as_dict() for c in revision.changes_from(revision.previous())]
+
+    def get_applied(self, revision: DeploymentRevision) -> bool:
+        return revision.pk == revision.deployment.applied_revision_id
+
+    def get_instances(self, revision: DeploymentRevision) -> int:
+        """Instances (not stopped) that run this revision."""
+        return revision.instances.exclude(state=Instance.State.STOPPED).count()
+
+
+class RolloutSerializer(serializers.ModelSerializer):
+    from_revision = serializers.SlugRelatedField(slug_field="number", read_only=True)
+    to_revision = serializers.SlugRelatedField(slug_field="number", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Rollout
+        fields = ["id", "from_revision", "to_revision", "strategy", "max_surge",
+                  "max_unavailable", "keep_old_seconds", "state", "phase", "step",
+                  "instances_done", "instances_total", "stop_then_start", "reason",
+                  "switched_at", "created_by", "created_at", "updated_at", "finished_at"]
+        read_only_fields = fields
+
+
+class ApplySerializer(serializers.Serializer):
+    """What to apply and how: the newest revision unless `revision` names another."""
+
+    revision = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False,
+                                        help_text="Revision number (default: the newest).")
+    strategy = serializers.ChoiceField(choices=Rollout.Strategy.choices,
+                                       default=Rollout.Strategy.ROLLING)
+    max_surge = serializers.IntegerField(min_value=0, max_value=64, default=1)
+    max_unavailable = serializers.IntegerField(min_value=0, max_value=64, default=0)
+    keep_old_seconds = serializers.IntegerField(min_value=0, max_value=7 * 86400,
+                                                default=Rollout.DEFAULT_KEEP_OLD_SECONDS)
+
+
+class EventSerializer(ViewerMixin, serializers.ModelSerializer):
+    """An event; tenant users read it without its data, instance and node, paths redacted."""
+
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = Event
+        fields = ["id", "kind", "level", "message", "data", "deployment", "instance", "node",
+                  "created_at"]
+        read_only_fields = fields
+
+    def to_representation(self, event: Event) -> dict[str, Any]:
+        data = super().to_representation(event)
+        if not self.viewer_is_staff:
+            for name in ("data", "instance", "node"):
+                data.pop(name, None)
+            data["message"] = redact_paths(data.get("message") or "")
         return data

@@ -18,6 +18,7 @@ from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
 from serving_app import storage
+from serving_app.api.fleet import DeploymentOperations
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
     AuditLogSerializer,
@@ -146,8 +147,9 @@ class DeploymentFilter(django_filters.FilterSet):
         return queryset.filter(tenants__in=tenants).distinct()
 
 
-class DeploymentViewSet(ScopedModelViewSet):
-    """Deployments: what should run. Tenants read the ones they may use."""
+class DeploymentViewSet(DeploymentOperations):
+    """Deployments: what should run. Tenants read the ones they may use. Events, revisions and
+    rollouts: `serving_app/api/fleet.py`."""
 
     queryset = Deployment.objects.all()
     serializer_class = DeploymentSerializer
@@ -155,7 +157,7 @@ class DeploymentViewSet(ScopedModelViewSet):
     write_role = "staff"
 
     def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
-        return queryset.select_related("base_model").prefetch_related(
+        return queryset.select_related("base_model", "applied_revision").prefetch_related(
             "tenants", "adapters__tenant", "instances__node"
         )
 

@@ -115,7 +115,10 @@ def heartbeat(config: AgentConfig) -> None:
         pk=node.pk, lost_at=node.lost_at
     ).update(lost_at=None):
         away = (timezone.now() - node.lost_at).total_seconds()
-        events.record("node_back", node, lost_for_seconds=round(away))
+        events.record(events.Kind.NODE_BACK,
+                      f"Node {node.name} is back after being declared lost {away:.0f} s ago; "
+                      "its replaced engines are stopped, not adopted.", node=node,
+                      level=events.Level.WARNING, data={"lost_for_seconds": round(away)})
         log.warning("node %s is back after being declared lost %.0f s ago", node.name, away)
 
 
@@ -128,18 +131,18 @@ def adopt(config: AgentConfig) -> dict[str, int]:
     """
     counts = {"adopted": 0, "lost": 0, "stopped": 0}
     for instance in Instance.objects.filter(
-        node__name=config.name, state__in=(*RUNNING_STATES, State.STOPPING)
+        node__name=config.name, state__in=(*RUNNING_STATES, State.DRAINING, State.STOPPING)
     ):
         if supervisor.is_engine_of(instance.pid, instance.secret, instance.port):
             if instance.state == State.STOPPING:
                 stop_instance(instance.pk)
                 counts["stopped"] += 1
-            else:
+            else:  # a draining one too: the reconciler stops it once it has drained
                 counts["adopted"] += 1
                 log.info("adopted %s (pid %s, port %s)", instance, instance.pid, instance.port)
             continue
-        if instance.state == State.STOPPING:
-            instance.transition([State.STOPPING], State.STOPPED, pid=None, port=None)
+        if instance.state in (State.STOPPING, State.DRAINING):
+            instance.transition([instance.state], State.STOPPED, pid=None, port=None)
             counts["stopped"] += 1
             continue
         _fail(instance, "The engine was gone when the node agent restarted.",
@@ -150,7 +153,7 @@ def adopt(config: AgentConfig) -> dict[str, int]:
 
 # -- start --------------------------------------------------------------------------------------
 def _choose_port(instance: Instance, config: AgentConfig) -> int:
-    base_port = instance.deployment.base_port
+    base_port = instance.engine_deployment().base_port
     if base_port:
         port = base_port + instance.ordinal
         if not supervisor.port_is_free(port, config.address):
@@ -221,7 +224,7 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
                                                                  dict[str, str]]:
     """The deployment's adapters that validate, and an error for each one left out (also set
     on the adapter's `last_error`, and written to the engine log with its detail)."""
-    deployment = instance.deployment
+    deployment = instance.engine_deployment()
     good: list[LoraAdapter] = []
     errors: dict[str, str] = {}
     for adapter in deployment.adapters.select_related("tenant", "base_model"):
@@ -244,7 +247,7 @@ def _log_path(instance: Instance) -> Path:
 def start_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     config = config or current_config()
     instance = (
-        Instance.objects.select_related("deployment__base_model", "node")
+        Instance.objects.select_related("deployment__base_model", "node", "revision")
         .filter(pk=instance_id).first()
     )
     if instance is None or config is None or instance.node is None:
@@ -282,6 +285,7 @@ def _start(instance: Instance, config: AgentConfig) -> str:
                                last_error="", exit_code=None, health_failures=0, log_tail=""):
         return f"skipped ({instance.state})"
     log_path = _log_path(instance)
+    revision = instance.revision.number if instance.revision else None
     try:
         _preflight(instance)
         port = _choose_port(instance, config)
@@ -292,9 +296,10 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     Instance.objects.filter(pk=instance.pk).update(port=port)
     instance.port = port
     adapters, adapter_errors = usable_adapters(instance, log_path)
+    # The settings of the instance's own revision, whatever was edited since.
     spec = build_launch_spec(
-        instance.deployment, instance, engine_env=config.engine_env, host=config.address,
-        gpus=list(instance.gpus.all()), adapters=adapters,
+        instance.engine_deployment(), instance, engine_env=config.engine_env,
+        host=config.address, gpus=list(instance.gpus.all()), adapters=adapters,
     )
     try:
         launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
@@ -311,6 +316,10 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         # Stopped (or its node declared lost) while it was being launched: a stop that came
         # before the pid was recorded could not find this engine, so it goes now.
         return _cancel_start(instance)
+    events.record(events.Kind.STARTING,
+                  f"Instance #{instance.ordinal} (revision {revision}) starting its engine.",
+                  instance=instance, data={"pid": launched.pid, "port": port,
+                                           "revision": revision})
     ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors)
     if ready == "ready":
         # Given on the command line and the engine came up: they loaded.
@@ -344,6 +353,10 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                                    loaded_adapters=adapters,
                                    adapter_errors=adapter_errors or {}, health_failures=0):
                 log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
+                seconds = (timezone.now() - started).total_seconds()
+                events.record(events.Kind.READY,
+                              f"Instance #{instance.ordinal} ready after {seconds:.0f} s.",
+                              instance=instance, data={"seconds": round(seconds, 1)})
                 _refresh_log_tail(instance)
                 return "ready"
             return _cancel_start(instance)
@@ -384,6 +397,9 @@ def _fail(instance: Instance, reason: str, *, expected=None, exit_code: int | No
     )
     if changed:
         log.warning("%s failed: %s", instance, reason)
+        events.record(events.Kind.FAILED, f"Instance #{instance.ordinal} failed.",
+                      instance=instance, level=events.Level.ERROR,
+                      data={"error": reason, "exit_code": exit_code})
         lifecycle.deployment_changed(instance.deployment_id)
     return changed
 
@@ -414,7 +430,7 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
         return "already stopped"
     if instance.state != State.STOPPING and not instance.transition(
         [State.PENDING, State.STARTING, State.READY, State.UNHEALTHY, State.FAILED,
-         State.CRASH_LOOP], State.STOPPING,
+         State.CRASH_LOOP, State.DRAINING], State.STOPPING,
     ):
         return f"skipped ({instance.state})"
     how = "gone"
@@ -425,8 +441,10 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     if instance.port:
         supervisor.wait_port_free(instance.port, config.address, timeout=10)
     tail = supervisor.log_tail(instance.log_path) if instance.log_path else instance.log_tail
-    instance.transition([State.STOPPING], State.STOPPED, pid=None, port=None, log_tail=tail,
-                        loaded_adapters=[])
+    if instance.transition([State.STOPPING], State.STOPPED, pid=None, port=None, log_tail=tail,
+                           loaded_adapters=[]):
+        events.record(events.Kind.STOPPED, f"Instance #{instance.ordinal} stopped ({how}).",
+                      instance=instance)
     log.info("%s stopped (%s)", instance, how)
     return how
 
@@ -455,7 +473,8 @@ def _sync_lock(instance_id: int) -> threading.Lock:
 
 
 def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, str]:
-    instance = Instance.objects.select_related("deployment", "node").filter(pk=instance_id).first()
+    instance = (Instance.objects.select_related("deployment", "node", "revision")
+                .filter(pk=instance_id).first())
     if instance is None or config is None or instance.state != State.READY:
         return {}
     if instance.node is None or instance.node.name != config.name:
@@ -485,7 +504,7 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             outcome[name] = "refused"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
-        problem = adapter_problem(adapter, instance.deployment)
+        problem = adapter_problem(adapter, instance.engine_deployment())
         if problem is not None:
             message = f"Not loaded into {instance}: {problem[0]}"
             errors[name] = message

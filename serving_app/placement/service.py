@@ -7,6 +7,7 @@ This module turns rows into the plain dataclasses of ``planner`` and ``placer`` 
   devices under their parent) and the allocations of active instances.
 - ``place_replicas(deployment, ordinals)``: creates the Instance rows for all ordinals, or none.
 - ``place_instance(deployment, instance)``: places one Instance the reconciler already created.
+- ``can_place(deployment, count)``: whether that many more instances fit now, nothing written.
 - ``dry_run(deployment)``: what the plan endpoint shows, with nothing written.
 - ``allocation(period=None)``: per GPU, what is reserved for which deployment and tenant.
 - ``accounting(period)``: per deployment and per tenant, the reservation charged to each tenant.
@@ -51,6 +52,7 @@ from django.utils import timezone
 
 from serving_app.fleetspec import GPU_COMPUTE_SLICES, mig_slices
 from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.revisions import DeploymentRevision
 from tenants_app.models import Tenant
 
 from . import placer as P
@@ -473,11 +475,21 @@ def _record(deployment: Deployment, reason: str) -> None:
     deployment.placement_error = reason
 
 
-def place_replicas(deployment: Deployment, ordinals: list[int]) -> tuple[list[Instance], str]:
+def can_place(deployment: Deployment, count: int) -> str:
+    """Whether ``count`` more instances of ``deployment`` fit beside everything that runs now
+    (its own instances included): ``""`` if they do, else the reason. Nothing is written."""
+    choice, reason = _choose(deployment, count)
+    return "" if choice is not None else reason or "refused"
+
+
+def place_replicas(
+    deployment: Deployment, ordinals: list[int], revision: DeploymentRevision | None = None
+) -> tuple[list[Instance], str]:
     """Create and place an Instance for every ordinal, or none.
 
     On success: the instances (node, GPUs, ``gpu_memory_fraction``, ``environment`` set,
-    ``generation`` the deployment's) and ``""``. ``deployment.placement_error`` is cleared.
+    ``generation`` the deployment's, ``revision`` the given one or else the deployment's applied
+    one) and ``""``. ``deployment.placement_error`` is cleared.
     On refusal: ``[]`` and the reason, which is also stored on ``deployment.placement_error``.
     """
     if not ordinals:
@@ -496,6 +508,7 @@ def place_replicas(deployment: Deployment, ordinals: list[int]) -> tuple[list[In
                 deployment=deployment,
                 ordinal=ordinal,
                 generation=deployment.generation,
+                revision=revision or deployment.applied_revision,
                 node=node,
                 gpu_memory_fraction=ip.gpu_memory_utilization if ip else None,
                 environment=dict(ip.env) if ip else {},
@@ -885,6 +898,7 @@ __all__ = [
     "PlanningError",
     "allocation",
     "build_placer",
+    "can_place",
     "choose_cpu_nodes",
     "dry_run",
     "engine_settings",

@@ -47,6 +47,7 @@ from alerts_app.models import (
 )
 from audit_app import recording
 from audit_app.models import AuditLog
+from serving_app import events
 from serving_app.models import (
     AdapterFileRemoval,
     Autoscaler,
@@ -66,6 +67,7 @@ from serving_app.models import (
     UsageTenSecond,
     UsageTotal,
 )
+from serving_app.revisions import Rollout
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
 from tests.api.helpers import admin_form_data, as_user
 from tests.factories import (
@@ -120,13 +122,15 @@ def object_id(obj: models.Model) -> str:
 class AdminCase:
     """How to drive one model's admin: a fresh object, the add form's values, and a change
     (`change` are form values; `changed` the field the entry must name). `actions` maps each
-    custom admin action to the entry's action."""
+    custom admin action to the entry's action; `make_for` the objects an action needs where
+    they are not `make`'s (a rollout to resume is a paused one)."""
 
     make: Callable[[World], models.Model]
     add: Callable[[World], dict[str, Any]] | None = None
     change: Callable[[World], dict[str, Any]] | None = None
     changed: tuple[str, ...] = ()
     actions: dict[str, str] = field(default_factory=dict)
+    make_for: dict[str, Callable[[World], models.Model]] = field(default_factory=dict)
 
 
 def _token(w: World) -> AuthToken:
@@ -145,6 +149,35 @@ def _node(w: World) -> Node:
 def _gpu(w: World) -> Gpu:
     return Gpu.objects.create(node=_node(w), index=0, uuid=f"GPU-{w.n()}", name="H200",
                               memory_total_bytes=2**37)
+
+
+def _pending(w: World) -> Deployment:
+    """A deployment with an instance and an edit of its engine settings waiting to be applied."""
+    deployment = make_deployment(w.base, [w.acme.tenant],
+                                 desired_state=Deployment.DesiredState.RUNNING)
+    Instance.objects.create(deployment=deployment, state=Instance.State.READY)
+    deployment.max_num_seqs = 7
+    deployment.save_settings()
+    assert deployment.pending_revision is not None
+    return deployment
+
+
+def _rolling_out(w: World) -> Deployment:
+    deployment = _pending(w)
+    deployment.apply()
+    return deployment
+
+
+def _rollout(w: World) -> Rollout:
+    active = _rolling_out(w).active_rollout
+    assert active is not None
+    return active
+
+
+def _paused_rollout(w: World) -> Rollout:
+    active = _rollout(w)
+    active.pause()
+    return active
 
 
 def _axes(model: Any) -> Callable[[World], models.Model]:
@@ -258,7 +291,19 @@ ADMIN_CASES: dict[str, AdminCase] = {
                           "tenants": [str(w.acme.tenant.pk), str(w.globex.tenant.pk)]},
         changed=("max_num_seqs", "tenants"),
         actions={"start_deployments": "start", "stop_deployments": "stop",
-                 "restart_deployments": "restart"}),
+                 "restart_deployments": "restart", "apply_rolling": "apply",
+                 "apply_blue_green": "apply", "rollback_deployments": "rollback"},
+        make_for={"apply_rolling": _pending, "apply_blue_green": _pending,
+                  "rollback_deployments": _rolling_out}),
+    "serving_app.DeploymentRevision": AdminCase(
+        make=lambda w: make_deployment(w.base, [w.acme.tenant]).revisions.get()),
+    "serving_app.Rollout": AdminCase(
+        make=_rollout, actions={"pause_rollouts": "pause", "resume_rollouts": "resume",
+                                "abort_rollouts": "abort"},
+        make_for={"resume_rollouts": _paused_rollout}),
+    "serving_app.Event": AdminCase(
+        make=lambda w: events.record(events.Kind.SCALED, "Scaled from 1 to 2 replicas.",
+                                     deployment=make_deployment(w.base, [w.acme.tenant]))),
     "serving_app.Autoscaler": AdminCase(
         make=lambda w: Autoscaler.objects.create(deployment=make_deployment(w.base,
                                                                             [w.acme.tenant])),
@@ -434,7 +479,8 @@ def test_every_custom_admin_action_has_a_case(platform_admin):
 def test_every_custom_admin_action_leaves_one_entry_per_object(model, name, world, client):
     case = ADMIN_CASES[model._meta.label]
     client.force_login(world.staff)
-    objs = [case.make(world), case.make(world)]
+    make = case.make_for.get(name, case.make)
+    objs = [make(world), make(world)]
     ids = [object_id(o) for o in objs]
     response = client.post(_url(model, "changelist"),
                            {"action": name, "_selected_action": [o.pk for o in objs]})
@@ -601,6 +647,19 @@ def _deployment_action(name: str, data: dict[str, Any] | None = None):
     return run
 
 
+def _rollout_api(name: str, make: Callable[[World], Deployment], model: type[models.Model],
+                 action: str, data: dict[str, Any] | None = None):
+    """A revision or rollout action of a deployment `make` prepared; the entry is on the
+    deployment (apply, rollback) or on its rollout (pause, resume, abort)."""
+    def run(w: World) -> list[Expect]:
+        deployment = make(w)
+        active = deployment.active_rollout
+        call(w.staff, "post", f"/api/v1/deployments/{deployment.pk}/{name}/", data)
+        obj_id = deployment.pk if model is Deployment or active is None else active.pk
+        return [Expect(w.staff, action, model, obj_id)]
+    return run
+
+
 def _node_action(name: str):
     def run(w: World) -> list[Expect]:
         node = _node(w)
@@ -709,6 +768,16 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "v1_deployments_stop_create": _deployment_action("stop"),
     "v1_deployments_restart_create": _deployment_action("restart"),
     "v1_deployments_scale_create": _deployment_action("scale", {"replicas": 2}),
+    "v1_deployments_apply_create": _rollout_api("apply", _pending, Deployment, "apply",
+                                                {"strategy": "rolling"}),
+    "v1_deployments_rollback_create": _rollout_api("rollback", _rolling_out, Deployment,
+                                                   "rollback"),
+    "v1_deployments_rollout_pause_create": _rollout_api("rollout/pause", _rolling_out, Rollout,
+                                                        "pause"),
+    "v1_deployments_rollout_resume_create": _rollout_api(
+        "rollout/resume", lambda w: _paused_rollout(w).deployment, Rollout, "resume"),
+    "v1_deployments_rollout_abort_create": _rollout_api("rollout/abort", _rolling_out, Rollout,
+                                                        "abort"),
     **{f"v1_nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
     "v1_invitations_create": _invite,
     "v1_invitations_revoke_create": _revoke_invitation,

@@ -242,6 +242,7 @@ def test_every_page_works_under_the_content_security_policy(page, admin, base_mo
         f"/adapters/{adapter.pk}/", f"/adapters/{adapter.pk}/edit/", "/deployments/",
         "/deployments/new/", f"/deployments/{deployment.pk}/",
         f"/deployments/{deployment.pk}/edit/", f"/instances/{instance.pk}/", "/audit/",
+        "/events/", f"/nodes/{instance.node_id}/",
         "/dashboards/usage/", "/dashboards/latency/", "/dashboards/gpus/",
         "/api/v1/", "/api/v1/tenants/", "/admin/",
     ]:

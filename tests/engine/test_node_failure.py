@@ -20,6 +20,7 @@ import pytest
 
 from audit_app.models import AuditLog
 from gateway_app.catalog import load_snapshot
+from serving_app.events import Event, Kind
 from serving_app.models import Instance, Node
 from tests.api.helpers import as_user
 from tests.engine.conftest import engine_sessions, wait_for
@@ -89,8 +90,8 @@ def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves
     assert node_a.lost_at is None and node_a.state == "ready"
     assert [i.pk for i in live(deployment)] == [new.pk]
     assert Instance.objects.get(pk=new.pk).state == State.READY
-    actions = set(AuditLog.objects.values_list("action", flat=True))
-    assert {"node_lost", "instance_replaced", "node_back"} <= actions
+    kinds = set(Event.objects.values_list("kind", flat=True))
+    assert {Kind.NODE_LOST, Kind.REPLACED, Kind.NODE_BACK} <= kinds
 
     # Drain cpu-b: the instance moves back to cpu-a, never leaving the deployment without a
     # ready instance, and the old one is stopped only once its replacement is ready.
@@ -106,8 +107,11 @@ def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves
     assert engine_sessions(new.secret) == set()
     [moved] = live(deployment)
     assert (moved.node.name, moved.state, moved.replaces_id) == ("cpu-a", State.READY, new.pk)
-    replaced = AuditLog.objects.get(action="instance_replaced", changes__reason="drain")
+    replaced = Event.objects.get(kind=Kind.REPLACED, data__reason="drain")
     assert moved.ready_at <= replaced.created_at  # ready before the old one was asked to stop
+    # It left routing first and stopped once drained (nothing was in flight).
+    assert Event.objects.filter(kind=Kind.DRAINED, instance_id=new.pk).exists()
     node_b.refresh_from_db()
     assert (node_b.cordoned, node_b.state) == (True, "cordoned")
+    assert AuditLog.objects.filter(action="drain", object_id=str(node_b.pk), via="api").exists()
     assert complete(moved, "tiny-llama")["choices"][0]["text"]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from benchmarks.gateway_bench import InstantUpstream, serve_instant
-from serving_app.models import Instance
+from serving_app.models import Deployment, Instance
 from tests.gateway.conftest import MAX_BODY, free_port, make_world
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -137,9 +137,16 @@ def test_priority_tier_is_sent_only_to_priority_deployments(gateway, upstream):
     world.acme.save()
     assert post(gateway, world.acme_secret, CHAT).status_code == 200
     assert "priority" not in json.loads(InstantUpstream.stats["last_body"])
+    # An edit is a pending revision: nothing changes until the engines run it (vLLM refuses a
+    # request's priority unless started with --scheduling-policy priority).
     world.deployment.scheduling_policy = "priority"
-    world.deployment.save()
-    for _ in range(50):  # the catalog is re-read on the change
+    world.deployment.save_settings()
+    assert post(gateway, world.acme_secret, CHAT).status_code == 200
+    assert "priority" not in json.loads(InstantUpstream.stats["last_body"])
+    # Its rollout done (no control plane runs here): the engines run it, the gateway follows.
+    Deployment.objects.filter(pk=world.deployment.pk).update(
+        applied_revision=world.deployment.latest_revision)
+    for _ in range(50):  # the catalog is re-read every 0.5 s
         assert post(gateway, world.acme_secret, CHAT).status_code == 200
         sent = json.loads(InstantUpstream.stats["last_body"])
         if "priority" in sent:

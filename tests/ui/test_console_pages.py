@@ -29,6 +29,7 @@ PAGES = [
     ("console:deployment-list", []),
     ("console:deployment-create", []),
     ("console:audit-log", []),
+    ("console:event-list", []),
     ("console:dashboard", ["usage"]),
     ("console:dashboard", ["latency"]),
     ("console:dashboard", ["gpus"]),

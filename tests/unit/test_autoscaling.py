@@ -10,9 +10,9 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from audit_app.models import AuditLog
 from serving_app import autoscaling
 from serving_app.autoscalers import Autoscaler, Metric
+from serving_app.events import Event, Kind
 from serving_app.models import Deployment, Instance, Node
 from tests.factories import make_deployment, make_engine_sample, make_tenant
 
@@ -61,9 +61,8 @@ def round_at(autoscaler: Autoscaler, instances: list[Instance], at, generated: i
     return decision
 
 
-def autoscale_entries(deployment: Deployment) -> list[AuditLog]:
-    return list(AuditLog.objects.filter(action="autoscale", object_id=str(deployment.pk))
-                .order_by("id"))
+def autoscale_entries(deployment: Deployment) -> list[Event]:
+    return list(Event.objects.filter(kind=Kind.AUTOSCALE, deployment=deployment).order_by("id"))
 
 
 def test_a_queue_held_over_the_up_window_scales_up_and_records_why(world):
@@ -81,9 +80,10 @@ def test_a_queue_held_over_the_up_window_scales_up_and_records_why(world):
     decision = round_at(autoscaler, instances, t0 + timedelta(seconds=20), requests_waiting=6)
     assert decision.replicas == deployment.replicas == 3
     [entry] = autoscale_entries(deployment)
-    assert entry.changes["replicas"] == [1, 3]
-    assert entry.changes["values"] == [6.0] and entry.changes["target"] == 2.0
-    assert "waiting requests averages 6.00" in entry.changes["reason"]
+    assert entry.message.startswith("scaled up from 1 to 3: waiting requests averages 6.00")
+    assert entry.data["replicas"] == [1, 3]
+    assert entry.data["values"] == [6.0] and entry.data["target"] == 2.0
+    assert "waiting requests averages 6.00" in entry.data["reason"]
     assert autoscaler.last_scaled_at == t0 + timedelta(seconds=20)
     assert autoscaler.last_decision.startswith("scaled up from 1 to 3")
 
@@ -100,7 +100,7 @@ def test_a_short_spike_does_not_scale_and_the_max_caps_the_count(world):
     # Held over the whole window now (20 to 50 s): up, to the max (two), not to five.
     round_at(autoscaler, instances, t0 + timedelta(seconds=50), requests_waiting=9)
     assert deployment.replicas == 2
-    assert autoscale_entries(deployment)[0].changes["recommendation"] == 2
+    assert autoscale_entries(deployment)[0].data["recommendation"] == 2
 
 
 def test_an_idle_queue_scales_down_after_the_down_window_and_cooldowns_hold(world):
@@ -120,7 +120,7 @@ def test_an_idle_queue_scales_down_after_the_down_window_and_cooldowns_hold(worl
         round_at(autoscaler, instances, t0 + timedelta(seconds=step), requests_waiting=0)
     assert deployment.replicas == 1
     [entry] = autoscale_entries(deployment)
-    assert entry.changes["replicas"] == [2, 1]
+    assert entry.data["replicas"] == [2, 1]
 
 
 def test_the_metric_at_its_target_within_the_tolerance_holds(world):
@@ -160,7 +160,7 @@ def test_a_count_outside_the_range_is_brought_into_it(world):
     decision = autoscaling.evaluate(autoscaler.pk, now=timezone.now())
     deployment.refresh_from_db()
     assert decision.replicas == 3 and deployment.replicas == 3
-    assert "outside the range 1-3" in autoscale_entries(deployment)[0].changes["reason"]
+    assert "outside the range 1-3" in autoscale_entries(deployment)[0].data["reason"]
 
 
 def test_an_idle_deployment_scales_to_zero_and_a_request_wakes_it(world):
@@ -181,14 +181,14 @@ def test_an_idle_deployment_scales_to_zero_and_a_request_wakes_it(world):
     round_at(autoscaler, instances, t0 + timedelta(seconds=90), generated=0)
     assert deployment.replicas == 0
     assert "nothing was generated over the down window" in \
-        autoscale_entries(deployment)[-1].changes["reason"]
+        autoscale_entries(deployment)[-1].data["reason"]
     assert autoscaling.evaluate(autoscaler.pk, now=t0 + timedelta(seconds=100)) is None
     # The gateway's wake: back to one, once (a second wake finds it scaled).
     assert autoscaling.wake(deployment.pk) is True
     assert autoscaling.wake(deployment.pk) is False
     deployment.refresh_from_db()
     assert deployment.replicas == 1
-    assert autoscale_entries(deployment)[-1].changes["reason"] == \
+    assert autoscale_entries(deployment)[-1].data["reason"] == \
         "a request arrived while at zero"
 
 

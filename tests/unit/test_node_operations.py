@@ -1,8 +1,10 @@
 """Node failure and maintenance, as the reconciler decides them: a node whose heartbeat stopped is
 declared lost and its instances replaced elsewhere; a cordoned node takes nothing new; a drained
 node has its instances moved off one at a time, each old one stopped only once its replacement
-is ready. Node tasks are recorded (`sent`), not sent; the real agents and engines are in
-tests/engine/test_node_failure.py."""
+is ready (it drains first: `serving_app.draining`, with the requests in flight given by the
+test and no grace period). Node tasks are recorded (`sent`), not sent; the real agents and
+engines are in tests/engine/test_node_failure.py. What the control plane did is an event
+(`serving_app.events`); what an operator asked for, an audit entry."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from audit_app.models import AuditLog
-from serving_app import reconcile, signals
+from serving_app import draining, reconcile, signals
 from serving_app.engine import agent
+from serving_app.events import Event, Kind
 from serving_app.models import Deployment, Instance, Node
 from tests.factories import make_deployment, make_tenant
 
@@ -69,8 +72,19 @@ def serving_on(node: Node, deployment) -> list[Instance]:
     return instances
 
 
-def events(action: str) -> list[AuditLog]:
-    return list(AuditLog.objects.filter(action=action).order_by("id"))
+@pytest.fixture(autouse=True)
+def in_flight(monkeypatch) -> dict[int, int]:
+    """Requests in flight per instance, as the gateway's Redis would answer (0 if absent); a
+    drained instance stops in the round it drains (no grace period)."""
+    counts: dict[int, int] = {}
+    monkeypatch.setattr(draining.inflight, "counts",
+                        lambda ids: {i: counts.get(i, 0) for i in ids})
+    monkeypatch.setattr(draining, "grace_seconds", lambda: 0.0)
+    return counts
+
+
+def events(kind: str) -> list[Event]:
+    return list(Event.objects.filter(kind=kind).order_by("id"))
 
 
 # -- lost nodes --------------------------------------------------------------------------------
@@ -97,13 +111,15 @@ def test_a_silent_node_is_declared_lost_and_its_instances_replaced_elsewhere(
         (node_b.pk, 0, State.PENDING), (node_b.pk, 1, State.PENDING)]
     assert sorted(sent) == sorted([(STOP, i.pk) for i in old] + [(START, i.pk)
                                                                  for i in replacements])
-    [lost] = events("node_lost")
-    assert lost.object_id == str(node_a.pk) and lost.changes["instances"] == ["chat#0", "chat#1"]
-    assert len(events("instance_replaced")) == 2
+    [lost] = events(Kind.NODE_LOST)
+    assert lost.node_id == node_a.pk and lost.data["instances"] == ["chat#0", "chat#1"]
+    replaced = events(Kind.REPLACED)
+    assert [e.instance_id for e in replaced] == [i.pk for i in old]
+    assert not AuditLog.objects.filter(action="node_lost").exists()  # no one asked for it
 
     sent.clear()
     reconcile.reconcile_all()
-    assert sent == [] and len(events("node_lost")) == 1  # declared once
+    assert sent == [] and len(events(Kind.NODE_LOST)) == 1  # declared once
 
 
 def test_a_node_whose_heartbeat_is_recent_enough_is_not_lost(sent, node_a, deployment, settings):
@@ -126,7 +142,7 @@ def test_a_lost_node_whose_agent_beats_again_is_back_and_its_old_engines_stay_re
     agent.heartbeat(config)
     node = Node.objects.get(pk=node_a.pk)
     assert node.lost_at is None and node.state == "ready"
-    assert len(events("node_back")) == 1
+    assert len(events(Kind.NODE_BACK)) == 1
     # Its old instances are not taken back: they stay stopping, and a stop lost meanwhile is
     # sent again to the agent now that it is back.
     assert {Instance.objects.get(pk=i.pk).state for i in old} == {State.STOPPING}
@@ -136,7 +152,7 @@ def test_a_lost_node_whose_agent_beats_again_is_back_and_its_old_engines_stay_re
     reconcile.reconcile_all()
     assert sorted(sent) == sorted((STOP, i.pk) for i in old)
     agent.heartbeat(config)
-    assert len(events("node_back")) == 1
+    assert len(events(Kind.NODE_BACK)) == 1
 
 
 # -- cordon and drain -------------------------------------------------------------------------
@@ -155,7 +171,7 @@ def test_a_cordoned_node_takes_no_new_instance_and_keeps_what_runs(sent, node_a,
 
 
 def test_drain_moves_one_instance_at_a_time_stopping_each_once_its_replacement_is_ready(
-    sent, node_a, deployment
+    sent, node_a, deployment, in_flight
 ):
     first, second = serving_on(node_a, deployment)
     node_b = make_node("cpu-b")
@@ -173,11 +189,17 @@ def test_drain_moves_one_instance_at_a_time_stopping_each_once_its_replacement_i
 
     Instance.objects.filter(pk=successor.pk).update(state=State.READY)
     sent.clear()
+    in_flight[first.pk] = 1
+    reconcile.reconcile_all()
+    # Out of routing first; stopped once its request in flight is done.
+    assert Instance.objects.get(pk=first.pk).state == State.DRAINING and sent == []
+    in_flight[first.pk] = 0
     reconcile.reconcile_all()
     assert Instance.objects.get(pk=first.pk).state == State.STOPPING
-    assert sent == [(STOP, first.pk)]
-    reconcile.reconcile_all()
+    assert Event.objects.filter(kind=Kind.DRAINED, instance=first).exists()
+    # The next move began once the first left routing.
     [successor2] = Instance.objects.filter(replaces=second)
+    assert sorted(sent) == sorted([(STOP, first.pk), (START, successor2.pk)])
     assert successor2.node_id == node_b.pk
     Instance.objects.filter(pk=successor2.pk).update(state=State.READY)
     reconcile.reconcile_all()
@@ -191,8 +213,10 @@ def test_drain_moves_one_instance_at_a_time_stopping_each_once_its_replacement_i
     assert (node.draining, node.cordoned, node.state) == (False, True, "cordoned")
     assert node.drain_status.startswith("Drained")
     assert [i.node_id for i in running(deployment)] == [node_b.pk, node_b.pk]
-    assert len(events("drain_step")) == 2 and len(events("drain_done")) == 1
-    assert [e.changes["reason"] for e in events("instance_replaced")] == ["drain", "drain"]
+    assert len(events(Kind.DRAIN_STEP)) == 2 and len(events(Kind.DRAIN_DONE)) == 1
+    assert [e.data["reason"] for e in events(Kind.REPLACED)] == ["drain", "drain"]
+    assert [e.node_id for e in events(Kind.NODE_DRAIN)] == [node_a.pk]
+    assert AuditLog.objects.filter(action="drain", object_id=str(node_a.pk)).count() == 1
 
 
 def test_a_drain_without_room_elsewhere_waits_and_says_why(sent, node_a, deployment):
@@ -207,7 +231,7 @@ def test_a_drain_without_room_elsewhere_waits_and_says_why(sent, node_a, deploym
     assert {i.state for i in running(deployment)} == {State.READY}  # still serving
     assert Deployment.objects.get(pk=deployment.pk).placement_error == ""
     reconcile.reconcile_all()
-    assert len(events("drain_waiting")) == 1  # said once, not every round
+    assert len(events(Kind.DRAIN_WAITING)) == 1  # said once, not every round
 
 
 def test_a_drain_with_nowhere_to_go_is_refused(sent, node_a, deployment):

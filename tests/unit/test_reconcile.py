@@ -1,5 +1,6 @@
-"""Reconciler decisions, checked without workers: `_dispatch` is replaced by a recorder (`sent`,
-tests/unit/conftest.py; the real queues are exercised end to end in tests/engine)."""
+"""Reconciler decisions, checked without workers: the node tasks are observed where they are
+queued (`lifecycle.instance_task`, replaced by a recorder; the real queues are exercised end to
+end in tests/engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving_app import reconcile
+from serving_app import draining, reconcile, rollout
 from serving_app.models import Deployment, Instance, Node
 from tests.factories import make_deployment, make_tenant
 
@@ -69,43 +70,52 @@ def test_lost_and_cordoned_nodes_get_no_instances(sent, node, deployment):
     assert [i.node.name for i in active(deployment)] == ["cpu-a", "cpu-a"]
 
 
-def test_scale_down_stops_the_highest_ordinals(sent, node, deployment):
+def test_scale_down_drains_the_highest_ordinals_then_stops_them(sent, node, deployment,
+                                                                 monkeypatch):
     reconcile.reconcile_deployment(deployment.pk)
     Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=12345)
     deployment.scale_to(1)
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     states = {i.ordinal: i.state for i in deployment.instances.all()}
+    assert states == {0: State.READY, 1: State.DRAINING}
+    assert sent == []  # out of routing first; stopped once its requests are done
+    monkeypatch.setattr(draining.inflight, "counts", lambda ids: dict.fromkeys(ids, 0))
+    Instance.objects.filter(state=State.DRAINING).update(
+        state_changed_at=timezone.now() - timedelta(seconds=draining.grace_seconds()))
+    reconcile.reconcile_deployment(deployment.pk)
+    states = {i.ordinal: i.state for i in deployment.instances.all()}
     assert states == {0: State.READY, 1: State.STOPPING}
     assert [task for task, _ in sent] == ["serving.stop_instance"]
 
 
-def test_stop_stops_everything_and_pending_without_process_stops_at_once(sent, node,
-                                                                          deployment):
+def test_stop_drains_what_serves_and_pending_without_process_stops_at_once(sent, node,
+                                                                           deployment):
     reconcile.reconcile_deployment(deployment.pk)
     first, second = active(deployment)
     Instance.objects.filter(pk=first.pk).update(state=State.READY, pid=4242)
     deployment.stop()
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
-    assert Instance.objects.get(pk=first.pk).state == State.STOPPING
+    assert Instance.objects.get(pk=first.pk).state == State.DRAINING
     assert Instance.objects.get(pk=second.pk).state == State.STOPPED
-    assert sent == [("serving.stop_instance", first.pk)]
+    assert sent == []
 
 
-def test_restart_replaces_instances_of_the_old_generation(sent, node, deployment):
+def test_restart_replaces_the_old_generation_one_by_one(sent, node, deployment):
     reconcile.reconcile_deployment(deployment.pk)
     Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=1)
     deployment.restart()
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
+    # One new instance beside the old ones (the node takes three); nothing leaves routing yet.
     old = deployment.instances.filter(generation=0)
-    assert {i.state for i in old} == {State.STOPPING}
-    # New ones come once the old have stopped and freed their slots.
-    old.update(state=State.STOPPED)
+    assert {i.state for i in old} == {State.READY}
+    [new] = deployment.instances.filter(generation=1)
+    assert new.state == State.PENDING and sent == [("serving.start_instance", new.pk)]
+    Instance.objects.filter(pk=new.pk).update(state=State.READY, pid=2)
     reconcile.reconcile_deployment(deployment.pk)
-    new = deployment.instances.filter(generation=1)
-    assert new.count() == 2 and {i.state for i in new} == {State.PENDING}
+    assert sorted(i.state for i in old.all()) == [State.DRAINING, State.READY]
 
 
 def test_failed_instance_restarts_after_exponential_backoff(sent, node, deployment, settings):
@@ -189,25 +199,28 @@ def age(instance: Instance, seconds: float) -> None:
 
 
 def test_a_stop_lost_with_the_broker_is_sent_again_once_per_period(sent, node, deployment,
-                                                                   settings):
+                                                                   settings, monkeypatch):
     """A stop task lost with the broker would leave the instance stopping for ever: past the
     longest a stop can take, the reconciler sends it again (the agent's stop is idempotent)."""
+    monkeypatch.setattr(draining.inflight, "counts", lambda ids: dict.fromkeys(ids, 0))
+    monkeypatch.setattr(draining, "grace_seconds", lambda: 0.0)
     reconcile.reconcile_deployment(deployment.pk)
     Instance.objects.filter(deployment=deployment).update(state=State.READY, pid=4242)
     deployment.scale_to(1)
-    reconcile.reconcile_deployment(deployment.pk)
+    reconcile.reconcile_deployment(deployment.pk)  # out of routing
+    reconcile.reconcile_deployment(deployment.pk)  # nothing in flight: stopping
     stopping = deployment.instances.get(state=State.STOPPING)
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == []  # a stop in flight is not sent twice
-    age(stopping, settings.ENGINE_STOP_GRACE_SECONDS + reconcile.REDISPATCH_MARGIN_SECONDS + 1)
+    age(stopping, settings.ENGINE_STOP_GRACE_SECONDS + rollout.REDISPATCH_MARGIN_SECONDS + 1)
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == [("serving.stop_instance", stopping.pk)]
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == [("serving.stop_instance", stopping.pk)]  # the next one a period later
     # Also when the whole deployment is being stopped.
     deployment.stop()
-    age(stopping, settings.ENGINE_STOP_GRACE_SECONDS + reconcile.REDISPATCH_MARGIN_SECONDS + 1)
+    age(stopping, settings.ENGINE_STOP_GRACE_SECONDS + rollout.REDISPATCH_MARGIN_SECONDS + 1)
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     assert ("serving.stop_instance", stopping.pk) in sent
@@ -222,7 +235,7 @@ def test_a_start_that_lasts_past_its_timeout_is_sent_again(sent, node, deploymen
     sent.clear()
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == []
-    age(instance, settings.ENGINE_START_TIMEOUT_SECONDS + reconcile.REDISPATCH_MARGIN_SECONDS + 1)
+    age(instance, settings.ENGINE_START_TIMEOUT_SECONDS + rollout.REDISPATCH_MARGIN_SECONDS + 1)
     reconcile.reconcile_deployment(deployment.pk)
     assert sent == [("serving.start_instance", instance.pk)]
     assert active(deployment) == [Instance.objects.get(pk=instance.pk)]  # no second instance
