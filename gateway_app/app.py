@@ -21,6 +21,7 @@ from gateway_app.cache import GatewayCache
 from gateway_app.catalog import KeyEntry, Route, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.errors import GatewayError
+from gateway_app.flow import Slot
 from gateway_app.http1 import UpstreamBroken
 from gateway_app.metering import Meter, RedisUnavailable, Ticket
 from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
@@ -60,6 +61,7 @@ class Context:
     reserved: int = 0
     ttft_ms: float | None = None
     ticket: Ticket | None = None
+    slot: Slot | None = None  # flow control
     complete: bool = False  # the last byte of the response is being sent
     rate_headers: dict[str, str] = field(default_factory=dict)
 
@@ -174,7 +176,7 @@ class GatewayApp:
         finally:
             assert self.meter is not None
             actual = ctx.prompt_tokens + ctx.completion_tokens
-            await self.meter.settle(ctx.ticket, actual, ctx.event())
+            await self.meter.settle(ctx.ticket, actual, ctx.event(), ctx.slot)
 
     async def _send_error(self, send, ctx: Context, err: GatewayError) -> None:
         headers = {**ctx.rate_headers, **err.headers}
@@ -252,6 +254,10 @@ class GatewayApp:
         target0 = route.targets[0]
         ctx.adapter = target0.adapter
         ctx.deployment_id = target0.deployment_id
+        flow = self.meter.flow if target0.flow else None
+        if flow is not None:
+            # Flow control is per deployment: the first one serving the name.
+            candidates = [c for c in candidates if c[1].deployment_id == target0.deployment_id]
         if not candidates:
             raise GatewayError(
                 503,
@@ -287,23 +293,48 @@ class GatewayApp:
                 )
         ctx.reserved = need = _reservation(parsed, prompt_tokens, max_tokens, route)
 
-        if tenant.admission_needed:
+        slot = None
+        granted: asyncio.Future[int] | None = None
+        if flow is not None:
+            slot = flow.slot(
+                target0.deployment_id, tenant, prompt_tokens, need - prompt_tokens,
+                self.cache.snapshot.instances.get(target0.deployment_id, ()),
+                (inst for inst, _ in candidates),
+            )
+            granted = flow.expect(ctx.request_id)
+        if tenant.admission_needed or slot is not None:
             try:
-                ticket, decision = await self.meter.admit(tenant, ctx.request_id, need)
+                ticket, decision = await self.meter.admit(tenant, ctx.request_id, need, slot)
             except RedisUnavailable as exc:
-                if not self.config.fail_open:
+                if flow is not None:  # no flow control without Redis: first come, first served
+                    flow.forget(ctx.request_id)
+                    slot = None
+                if tenant.admission_needed and not self.config.fail_open:
                     raise GatewayError(
                         503,
                         "Rate limits cannot be checked right now; please retry.",
                         code="limits_unavailable",
                         headers={"retry-after": "1"},
                     ) from exc
-                log.warning("Redis unreachable, admitting %s unlimited (fail open)", ctx.request_id)
+                if tenant.admission_needed:
+                    log.warning("Redis unreachable, admitting %s unlimited (fail open)",
+                                ctx.request_id)
             else:
                 ctx.rate_headers = admission.rate_headers(tenant, decision)
                 if not ticket.admitted:
+                    if flow is not None:
+                        flow.forget(ctx.request_id)
                     raise admission.refusal(tenant, decision, need)
-                ctx.ticket = ticket
+                if tenant.admission_needed:
+                    ctx.ticket = ticket
+                if flow is not None and slot is not None and granted is not None:
+                    ctx.slot = slot
+                    if decision.instance > 0:
+                        flow.forget(ctx.request_id)
+                        slot.instance_id = decision.instance
+                    else:
+                        await _until_disconnect(self._wait_for_slot(ctx, slot, granted),
+                                                receive, ctx)
 
         # Prefix-cache isolation: engines reuse cached blocks only between equal salts, so every
         # request carries its tenant's (or sharing group's); a client's own salt is mixed in.
@@ -316,6 +347,33 @@ class GatewayApp:
         await _until_disconnect(
             self._proxy(send, ctx, parsed, route, candidates, tenant), receive, ctx
         )
+
+    async def _wait_for_slot(self, ctx: Context, slot: Slot, granted: asyncio.Future[int]) -> None:
+        """Wait in the deployment's queue until a settlement hands this request a slot. Past
+        the queue timeout: 503 with retry-after. A client that goes away leaves the queue; a
+        slot granted meanwhile is given back by this request's settlement."""
+        assert self.meter is not None and self.meter.flow is not None and self.config
+        flow = self.meter.flow
+        try:
+            slot.instance_id = await asyncio.wait_for(
+                asyncio.shield(granted), self.config.flow_queue_timeout
+            )
+        except TimeoutError:
+            slot.instance_id = await flow.leave(ctx.request_id, slot)
+            if not slot.instance_id:
+                wait = max(1, round(self.config.flow_queue_timeout / 10))
+                raise GatewayError(
+                    503,
+                    "The model's engines are at capacity and this request waited "
+                    f"{self.config.flow_queue_timeout:g}s in the queue; please retry.",
+                    code="queue_timeout",
+                    headers={"retry-after": str(wait), "retry-after-ms": str(wait * 1000)},
+                ) from None
+        except asyncio.CancelledError:
+            slot.instance_id = await flow.leave(ctx.request_id, slot)
+            raise
+        finally:
+            flow.forget(ctx.request_id)
 
     async def _exact_prompt(self, parsed: ParsedRequest, candidate) -> int:
         assert self.upstream is not None
@@ -353,8 +411,9 @@ class GatewayApp:
         body = parsed.body
         encoded: dict[bool, bytes] = {}
         tried: set[int] = set()
+        granted = ctx.slot.instance_id if ctx.slot is not None else 0
         while True:
-            choice = self.router.choose(candidates, tried)
+            choice = self.router.choose(candidates, tried, prefer=granted)
             if choice is None:
                 raise GatewayError(
                     503, f"No instance of `{parsed.model}` could be reached; please retry.",

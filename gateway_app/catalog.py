@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from django.conf import settings
 from django.db import connection
 
 from serving_app.catalog import served_models
@@ -64,6 +65,7 @@ class Target:
     adapter: str  # engine adapter name, "" for the base model
     priority: bool
     max_model_len: int
+    flow: bool = False  # flow control: requests beyond the instances' budgets wait in the gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class InstanceEntry:
     url: str
     secret: str
     adapters: frozenset[str]
+    budget: int = 0  # dispatch budget: requests flow control sends it at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,8 @@ def load_snapshot() -> Snapshot:
 
 
 def _load_snapshot() -> Snapshot:
+    flow_on = settings.GATEWAY["FLOW_CONTROL"]
+    allowance = settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"]
     budgets = UsageHour.objects.month_tokens(
         Tenant.objects.filter(monthly_token_budget__isnull=False)
     )
@@ -142,26 +147,28 @@ def _load_snapshot() -> Snapshot:
         )
 
     routes: dict[int, dict[str, Route]] = {}
-    deployment_ids: set[int] = set()
+    dispatch_budgets: dict[int, int] = {}
     for served in served_models(Deployment.objects.all()):
         dep = served.deployment
-        deployment_ids.add(dep.pk)
+        dispatch_budgets[dep.pk] = dep.dispatch_budget or dep.max_num_seqs + allowance
         priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
+        flow = flow_on and dep.flow_control
         created = int(dep.created_at.timestamp())
         if served.adapter is None:
-            target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len)
+            target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len,
+                            flow)
             owner = "platform"
         else:
             engine_name = served.adapter.engine_name
             target = Target(dep.pk, engine_name, engine_name, priority,
-                            dep.effective_max_model_len)
+                            dep.effective_max_model_len, flow)
             owner = served.adapter.tenant.slug
         _add(routes.setdefault(served.tenant_id, {}),
              Route(served.public_name, (target,), owner, served.parent, created))
 
     instances: dict[int, list[InstanceEntry]] = {}
     ready = Instance.objects.filter(
-        state=Instance.State.READY, deployment_id__in=deployment_ids, port__isnull=False
+        state=Instance.State.READY, deployment_id__in=dispatch_budgets, port__isnull=False
     ).select_related("node")
     for inst in ready:
         instances.setdefault(inst.deployment_id, []).append(
@@ -171,6 +178,7 @@ def _load_snapshot() -> Snapshot:
                 url=inst.base_url,
                 secret=inst.secret,
                 adapters=frozenset(inst.loaded_adapters or ()),
+                budget=dispatch_budgets[inst.deployment_id],
             )
         )
     return Snapshot(

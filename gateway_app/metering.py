@@ -19,6 +19,7 @@ from gateway_app import admission
 from gateway_app.admission import Decision
 from gateway_app.catalog import TenantEntry
 from gateway_app.config import GatewayConfig
+from gateway_app.flow import FlowControl, Slot
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,15 @@ class Meter:
         self.redis = PipelinedRedis(config.redis_url, config.redis_timeout)
         self.buffer: deque[str] = deque(maxlen=config.event_buffer_max)
         self._flusher: asyncio.Task[None] | None = None
+        self.flow: FlowControl | None = None
+        if config.flow_control:
+            self.flow = FlowControl(config)
+            self.flow.redis_for_scripts = self.redis
 
     def start(self) -> None:
         self._flusher = asyncio.create_task(self._flush_loop(), name="gateway-event-flusher")
+        if self.flow is not None:
+            self.flow.start()
 
     async def stop(self) -> None:
         if self._flusher is not None:
@@ -58,15 +65,22 @@ class Meter:
             with contextlib.suppress(BaseException):
                 await self._flusher
         await self._flush()
+        if self.flow is not None:
+            await self.flow.stop()
         await self.redis.aclose()
 
     async def admit(
-        self, tenant: TenantEntry, request_id: str, need: int
+        self, tenant: TenantEntry, request_id: str, need: int, slot: Slot | None = None
     ) -> tuple[Ticket, Decision]:
+        """Admit the request against its tenant's limits and, under flow control (`slot`),
+        queue it for a slot on its deployment (`Decision.instance`: the one granted, or 0)."""
         keys = admission.tenant_keys(tenant.id)
         args = admission.admit_args(
             tenant, request_id, need, self.config.window_ms, self.config.lease_ms
         )
+        if slot is not None:
+            assert self.flow is not None
+            args += ["1", *self.flow.enter_args(slot)]
         try:
             raw = await self.redis.run_script(ADMIT_SCRIPT, keys, args)
         except RedisReplyError as exc:
@@ -75,8 +89,10 @@ class Meter:
         ticket = Ticket(tenant, keys, request_id, need, decision.code == admission.ADMIT)
         return ticket, decision
 
-    async def settle(self, ticket: Ticket | None, actual: int, event: dict[str, Any]) -> None:
-        """Replace the reservation by `actual` tokens, free the lease, append the event (one
+    async def settle(self, ticket: Ticket | None, actual: int, event: dict[str, Any],
+                     slot: Slot | None = None) -> None:
+        """Replace the reservation by `actual` tokens, free the lease, append the event and,
+        when the request holds a flow-control slot, free it and hand it to the next waiter (one
         script: one round trip, pipelined with every other request's on the connection)."""
         payload = json.dumps(event, separators=(",", ":"))
         if ticket is not None and ticket.admitted:
@@ -88,7 +104,13 @@ class Meter:
                     admission.budget_ttl()]
         else:
             keys = [*_NO_KEYS, self.config.usage_stream, _NO_UNWRITTEN]
-            args = ["", 0, 0, "0", "0", "0", payload, 1]
+            args = [event.get("id", ""), 0, 0, "0", "0", "0", payload, 1]
+        args.append("0")  # ARGV[9]: reserved (per-instance in-flight counting)
+        if slot is not None and slot.instance_id > 0:
+            assert self.flow is not None
+            args += ["1", *self.flow.settle_args(slot, event["prompt"], event["completion"])]
+        else:
+            args.append("0")
         try:
             await self.redis.run_script(SETTLE_SCRIPT, keys, args)
         except (RedisUnavailable, RedisReplyError) as exc:

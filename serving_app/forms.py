@@ -67,6 +67,8 @@ class DeploymentForm(forms.ModelForm):
             "max_loras",
             "max_lora_rank",
             "scheduling_policy",
+            "flow_control",
+            "dispatch_budget",
             "base_port",
         ]
         widgets = {

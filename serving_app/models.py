@@ -641,6 +641,18 @@ class Deployment(models.Model):
     isolation_mode = models.CharField(
         max_length=16, choices=Isolation.choices, default=Isolation.SHARED
     )
+    flow_control = models.BooleanField(
+        default=True,
+        help_text="The gateway queues requests beyond each instance's dispatch budget, by "
+        "priority band then fair share. Off: first come, first served.",
+    )
+    dispatch_budget = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(65536)],
+        help_text="Requests the gateway sends one instance at a time. Empty: max_num_seqs plus "
+        "GATEWAY_FLOW_QUEUE_ALLOWANCE.",
+    )
     mps_thread_percentage = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
     )

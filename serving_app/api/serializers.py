@@ -285,6 +285,8 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
             "max_loras",
             "max_lora_rank",
             "scheduling_policy",
+            "flow_control",
+            "dispatch_budget",
             "isolation_mode",
             "mps_thread_percentage",
             "base_port",
