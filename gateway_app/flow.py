@@ -11,7 +11,8 @@ only inside the admission and settlement scripts (`admission.py`), which carry t
 - per deployment, under `gw:{d<id>}:fc`: a list of waiting request ids per tenant (`:q:<t>`),
   each waiter's details (`:w`), the backlogged tenants of each band scored by their virtual
   counter (`:b:<band>`), the bands with waiters (`:bands`), every tenant's virtual counter
-  (`:v`), each band's counter (`:bv`, weighted bands), and per-minute statistics (`:m:<min>`).
+  (`:v`), each band's counter (`:bv`, weighted bands), and per-minute statistics (`:m:<min>`,
+  read for the console by `serving_app.sharing`, which names these keys).
 
 Fair share within a band is the virtual token counter (VTC, "Fairness in Serving Large Language
 Models", OSDI 2024): a tenant's counter grows by the weighted tokens it is served divided by its
@@ -45,6 +46,9 @@ from dataclasses import dataclass
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
+from serving_app.sharing import instance_key, prefix
+
+__all__ = ["FlowControl", "Slot", "instance_key", "prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -226,16 +230,6 @@ fc_stat(P, now, 'x:' .. tenant, 1)
 return -1
 """
 LEAVE_SCRIPT = Script(LEAVE_LUA)
-
-
-def prefix(deployment_id: int) -> str:
-    """The deployment's flow-control keys."""
-    return f"gw:{{d{deployment_id}}}:fc"
-
-
-def instance_key(instance_id: int) -> str:
-    """The requests dispatched to one instance (members: request ids, scores: lease expiry)."""
-    return f"gw:{{i{instance_id}}}:inflight"
 
 
 def spec(instances: Iterable[InstanceEntry]) -> str:
