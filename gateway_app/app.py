@@ -126,6 +126,9 @@ class GatewayApp:
         await self.upstream.start()
         self.cache.start()
         self.meter.start()
+        if self.meter.flow is not None:
+            cache = self.cache
+            self.meter.flow.instances_of = lambda d: cache.snapshot.instances.get(d, ())
 
     async def shutdown(self) -> None:
         if not self._started:
@@ -306,8 +309,10 @@ class GatewayApp:
             try:
                 ticket, decision = await self.meter.admit(tenant, ctx.request_id, need, slot)
             except RedisUnavailable as exc:
-                if flow is not None:  # no flow control without Redis: first come, first served
-                    flow.forget(ctx.request_id)
+                if flow is not None and slot is not None:
+                    # No flow control without Redis: first come, first served. What admission
+                    # may have done before its reply was lost is undone in the background.
+                    flow.abandon(ctx.request_id, slot)
                     slot = None
                 if tenant.admission_needed and not self.config.fail_open:
                     raise GatewayError(

@@ -39,9 +39,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.config import GatewayConfig
@@ -53,6 +55,7 @@ __all__ = ["FlowControl", "Slot", "instance_key", "prefix"]
 log = logging.getLogger(__name__)
 
 BLOCK_SECONDS = 1
+_DEPLOYMENT = re.compile(r"gw:\{d(\d+)\}:fc$")
 WAKE_TTL_MS = 300_000  # a dead worker's list is dropped after this
 STATS_TTL_MS = 2 * 3600 * 1000
 
@@ -153,7 +156,7 @@ local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
         if rid == self_rid then
           mine = inst
         else
-          redis.call('RPUSH', f[1], rid .. ' ' .. inst)
+          redis.call('RPUSH', f[1], rid .. ' ' .. inst .. ' ' .. P)
           redis.call('PEXPIRE', f[1], WAKE_TTL)
         end
       end
@@ -231,6 +234,18 @@ return -1
 """
 LEAVE_SCRIPT = Script(LEAVE_LUA)
 
+# A slot nobody will use (its request went on without flow control, its admission's reply lost):
+# free it and hand it on.
+RELEASE_LUA = """#!lua flags=allow-cross-slot-keys
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+""" + LUA_LIB + """
+redis.call('ZREM', 'gw:{i' .. ARGV[3] .. '}:inflight', ARGV[2])
+fc_pump(ARGV[1], now, ARGV[4] == '1', fc_split(ARGV[5], ','), ARGV[6], tonumber(ARGV[7]), nil)
+return 1
+"""
+RELEASE_SCRIPT = Script(RELEASE_LUA)
+
 
 def spec(instances: Iterable[InstanceEntry]) -> str:
     return ",".join(f"{i.id}:{i.budget}" for i in instances)
@@ -261,6 +276,12 @@ class FlowControl:
             config.redis_url, config.redis_timeout + BLOCK_SECONDS, name=b"llm-console-flow"
         )
         self.waiters: dict[str, asyncio.Future[int]] = {}
+        # Requests that left the queue after a grant whose message had not arrived yet: the
+        # request handles that slot, the message is only dropped.
+        self.left: set[str] = set()
+        # The ready instances of a deployment (the worker's catalog), to hand a slot on.
+        self.instances_of: Callable[[int], Iterable[InstanceEntry]] = lambda _: ()
+        self._background: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._bands = ",".join(f"{w:g}" for w in config.flow_band_weights)
         self._strict = "1" if config.flow_strict else "0"
@@ -269,6 +290,8 @@ class FlowControl:
         self._task = asyncio.create_task(self._wake_loop(), name="gateway-flow-wake")
 
     async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
@@ -285,11 +308,47 @@ class FlowControl:
                 continue
             if not reply:
                 continue
-            rid, _, inst = reply[1].decode().partition(" ")
+            rid, inst, key = reply[1].decode().split(" ", 2)
             future = self.waiters.get(rid)
-            # A waiter no longer here has left through LEAVE_LUA, which saw this grant.
             if future is not None and not future.done():
                 future.set_result(int(inst))
+            elif rid in self.left:
+                self.left.discard(rid)
+            else:  # nobody waits for it here: give it back
+                self._spawn(self._release(key, rid, int(inst)))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, key: str, rid: str, instance: int) -> None:
+        match = _DEPLOYMENT.match(key)
+        if match is None:
+            return
+        instances = spec(self.instances_of(int(match.group(1))))
+        try:
+            await self.redis_for_scripts.run_script(RELEASE_SCRIPT, [], [
+                key, rid, instance, self._strict, self._bands, instances,
+                self.config.lease_ms])
+        except (RedisUnavailable, RedisReplyError) as exc:
+            log.warning("flow-control slot of %s not released (expires with its lease): %s",
+                        rid, exc)
+
+    def abandon(self, request_id: str, slot: Slot) -> None:
+        """The request goes on without flow control (its admission's reply was lost): take it
+        out of the queue, or give back the slot it may have been granted, in the background."""
+        self.forget(request_id)
+
+        async def work() -> None:
+            try:
+                instance = await self.leave(request_id, slot)
+            except (RedisUnavailable, RedisReplyError):
+                return
+            if instance:
+                await self._release(prefix(slot.deployment_id), request_id, instance)
+
+        self._spawn(work())
 
     def slot(self, deployment_id: int, tenant: TenantEntry, prompt: int, completion: int,
              instances: Iterable[InstanceEntry], cands: Iterable[InstanceEntry]) -> Slot:
@@ -327,11 +386,14 @@ class FlowControl:
         self.waiters.pop(request_id, None)
 
     async def leave(self, request_id: str, slot: Slot) -> int:
-        """Leave the queue; the instance when a grant came first (0 if none)."""
-        self.forget(request_id)
+        """Leave the queue; the instance when a grant came first (0 if none), which the
+        caller then uses or gives back through its settlement."""
+        future = self.waiters.pop(request_id, None)
         args = [prefix(slot.deployment_id), request_id, slot.tenant.id, slot.tenant.priority,
                 slot.spec]
         result = int(await self.redis_for_scripts.run_script(LEAVE_SCRIPT, [], args))
+        if result > 0 and (future is None or not future.done()):
+            self.left.add(request_id)  # its grant's message is still to come
         return max(0, result)
 
     redis_for_scripts: PipelinedRedis  # the request path's connection (set by the Meter)

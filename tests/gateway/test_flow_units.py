@@ -254,3 +254,38 @@ def test_statistics_count_dispatches_waits_and_served_tokens():
         assert stats[f"s:{a.id}"] == 2 * (5 + 2 * 7)
 
     run(scenario)
+
+
+async def settled(check) -> None:
+    for _ in range(300):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_a_slot_nobody_waits_for_is_given_back():
+    """A request whose admission's reply was lost goes on without flow control: the slot it was
+    granted at admission, or later through its worker's list, is freed and handed on."""
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        meter.flow.instances_of = lambda _: engine.instances
+        a = tenant()
+        first = await engine.send(a)
+        lost = await engine.send(a)  # waits; then its worker forgets it, as after a lost reply
+        meter.flow.forget(lost)
+        engine.futures.pop(lost)
+        third = await engine.send(a)
+        await engine.finish(first)  # grants `lost`, whose worker gives the slot back: to `third`
+        await settled(lambda: third not in engine.futures or engine.futures[third].done())
+        await engine.collect()
+        assert engine.running == [third]
+        # Granted at admission and then abandoned: freed in the background.
+        await engine.finish(third)
+        abandoned = await engine.send(a)
+        assert engine.running == [abandoned] and engine.in_flight() == [1]
+        engine.running.clear()
+        meter.flow.abandon(abandoned, engine.slots[abandoned])
+        await settled(lambda: engine.in_flight() == [0])
+        assert engine.in_flight() == [0]
+
+    run(scenario)
