@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from django.conf import settings
 from django.db import connection
 
 from serving_app.catalog import served_models
@@ -121,8 +120,6 @@ def load_snapshot() -> Snapshot:
 
 
 def _load_snapshot() -> Snapshot:
-    flow_on = settings.GATEWAY["FLOW_CONTROL"]
-    allowance = settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"]
     budgets = UsageHour.objects.month_tokens(
         Tenant.objects.filter(monthly_token_budget__isnull=False)
     )
@@ -150,9 +147,9 @@ def _load_snapshot() -> Snapshot:
     dispatch_budgets: dict[int, int] = {}
     for served in served_models(Deployment.objects.all()):
         dep = served.deployment
-        dispatch_budgets[dep.pk] = dep.dispatch_budget or dep.max_num_seqs + allowance
+        dispatch_budgets[dep.pk] = dep.effective_dispatch_budget
         priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
-        flow = flow_on and dep.flow_control
+        flow = dep.flow_controlled
         created = int(dep.created_at.timestamp())
         if served.adapter is None:
             target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len,

@@ -746,6 +746,15 @@ class Deployment(models.Model):
         return self.max_model_len or self.base_model.max_position_embeddings
 
     @property
+    def effective_dispatch_budget(self) -> int:
+        """Requests the gateway's flow control sends each instance at a time."""
+        return self.dispatch_budget or self.max_num_seqs + settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"]
+
+    @property
+    def flow_controlled(self) -> bool:
+        return self.flow_control and settings.GATEWAY["FLOW_CONTROL"]
+
+    @property
     def lora_enabled(self) -> bool:
         return self.adapters.exists()
 

@@ -138,7 +138,7 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
         index = None
     return FlowReport(
         deployment_id=deployment.pk,
-        flow_control=deployment.flow_control and settings.GATEWAY["FLOW_CONTROL"],
+        flow_control=deployment.flow_controlled,
         window_minutes=minutes,
         dispatched_now=dispatched_now if tenant_ids is None else {},
         tenants=rows,
