@@ -212,8 +212,8 @@ def measure(repeat: int) -> int:
     from django.db import connection
     from django.test import RequestFactory
 
+    from serving_app import portal as portal_views
     from serving_app import views
-    from tenants_app import views as portal_views
     from tenants_app.models import Tenant
 
     t = _tables()

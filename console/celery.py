@@ -43,4 +43,10 @@ def _schedule(sender: Celery, **kwargs) -> None:
                          options={"expires": ENGINE_ROLLUP_SECONDS}),
         name="roll up engine samples",
     )
-
+    # Autoscaling decisions, from the engine samples stored at the same pace.
+    sender.add_periodic_task(
+        settings.ENGINE_METRICS_INTERVAL_SECONDS,
+        sender.signature(lifecycle.AUTOSCALE, queue=lifecycle.CONTROL_QUEUE,
+                         options={"expires": settings.ENGINE_METRICS_INTERVAL_SECONDS}),
+        name="autoscale deployments",
+    )

@@ -399,6 +399,9 @@ GATEWAY: dict[str, Any] = {
     # the second (a generated token costs the engine more than a prompt token).
     "FLOW_INPUT_TOKEN_WEIGHT": env_float("GATEWAY_FLOW_INPUT_TOKEN_WEIGHT", 1.0, minimum=0.0),
     "FLOW_OUTPUT_TOKEN_WEIGHT": env_float("GATEWAY_FLOW_OUTPUT_TOKEN_WEIGHT", 2.0, minimum=0.0),
+    # How long a request for a deployment scaled to zero waits for its first instance to be
+    # ready (an engine takes one to two minutes to start here) before a 503 with retry-after.
+    "WAKE_TIMEOUT_SECONDS": env_float("GATEWAY_WAKE_TIMEOUT_SECONDS", 180.0, minimum=1.0),
 }
 try:
     GATEWAY["FLOW_BAND_WEIGHTS"] = [float(w) for w in GATEWAY["FLOW_BAND_WEIGHTS"]]

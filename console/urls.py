@@ -10,6 +10,7 @@ from rest_framework.routers import DefaultRouter
 
 from serving_app import views as console_views
 from serving_app.api import views as serving_views
+from serving_app.api.autoscaling import AutoscalerViewSet
 from serving_app.api.fleetplans import FleetPlanViewSet
 from tenants_app.api import views as tenant_views
 from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
@@ -32,12 +33,13 @@ router.register("deployments", serving_views.DeploymentViewSet)
 router.register("instances", serving_views.InstanceViewSet)
 router.register("audit-log", serving_views.AuditLogViewSet)
 router.register("fleet-plans", FleetPlanViewSet)
+router.register("autoscalers", AutoscalerViewSet)
 
 urlpatterns = [
     path("healthz", console_views.healthz, name="healthz"),
     path("readyz", console_views.readyz, name="readyz"),
     path("", include("serving_app.urls")),
-    path("portal/", include("tenants_app.urls")),
+    path("portal/", include("serving_app.portal_urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),

@@ -27,12 +27,17 @@ from gateway_app.metering import Meter, RedisUnavailable, Ticket
 from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
 from gateway_app.routing import Router
 from gateway_app.validation import ParsedRequest, encode_body, parse_request
+from serving_app import lifecycle
 from tenants_app.models import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
 JSON = b"application/json"
+# A request for a deployment scaled to zero: how often one worker re-sends the wake, and how
+# often the held request looks for a ready instance.
+WAKE_RESEND_SECONDS = 5.0
+WAKE_POLL_SECONDS = 0.25
 
 
 class ClientDisconnected(Exception):
@@ -96,6 +101,39 @@ class GatewayApp:
         self.router = Router()
         self._started = False
         self._pid = os.getpid()
+        self._woken: dict[int, float] = {}  # deployment id -> when this worker last asked
+
+    # -- scale to zero ------------------------------------------------------------------------
+    def _wakeable(self, route: Route) -> list[int]:
+        assert self.cache
+        wakeable = self.cache.snapshot.wakeable
+        return sorted({t.deployment_id for t in route.targets if t.deployment_id in wakeable})
+
+    async def _wake(self, route: Route) -> list:
+        """A deployment its autoscaler may have scaled to zero: ask the control worker to bring
+        it back (at most once every few seconds per deployment from this worker; the control
+        worker's wake is idempotent) and hold the request until an instance is ready, at most
+        the wake timeout. Returns the ready candidates, none if the timeout passed."""
+        assert self.cache and self.config
+        now = time.monotonic()
+        for deployment_id in self._wakeable(route):
+            if now - self._woken.get(deployment_id, -WAKE_RESEND_SECONDS) >= WAKE_RESEND_SECONDS:
+                self._woken[deployment_id] = now
+                try:
+                    await asyncio.to_thread(lifecycle.wake_deployment, deployment_id)
+                except Exception:  # noqa: BLE001 - the broker is down: answer as without
+                    log.warning("could not ask for deployment %s to wake", deployment_id,
+                                exc_info=True)
+                    return []
+        deadline = now + self.config.wake_timeout
+        while time.monotonic() < deadline:
+            await asyncio.sleep(WAKE_POLL_SECONDS)
+            # Readiness is announced through the invalidation channel; the re-read is a backstop.
+            await self.cache.refresh_if_older(1.0)
+            candidates = self.router.candidates(self.cache.snapshot, route)
+            if candidates:
+                return candidates
+        return []
 
     # -- ASGI -------------------------------------------------------------------------------
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -257,6 +295,8 @@ class GatewayApp:
         target0 = route.targets[0]
         ctx.adapter = target0.adapter
         ctx.deployment_id = target0.deployment_id
+        if not candidates and self._wakeable(route):
+            candidates = await self._wake(route)
         flow = self.meter.flow if target0.flow else None
         if flow is not None:
             # Flow control is per deployment: the first one serving the name.
@@ -266,6 +306,7 @@ class GatewayApp:
                 503,
                 f"The model `{parsed.model}` has no ready instance right now; please retry.",
                 code="model_not_ready",
+                headers={"retry-after": "1"},
             )
         body = parsed.body
         # Per-tenant caps, checked before anything is reserved or sent.

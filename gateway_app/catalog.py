@@ -18,7 +18,7 @@ from functools import lru_cache
 from django.db import connection
 
 from serving_app.catalog import served_models
-from serving_app.models import Deployment, Instance
+from serving_app.models import Autoscaler, Deployment, Instance
 from serving_app.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
 
@@ -106,6 +106,8 @@ class Snapshot:
     tenants: dict[int, TenantEntry] = field(default_factory=dict)
     routes: dict[int, dict[str, Route]] = field(default_factory=dict)
     instances: dict[int, tuple[InstanceEntry, ...]] = field(default_factory=dict)
+    # Deployments an autoscaler may have scaled to zero: a request for them wakes them.
+    wakeable: frozenset[int] = frozenset()
     loaded_at: float = 0.0
 
 
@@ -178,10 +180,14 @@ def _load_snapshot() -> Snapshot:
                 budget=dispatch_budgets[inst.deployment_id],
             )
         )
+    wakeable = frozenset(Autoscaler.objects.filter(
+        enabled=True, min_replicas=0, deployment_id__in=dispatch_budgets,
+    ).values_list("deployment_id", flat=True))
     return Snapshot(
         tenants=tenants,
         routes=routes,
         instances={k: tuple(v) for k, v in instances.items()},
+        wakeable=wakeable,
         loaded_at=time.monotonic(),
     )
 

@@ -14,6 +14,7 @@ from django.utils.html import format_html
 from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
+    Autoscaler,
     BaseModel,
     Deployment,
     EngineHour,
@@ -167,6 +168,17 @@ class FleetPlanAdmin(admin.ModelAdmin):
         if not change:
             obj.created_by = request.user
         super().save_model(request, obj, form, change)
+
+
+@admin.register(Autoscaler)
+class AutoscalerAdmin(admin.ModelAdmin):
+    """Deployments' autoscaling policies; what the control worker decided is read only."""
+
+    list_display = ["deployment", "enabled", "min_replicas", "max_replicas", "metric", "target",
+                    "last_scaled_at"]
+    list_filter = ["enabled", "metric"]
+    search_fields = ["deployment__name"]
+    readonly_fields = ["last_decision", "last_scaled_at", "last_evaluated_at", "updated_at"]
 
 
 @admin.register(Instance)

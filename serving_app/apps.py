@@ -18,6 +18,9 @@ class ServingAppConfig(AppConfig):
         track(self.get_model("FleetPlan"))
         track(self.get_model("LoraAdapter"), ignore=["last_error"])
         track(self.get_model("Deployment"), ignore=["placement_error"])
+        track(self.get_model("Autoscaler"), ignore=[
+            "recommendations", "last_scaled_at", "last_decision", "last_evaluated_at",
+        ])
         track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"])
         track(self.get_model("Gpu"), ignore=[
             "memory_used_bytes", "utilization_percent", "temperature_c", "power_w", "processes",

@@ -24,6 +24,8 @@ RECONCILE_DEPLOYMENT = "serving.reconcile_deployment"
 RECONCILE_ALL = "serving.reconcile_all"
 REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
 ROLL_UP_ENGINE_SAMPLES = "serving.roll_up_engine_samples"  # scheduled by beat
+AUTOSCALE = "serving.autoscale"  # scheduled by beat
+WAKE_DEPLOYMENT = "serving.wake_deployment"
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
@@ -62,3 +64,10 @@ def adapter_files_released() -> None:
     """Try to remove a deleted adapter's files once the deletion commits (the reconciler tries
     again each round while an engine still has the adapter)."""
     enqueue(REMOVE_ADAPTER_FILES)
+
+
+def wake_deployment(deployment_id: int) -> None:
+    """Ask the control worker to bring a deployment scaled to zero back (a request waits for
+    it): sent at once, outside any transaction (the gateway calls it)."""
+    current_app.signature(WAKE_DEPLOYMENT, args=(deployment_id,), queue=CONTROL_QUEUE) \
+        .apply_async(expires=60)

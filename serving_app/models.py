@@ -18,6 +18,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
 from django.db.models.signals import post_delete
+from django.urls import reverse
 from django.utils import timezone
 
 from audit_app import recording
@@ -100,6 +101,10 @@ class BaseModel(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:basemodel-detail", args=[self.pk])
+
     def clean(self) -> None:
         if not self.path:
             return
@@ -161,6 +166,10 @@ class LoraAdapter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant_id and self.tenant.slug}/{self.name}"
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:loraadapter-detail", args=[self.pk])
 
     @property
     def engine_name(self) -> str:
@@ -366,6 +375,10 @@ class Node(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:node-detail", args=[self.pk])
+
     def clean(self) -> None:
         if self.queue and not self.queue.startswith("node."):
             raise ValidationError({"queue": "A node agent's queue is named node.<host>."})
@@ -536,6 +549,10 @@ class FleetPlan(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:fleetplan-detail", args=[self.pk])
+
     def clean(self) -> None:
         errors: dict[str, list[str]] = {}
         try:
@@ -687,6 +704,10 @@ class Deployment(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:deployment-detail", args=[self.pk])
 
     def clean(self) -> None:
         errors: dict[str, str] = {}
@@ -927,6 +948,10 @@ class Instance(models.Model):
     def __str__(self) -> str:
         return f"{self.deployment_id and self.deployment.name}#{self.ordinal}"
 
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:instance-detail", args=[self.pk])
+
     def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
         """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""
         now = timezone.now()
@@ -959,5 +984,6 @@ class Instance(models.Model):
 
 # Usage metering models and engine metric samples live in their own modules (written by the
 # gateway, and by node agents and the control worker); importing them here registers them.
+from serving_app.autoscalers import Autoscaler  # noqa: E402,F401
 from serving_app.engine_metrics import EngineHour, EngineSample  # noqa: E402,F401
 from serving_app.usage import *  # noqa: E402,F401,F403

@@ -18,7 +18,7 @@ from celery.signals import worker_ready, worker_shutdown
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerError
 
-from serving_app import lifecycle, reconcile
+from serving_app import autoscaling, lifecycle, reconcile
 from serving_app.engine import agent
 from serving_app.models import AdapterFileRemoval, EngineHour, EngineSample
 
@@ -64,6 +64,16 @@ def roll_up_engine_samples() -> dict[str, int]:
     return {"rolled_up": EngineHour.objects.roll_up(),
             "samples_pruned": EngineSample.objects.prune(),
             "hours_pruned": EngineHour.objects.prune()}
+
+
+@shared_task(name=lifecycle.AUTOSCALE)
+def autoscale() -> int:
+    return autoscaling.evaluate_all()
+
+
+@shared_task(name=lifecycle.WAKE_DEPLOYMENT)
+def wake_deployment(deployment_id: int) -> bool:
+    return autoscaling.wake(deployment_id)
 
 
 @shared_task(name=lifecycle.REMOVE_ADAPTER_FILES, **RETRY)

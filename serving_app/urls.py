@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from serving_app import metrics_views, views
+from serving_app import autoscaling_views, metrics_views, views
 
 app_name = "console"
 
@@ -43,6 +43,8 @@ urlpatterns = [
          name="deployment-instances"),
     path("deployments/<int:pk>/scale/", views.DeploymentScaleView.as_view(),
          name="deployment-scale"),
+    path("deployments/<int:pk>/autoscaling/", autoscaling_views.DeploymentAutoscalingView
+         .as_view(), name="deployment-autoscaling"),
     path("deployments/<int:pk>/metrics/", metrics_views.DeploymentMetricsData.as_view(),
          name="deployment-metrics"),
     re_path(r"^deployments/(?P<pk>\d+)/(?P<action>start|stop|restart)/$",

@@ -15,10 +15,10 @@ from typing import Any
 import redis
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
-from django.contrib.auth.mixins import AccessMixin
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.contrib.auth.mixins import UserPassesTestMixin
+from django.core.exceptions import ValidationError
 from django.db.models import Count, Prefetch, QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse, reverse_lazy
@@ -37,7 +37,15 @@ from serving_app.forms import (
     ScaleForm,
     TenantForm,
 )
-from serving_app.models import BaseModel, Deployment, FleetPlan, Instance, LoraAdapter, Node
+from serving_app.models import (
+    Autoscaler,
+    BaseModel,
+    Deployment,
+    FleetPlan,
+    Instance,
+    LoraAdapter,
+    Node,
+)
 from serving_app.placement import fleetplans, service
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
@@ -68,17 +76,15 @@ class LogoutView(auth_views.LogoutView):
     next_page = reverse_lazy("console:login")
 
 
-class StaffRequiredMixin(AccessMixin):
-    """Signed-out visitors go to the sign-in page; signed-in non-staff users get 403."""
+class StaffRequiredMixin(UserPassesTestMixin):
+    """Signed-out visitors go to the sign-in page; signed-in non-staff users get 403 (Django's
+    `UserPassesTestMixin` does both)."""
 
     login_url = reverse_lazy("console:login")
+    permission_denied_message = "The console is for platform admins; tenants use the portal."
 
-    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if not request.user.is_authenticated:
-            return self.handle_no_permission()
-        if not request.user.is_staff:
-            raise PermissionDenied("The console is for platform admins; tenants use the portal.")
-        return super().dispatch(request, *args, **kwargs)
+    def test_func(self) -> bool:
+        return bool(self.request.user.is_staff)
 
 
 # ----------------------------------------------------------------------------- overview
@@ -212,8 +218,7 @@ class ObjectUpdateView(StaffRequiredMixin, UpdateView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update(noun=self.noun, cancel_url=self.object.get_absolute_url()
-                       if hasattr(self.object, "get_absolute_url") else self.get_success_url())
+        context.update(noun=self.noun, cancel_url=self.object.get_absolute_url())
         return context
 
     def form_valid(self, form: Any) -> HttpResponse:
@@ -270,18 +275,12 @@ class TenantCreateView(ObjectCreateView):
     form_class = TenantForm
     noun = "tenant"
 
-    def get_success_url(self) -> str:
-        return reverse("console:tenant-detail", args=[self.object.slug])
-
 
 class TenantUpdateView(ObjectUpdateView):
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
     slug_field = "slug"
-
-    def get_success_url(self) -> str:
-        return reverse("console:tenant-detail", args=[self.object.slug])
 
 
 # ----------------------------------------------------------------------------- base models
@@ -307,17 +306,11 @@ class BaseModelCreateView(ObjectCreateView):
     form_class = BaseModelForm
     noun = "base model"
 
-    def get_success_url(self) -> str:
-        return reverse("console:basemodel-detail", args=[self.object.pk])
-
 
 class BaseModelUpdateView(ObjectUpdateView):
     model = BaseModel
     form_class = BaseModelForm
     noun = "base model"
-
-    def get_success_url(self) -> str:
-        return reverse("console:basemodel-detail", args=[self.object.pk])
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -342,17 +335,11 @@ class AdapterCreateView(ObjectCreateView):
     form_class = LoraAdapterForm
     noun = "adapter"
 
-    def get_success_url(self) -> str:
-        return reverse("console:loraadapter-detail", args=[self.object.pk])
-
 
 class AdapterUpdateView(ObjectUpdateView):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
-
-    def get_success_url(self) -> str:
-        return reverse("console:loraadapter-detail", args=[self.object.pk])
 
 
 # ----------------------------------------------------------------------------- deployments
@@ -385,6 +372,10 @@ class DeploymentDetailView(StaffRequiredMixin, DetailView):
             context["flow"] = sharing.report(self.object)
         except redis.RedisError:
             context["flow"] = None
+        context["autoscaler"] = Autoscaler.objects.filter(deployment=self.object).first()
+        context["autoscale_changes"] = AuditLog.objects.filter(
+            action="autoscale", object_type=Deployment._meta.label,
+            object_id=str(self.object.pk))[:10]
         return context
 
 
@@ -393,9 +384,6 @@ class DeploymentFormMixin:
     model = Deployment
     form_class = DeploymentForm
     noun = "deployment"
-
-    def get_success_url(self) -> str:
-        return reverse("console:deployment-detail", args=[self.object.pk])
 
 
 class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView):
@@ -590,9 +578,6 @@ class FleetPlanFormMixin:
     model = FleetPlan
     form_class = FleetPlanForm
     noun = "what-if plan"
-
-    def get_success_url(self) -> str:
-        return reverse("console:fleetplan-detail", args=[self.object.pk])
 
 
 class FleetPlanCreateView(FleetPlanFormMixin, ObjectCreateView):

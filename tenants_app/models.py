@@ -18,6 +18,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q
+from django.urls import reverse
 from django.utils import timezone
 
 from audit_app import recording
@@ -213,6 +214,10 @@ class Tenant(models.Model):
 
     def __str__(self) -> str:
         return self.slug
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:tenant-detail", args=[self.slug])
 
     def clean(self) -> None:
         errors: dict[str, str] = {}

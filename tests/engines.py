@@ -4,7 +4,6 @@ tenants' adapters, launched at the scheduling class node agents give CPU engines
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import time
@@ -29,15 +28,20 @@ PRIVATE_MODEL = "tiny-llama-private"
 
 
 def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    """Poll `check` until it returns true; on timeout, say what the last failed check raised."""
     deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what}: process exited with {proc.returncode}")
-        with contextlib.suppress(Exception):
+        try:
             if check():
                 return
+        except Exception as exc:  # noqa: BLE001 - a check may fail until the thing is up
+            last_error = exc
         time.sleep(0.2)
-    raise RuntimeError(f"{what} did not happen within {timeout}s")
+    cause = f" (the last check raised {last_error!r})" if last_error is not None else ""
+    raise RuntimeError(f"{what} did not happen within {timeout}s{cause}")
 
 
 @dataclass

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group, Permission
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import models
-from django.test import Client, RequestFactory
+from django.test import RequestFactory
 from django.urls import resolve, reverse
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
@@ -41,6 +40,7 @@ from audit_app import recording
 from audit_app.models import AuditLog
 from serving_app.models import (
     AdapterFileRemoval,
+    Autoscaler,
     BaseModel,
     Deployment,
     EngineHour,
@@ -56,7 +56,7 @@ from serving_app.models import (
     UsageMinute,
 )
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
-from tests.api.helpers import as_user
+from tests.api.helpers import admin_form_data, as_user
 from tests.factories import (
     add_member,
     make_adapter,
@@ -104,70 +104,6 @@ def object_id(obj: models.Model) -> str:
 
 
 # -- the Django admin ---------------------------------------------------------------------------
-class _FormFields(HTMLParser):
-    """What a browser would submit from the admin's form `form_id`, as rendered."""
-
-    def __init__(self, form_id: str) -> None:
-        super().__init__()
-        self.form_id, self.inside = form_id, False
-        self.data: dict[str, list[str]] = {}
-        self.select: tuple[str, bool] | None = None
-        self.options: list[str] = []
-        self.chosen: list[str] = []
-        self.textarea: str | None = None
-        self.text = ""
-
-    def add(self, name: str, value: str) -> None:
-        self.data.setdefault(name, []).append(value)
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "form" and a.get("id") == self.form_id:
-            self.inside = True
-        if not self.inside or not a.get("name") and tag != "option":
-            return
-        if tag == "input":
-            kind = a.get("type", "text")
-            if kind in ("submit", "button", "file", "image", "reset"):
-                return
-            if kind in ("checkbox", "radio") and "checked" not in a:
-                return
-            self.add(a["name"], a.get("value") or ("on" if kind == "checkbox" else ""))
-        elif tag == "select":
-            self.select, self.options, self.chosen = (a["name"], "multiple" in a), [], []
-        elif tag == "option" and self.select is not None:
-            self.options.append(a.get("value") or "")
-            if "selected" in a:
-                self.chosen.append(a.get("value") or "")
-        elif tag == "textarea":
-            self.textarea, self.text = a["name"], ""
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "form" and self.inside:
-            self.inside = False
-        elif tag == "select" and self.select is not None:
-            name, multiple = self.select
-            chosen = self.chosen or ([] if multiple or not self.options else self.options[:1])
-            for value in chosen:
-                self.add(name, value)
-            self.select = None
-        elif tag == "textarea" and self.textarea is not None:
-            self.add(self.textarea, self.text.lstrip("\n"))
-            self.textarea = None
-
-    def handle_data(self, data: str) -> None:
-        if self.textarea is not None:
-            self.text += data
-
-
-def form_data(client: Client, url: str, model: type[models.Model]) -> dict[str, Any]:
-    page = client.get(url)
-    assert page.status_code == 200, url
-    parser = _FormFields(f"{model._meta.model_name}_form")
-    parser.feed(page.content.decode())
-    return {k: v if len(v) > 1 else v[0] for k, v in parser.data.items()}
-
-
 @dataclass
 class AdminCase:
     """How to drive one model's admin: a fresh object, the add form's values, and a change
@@ -300,6 +236,15 @@ ADMIN_CASES: dict[str, AdminCase] = {
         changed=("max_num_seqs", "tenants"),
         actions={"start_deployments": "start", "stop_deployments": "stop",
                  "restart_deployments": "restart"}),
+    "serving_app.Autoscaler": AdminCase(
+        make=lambda w: Autoscaler.objects.create(deployment=make_deployment(w.base,
+                                                                            [w.acme.tenant])),
+        add=lambda w: {"deployment": str(make_deployment(w.base, [w.acme.tenant]).pk),
+                       "min_replicas": "1", "max_replicas": "2", "metric": "waiting",
+                       "target": "2", "up_window_seconds": "30", "down_window_seconds": "300",
+                       "up_cooldown_seconds": "60", "down_cooldown_seconds": "300"},
+        change=lambda w: {"enabled": "on", "max_replicas": "3"},
+        changed=("enabled", "max_replicas")),
     "serving_app.Instance": AdminCase(
         make=lambda w: Instance.objects.create(
             deployment=make_deployment(w.base, [w.acme.tenant]))),
@@ -366,7 +311,8 @@ def test_every_write_the_admin_allows_leaves_its_entry(model, model_admin, world
 
     if allowed["create"]:
         before = set(model._base_manager.values_list("pk", flat=True))
-        data = {**form_data(client, _url(model, "add"), model), **case.add(world), "_save": "1"}
+        data = {**admin_form_data(client, _url(model, "add"), model), **case.add(world),
+                "_save": "1"}
         response = client.post(_url(model, "add"), data)
         assert response.status_code in (200, 302), response.context and \
             response.context["adminform"].form.errors
@@ -376,7 +322,7 @@ def test_every_write_the_admin_allows_leaves_its_entry(model, model_admin, world
     obj = case.make(world)
     url = _url(model, "change", quote(obj.pk))
     if allowed["update"]:
-        data = {**form_data(client, url, model), **case.change(world), "_save": "1"}
+        data = {**admin_form_data(client, url, model), **case.change(world), "_save": "1"}
         response = client.post(url, data)
         assert response.status_code == 302, response.context["adminform"].form.errors
         [entry] = entries(model, object_id(obj), "update", staff, "admin")
@@ -444,7 +390,7 @@ def test_making_a_user_superuser_in_the_admin_is_audited(world, client):
     user = make_user("promoted")
     client.force_login(world.staff)
     url = _url(type(user), "change", user.pk)
-    data = {**form_data(client, url, type(user)), "is_staff": "on", "is_superuser": "on"}
+    data = {**admin_form_data(client, url, type(user)), "is_staff": "on", "is_superuser": "on"}
     assert client.post(url, data).status_code == 302
     [entry] = entries(type(user), user.pk, "update", world.staff, "admin")
     assert entry.changes["is_staff"] == [False, True]
@@ -551,6 +497,10 @@ RESOURCES = [
     Resource("fleet-plans", FleetPlan, _staff,
              lambda w: {"name": f"plan{w.n()}", "fleet": "gpu-a: 1x80GiB", "deployments": []},
              lambda w: {"description": "next quarter"}),
+    Resource("autoscalers", Autoscaler, _staff,
+             lambda w: {"deployment": make_deployment(w.base, [w.acme.tenant]).name,
+                        "enabled": True, "max_replicas": 3},
+             lambda w: {"target": 4.0, "min_replicas": 2}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),

@@ -48,6 +48,10 @@ def bracketed_scrape(engine):
     return before, sample, after
 
 
+def idle(metrics: dict[str, float]) -> bool:
+    return metrics[GAUGES["requests_running"]] == metrics[GAUGES["requests_waiting"]] == 0
+
+
 def complete(engine, prompt: str, max_tokens: int, usage: list[dict], stream: bool = False):
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, "stream": stream}
@@ -79,23 +83,44 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
     instance = Instance.objects.create(deployment=deployment, node=node, port=engine.port,
                                        state="ready", secret=engine.secret)
 
+    # The engine is shared by the session: whatever an earlier test left running must be done
+    # before the first reading, or its tokens would be counted here.
+    wait_until(lambda: idle(engine.metrics()), 180, "the engine idle before the test")
     _, first, _ = bracketed_scrape(engine)
     assert first.interval_seconds is None  # the engine's first reading: no increases yet
 
     usage: list[dict] = []
     for n in range(3):
         complete(engine, f"metrics test {n}: tell a story", 8, usage)
-    streams = [threading.Thread(target=complete, args=(engine, f"a long story {n}", 400, usage),
-                                kwargs={"stream": True}) for n in range(2)]
+    failures: list[Exception] = []
+
+    def long_stream(n: int) -> None:
+        try:
+            complete(engine, f"a long story {n}", 400, usage, stream=True)
+        except Exception as exc:  # noqa: BLE001 - reported by the test below
+            failures.append(exc)
+
+    readings: list[tuple[float, float]] = []
+
+    def both_running() -> bool:
+        now = engine.metrics()
+        readings.append((now[GAUGES["requests_running"]], now[GAUGES["requests_waiting"]]))
+        return readings[-1] == (2, 0)
+
+    streams = [threading.Thread(target=long_stream, args=(n,)) for n in range(2)]
     for stream in streams:
         stream.start()
     try:
-        wait_until(lambda: engine.metric("vllm:num_requests_running") == 2, 60,
-                   "both streams running")
+        try:
+            wait_until(both_running, 60, "both streams running")
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}; (running, waiting) read: {readings[-10:]}; "
+                                 f"stream errors: {failures}") from exc
         before, busy, after = bracketed_scrape(engine)
     finally:
         for stream in streams:
             stream.join(120)
+    assert failures == []
     assert busy.interval_seconds > 0
     # All five prompts were processed before this scrape, and both streams began: their first
     # tokens are in this interval's time-to-first-token histogram, as in the engine's.
@@ -104,7 +129,7 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
     assert busy.ttft_p50_ms is not None and busy.itl_p95_ms is not None
     assert busy.requests_waiting == 0
 
-    wait_until(lambda: engine.metric("vllm:num_requests_running") == 0, 60, "the engine idle")
+    wait_until(lambda: idle(engine.metrics()), 120, "the engine idle")
     before, last, after = bracketed_scrape(engine)
     # At rest the two reads agree, so the sample holds exactly their values.
     checked = [*GAUGES.values(), *COUNTERS.values(), "vllm:kv_cache_usage_perc"]

@@ -48,7 +48,7 @@ def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
 def test_the_portal_lists_exactly_what_the_gateway_routes(tmp_path):
     """One rule (`serving_app.catalog`): a stopped deployment, a co-tenant's adapter and an
     adapter shadowed by a base model's name are in neither; everything else is in both."""
-    from tenants_app.views import catalog
+    from serving_app.portal import catalog
 
     acme, globex = make_tenant("acme"), make_tenant("globex")
     shared = make_base_model(tmp_path / "models", "shared-base")

@@ -19,7 +19,8 @@ from django.urls import reverse
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from tenants_app.models import ApiKey, Role
+from tenants_app.models import ApiKey, Role, Tenant
+from tests.api.helpers import admin_form_data
 from tests.factories import add_member, make_user
 from tests.gateway.conftest import make_world
 from tests.gateway.test_requests import Upstream
@@ -178,40 +179,13 @@ def test_expired_key_is_refused_by_all_workers_within_one_second(gateways, upstr
     refused_within_bound(gateways, secret, expire, "key expiry")
 
 
-def admin_form_data(response) -> dict:
-    """The POST data of an admin change form as it stands (its inlines included), as a browser
-    would send it back unchanged."""
-    data: dict = {}
-
-    def add(form) -> None:
-        for name in form.fields:
-            value = form[name].value()
-            if value is None or value is False:
-                continue
-            key = form.add_prefix(name)
-            if value is True:
-                data[key] = "on"
-            elif isinstance(value, (list, tuple)):
-                data[key] = [str(v) for v in value]
-            else:
-                data[key] = str(value)
-
-    add(response.context["adminform"].form)
-    for inline in response.context["inline_admin_formsets"]:
-        formset = inline.formset
-        add(formset.management_form)
-        for form in formset.forms:
-            add(form)
-    return data
-
-
 def test_tenant_suspended_in_the_admin_is_refused_by_all_workers_within_one_second(
         gateways, upstream):
     world = make_world(upstream.port, "s")
     add_member(world.acme, make_user("acme-owner"), Role.OWNER)  # an inline row to send back
     admin = signed_in(make_user("platform", staff=True))
     url = reverse("admin:tenants_app_tenant_change", args=[world.acme.pk])
-    data = admin_form_data(admin.get(url))
+    data = admin_form_data(admin, url, Tenant)
     assert data["status"] == "active"
 
     def suspend() -> None:

@@ -10,9 +10,11 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit_app.models import AuditLog
+from serving_app import autoscaling
+from serving_app.autoscalers import Autoscaler
 from serving_app.dashboards.queries import percentile
 from serving_app.engine.launch import build_launch_spec
-from serving_app.models import Deployment, Instance, Node
+from serving_app.models import Deployment, FleetPlan, Instance, Node
 from tenants_app.models import Tenant
 from tests.factories import make_adapter, make_deployment, make_tenant
 
@@ -335,3 +337,57 @@ def test_figures_use_no_python_only_property_shortcuts(login, platform_admin, ac
         for figure in data["figures"].values():
             for trace in figure["data"]:
                 assert not [k for k in trace if "_" in k], trace.keys()
+
+
+def test_each_object_links_to_its_console_page_and_edits_return_there(
+    login, platform_admin, acme, base_model, tmp_path
+):
+    """`get_absolute_url` is each object's console page (the admin's "view on site" too): it
+    answers 200 with the object's name, and saving an edit form redirects back to it."""
+    client = login(platform_admin)
+    node = Node.objects.create(name="cpu-1", queue="node.cpu-1")
+    deployment = make_deployment(base_model, [acme.tenant], name="support-bot")
+    instance = Instance.objects.create(deployment=deployment, node=node, port=1)
+    adapter = make_adapter(acme.tenant, base_model, tmp_path / "adapters", name="style")
+    plan = FleetPlan.objects.create(name="mini", fleet="gpu-a: 1xNVIDIA A100-SXM4-80GB:80GiB",
+                                   deployments=[])
+    for obj, shown in [(acme.tenant, "Acme Corp"), (base_model, base_model.name),
+                       (adapter, "style"), (node, "cpu-1"), (deployment, "support-bot"),
+                       (instance, "support-bot"), (plan, "mini")]:
+        response = client.get(obj.get_absolute_url())
+        assert response.status_code == 200, obj
+        assert shown in response.content.decode(), obj
+    response = client.post(reverse("console:tenant-edit", args=["acme"]), {
+        "slug": "acme", "name": "Acme Inc", "status": "active", "priority_tier": 2,
+        "fair_share_weight": 1})
+    assert response.status_code == 302, response.context and response.context["form"].errors
+    assert response["Location"] == acme.tenant.get_absolute_url()
+
+
+def test_autoscaling_is_set_on_its_page_and_shown_with_its_changes(
+    login, platform_admin, acme, base_model
+):
+    deployment = make_deployment(base_model, [acme.tenant], name="support-bot",
+                                 desired_state="running")
+    client = login(platform_admin)
+    page = client.get(deployment.get_absolute_url()).content.decode()
+    assert "Off: the deployment runs the replicas it is given." in page
+    url = reverse("console:deployment-autoscaling", args=[deployment.pk])
+    form = {"enabled": "on", "min_replicas": "3", "max_replicas": "2", "metric": "waiting",
+            "target": "2", "up_window_seconds": "30", "down_window_seconds": "300",
+            "up_cooldown_seconds": "60", "down_cooldown_seconds": "300"}
+    refused = client.post(url, form)
+    assert refused.status_code == 200
+    assert refused.context["form"].errors["min_replicas"] == ["Must not exceed max_replicas (2)."]
+    assert not Autoscaler.objects.exists()
+    saved = client.post(url, {**form, "min_replicas": "0"})
+    assert saved["Location"] == deployment.get_absolute_url()
+    assert AuditLog.objects.get(object_type="serving_app.Autoscaler").via == "console"
+    assert autoscaling.wake(deployment.pk) is False  # one replica already
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=0)
+    assert autoscaling.wake(deployment.pk) is True
+    page = client.get(deployment.get_absolute_url()).content.decode()
+    assert "0 to 2 (now 1)" in page and "Waiting requests per instance: 2.0" in page
+    assert re.search(r"data-autoscale-change><td>[^<]+</td><td>0 → 1</td>"
+                     r"<td>a request arrived while at zero</td>", page)
+    assert login(acme.owner).get(url).status_code == 403

@@ -10,6 +10,6 @@ from console.urls import urlpatterns as project_patterns
 _wired = {getattr(p, "namespace", None) for p in project_patterns} >= {"console", "portal"}
 urlpatterns = project_patterns if _wired else [
     path("", include("serving_app.urls")),
-    path("portal/", include("tenants_app.urls")),
+    path("portal/", include("serving_app.portal_urls")),
     *project_patterns,
 ]

@@ -16,6 +16,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
+from serving_app.autoscalers import Autoscaler, Metric
 from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
 from tenants_app.models import ApiKey, Membership, PriorityTier, Role, Tenant
 
@@ -190,6 +191,10 @@ class Command(BaseCommand):
         deployment.tenants.set(tenants)
         deployment.check_relations(tenants, adapters)
         deployment.adapters.set(adapters)
+        # A policy to look at and turn on (off: the benchmarks drive this engine hard).
+        Autoscaler.objects.get_or_create(deployment=deployment, defaults={
+            "enabled": False, "min_replicas": 1, "max_replicas": 2, "metric": Metric.WAITING,
+            "target": 8})
         if start:
             deployment.start()
         plan = seed_plan(admin)

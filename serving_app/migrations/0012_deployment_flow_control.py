@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('serving_app', '0010_fleet_plans'),
+        ('serving_app', '0011_autoscalers'),
     ]
 
     operations = [

@@ -1,9 +1,11 @@
-"""The tenant portal's URLs (namespace ``portal``), mounted at ``/portal/``."""
+"""The tenant portal's URLs (namespace ``portal``), mounted at ``/portal/``: the tenant-only
+pages of `tenants_app.views` and the serving pages of `serving_app.portal`."""
 
 from __future__ import annotations
 
 from django.urls import path, re_path
 
+from serving_app import portal
 from tenants_app import views
 
 app_name = "portal"
@@ -12,20 +14,20 @@ urlpatterns = [
     path("", views.PortalHomeView.as_view(), name="home"),
     re_path(r"^invitations/(?P<pk>\d+)/(?P<answer>accept|decline)/$",
             views.InvitationAnswerView.as_view(), name="invitation-answer"),
-    path("<slug:slug>/", views.TenantHomeView.as_view(), name="tenant-home"),
+    path("<slug:slug>/", portal.TenantHomeView.as_view(), name="tenant-home"),
     re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/$",
-            views.TenantDashboardView.as_view(), name="dashboard"),
+            portal.TenantDashboardView.as_view(), name="dashboard"),
     re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/data/$",
-            views.TenantDashboardDataView.as_view(), name="dashboard-data"),
-    path("<slug:slug>/keys/", views.ApiKeysView.as_view(), name="keys"),
+            portal.TenantDashboardDataView.as_view(), name="dashboard-data"),
+    path("<slug:slug>/keys/", portal.ApiKeysView.as_view(), name="keys"),
     path("<slug:slug>/keys/<int:pk>/revoke/", views.ApiKeyRevokeView.as_view(),
          name="key-revoke"),
-    path("<slug:slug>/adapters/", views.AdaptersView.as_view(), name="adapters"),
-    path("<slug:slug>/adapters/<int:pk>/delete/", views.AdapterDeleteView.as_view(),
+    path("<slug:slug>/adapters/", portal.AdaptersView.as_view(), name="adapters"),
+    path("<slug:slug>/adapters/<int:pk>/delete/", portal.AdapterDeleteView.as_view(),
          name="adapter-delete"),
-    path("<slug:slug>/models/", views.ModelsView.as_view(), name="models"),
-    path("<slug:slug>/playground/", views.PlaygroundView.as_view(), name="playground"),
-    path("<slug:slug>/playground/key/", views.PlaygroundKeyView.as_view(),
+    path("<slug:slug>/models/", portal.ModelsView.as_view(), name="models"),
+    path("<slug:slug>/playground/", portal.PlaygroundView.as_view(), name="playground"),
+    path("<slug:slug>/playground/key/", portal.PlaygroundKeyView.as_view(),
          name="playground-key"),
     path("<slug:slug>/members/", views.MembersView.as_view(), name="members"),
     path("<slug:slug>/members/<int:pk>/", views.MemberChangeView.as_view(), name="member"),
