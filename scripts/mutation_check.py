@@ -117,7 +117,7 @@ BREAKAGES = (
         ("tests/gateway/test_flow_units.py",),
     ),
     Breakage(
-        "flow-control-first-come-first-served-within-a-band",
+        "flow-control-largest-counter-first",
         "gateway_app/flow.py",
         "    local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')",
         "    local top = redis.call('ZRANGE', P .. ':b:' .. band, -1, -1, 'WITHSCORES')",
