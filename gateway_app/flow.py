@@ -341,10 +341,7 @@ class FlowControl:
         self.forget(request_id)
 
         async def work() -> None:
-            try:
-                instance = await self.leave(request_id, slot)
-            except (RedisUnavailable, RedisReplyError):
-                return
+            instance = await self.leave(request_id, slot)
             if instance:
                 await self._release(prefix(slot.deployment_id), request_id, instance)
 
@@ -387,11 +384,16 @@ class FlowControl:
 
     async def leave(self, request_id: str, slot: Slot) -> int:
         """Leave the queue; the instance when a grant came first (0 if none), which the
-        caller then uses or gives back through its settlement."""
+        caller then uses or gives back through its settlement. With Redis unreachable: 0 (a
+        waiter left behind is dropped once past its deadline)."""
         future = self.waiters.pop(request_id, None)
         args = [prefix(slot.deployment_id), request_id, slot.tenant.id, slot.tenant.priority,
                 slot.spec]
-        result = int(await self.redis_for_scripts.run_script(LEAVE_SCRIPT, [], args))
+        try:
+            result = int(await self.redis_for_scripts.run_script(LEAVE_SCRIPT, [], args))
+        except (RedisUnavailable, RedisReplyError) as exc:
+            log.warning("%s could not leave the flow-control queue: %s", request_id, exc)
+            return 0
         if result > 0 and (future is None or not future.done()):
             self.left.add(request_id)  # its grant's message is still to come
         return max(0, result)
