@@ -399,10 +399,37 @@ GATEWAY: dict[str, Any] = {
     # Events a worker keeps in memory while Redis is unreachable (the oldest are dropped beyond
     # it).
     "EVENT_BUFFER_MAX": env_int("GATEWAY_EVENT_BUFFER_MAX", 100_000, minimum=100),
+    # Flow control (docs/gateway.md, "Flow control"): each instance is sent at most its dispatch
+    # budget of requests at a time (a deployment's `dispatch_budget`, else its max_num_seqs plus
+    # this allowance); the rest wait in the gateway, by priority band, then by fair share.
+    # Off: first come, first served everywhere (a deployment can also turn it off alone).
+    "FLOW_CONTROL": env_bool("GATEWAY_FLOW_CONTROL", True),
+    "FLOW_QUEUE_ALLOWANCE": env_int("GATEWAY_FLOW_QUEUE_ALLOWANCE", 2, minimum=0),
+    # A request waiting longer than this gets 503 with retry-after.
+    "FLOW_QUEUE_TIMEOUT_SECONDS": env_float(
+        "GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS", 30.0, minimum=0.1
+    ),
+    # "weighted": bands share dispatches by FLOW_BAND_WEIGHTS, so a low band still progresses;
+    # "strict": a band is served only while no higher band waits.
+    "FLOW_BANDS": env_choice("GATEWAY_FLOW_BANDS", "weighted", ("weighted", "strict")),
+    # Weights of the bands critical, high, normal, low (the tenants' priority tiers).
+    "FLOW_BAND_WEIGHTS": env_list("GATEWAY_FLOW_BAND_WEIGHTS", ["8", "4", "2", "1"]),
+    # Fair share counts weighted tokens: prompt tokens times the first, completion tokens times
+    # the second (a generated token costs the engine more than a prompt token).
+    "FLOW_INPUT_TOKEN_WEIGHT": env_float("GATEWAY_FLOW_INPUT_TOKEN_WEIGHT", 1.0, minimum=0.0),
+    "FLOW_OUTPUT_TOKEN_WEIGHT": env_float("GATEWAY_FLOW_OUTPUT_TOKEN_WEIGHT", 2.0, minimum=0.0),
     # How long a request for a deployment scaled to zero waits for its first instance to be
     # ready (an engine takes one to two minutes to start here) before a 503 with retry-after.
     "WAKE_TIMEOUT_SECONDS": env_float("GATEWAY_WAKE_TIMEOUT_SECONDS", 180.0, minimum=1.0),
 }
+try:
+    GATEWAY["FLOW_BAND_WEIGHTS"] = [float(w) for w in GATEWAY["FLOW_BAND_WEIGHTS"]]
+    if len(GATEWAY["FLOW_BAND_WEIGHTS"]) != 4 or min(GATEWAY["FLOW_BAND_WEIGHTS"]) <= 0:
+        raise ValueError
+except ValueError:
+    raise ImproperlyConfigured(
+        "GATEWAY_FLOW_BAND_WEIGHTS must be four positive numbers, e.g. 8,4,2,1"
+    ) from None
 
 # --- Alerts and notifications (alerts_app) ---
 # How often beat runs an evaluation round on the control worker.

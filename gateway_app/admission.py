@@ -21,6 +21,11 @@ adds the request to the instance it will be sent to, settlement removes it, so t
 reads how many requests each instance still serves (to finish a drain) at no extra round trip.
 That key is outside the tenant's hash tag (`allow-cross-slot-keys`: one Redis, or a cluster
 that allows it).
+
+Flow control (`flow.py`) rides on the same two scripts: admission queues the request on its
+deployment and hands out free slots (often its own), settlement frees the request's slot and
+hands it to the next waiter; the slots it counts are those per-instance in-flight sets. Its keys
+are the deployment's and the instances', outside the tenant's hash tag too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from gateway_app import flow
 from gateway_app.catalog import TenantEntry
 from gateway_app.errors import GatewayError
 
@@ -43,6 +49,7 @@ BUDGET = 4
 # admission fails as the failure policy says. Without flags Redis would let a script that has
 # already run one write (ZREMRANGEBYSCORE) go on writing, depending on the tenant's limits.
 ADMIT_LUA = """#!lua flags=allow-cross-slot-keys
+""" + flow.LUA_LIB + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
@@ -148,7 +155,9 @@ if ARGV[11] == '1' then
   redis.call('ZADD', KEYS[8], now + lease, rid)
   redis.call('PEXPIRE', KEYS[8], lease + 1000)
 end
-return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
+local granted = -1
+if ARGV[12] == '1' then granted = fc_enter(13, rid, now, lease) end
+return {0, rpm_count, rpm_reset, used, tpm_reset, 0, granted}
 """
 
 # Settle a finished request and append its usage event, in one round trip. Idempotent for the
@@ -159,6 +168,7 @@ return {0, rpm_count, rpm_reset, used, tpm_reset, 0}
 # `allow-oom`: a request admitted before Redis filled up still settles and appends its event
 # (Redis grows past maxmemory by at most the requests in flight; admission stops new ones).
 SETTLE_LUA = """#!lua flags=allow-oom,allow-cross-slot-keys
+""" + flow.LUA_LIB + """
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
 if ARGV[4] == '1' then
@@ -183,6 +193,10 @@ if ARGV[6] == '1' and actual > 0 then
   redis.call('XADD', KEYS[6], '*', 'e', ARGV[7], 'u', KEYS[7], 'n', actual)
 else
   redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
+end
+if ARGV[10] == '1' then
+  local t = redis.call('TIME')
+  fc_settle(11, rid, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
 return 1
 """
@@ -260,6 +274,7 @@ class Decision:
     tpm_used: int
     tpm_reset_ms: int
     wait_ms: int
+    instance: int = -1  # flow control: the instance granted, 0 while waiting, -1 not used
 
 
 def duration(ms: float) -> str:

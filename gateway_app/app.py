@@ -21,6 +21,7 @@ from gateway_app.cache import GatewayCache
 from gateway_app.catalog import KeyEntry, Route, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.errors import GatewayError
+from gateway_app.flow import Slot
 from gateway_app.http1 import UpstreamBroken
 from gateway_app.metering import Meter, RedisUnavailable, Ticket
 from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
@@ -66,6 +67,7 @@ class Context:
     ttft_ms: float | None = None
     ticket: Ticket | None = None
     counted_on: int | None = None  # the instance whose in-flight set holds this request
+    slot: Slot | None = None  # flow control
     complete: bool = False  # the last byte of the response is being sent
     rate_headers: dict[str, str] = field(default_factory=dict)
 
@@ -163,6 +165,9 @@ class GatewayApp:
         await self.upstream.start()
         self.cache.start()
         self.meter.start()
+        if self.meter.flow is not None:
+            cache = self.cache
+            self.meter.flow.instances_of = lambda d: cache.snapshot.instances.get(d, ())
 
     async def shutdown(self) -> None:
         if not self._started:
@@ -213,7 +218,8 @@ class GatewayApp:
         finally:
             assert self.meter is not None
             actual = ctx.prompt_tokens + ctx.completion_tokens
-            await self.meter.settle(ctx.ticket, actual, ctx.event(), ctx.counted_on)
+            await self.meter.settle(ctx.ticket, actual, ctx.event(), ctx.counted_on,
+                                    ctx.slot)
 
     async def _send_error(self, send, ctx: Context, err: GatewayError) -> None:
         headers = {**ctx.rate_headers, **err.headers}
@@ -293,6 +299,10 @@ class GatewayApp:
         ctx.deployment_id = target0.deployment_id
         if not candidates and self._wakeable(route):
             candidates = await self._wake(route)
+        flow = self.meter.flow if target0.flow else None
+        if flow is not None:
+            # Flow control is per deployment: the first one serving the name.
+            candidates = [c for c in candidates if c[1].deployment_id == target0.deployment_id]
         if not candidates:
             raise GatewayError(
                 503,
@@ -333,26 +343,58 @@ class GatewayApp:
         assert first is not None
         instance_id = first[0].id
 
-        if tenant.admission_needed:
+        slot = None
+        granted: asyncio.Future[int] | None = None
+        if flow is not None:
+            slot = flow.slot(
+                target0.deployment_id, tenant, prompt_tokens, need - prompt_tokens,
+                self.cache.snapshot.instances.get(target0.deployment_id, ()),
+                (inst for inst, _ in candidates),
+            )
+            granted = flow.expect(ctx.request_id)
+        if tenant.admission_needed or slot is not None:
             try:
                 ticket, decision = await self.meter.admit(
-                    tenant, ctx.request_id, need, instance_id)
+                    tenant, ctx.request_id, need, None if slot is not None else instance_id, slot)
             except RedisUnavailable as exc:
-                if not self.config.fail_open:
+                if flow is not None and slot is not None:
+                    # No flow control without Redis: first come, first served. What admission
+                    # may have done before its reply was lost is undone in the background.
+                    flow.abandon(ctx.request_id, slot)
+                    slot = None
+                if tenant.admission_needed and not self.config.fail_open:
                     raise GatewayError(
                         503,
                         "Rate limits cannot be checked right now; please retry.",
                         code="limits_unavailable",
                         headers={"retry-after": "1"},
                     ) from exc
-                log.warning("Redis unreachable, admitting %s unlimited (fail open)", ctx.request_id)
+                if tenant.admission_needed:
+                    log.warning("Redis unreachable, admitting %s unlimited (fail open)",
+                                ctx.request_id)
             else:
                 ctx.rate_headers = admission.rate_headers(tenant, decision)
                 if not ticket.admitted:
+                    if flow is not None:
+                        flow.forget(ctx.request_id)
                     raise admission.refusal(tenant, decision, need)
-                ctx.ticket = ticket
-                ctx.counted_on = instance_id
-        if ctx.counted_on is None:
+                if tenant.admission_needed:
+                    ctx.ticket = ticket
+                if flow is not None and slot is not None and granted is not None:
+                    ctx.slot = slot
+                    if decision.instance > 0:
+                        flow.forget(ctx.request_id)
+                        slot.instance_id = decision.instance
+                    else:
+                        await _until_disconnect(self._wait_for_slot(ctx, slot, granted),
+                                                receive, ctx)
+                elif tenant.admission_needed:
+                    ctx.counted_on = instance_id
+        if ctx.slot is not None and ctx.slot.instance_id > 0:
+            # The flow scripts counted it in flight on the instance they granted: go there.
+            first = self.router.choose(candidates, set(), prefer=ctx.slot.instance_id)
+            assert first is not None
+        elif ctx.counted_on is None:
             self.meter.begin(instance_id, ctx.request_id)
             ctx.counted_on = instance_id
 
@@ -367,6 +409,33 @@ class GatewayApp:
         await _until_disconnect(
             self._proxy(send, ctx, parsed, route, candidates, tenant, first), receive, ctx
         )
+
+    async def _wait_for_slot(self, ctx: Context, slot: Slot, granted: asyncio.Future[int]) -> None:
+        """Wait in the deployment's queue until a settlement hands this request a slot. Past
+        the queue timeout: 503 with retry-after. A client that goes away leaves the queue; a
+        slot granted meanwhile is given back by this request's settlement."""
+        assert self.meter is not None and self.meter.flow is not None and self.config
+        flow = self.meter.flow
+        try:
+            slot.instance_id = await asyncio.wait_for(
+                asyncio.shield(granted), self.config.flow_queue_timeout
+            )
+        except TimeoutError:
+            slot.instance_id = await flow.leave(ctx.request_id, slot)
+            if not slot.instance_id:
+                wait = max(1, round(self.config.flow_queue_timeout / 10))
+                raise GatewayError(
+                    503,
+                    "The model's engines are at capacity and this request waited "
+                    f"{self.config.flow_queue_timeout:g}s in the queue; please retry.",
+                    code="queue_timeout",
+                    headers={"retry-after": str(wait), "retry-after-ms": str(wait * 1000)},
+                ) from None
+        except asyncio.CancelledError:
+            slot.instance_id = await flow.leave(ctx.request_id, slot)
+            raise
+        finally:
+            flow.forget(ctx.request_id)
 
     async def _exact_prompt(self, parsed: ParsedRequest, candidate) -> int:
         assert self.upstream is not None
@@ -405,8 +474,10 @@ class GatewayApp:
         body = parsed.body
         encoded: dict[bool, bytes] = {}
         tried: set[int] = set()
+        granted = ctx.slot.instance_id if ctx.slot is not None else 0
         while True:
-            choice = first if not tried else self.router.choose(candidates, tried)
+            choice = (first if not tried
+                      else self.router.choose(candidates, tried, prefer=granted))
             if choice is None:
                 raise GatewayError(
                     503, f"No instance of `{parsed.model}` could be reached; please retry.",

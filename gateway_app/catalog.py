@@ -64,6 +64,7 @@ class Target:
     adapter: str  # engine adapter name, "" for the base model
     priority: bool
     max_model_len: int
+    flow: bool = False  # flow control: requests beyond the instances' budgets wait in the gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class InstanceEntry:
     url: str
     secret: str
     adapters: frozenset[str]
+    budget: int = 0  # dispatch budget: requests flow control sends it at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,29 +146,31 @@ def _load_snapshot() -> Snapshot:
         )
 
     routes: dict[int, dict[str, Route]] = {}
-    deployment_ids: set[int] = set()
+    dispatch_budgets: dict[int, int] = {}
     # What the engines run (an edit waiting to be applied changes nothing here yet).
     applied: dict[int, Deployment] = {}
     for served in served_models(Deployment.objects.all()):
         dep = applied.get(served.deployment.pk) or served.deployment.applied_settings()
         applied[dep.pk] = dep
-        deployment_ids.add(dep.pk)
+        dispatch_budgets[dep.pk] = dep.effective_dispatch_budget
         priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
+        flow = dep.flow_controlled
         created = int(dep.created_at.timestamp())
         if served.adapter is None:
-            target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len)
+            target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len,
+                            flow)
             owner = "platform"
         else:
             engine_name = served.adapter.engine_name
             target = Target(dep.pk, engine_name, engine_name, priority,
-                            dep.effective_max_model_len)
+                            dep.effective_max_model_len, flow)
             owner = served.adapter.tenant.slug
         _add(routes.setdefault(served.tenant_id, {}),
              Route(served.public_name, (target,), owner, served.parent, created))
 
     instances: dict[int, list[InstanceEntry]] = {}
     ready = Instance.objects.filter(
-        state=Instance.State.READY, deployment_id__in=deployment_ids, port__isnull=False
+        state=Instance.State.READY, deployment_id__in=dispatch_budgets, port__isnull=False
     ).select_related("node")
     for inst in ready:
         instances.setdefault(inst.deployment_id, []).append(
@@ -176,10 +180,11 @@ def _load_snapshot() -> Snapshot:
                 url=inst.base_url,
                 secret=inst.secret,
                 adapters=frozenset(inst.loaded_adapters or ()),
+                budget=dispatch_budgets[inst.deployment_id],
             )
         )
     wakeable = frozenset(Autoscaler.objects.filter(
-        enabled=True, min_replicas=0, deployment_id__in=deployment_ids,
+        enabled=True, min_replicas=0, deployment_id__in=dispatch_budgets,
     ).values_list("deployment_id", flat=True))
     return Snapshot(
         tenants=tenants,

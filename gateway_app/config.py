@@ -21,6 +21,12 @@ class GatewayConfig:
     upstream_retries: int
     usage_stream: str
     event_buffer_max: int
+    flow_control: bool = True
+    flow_queue_timeout: float = 30.0
+    flow_strict: bool = False
+    flow_band_weights: tuple[float, ...] = (8.0, 4.0, 2.0, 1.0)
+    flow_input_weight: float = 1.0
+    flow_output_weight: float = 2.0
     wake_timeout: float = 180.0
     window_ms: int = 60_000
 
@@ -45,5 +51,11 @@ class GatewayConfig:
             upstream_retries=settings.GATEWAY["UPSTREAM_RETRIES"],
             usage_stream=settings.GATEWAY["USAGE_STREAM"],
             event_buffer_max=settings.GATEWAY["EVENT_BUFFER_MAX"],
+            flow_control=settings.GATEWAY["FLOW_CONTROL"],
+            flow_queue_timeout=settings.GATEWAY["FLOW_QUEUE_TIMEOUT_SECONDS"],
+            flow_strict=settings.GATEWAY["FLOW_BANDS"] == "strict",
+            flow_band_weights=tuple(settings.GATEWAY["FLOW_BAND_WEIGHTS"]),
+            flow_input_weight=settings.GATEWAY["FLOW_INPUT_TOKEN_WEIGHT"],
+            flow_output_weight=settings.GATEWAY["FLOW_OUTPUT_TOKEN_WEIGHT"],
             wake_timeout=settings.GATEWAY["WAKE_TIMEOUT_SECONDS"],
         )

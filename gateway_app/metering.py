@@ -24,6 +24,7 @@ from gateway_app import admission
 from gateway_app.admission import Decision
 from gateway_app.catalog import TenantEntry
 from gateway_app.config import GatewayConfig
+from gateway_app.flow import FlowControl, Slot
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
 from serving_app import inflight
 
@@ -57,9 +58,15 @@ class Meter:
         self.buffer: deque[str] = deque(maxlen=config.event_buffer_max)
         self._flusher: asyncio.Task[None] | None = None
         self._unawaited: set[asyncio.Task[Any]] = set()
+        self.flow: FlowControl | None = None
+        if config.flow_control:
+            self.flow = FlowControl(config)
+            self.flow.redis_for_scripts = self.redis
 
     def start(self) -> None:
         self._flusher = asyncio.create_task(self._flush_loop(), name="gateway-event-flusher")
+        if self.flow is not None:
+            self.flow.start()
 
     async def stop(self) -> None:
         if self._flusher is not None:
@@ -67,18 +74,27 @@ class Meter:
             with contextlib.suppress(BaseException):
                 await self._flusher
         await self._flush()
+        if self.flow is not None:
+            await self.flow.stop()
         await self.redis.aclose()
 
     async def admit(
-        self, tenant: TenantEntry, request_id: str, need: int, instance_id: int | None = None
+        self, tenant: TenantEntry, request_id: str, need: int, instance_id: int | None = None,
+        slot: Slot | None = None,
     ) -> tuple[Ticket, Decision]:
-        """Admit the request (and, if admitted, count it in flight on `instance_id`)."""
+        """Admit the request against its tenant's limits (and, if admitted, count it in flight on
+        `instance_id`); under flow control (`slot`), queue it for a slot on its deployment
+        (`Decision.instance`: the one granted, or 0), the flow scripts counting it in flight on
+        the instance they grant."""
         keys = [*admission.tenant_keys(tenant.id),
                 inflight.key(instance_id) if instance_id is not None else _NO_INSTANCE]
         args = admission.admit_args(
             tenant, request_id, need, self.config.window_ms, self.config.lease_ms,
             count_in_flight=instance_id is not None,
         )
+        if slot is not None:
+            assert self.flow is not None
+            args += ["1", *self.flow.enter_args(slot)]
         try:
             raw = await self.redis.run_script(ADMIT_SCRIPT, keys, args)
         except RedisReplyError as exc:
@@ -105,10 +121,11 @@ class Meter:
             log.warning("request not counted in flight: %s", task.exception())
 
     async def settle(self, ticket: Ticket | None, actual: int, event: dict[str, Any],
-                     instance_id: int | None = None) -> None:
+                     instance_id: int | None = None, slot: Slot | None = None) -> None:
         """Replace the reservation by `actual` tokens, free the lease, take the request out of
-        `instance_id`'s in-flight set, append the event (one script: one round trip, pipelined
-        with every other request's on the connection)."""
+        `instance_id`'s in-flight set, append the event and, when the request holds a
+        flow-control slot, free it and hand it to the next waiter (one script: one round trip,
+        pipelined with every other request's on the connection)."""
         payload = json.dumps(event, separators=(",", ":"))
         request_id = event.get("id", "") if ticket is None else ticket.request_id
         counted = "1" if instance_id is not None else "0"
@@ -123,6 +140,11 @@ class Meter:
         else:
             keys = [*_NO_KEYS, self.config.usage_stream, _NO_UNWRITTEN, instance_key]
             args = [request_id, 0, 0, "0", "0", "0", payload, 1, counted]
+        if slot is not None and slot.instance_id > 0:
+            assert self.flow is not None
+            args += ["1", *self.flow.settle_args(slot, event["prompt"], event["completion"])]
+        else:
+            args.append("0")
         try:
             await self.redis.run_script(SETTLE_SCRIPT, keys, args)
         except (RedisUnavailable, RedisReplyError) as exc:

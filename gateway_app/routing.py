@@ -21,8 +21,13 @@ class Router:
         return found
 
     def choose(
-        self, candidates: list[tuple[InstanceEntry, Target]], tried: set[int]
+        self, candidates: list[tuple[InstanceEntry, Target]], tried: set[int], prefer: int = 0
     ) -> tuple[InstanceEntry, Target] | None:
+        """`prefer`: the instance flow control granted, tried first."""
+        if prefer and prefer not in tried:
+            for inst, target in candidates:
+                if inst.id == prefer:
+                    return inst, target
         best: list[tuple[InstanceEntry, Target]] = []
         lowest = None
         for inst, target in candidates:

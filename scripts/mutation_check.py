@@ -111,6 +111,20 @@ BREAKAGES = (
         ("tests/gateway/test_units.py",),
     ),
     Breakage(
+        "flow-control-ignores-the-budget",
+        "gateway_app/flow.py",
+        "      if n < tonumber(budget) and (best_n == nil or n < best_n) then",
+        "      if (best_n == nil or n < best_n) then",
+        ("tests/gateway/test_flow_units.py",),
+    ),
+    Breakage(
+        "flow-control-largest-counter-first",
+        "gateway_app/flow.py",
+        "    local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')",
+        "    local top = redis.call('ZRANGE', P .. ':b:' .. band, -1, -1, 'WITHSCORES')",
+        ("tests/gateway/test_flow_units.py",),
+    ),
+    Breakage(
         "for-user-no-tenant-filter",
         "tenants_app/models.py",
         "        return self.filter(tenant__memberships__user=user).distinct()",

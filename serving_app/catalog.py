@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from django.db.models import QuerySet
 
+from serving_app import sharing
 from serving_app.models import Deployment, LoraAdapter
 
 
@@ -50,3 +51,29 @@ def served_models(deployments: QuerySet[Deployment]) -> list[Served]:
         )
     base_names = {(s.tenant_id, s.public_name) for s in bases}
     return bases + [s for s in adapters if (s.tenant_id, s.public_name) not in base_names]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShare:
+    """A tenant's own flow-control figures on one running deployment it is served by (its
+    co-tenants' never appear)."""
+
+    model: str
+    flow_control: bool
+    share: sharing.TenantShare
+
+
+def engine_shares(tenant_id: int) -> list[EngineShare]:
+    """The tenant's share of each running deployment that serves it, against its entitlement,
+    and its waits (`serving_app.sharing`). Raises `redis.RedisError` when Redis cannot be read."""
+    running = (
+        Deployment.objects.filter(tenants=tenant_id, desired_state=Deployment.DesiredState.RUNNING)
+        .select_related("base_model")
+        .order_by("base_model__name", "pk")
+    )
+    shares: list[EngineShare] = []
+    for dep in running:
+        flow_report = sharing.report(dep, tenant_ids=[tenant_id])
+        shares.extend(EngineShare(dep.base_model.name, flow_report.flow_control, row)
+                      for row in flow_report.tenants)
+    return shares

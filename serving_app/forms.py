@@ -68,6 +68,8 @@ class DeploymentForm(forms.ModelForm):
             "max_loras",
             "max_lora_rank",
             "scheduling_policy",
+            "flow_control",
+            "dispatch_budget",
             "base_port",
         ]
         widgets = {

@@ -681,6 +681,18 @@ class Deployment(models.Model):
     isolation_mode = models.CharField(
         max_length=16, choices=Isolation.choices, default=Isolation.SHARED
     )
+    flow_control = models.BooleanField(
+        default=True,
+        help_text="The gateway queues requests beyond each instance's dispatch budget, by "
+        "priority band then fair share. Off: first come, first served.",
+    )
+    dispatch_budget = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(65536)],
+        help_text="Requests the gateway sends one instance at a time. Empty: max_num_seqs plus "
+        "GATEWAY_FLOW_QUEUE_ALLOWANCE.",
+    )
     mps_thread_percentage = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
     )
@@ -800,6 +812,15 @@ class Deployment(models.Model):
     @property
     def effective_max_model_len(self) -> int:
         return self.max_model_len or self.base_model.max_position_embeddings
+
+    @property
+    def effective_dispatch_budget(self) -> int:
+        """Requests the gateway's flow control sends each instance at a time."""
+        return self.dispatch_budget or self.max_num_seqs + settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"]
+
+    @property
+    def flow_controlled(self) -> bool:
+        return self.flow_control and settings.GATEWAY["FLOW_CONTROL"]
 
     @property
     def lora_enabled(self) -> bool:

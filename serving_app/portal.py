@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import redis
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Count
@@ -22,7 +23,7 @@ from django.utils import timezone
 from django.views import View
 
 from serving_app import storage
-from serving_app.catalog import served_models
+from serving_app.catalog import engine_shares, served_models
 from serving_app.dashboards import queries
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.portal_forms import AdapterPathForm, AdapterUploadForm
@@ -225,7 +226,11 @@ class ModelsView(TenantMixin, View):
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         models = catalog(self.tenant)
-        return self.render("tenants_app/models.html", models=models,
+        try:
+            shares = engine_shares(self.tenant.pk)
+        except redis.RedisError:
+            shares = None
+        return self.render("tenants_app/models.html", models=models, shares=shares,
                            base_url=request.build_absolute_uri("/v1"),
                            example=models[0]["name"] if models else "MODEL")
 

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import redis
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.mixins import UserPassesTestMixin
@@ -25,7 +26,7 @@ from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
 
 from audit_app.models import AuditLog
-from serving_app import health, storage
+from serving_app import health, sharing, storage
 from serving_app.dashboards import figures, panels, queries
 from serving_app.events import Event, Kind
 from serving_app.forms import (
@@ -369,6 +370,10 @@ class DeploymentDetailView(StaffRequiredMixin, DetailView):
         context["charges"] = service.deployment_charges(
             self.object, panels.accounting_period(trange))
         context["charges_range"] = trange
+        try:
+            context["flow"] = sharing.report(self.object)
+        except redis.RedisError:
+            context["flow"] = None
         context["autoscaler"] = Autoscaler.objects.filter(deployment=self.object).first()
         context["autoscale_changes"] = self.object.events.filter(
             kind=Kind.AUTOSCALE)[:10]

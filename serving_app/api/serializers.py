@@ -284,6 +284,8 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
             "adapters",
             "replicas",
             *ENGINE_FIELDS,  # the engine settings a revision holds
+            "flow_control",
+            "dispatch_budget",
             "desired_state",
             "generation",
             "applied_revision",
@@ -361,6 +363,37 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
 
 class ScaleSerializer(serializers.Serializer):
     replicas = serializers.IntegerField(min_value=0, max_value=64)
+
+
+class TenantShareSerializer(serializers.Serializer):
+    """One tenant's flow control on a deployment over the window (`serving_app.sharing`)."""
+
+    tenant_id = serializers.IntegerField()
+    tenant = serializers.CharField()
+    band = serializers.IntegerField(help_text="The tenant's priority tier (0 critical .. 3 low).")
+    weight = serializers.IntegerField(help_text="fair_share_weight")
+    queued = serializers.IntegerField(help_text="Requests waiting in the gateway now.")
+    dispatched = serializers.IntegerField()
+    waited = serializers.IntegerField(help_text="Dispatched requests that had to wait.")
+    left_queue = serializers.IntegerField(help_text="Timed out or disconnected while waiting.")
+    mean_wait_ms = serializers.FloatField(allow_null=True)
+    served_tokens = serializers.FloatField(help_text="Weighted tokens served.")
+    served_share = serializers.FloatField(allow_null=True)
+    entitled_share = serializers.FloatField()
+    backlogged = serializers.BooleanField()
+
+
+class FlowReportSerializer(serializers.Serializer):
+    deployment_id = serializers.IntegerField()
+    flow_control = serializers.BooleanField()
+    window_minutes = serializers.IntegerField()
+    dispatched_now = serializers.DictField(
+        child=serializers.IntegerField(), help_text="Instance id -> requests in flight there."
+    )
+    tenants = TenantShareSerializer(many=True)
+    jain_index = serializers.FloatField(
+        allow_null=True, help_text="Over the backlogged tenants, service / weight (staff only)."
+    )
 
 
 class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import django_filters
+import redis
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
@@ -17,13 +19,14 @@ from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
-from serving_app import storage
+from serving_app import sharing, storage
 from serving_app.api.fleet import DeploymentOperations
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
     AuditLogSerializer,
     BaseModelSerializer,
     DeploymentSerializer,
+    FlowReportSerializer,
     GpuSerializer,
     InstanceSerializer,
     LoraAdapterSerializer,
@@ -184,6 +187,23 @@ class DeploymentViewSet(DeploymentOperations):
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
         return self._action(Deployment.restart)
+
+    @extend_schema(request=None, responses=FlowReportSerializer)
+    @action(detail=True, methods=["get"])
+    def flow(self, request: Request, pk: str | None = None) -> Response:
+        """Flow control on this deployment over the last minutes: per tenant queue length,
+        waits, served against entitled share, and Jain's index over the backlogged tenants.
+        A tenant's member sees only the rows of its own tenants, without the index."""
+        deployment = self.get_object()
+        mine = None
+        if not request.user.is_staff:
+            mine = Tenant.objects.for_user(request.user).values_list("pk", flat=True)
+        try:
+            flow_report = sharing.report(deployment, tenant_ids=mine)
+        except redis.RedisError:
+            return Response({"detail": "Flow-control state cannot be read right now."},
+                            status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        return Response(FlowReportSerializer(dataclasses.asdict(flow_report)).data)
 
     @extend_schema(request=ScaleSerializer, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])

@@ -35,7 +35,8 @@ from tests.engines import (  # noqa: F401 (re-exported: the gateway tests import
 )
 from tests.redis_server import PrivateRedis
 
-REDIS_URL = "redis://127.0.0.1:6379/9"
+# DB 9 unless the environment names another (so that parallel checkouts do not share one).
+REDIS_URL = os.environ.get("GATEWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
 MAX_BODY = 64 * 1024
 
 

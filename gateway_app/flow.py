@@ -1,0 +1,401 @@
+"""Flow control: each instance is sent at most its dispatch budget of requests at a time; the
+rest wait in the gateway (not in the engine's queue), by priority band, then by fair share.
+
+Everything lives in Redis, so it holds across every gateway worker and host, and is changed
+only inside the admission and settlement scripts (`admission.py`), which carry the Lua below:
+
+- per instance, `gw:{i<id>}:inflight`: a sorted set of the requests dispatched to it, scored by
+  when their lease expires (Redis's clock). Its size is what the budget is checked against; a
+  member whose gateway died expires with its lease. (The same key and members the control
+  plane reads to finish a drain.)
+- per deployment, under `gw:{d<id>}:fc`: a list of waiting request ids per tenant (`:q:<t>`),
+  each waiter's details (`:w`), the backlogged tenants of each band scored by their virtual
+  counter (`:b:<band>`), the bands with waiters (`:bands`), every tenant's virtual counter
+  (`:v`), each band's counter (`:bv`, weighted bands), and per-minute statistics (`:m:<min>`,
+  read for the console by `serving_app.sharing`, which names these keys).
+
+Fair share within a band is the virtual token counter (VTC, "Fairness in Serving Large Language
+Models", OSDI 2024): a tenant's counter grows by the weighted tokens it is served divided by its
+`fair_share_weight`; the waiter of the backlogged tenant with the smallest counter goes next. A
+request is charged its reservation (prompt bound, every completion at its maximum) when it is
+dispatched, and settlement replaces that by the engine's real count. A tenant that becomes
+backlogged after idling is lifted to the smallest counter of the backlogged tenants of its band
+(or, with none, to the counter of the band's last dispatch), so idling banks no credit.
+Bands are strict (a band is served only while no higher band waits) or weighted (each band has
+its own counter, grown by the weighted tokens it is served divided by the band's weight, and the
+band with the smallest counter goes next, so a low band still progresses).
+
+A waiter is woken cheaply: whichever script frees a slot (a settlement) or finds one (an
+admission) pops the next waiter, records it on the instance and pushes `<request id>
+<instance id>` onto its worker's list, which each worker reads with one blocking BLPOP loop. A
+waiter that times out or whose client goes away runs one more script (`LEAVE_LUA`): still
+queued, it leaves the queue; already granted, it uses the slot (timeout) or its settlement gives
+the slot back and pops the next waiter (disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway_app.catalog import InstanceEntry, TenantEntry
+from gateway_app.config import GatewayConfig
+from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
+from serving_app.sharing import instance_key, prefix
+
+__all__ = ["FlowControl", "Slot", "instance_key", "prefix"]
+
+log = logging.getLogger(__name__)
+
+BLOCK_SECONDS = 1
+_DEPLOYMENT = re.compile(r"gw:\{d(\d+)\}:fc$")
+WAKE_TTL_MS = 300_000  # a dead worker's list is dropped after this
+STATS_TTL_MS = 2 * 3600 * 1000
+
+# Shared by the admission and settlement scripts. `fa` is the index in ARGV of the first flow
+# argument (see `enter_args()` / `settle_args()`).
+LUA_LIB = r"""
+local function fc_split(s, sep)
+  local out = {}
+  for part in string.gmatch(s, '[^' .. sep .. ']+') do out[#out + 1] = part end
+  return out
+end
+local function fc_num(v) return string.format('%.17g', v) end
+
+-- The instance among `spec` ("id:budget,...") that may take one more request, the least
+-- loaded first; `cands` (",id,id,") narrows it to instances that can serve the request.
+local function fc_free(spec, cands, now)
+  local best, best_n = nil, nil
+  for _, item in ipairs(fc_split(spec, ',')) do
+    local id, budget = string.match(item, '(%d+):(%d+)')
+    if cands == '' or string.find(cands, ',' .. id .. ',', 1, true) then
+      local key = 'gw:{i' .. id .. '}:inflight'
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+      local n = redis.call('ZCARD', key)
+      if n < tonumber(budget) and (best_n == nil or n < best_n) then best, best_n = id, n end
+    end
+  end
+  return best
+end
+
+local function fc_stat(P, now, field, by)
+  local key = P .. ':m:' .. math.floor(now / 60000)
+  redis.call('HINCRBYFLOAT', key, field, by)
+  redis.call('PEXPIRE', key, STATS_TTL)
+end
+
+local function fc_band(P, strict)
+  if strict then
+    local first = redis.call('ZRANGE', P .. ':bands', 0, 0)
+    return first[1]
+  end
+  local best, best_v = nil, nil
+  for _, b in ipairs(redis.call('ZRANGE', P .. ':bands', 0, -1)) do
+    local v = tonumber(redis.call('HGET', P .. ':bv', b) or '0')
+    if best_v == nil or v < best_v then best, best_v = b, v end
+  end
+  return best
+end
+
+local function fc_unqueue(P, band, t, rid)
+  redis.call('LREM', P .. ':q:' .. t, 1, rid)
+  redis.call('HDEL', P .. ':w', rid)
+  if redis.call('LLEN', P .. ':q:' .. t) == 0 then
+    redis.call('ZREM', P .. ':b:' .. band, t)
+    if redis.call('ZCARD', P .. ':b:' .. band) == 0 then redis.call('ZREM', P .. ':bands', band) end
+  end
+end
+
+-- Add `amount` weighted tokens (negative: a correction) to tenant `t` and its band.
+local function fc_charge(P, band, t, weight, amount, bws)
+  local v = tonumber(redis.call('HGET', P .. ':v', t) or '0') + amount / weight
+  redis.call('HSET', P .. ':v', t, fc_num(v))
+  if redis.call('ZSCORE', P .. ':b:' .. band, t) then
+    redis.call('ZADD', P .. ':b:' .. band, v, t)
+  end
+  local bw = tonumber(bws[tonumber(band) + 1] or '1')
+  redis.call('HINCRBYFLOAT', P .. ':bv', band, amount / bw)
+end
+
+-- Hand free slots to waiters, best first, until no slot or no waiter is left. A grant to
+-- `self_rid` (the request being admitted) is returned instead of pushed to its worker.
+local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
+  local mine = nil
+  for _ = 1, 10000 do
+    local band = fc_band(P, strict)
+    if not band then break end
+    local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')
+    local t = top[1]
+    local rid = redis.call('LINDEX', P .. ':q:' .. t, 0)
+    local info = rid and redis.call('HGET', P .. ':w', rid)
+    if not info then
+      if rid then redis.call('LPOP', P .. ':q:' .. t) end
+      if redis.call('LLEN', P .. ':q:' .. t) == 0 then fc_unqueue(P, band, t, '') end
+    else
+      local f = fc_split(info, '|')
+      -- wake, weight, charge, deadline, enqueued, cands
+      local cands = f[6] or ''
+      if tonumber(f[4]) < now then
+        fc_unqueue(P, band, t, rid)  -- its worker answers 503 (it has left, or will)
+      else
+        local inst = fc_free(spec, cands, now)
+        if not inst then break end
+        fc_unqueue(P, band, t, rid)
+        redis.call('ZADD', 'gw:{i' .. inst .. '}:inflight', now + lease, rid)
+        redis.call('HSET', P .. ':floor', band, top[2])
+        fc_charge(P, band, t, tonumber(f[2]), tonumber(f[3]), bws)
+        fc_stat(P, now, 'n:' .. t, 1)
+        fc_stat(P, now, 'w:' .. t, now - tonumber(f[5]))
+        if rid == self_rid then
+          mine = inst
+        else
+          redis.call('RPUSH', f[1], rid .. ' ' .. inst .. ' ' .. P)
+          redis.call('PEXPIRE', f[1], WAKE_TTL)
+        end
+      end
+    end
+  end
+  return mine
+end
+
+-- Admission: queue the request, then hand out free slots. Returns the instance granted to it,
+-- or 0 while it waits.
+local function fc_enter(fa, rid, now, lease)
+  local P, t, band, weight = ARGV[fa], ARGV[fa + 1], ARGV[fa + 2], tonumber(ARGV[fa + 3])
+  local charge, wake, timeout = ARGV[fa + 4], ARGV[fa + 5], tonumber(ARGV[fa + 6])
+  local strict, bws, spec, cands = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
+    ARGV[fa + 9], ARGV[fa + 10]
+  if redis.call('LLEN', P .. ':q:' .. t) == 0 then
+    -- Becomes backlogged: lifted so that idling banks no credit.
+    local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
+    local low = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')
+    local floor = tonumber(low[2] or redis.call('HGET', P .. ':floor', band) or '0')
+    if v < floor then v = floor; redis.call('HSET', P .. ':v', t, fc_num(v)) end
+    if redis.call('ZCARD', P .. ':b:' .. band) == 0 then
+      local bv = tonumber(redis.call('HGET', P .. ':bv', band) or '0')
+      local lowest = nil
+      for _, b in ipairs(redis.call('ZRANGE', P .. ':bands', 0, -1)) do
+        local o = tonumber(redis.call('HGET', P .. ':bv', b) or '0')
+        if lowest == nil or o < lowest then lowest = o end
+      end
+      if lowest and bv < lowest then redis.call('HSET', P .. ':bv', band, fc_num(lowest)) end
+      redis.call('ZADD', P .. ':bands', tonumber(band), band)
+    end
+    redis.call('ZADD', P .. ':b:' .. band, v, t)
+  end
+  redis.call('RPUSH', P .. ':q:' .. t, rid)
+  redis.call('HSET', P .. ':w', rid,
+    table.concat({wake, weight, charge, now + timeout, now, cands}, '|'))
+  local inst = fc_pump(P, now, strict, bws, spec, lease, rid)
+  if inst then return tonumber(inst) end
+  fc_stat(P, now, 'b:' .. t, 1)
+  return 0
+end
+
+-- Settlement of a request that held a slot: free it, replace the dispatch charge by the real
+-- weighted tokens, hand the slot on.
+local function fc_settle(fa, rid, now)
+  local P, t, band, weight = ARGV[fa], ARGV[fa + 1], ARGV[fa + 2], tonumber(ARGV[fa + 3])
+  local charged, served, inst = tonumber(ARGV[fa + 4]), tonumber(ARGV[fa + 5]), ARGV[fa + 6]
+  local strict, bws, spec, lease = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
+    ARGV[fa + 9], tonumber(ARGV[fa + 10])
+  redis.call('ZREM', 'gw:{i' .. inst .. '}:inflight', rid)
+  fc_charge(P, band, t, weight, served - charged, bws)
+  fc_stat(P, now, 's:' .. t, served)
+  fc_pump(P, now, strict, bws, spec, lease, nil)
+end
+""".replace("STATS_TTL", str(STATS_TTL_MS)).replace("WAKE_TTL", str(WAKE_TTL_MS))
+
+# A waiter that timed out or whose client went away: 0 when it left the queue, the instance when
+# it had been granted one meanwhile, -1 when neither (dropped past its deadline).
+LEAVE_LUA = """#!lua flags=allow-cross-slot-keys
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+""" + LUA_LIB + """
+local P, rid, tenant, band, spec = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if redis.call('HEXISTS', P .. ':w', rid) == 1 then
+  fc_unqueue(P, band, tenant, rid)
+  fc_stat(P, now, 'x:' .. tenant, 1)
+  return 0
+end
+for _, item in ipairs(fc_split(spec, ',')) do
+  local id = string.match(item, '(%d+):')
+  if redis.call('ZSCORE', 'gw:{i' .. id .. '}:inflight', rid) then return tonumber(id) end
+end
+fc_stat(P, now, 'x:' .. tenant, 1)
+return -1
+"""
+LEAVE_SCRIPT = Script(LEAVE_LUA)
+
+# A slot nobody will use (its request went on without flow control, its admission's reply lost):
+# free it and hand it on.
+RELEASE_LUA = """#!lua flags=allow-cross-slot-keys
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+""" + LUA_LIB + """
+redis.call('ZREM', 'gw:{i' .. ARGV[3] .. '}:inflight', ARGV[2])
+fc_pump(ARGV[1], now, ARGV[4] == '1', fc_split(ARGV[5], ','), ARGV[6], tonumber(ARGV[7]), nil)
+return 1
+"""
+RELEASE_SCRIPT = Script(RELEASE_LUA)
+
+
+def spec(instances: Iterable[InstanceEntry]) -> str:
+    return ",".join(f"{i.id}:{i.budget}" for i in instances)
+
+
+@dataclass(slots=True)
+class Slot:
+    """A request under flow control: what it was charged, and the instance it holds (0 while
+    it waits, or once it left the queue without one)."""
+
+    deployment_id: int
+    tenant: TenantEntry
+    charge: float
+    spec: str
+    cands: str
+    instance_id: int = 0
+
+
+class FlowControl:
+    """One per worker: its wake-up list, the requests of this worker waiting for a slot, and
+    the arguments the scripts need."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.wake_key = f"gw:fc:wake:{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+        # A connection of its own: BLPOP blocks it.
+        self.redis = PipelinedRedis(
+            config.redis_url, config.redis_timeout + BLOCK_SECONDS, name=b"llm-console-flow"
+        )
+        self.waiters: dict[str, asyncio.Future[int]] = {}
+        # Requests that left the queue after a grant whose message had not arrived yet: the
+        # request handles that slot, the message is only dropped.
+        self.left: set[str] = set()
+        # The ready instances of a deployment (the worker's catalog), to hand a slot on.
+        self.instances_of: Callable[[int], Iterable[InstanceEntry]] = lambda _: ()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._bands = ",".join(f"{w:g}" for w in config.flow_band_weights)
+        self._strict = "1" if config.flow_strict else "0"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._wake_loop(), name="gateway-flow-wake")
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self.redis.aclose()
+
+    async def _wake_loop(self) -> None:
+        while True:
+            try:
+                reply = await self.redis.execute(b"BLPOP", self.wake_key, BLOCK_SECONDS)
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("flow-control wake-ups unreachable: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if not reply:
+                continue
+            rid, inst, key = reply[1].decode().split(" ", 2)
+            future = self.waiters.get(rid)
+            if future is not None and not future.done():
+                future.set_result(int(inst))
+            elif rid in self.left:
+                self.left.discard(rid)
+            else:  # nobody waits for it here: give it back
+                self._spawn(self._release(key, rid, int(inst)))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, key: str, rid: str, instance: int) -> None:
+        match = _DEPLOYMENT.match(key)
+        if match is None:
+            return
+        instances = spec(self.instances_of(int(match.group(1))))
+        try:
+            await self.redis_for_scripts.run_script(RELEASE_SCRIPT, [], [
+                key, rid, instance, self._strict, self._bands, instances,
+                self.config.lease_ms])
+        except (RedisUnavailable, RedisReplyError) as exc:
+            log.warning("flow-control slot of %s not released (expires with its lease): %s",
+                        rid, exc)
+
+    def abandon(self, request_id: str, slot: Slot) -> None:
+        """The request goes on without flow control (its admission's reply was lost): take it
+        out of the queue, or give back the slot it may have been granted, in the background."""
+        self.forget(request_id)
+
+        async def work() -> None:
+            instance = await self.leave(request_id, slot)
+            if instance:
+                await self._release(prefix(slot.deployment_id), request_id, instance)
+
+        self._spawn(work())
+
+    def slot(self, deployment_id: int, tenant: TenantEntry, prompt: int, completion: int,
+             instances: Iterable[InstanceEntry], cands: Iterable[InstanceEntry]) -> Slot:
+        """A request's flow-control state before admission; `cands` are the instances that can
+        serve it (all of the deployment's when equal)."""
+        every = tuple(instances)
+        able = tuple(cands)
+        charge = (self.config.flow_input_weight * prompt
+                  + self.config.flow_output_weight * completion)
+        narrowed = "" if len(able) == len(every) else "," + ",".join(
+            str(i.id) for i in able) + ","
+        return Slot(deployment_id, tenant, charge, spec(every), narrowed)
+
+    def enter_args(self, slot: Slot) -> list:
+        t = slot.tenant
+        return [prefix(slot.deployment_id), t.id, t.priority, t.weight, f"{slot.charge:g}",
+                self.wake_key, int(self.config.flow_queue_timeout * 1000), self._strict,
+                self._bands, slot.spec, slot.cands]
+
+    def settle_args(self, slot: Slot, prompt: int, completion: int) -> list:
+        t = slot.tenant
+        served = (self.config.flow_input_weight * prompt
+                  + self.config.flow_output_weight * completion)
+        return [prefix(slot.deployment_id), t.id, t.priority, t.weight, f"{slot.charge:g}",
+                f"{served:g}", slot.instance_id, self._strict, self._bands, slot.spec,
+                self.config.lease_ms]
+
+    def expect(self, request_id: str) -> asyncio.Future[int]:
+        """Register before admission: a grant may arrive before the admission's reply."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.waiters[request_id] = future
+        return future
+
+    def forget(self, request_id: str) -> None:
+        self.waiters.pop(request_id, None)
+
+    async def leave(self, request_id: str, slot: Slot) -> int:
+        """Leave the queue; the instance when a grant came first (0 if none), which the
+        caller then uses or gives back through its settlement. With Redis unreachable: 0 (a
+        waiter left behind is dropped once past its deadline)."""
+        future = self.waiters.pop(request_id, None)
+        args = [prefix(slot.deployment_id), request_id, slot.tenant.id, slot.tenant.priority,
+                slot.spec]
+        try:
+            result = int(await self.redis_for_scripts.run_script(LEAVE_SCRIPT, [], args))
+        except (RedisUnavailable, RedisReplyError) as exc:
+            log.warning("%s could not leave the flow-control queue: %s", request_id, exc)
+            return 0
+        if result > 0 and (future is None or not future.done()):
+            self.left.add(request_id)  # its grant's message is still to come
+        return max(0, result)
+
+    redis_for_scripts: PipelinedRedis  # the request path's connection (set by the Meter)

@@ -1,0 +1,146 @@
+"""How a shared deployment's engines are shared: the gateway's flow-control state in Redis, read
+for the console (the keys are named here, in the domain, so that the gateway above and the
+console name the same ones).
+
+The gateway's admission and settlement scripts keep, per deployment, one queue per tenant and
+per-minute counters (`<prefix>:m:<minute>`, kept two hours): per tenant `n:` requests
+dispatched, `w:` milliseconds they waited in all, `b:` requests that had to wait, `x:` requests
+that left the queue without a slot (timeout or disconnect), `s:` weighted tokens served
+(input and output tokens weighted by GATEWAY_FLOW_INPUT/OUTPUT_TOKEN_WEIGHT). `report()` turns
+the last minutes of them into shares: a tenant's served share against its entitled share
+(its `fair_share_weight` over the weights of the deployment's tenants), and Jain's fairness
+index over the tenants that were backlogged (had a request waiting) in the window, each
+tenant's service divided by its weight: 1.0 is perfectly fair, 1/n is one tenant taking all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import redis
+from django.conf import settings
+
+from serving_app.models import Deployment
+
+WINDOW_MINUTES = 5
+
+
+def prefix(deployment_id: int) -> str:
+    """The deployment's flow-control keys."""
+    return f"gw:{{d{deployment_id}}}:fc"
+
+
+def instance_key(instance_id: int) -> str:
+    """The requests dispatched to one instance: members are request ids, scores the expiry of
+    their lease (ms, Redis's clock)."""
+    return f"gw:{{i{instance_id}}}:inflight"
+
+
+@lru_cache(maxsize=1)
+def _client() -> redis.Redis:
+    return redis.Redis.from_url(
+        settings.GATEWAY["REDIS_URL"], socket_timeout=2.0, socket_connect_timeout=2.0
+    )
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    tenant_id: int
+    tenant: str
+    band: int
+    weight: int
+    queued: int
+    dispatched: int
+    waited: int
+    left_queue: int
+    mean_wait_ms: float | None
+    served_tokens: float
+    served_share: float | None
+    entitled_share: float
+    backlogged: bool
+
+
+@dataclass(frozen=True)
+class FlowReport:
+    deployment_id: int
+    flow_control: bool
+    window_minutes: int
+    dispatched_now: dict[int, int]  # instance id -> requests it was sent and has not answered
+    tenants: list[TenantShare]
+    jain_index: float | None
+
+
+def jain_index(values: Iterable[float]) -> float | None:
+    """(sum x)^2 / (n sum x^2): 1 when all equal; None without values."""
+    xs = list(values)
+    square = sum(x * x for x in xs)
+    if not xs or square == 0:
+        return None
+    return sum(xs) ** 2 / (len(xs) * square)
+
+
+def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
+           tenant_ids: Iterable[int] | None = None) -> FlowReport:
+    """The deployment's flow control over the last `minutes`. `tenant_ids` narrows the rows
+    (a tenant sees only its own) and then leaves out the fairness index, which is about all.
+    Raises `redis.RedisError` when Redis cannot be read."""
+    client = _client()
+    key = prefix(deployment.pk)
+    now_ms = time.time() * 1000
+    minute = int(now_ms // 60000)
+    stats: dict[str, float] = defaultdict(float)
+    with client.pipeline(transaction=False) as pipe:
+        for m in range(minute - minutes + 1, minute + 1):
+            pipe.hgetall(f"{key}:m:{m}")
+        buckets = pipe.execute()
+    for bucket in buckets:
+        for field, value in bucket.items():
+            stats[field.decode()] += float(value)
+    tenants = list(deployment.tenants.all())
+    instances = list(deployment.instances.values_list("pk", flat=True))
+    with client.pipeline(transaction=False) as pipe:
+        for t in tenants:
+            pipe.llen(f"{key}:q:{t.pk}")
+        for i in instances:
+            pipe.zcount(instance_key(i), now_ms, "+inf")
+        counts = pipe.execute()
+    queued = dict(zip((t.pk for t in tenants), counts[: len(tenants)], strict=True))
+    dispatched_now = dict(zip(instances, counts[len(tenants):], strict=True))
+    total_weight = sum(t.fair_share_weight for t in tenants) or 1
+    total_served = sum(stats[f"s:{t.pk}"] for t in tenants)
+    rows = []
+    for t in tenants:
+        n, waited = int(stats[f"n:{t.pk}"]), int(stats[f"b:{t.pk}"])
+        served = stats[f"s:{t.pk}"]
+        rows.append(TenantShare(
+            tenant_id=t.pk,
+            tenant=t.slug,
+            band=int(t.priority_tier),
+            weight=t.fair_share_weight,
+            queued=queued[t.pk],
+            dispatched=n,
+            waited=waited,
+            left_queue=int(stats[f"x:{t.pk}"]),
+            mean_wait_ms=round(stats[f"w:{t.pk}"] / n, 1) if n else None,
+            served_tokens=served,
+            served_share=round(served / total_served, 4) if total_served else None,
+            entitled_share=round(t.fair_share_weight / total_weight, 4),
+            backlogged=waited > 0 or queued[t.pk] > 0,
+        ))
+    index = jain_index(r.served_tokens / r.weight for r in rows if r.backlogged)
+    if tenant_ids is not None:
+        mine = set(tenant_ids)
+        rows = [r for r in rows if r.tenant_id in mine]
+        index = None
+    return FlowReport(
+        deployment_id=deployment.pk,
+        flow_control=deployment.flow_controlled,
+        window_minutes=minutes,
+        dispatched_now=dispatched_now if tenant_ids is None else {},
+        tenants=rows,
+        jain_index=round(index, 4) if index is not None else None,
+    )

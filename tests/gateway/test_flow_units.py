@@ -1,0 +1,291 @@
+"""Flow control's scripts on real Redis, without an engine: the admission script queues beyond an
+instance's dispatch budget, settlement hands the slot to the next waiter by band, then by the
+tenants' virtual token counters; leaving the queue; the per-minute statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+
+import redis
+
+from gateway_app import flow
+from gateway_app.catalog import InstanceEntry, TenantEntry
+from gateway_app.metering import Meter
+from tests.gateway.conftest import REDIS_URL
+from tests.gateway.test_units import CONFIG
+
+_ids = iter(range(900_000, 2_000_000))
+
+
+def tenant(priority: int = 2, weight: int = 1) -> TenantEntry:
+    return TenantEntry(id=next(_ids), slug="t", active=True, priority=priority, rpm=None,
+                       tpm=None, concurrency=None, budget=None, max_tokens=None, max_prompt=None,
+                       weight=weight)
+
+
+class Engine:
+    """One deployment with instances of `budgets`, driven through a Meter like the gateway does:
+    `send()` admits (or queues) a request, `finish()` settles the oldest one in flight."""
+
+    def __init__(self, meter: Meter, *budgets: int) -> None:
+        self.meter = meter
+        self.deployment = next(_ids)
+        self.instances = [InstanceEntry(next(_ids), self.deployment, "", "", frozenset(), b)
+                          for b in budgets]
+        self.slots: dict[str, flow.Slot] = {}
+        self.futures: dict[str, asyncio.Future[int]] = {}
+        self.running: list[str] = []  # in the order they were granted
+        self.granted: list[TenantEntry] = []
+        self._n = 0
+
+    async def send(self, t: TenantEntry, prompt: int = 10, completion: int = 10) -> str:
+        assert self.meter.flow is not None
+        self._n += 1
+        rid = f"r{self.deployment}-{self._n}"
+        slot = self.meter.flow.slot(self.deployment, t, prompt, completion, self.instances,
+                                    self.instances)
+        self.futures[rid] = self.meter.flow.expect(rid)
+        _, decision = await self.meter.admit(t, rid, prompt + completion, slot)
+        self.slots[rid] = slot
+        if decision.instance > 0:
+            self.meter.flow.forget(rid)
+            self.futures.pop(rid)
+            self._granted(rid, decision.instance)
+        return rid
+
+    def _granted(self, rid: str, instance: int) -> None:
+        self.slots[rid].instance_id = instance
+        self.running.append(rid)
+        self.granted.append(self.slots[rid].tenant)
+
+    async def finish(self, rid: str | None = None, prompt: int = 10, completion: int = 10):
+        rid = rid or self.running[0]
+        self.running.remove(rid)
+        event = {"id": rid, "prompt": prompt, "completion": completion}
+        await self.meter.settle(None, prompt + completion, event, self.slots[rid])
+        await self.collect()
+
+    async def collect(self) -> None:
+        """Take the grants the settlement pushed to this worker's list."""
+        await asyncio.sleep(0)
+        for _ in range(200):
+            done = [r for r, f in self.futures.items() if f.done()]
+            for rid in done:
+                self._granted(rid, self.futures.pop(rid).result())
+                assert self.meter.flow is not None
+                self.meter.flow.forget(rid)
+            if done or not self.futures:
+                return
+            await asyncio.sleep(0.01)
+
+    def in_flight(self) -> list[int]:
+        client = redis.Redis.from_url(REDIS_URL)
+        try:
+            return [client.zcard(flow.instance_key(i.id)) for i in self.instances]
+        finally:
+            client.close()
+
+
+def run(scenario, **config) -> None:
+    async def main():
+        meter = Meter(dataclasses.replace(CONFIG, **config))
+        meter.start()
+        try:
+            await scenario(meter)
+        finally:
+            await meter.stop()
+
+    asyncio.run(main())
+
+
+def test_requests_beyond_the_budget_wait_and_get_the_freed_slot():
+    async def scenario(meter):
+        engine = Engine(meter, 2, 1)
+        a = tenant()
+        for _ in range(5):
+            await engine.send(a)
+        assert engine.in_flight() == [2, 1]
+        assert len(engine.running) == 3 and len(engine.futures) == 2
+        for _ in range(5):
+            await engine.finish()
+            assert sum(engine.in_flight()) <= 3
+            assert engine.in_flight()[0] <= 2 and engine.in_flight()[1] <= 1
+        assert engine.in_flight() == [0, 0] and not engine.futures
+
+    run(scenario)
+
+
+def test_equal_backlogged_tenants_alternate_however_many_each_sends():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        heavy, light = tenant(), tenant()
+        await engine.send(heavy)
+        for _ in range(12):
+            await engine.send(heavy)
+        for _ in range(4):
+            await engine.send(light)
+        while engine.running:
+            await engine.finish()
+        order = ["h" if t is heavy else "l" for t in engine.granted]
+        # The first request ran alone; then, while both wait, they alternate.
+        assert order[:9] == ["h", "h", "l", "h", "l", "h", "l", "h", "l"]
+
+    run(scenario)
+
+
+def test_weights_share_dispatches_in_proportion():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        double, single = tenant(weight=2), tenant(weight=1)
+        await engine.send(single)
+        for _ in range(20):
+            await engine.send(double)
+            await engine.send(single)
+        for _ in range(15):
+            await engine.finish()
+        # Counted from the first request, which ran alone (and was charged) before the queue.
+        served = Counter("d" if t is double else "s" for t in engine.granted)
+        assert abs(served["d"] - 2 * served["s"]) <= 1
+
+    run(scenario)
+
+
+def test_an_idle_tenant_is_lifted_and_cannot_bank_credit():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        busy, idle, other = tenant(), tenant(), tenant()
+        # `busy` and `other` share the engine for a while; `idle` sends nothing.
+        await engine.send(busy)
+        for _ in range(10):
+            await engine.send(busy)
+            await engine.send(other)
+        for _ in range(10):
+            await engine.finish()
+        # Now `idle` arrives: it is lifted to the lowest backlogged counter, so it alternates
+        # with the others instead of taking every slot until it has caught up.
+        for _ in range(6):
+            await engine.send(idle)
+        start = len(engine.granted)
+        for _ in range(9):
+            await engine.finish()
+        after = Counter(id(t) for t in engine.granted[start:])
+        assert after[id(idle)] <= 4
+
+    run(scenario)
+
+
+def test_strict_bands_serve_a_higher_band_first():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        low, high = tenant(priority=3), tenant(priority=1)
+        await engine.send(low)
+        for _ in range(4):
+            await engine.send(low)
+        for _ in range(4):
+            await engine.send(high)
+        for _ in range(5):
+            await engine.finish()
+        assert [t.priority for t in engine.granted[1:5]] == [1, 1, 1, 1]
+
+    run(scenario, flow_strict=True)
+
+
+def test_weighted_bands_let_a_lower_band_progress():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        low, high = tenant(priority=3), tenant(priority=1)
+        await engine.send(low)
+        for _ in range(12):
+            await engine.send(low)
+            await engine.send(high)
+        for _ in range(10):
+            await engine.finish()
+        served = Counter(t.priority for t in engine.granted[1:11])
+        # Band weights 4 (high) and 1 (low): about one low dispatch in five.
+        assert served[3] >= 1 and served[1] >= 7
+
+    run(scenario, flow_strict=False)
+
+
+def test_a_waiter_that_leaves_is_not_granted_and_a_granted_one_is_told():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        a = tenant()
+        await engine.send(a)
+        gone = await engine.send(a)
+        kept = await engine.send(a)
+        # `gone` leaves the queue: not granted, and the next slot goes to `kept`.
+        assert await meter.flow.leave(gone, engine.slots[gone]) == 0
+        engine.futures.pop(gone)
+        await engine.finish()
+        assert engine.running == [kept]
+        # A waiter granted just before it left learns its instance (to use it or give it back).
+        late = await engine.send(a)
+        engine.futures.pop(late)
+        await engine.finish()
+        instance = await meter.flow.leave(late, engine.slots[late])
+        assert instance == engine.instances[0].id
+        engine._granted(late, instance)
+        await engine.finish(late)
+        assert engine.in_flight() == [0]
+
+    run(scenario)
+
+
+def test_statistics_count_dispatches_waits_and_served_tokens():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        a = tenant()
+        await engine.send(a)
+        await engine.send(a)
+        await engine.finish(prompt=5, completion=7)
+        await engine.finish(prompt=5, completion=7)
+        client = redis.Redis.from_url(REDIS_URL)
+        try:
+            stats: Counter[str] = Counter()
+            for key in client.scan_iter(flow.prefix(engine.deployment) + ":m:*"):
+                for field, value in client.hgetall(key).items():
+                    stats[field.decode()] += float(value)
+        finally:
+            client.close()
+        assert stats[f"n:{a.id}"] == 2 and stats[f"b:{a.id}"] == 1
+        assert stats[f"s:{a.id}"] == 2 * (5 + 2 * 7)
+
+    run(scenario)
+
+
+async def settled(check) -> None:
+    for _ in range(300):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_a_slot_nobody_waits_for_is_given_back():
+    """A request whose admission's reply was lost goes on without flow control: the slot it was
+    granted at admission, or later through its worker's list, is freed and handed on."""
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        meter.flow.instances_of = lambda _: engine.instances
+        a = tenant()
+        first = await engine.send(a)
+        lost = await engine.send(a)  # waits; then its worker forgets it, as after a lost reply
+        meter.flow.forget(lost)
+        engine.futures.pop(lost)
+        third = await engine.send(a)
+        await engine.finish(first)  # grants `lost`, whose worker gives the slot back: to `third`
+        await settled(lambda: third not in engine.futures or engine.futures[third].done())
+        await engine.collect()
+        assert engine.running == [third]
+        # Granted at admission and then abandoned: freed in the background.
+        await engine.finish(third)
+        abandoned = await engine.send(a)
+        assert engine.running == [abandoned] and engine.in_flight() == [1]
+        engine.running.clear()
+        meter.flow.abandon(abandoned, engine.slots[abandoned])
+        await settled(lambda: engine.in_flight() == [0])
+        assert engine.in_flight() == [0]
+
+    run(scenario)
