@@ -217,3 +217,6 @@ def test_a_burst_scales_up_idle_scales_back_down_to_zero_and_a_request_wakes_it(
     assert traffic.failures == []
     assert set(traffic.statuses) == {200}
     assert traffic.statuses[200] >= BURST + 2, traffic.statuses
+    print(f"{traffic.statuses[200]} requests through the gateway, all 200; decisions: "
+          + "; ".join(f"{e.changes['replicas']} {e.changes['reason']}" for e in decisions(
+              deployment)))
