@@ -8,7 +8,7 @@ requests with a target of 1. The burst scales it to 2 (and stops: on two cores a
 starves the start of the next); a second burst is spread over both instances without a change;
 once it stops, idle over the down window, the deployment goes back to 1. The range is then
 lowered to 0..2: idle, it goes to zero, and the first request after that is held by the
-gateway while the deployment wakes, then served. Each change is an `autoscale` entry with its
+gateway while the deployment wakes, then served. Each change is an `autoscale` event with its
 reason, and no request failed on the way. Three engine starts, at most two engines alive at
 once.
 """
@@ -24,8 +24,8 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from audit_app.models import AuditLog
 from benchmarks.gateway_bench import kill_group
+from serving_app.events import Event, Kind
 from serving_app.models import Deployment, EngineSample, Instance
 from tenants_app.models import ApiKey, Tenant
 from tests.api.helpers import as_user
@@ -92,13 +92,13 @@ class Traffic:
         assert not any(thread.is_alive() for thread in self._threads)
 
 
-def decisions(deployment_id: int) -> list[AuditLog]:
-    return list(AuditLog.objects.filter(action="autoscale", object_id=str(deployment_id))
-                .order_by("pk"))
+def decisions(deployment_id: int) -> list[Event]:
+    return list(Event.objects.filter(kind=Kind.AUTOSCALE, deployment_id=deployment_id)
+                .order_by("id"))
 
 
 def replica_changes(deployment_id: int) -> list[list[int]]:
-    return [entry.changes["replicas"] for entry in decisions(deployment_id)]
+    return [entry.data["replicas"] for entry in decisions(deployment_id)]
 
 
 def live(deployment_id: int) -> list[Instance]:
@@ -198,25 +198,25 @@ def test_a_burst_scales_up_idle_scales_back_down_to_zero_and_a_request_wakes_it(
 
     # Every decision recorded with its figures and reason, in order.
     up, down, to_zero, wake = decisions(deployment)
-    assert [e.changes["replicas"] for e in (up, down, to_zero, wake)] == [
+    assert [e.data["replicas"] for e in (up, down, to_zero, wake)] == [
         [1, 2], [2, 1], [1, 0], [0, 1]]
-    assert up.changes["reason"].startswith(f"{WAITING} ")
-    assert up.changes["reason"].endswith("over 1 ready instance(s) against a target of 1")
-    assert up.changes["values"][0] > 1 and up.changes["recommendation"] == 2
+    assert up.data["reason"].startswith(f"{WAITING} ")
+    assert up.data["reason"].endswith("over 1 ready instance(s) against a target of 1")
+    assert up.data["values"][0] > 1 and up.data["recommendation"] == 2
     # (Idle by then or not, by a second: the reason may add that nothing was generated.)
-    assert down.changes["reason"].startswith(
+    assert down.data["reason"].startswith(
         f"{WAITING} 0.00 over 2 ready instance(s) against a target of 1")
-    assert down.changes["values"] == [0, 0] and down.changes["recommendation"] == 1
-    assert to_zero.changes["reason"] == (
+    assert down.data["values"] == [0, 0] and down.data["recommendation"] == 1
+    assert to_zero.data["reason"] == (
         f"{WAITING} 0.00 over 1 ready instance(s) against a target of 1; nothing was "
         "generated over the down window")
-    assert to_zero.changes["recommendation"] == 0
-    assert wake.changes["reason"] == "a request arrived while at zero"
+    assert to_zero.data["recommendation"] == 0
+    assert wake.data["reason"] == "a request arrived while at zero"
 
     # Not one request failed, from the first to the one that woke the deployment.
     assert traffic.failures == []
     assert set(traffic.statuses) == {200}
     assert traffic.statuses[200] >= BURST + 2, traffic.statuses
     print(f"{traffic.statuses[200]} requests through the gateway, all 200; decisions: "
-          + "; ".join(f"{e.changes['replicas']} {e.changes['reason']}" for e in decisions(
+          + "; ".join(f"{e.data['replicas']} {e.data['reason']}" for e in decisions(
               deployment)))
