@@ -171,6 +171,21 @@ def _choose_port(instance: Instance, config: AgentConfig) -> int:
     raise StartError(f"No free port in {low}-{high} on {config.name}.")
 
 
+# An agent runs its tasks in threads: two starts at once on this node must not both find the
+# same port free before either has recorded it (the second engine would fail to bind, and its
+# health check would reach the first one's engine).
+_PORT_LOCK = threading.Lock()
+
+
+def _claim_port(instance: Instance, config: AgentConfig) -> int:
+    """Choose a port for the instance and record it, one start at a time on this node."""
+    with _PORT_LOCK:
+        port = _choose_port(instance, config)
+        Instance.objects.filter(pk=instance.pk).update(port=port)
+    instance.port = port
+    return port
+
+
 class StartError(Exception):
     """A reason an engine cannot be started, shown on the instance."""
 
@@ -288,13 +303,11 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     revision = instance.revision.number if instance.revision else None
     try:
         _preflight(instance)
-        port = _choose_port(instance, config)
+        port = _claim_port(instance, config)
     except StartError as exc:
         _write_log(log_path, f"not started: {exc}")
         _fail(instance, str(exc), log_path=str(log_path))
         return "failed"
-    Instance.objects.filter(pk=instance.pk).update(port=port)
-    instance.port = port
     adapters, adapter_errors = usable_adapters(instance, log_path)
     # The settings of the instance's own revision, whatever was edited since.
     spec = build_launch_spec(
