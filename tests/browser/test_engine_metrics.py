@@ -52,7 +52,8 @@ def idle(metrics: dict[str, float]) -> bool:
     return metrics[GAUGES["requests_running"]] == metrics[GAUGES["requests_waiting"]] == 0
 
 
-def complete(engine, prompt: str, max_tokens: int, usage: list[dict], stream: bool = False):
+def complete(engine, prompt: str, max_tokens: int, usage: list[dict], stream: bool = False,
+             started: threading.Event | None = None):
     body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
             "ignore_eos": True, "stream": stream}
     headers = {"Authorization": f"Bearer {engine.secret}"}
@@ -66,6 +67,8 @@ def complete(engine, prompt: str, max_tokens: int, usage: list[dict], stream: bo
                       timeout=120) as reply:
         for line in reply.raise_for_status().iter_lines():
             if line.startswith("data: {"):
+                if started is not None:
+                    started.set()  # the first token is out: its prompt was processed
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage.append(chunk["usage"])
@@ -93,35 +96,28 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
     for n in range(3):
         complete(engine, f"metrics test {n}: tell a story", 8, usage)
     failures: list[Exception] = []
+    started = [threading.Event() for _ in range(2)]
 
     def long_stream(n: int) -> None:
         try:
-            complete(engine, f"a long story {n}", 400, usage, stream=True)
+            complete(engine, f"a long story {n}", 900, usage, stream=True, started=started[n])
         except Exception as exc:  # noqa: BLE001 - reported by the test below
             failures.append(exc)
-
-    readings: list[tuple[float, float]] = []
-
-    def both_running() -> bool:
-        now = engine.metrics()
-        readings.append((now[GAUGES["requests_running"]], now[GAUGES["requests_waiting"]]))
-        return readings[-1] == (2, 0)
 
     streams = [threading.Thread(target=long_stream, args=(n,)) for n in range(2)]
     for stream in streams:
         stream.start()
     try:
-        try:
-            wait_until(both_running, 60, "both streams running")
-        except RuntimeError as exc:
-            raise AssertionError(f"{exc}; (running, waiting) read: {readings[-10:]}; "
-                                 f"stream errors: {failures}") from exc
+        # Both streams have their first token (900 tokens each keep the engine busy for a
+        # while after that): a scrape now reads a busy engine that has seen all five prompts.
+        wait_until(lambda: all(e.is_set() for e in started) or failures, 60,
+                   "both streams started")
         before, busy, after = bracketed_scrape(engine)
     finally:
         for stream in streams:
             stream.join(120)
     assert failures == []
-    assert busy.interval_seconds > 0
+    assert busy.interval_seconds > 0 and busy.requests_running >= 1
     # All five prompts were processed before this scrape, and both streams began: their first
     # tokens are in this interval's time-to-first-token histogram, as in the engine's.
     assert before["vllm:prompt_tokens_total"] == busy.prompt_tokens_total
