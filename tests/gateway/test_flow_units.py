@@ -47,7 +47,7 @@ class Engine:
         slot = self.meter.flow.slot(self.deployment, t, prompt, completion, self.instances,
                                     self.instances)
         self.futures[rid] = self.meter.flow.expect(rid)
-        _, decision = await self.meter.admit(t, rid, prompt + completion, slot)
+        _, decision = await self.meter.admit(t, rid, prompt + completion, slot=slot)
         self.slots[rid] = slot
         if decision.instance > 0:
             self.meter.flow.forget(rid)
@@ -64,7 +64,7 @@ class Engine:
         rid = rid or self.running[0]
         self.running.remove(rid)
         event = {"id": rid, "prompt": prompt, "completion": completion}
-        await self.meter.settle(None, prompt + completion, event, self.slots[rid])
+        await self.meter.settle(None, prompt + completion, event, slot=self.slots[rid])
         await self.collect()
 
     async def collect(self) -> None:
