@@ -108,8 +108,9 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
     for stream in streams:
         stream.start()
     try:
-        # Both streams have their first token (900 tokens each keep the engine busy for a
-        # while after that): a scrape now reads a busy engine that has seen all five prompts.
+        # Both streams have their first token: a scrape now reads an engine that has seen all
+        # five prompts (the tiny model may finish the streams within a second, so whether they
+        # still run is left to the bracketing reads).
         wait_until(lambda: all(e.is_set() for e in started) or failures, 60,
                    "both streams started")
         before, busy, after = bracketed_scrape(engine)
@@ -117,7 +118,7 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
         for stream in streams:
             stream.join(120)
     assert failures == []
-    assert busy.interval_seconds > 0 and busy.requests_running >= 1
+    assert busy.interval_seconds > 0
     # All five prompts were processed before this scrape, and both streams began: their first
     # tokens are in this interval's time-to-first-token histogram, as in the engine's.
     assert before["vllm:prompt_tokens_total"] == busy.prompt_tokens_total
