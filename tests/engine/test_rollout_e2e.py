@@ -215,12 +215,15 @@ def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stop
         assert [(s.error, s.finish_reason) for s in streams] == [("", "length")] * 3
 
         # The first old instance left routing while its stream was in flight, and stopped only
-        # once that stream had ended.
+        # once that stream had ended: the stream got every token it asked for (an engine stopped
+        # sooner cuts it short, with no finish reason), and the drain ended on a count of zero,
+        # not on its timeout. (The client may read the stream's last bytes a little after the
+        # gateway relayed them and settled the request, so their clocks are not compared.)
         drained = Event.objects.filter(kind=Kind.DRAINED, instance=first_old).get()
         began = Event.objects.filter(kind=Kind.DRAINING, instance=first_old).get()
         its_stream = next(s for s in streams if s.instance == first_old.pk)
         assert began.created_at.timestamp() < its_stream.ended_at
-        assert drained.created_at.timestamp() >= its_stream.ended_at - 1.0
+        assert its_stream.finish_reason == "length" and not its_stream.error
         assert drained.data["in_flight"] == 0
 
         # A revision whose engine cannot start: the rollout stops, the old instances serve on.
