@@ -12,6 +12,7 @@ samples add up to the tokens the engine reported in its own responses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -21,7 +22,7 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from serving_app.engine import scrape
-from serving_app.models import BaseModel, Instance, Node
+from serving_app.models import BaseModel, EngineSample, Instance, Node
 from tests.api.helpers import as_user
 from tests.browser.conftest import shot, sign_in
 from tests.engines import MODELS, wait_until
@@ -96,33 +97,41 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
     for n in range(3):
         complete(engine, f"metrics test {n}: tell a story", 8, usage)
     failures: list[Exception] = []
-    started = [threading.Event() for _ in range(2)]
+    # Two long streams, then a scrape as soon as the engine reports them running. The tiny
+    # model can finish them within a second, so a scrape that came too late (nothing running
+    # in its sample) is followed by another pair, a few times at most.
+    busy = None
+    for attempt in range(5):
+        started = [threading.Event() for _ in range(2)]
 
-    def long_stream(n: int) -> None:
-        try:
-            complete(engine, f"a long story {n}", 900, usage, stream=True, started=started[n])
-        except Exception as exc:  # noqa: BLE001 - reported by the test below
-            failures.append(exc)
+        def long_stream(n: int, started=started, attempt=attempt) -> None:
+            try:
+                complete(engine, f"a long story {attempt}.{n}", 900, usage, stream=True,
+                         started=started[n])
+            except Exception as exc:  # noqa: BLE001 - reported by the test below
+                failures.append(exc)
 
-    streams = [threading.Thread(target=long_stream, args=(n,)) for n in range(2)]
-    for stream in streams:
-        stream.start()
-    try:
-        # Both streams have their first token: a scrape now reads an engine that has seen all
-        # five prompts (the tiny model may finish the streams within a second, so whether they
-        # still run is left to the bracketing reads).
-        wait_until(lambda: all(e.is_set() for e in started) or failures, 60,
-                   "both streams started")
-        before, busy, after = bracketed_scrape(engine)
-    finally:
+        streams = [threading.Thread(target=long_stream, args=(n,)) for n in range(2)]
         for stream in streams:
-            stream.join(120)
-    assert failures == []
+            stream.start()
+        try:
+            wait_until(lambda started=started: all(e.is_set() for e in started) or failures,
+                       60, "both streams started")
+            with contextlib.suppress(RuntimeError):
+                wait_until(lambda: engine.metric(GAUGES["requests_running"]) >= 1, 5,
+                           "the streams running")
+            before, sample, after = bracketed_scrape(engine)
+        finally:
+            for stream in streams:
+                stream.join(120)
+        assert failures == []
+        if sample.requests_running >= 1:
+            busy = sample
+            break
+    assert busy is not None, "no scrape caught the engine generating"
     assert busy.interval_seconds > 0
-    # All five prompts were processed before this scrape, and both streams began: their first
-    # tokens are in this interval's time-to-first-token histogram, as in the engine's.
+    # Every prompt so far was processed before this scrape, and both streams began.
     assert before["vllm:prompt_tokens_total"] == busy.prompt_tokens_total
-    assert sum(count for _, _, count in busy.ttft_buckets) == 5
     assert busy.ttft_p50_ms is not None and busy.itl_p95_ms is not None
     assert busy.requests_waiting == 0
 
@@ -135,17 +144,22 @@ def test_samples_match_the_engines_own_metrics_and_are_drawn(page, engine, trans
     for field, name in COUNTERS.items():
         assert getattr(last, f"{field}_total") == after[name], field
     assert last.kv_cache_usage == after["vllm:kv_cache_usage_perc"]
-    # The increases add up to what the engine counted for the five requests it answered.
-    assert len(usage) == 5
-    assert busy.prompt_tokens + last.prompt_tokens == sum(u["prompt_tokens"] for u in usage)
-    assert busy.generation_tokens + last.generation_tokens == sum(
+    # The increases of the samples after the first add up to what the engine counted for the
+    # requests it answered, and each request's first token is in one interval's histogram.
+    samples = list(EngineSample.objects.filter(instance=instance).order_by("at"))
+    assert samples[0].pk == first.pk and samples[-1].pk == last.pk
+    later = samples[1:]
+    assert len(usage) == 3 + 2 * (len(later) - 1)
+    assert sum(s.prompt_tokens for s in later) == sum(u["prompt_tokens"] for u in usage)
+    assert sum(s.generation_tokens for s in later) == sum(
         u["completion_tokens"] for u in usage)
+    assert sum(count for s in later for _, _, count in s.ttft_buckets) == len(usage)
 
     api = as_user(admin).get(f"/api/v1/deployments/{deployment.pk}/metrics/").json()
     assert [s["prompt_tokens_total"] for s in api["samples"]] == [
-        first.prompt_tokens_total, busy.prompt_tokens_total, last.prompt_tokens_total]
-    assert api["samples"][1]["requests_running"] == busy.requests_running
-    assert api["samples"][2]["generation_tokens_total"] == after["vllm:generation_tokens_total"]
+        s.prompt_tokens_total for s in samples]
+    assert api["samples"][samples.index(busy)]["requests_running"] == busy.requests_running
+    assert api["samples"][-1]["generation_tokens_total"] == after["vllm:generation_tokens_total"]
 
     sign_in(page, "root-admin")
     page.goto(f"/deployments/{deployment.pk}/?range=15m")
