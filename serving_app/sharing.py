@@ -40,11 +40,15 @@ def instance_key(instance_id: int) -> str:
     return f"gw:{{i{instance_id}}}:inflight"
 
 
-@lru_cache(maxsize=1)
 def _client() -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.GATEWAY["REDIS_URL"], socket_timeout=2.0, socket_connect_timeout=2.0
-    )
+    """A client of the gateway's Redis as the settings name it now (one per address, so a
+    changed setting is followed)."""
+    return _client_for(settings.GATEWAY["REDIS_URL"])
+
+
+@lru_cache(maxsize=8)
+def _client_for(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
 
 @dataclass(frozen=True)
