@@ -38,7 +38,7 @@ def key(instance_id: int) -> str:
     return f"gw:{{i{instance_id}}}:inflight"
 
 
-def _client() -> redis.Redis:
+def client() -> redis.Redis:
     """A client of the gateway's Redis as the settings name it now (one per address, so a
     changed setting is followed)."""
     return _client_for(settings.GATEWAY["REDIS_URL"])

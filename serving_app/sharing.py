@@ -19,11 +19,8 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 
-import redis
-from django.conf import settings
-
+from serving_app import inflight
 from serving_app.models import Deployment
 
 WINDOW_MINUTES = 5
@@ -32,23 +29,6 @@ WINDOW_MINUTES = 5
 def prefix(deployment_id: int) -> str:
     """The deployment's flow-control keys."""
     return f"gw:{{d{deployment_id}}}:fc"
-
-
-def instance_key(instance_id: int) -> str:
-    """The requests dispatched to one instance: members are request ids, scores the expiry of
-    their lease (ms, Redis's clock)."""
-    return f"gw:{{i{instance_id}}}:inflight"
-
-
-def _client() -> redis.Redis:
-    """A client of the gateway's Redis as the settings name it now (one per address, so a
-    changed setting is followed)."""
-    return _client_for(settings.GATEWAY["REDIS_URL"])
-
-
-@lru_cache(maxsize=8)
-def _client_for(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
 
 @dataclass(frozen=True)
@@ -92,7 +72,7 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
     """The deployment's flow control over the last `minutes`. `tenant_ids` narrows the rows
     (a tenant sees only its own) and then leaves out the fairness index, which is about all.
     Raises `redis.RedisError` when Redis cannot be read."""
-    client = _client()
+    client = inflight.client()
     key = prefix(deployment.pk)
     now_ms = time.time() * 1000
     minute = int(now_ms // 60000)
@@ -110,7 +90,7 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
         for t in tenants:
             pipe.llen(f"{key}:q:{t.pk}")
         for i in instances:
-            pipe.zcount(instance_key(i), now_ms, "+inf")
+            pipe.zcount(inflight.key(i), now_ms, "+inf")
         counts = pipe.execute()
     queued = dict(zip((t.pk for t in tenants), counts[: len(tenants)], strict=True))
     dispatched_now = dict(zip(instances, counts[len(tenants):], strict=True))

@@ -10,7 +10,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from serving_app import sharing
+from serving_app import inflight, sharing
 from serving_app.models import Instance
 from tests.api.helpers import as_user
 from tests.factories import add_member, make_deployment, make_tenant, make_user
@@ -31,7 +31,7 @@ def shared(acme, globex, base_model):
     key = sharing.prefix(deployment.pk)
     for stale in client.scan_iter(key + ":*"):
         client.delete(stale)
-    client.delete(sharing.instance_key(instance.pk))
+    client.delete(inflight.key(instance.pk))
     a, g = acme.tenant.pk, globex.tenant.pk
     minute = int(time.time() // 60)
     client.hset(f"{key}:m:{minute}", mapping={
@@ -40,13 +40,13 @@ def shared(acme, globex, base_model):
     })
     client.rpush(f"{key}:q:{g}", "r1", "r2")
     now_ms = time.time() * 1000
-    client.zadd(sharing.instance_key(instance.pk), {"r3": now_ms + 60_000,
+    client.zadd(inflight.key(instance.pk), {"r3": now_ms + 60_000,
                                                     "r4": now_ms + 60_000,
                                                     "gone": now_ms - 1})
     yield {"deployment": deployment, "instance": instance}
     for stale in client.scan_iter(key + ":*"):
         client.delete(stale)
-    client.delete(sharing.instance_key(instance.pk))
+    client.delete(inflight.key(instance.pk))
     client.close()
 
 
