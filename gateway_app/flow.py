@@ -48,10 +48,9 @@ from typing import Any
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
-from serving_app.inflight import key as instance_key
 from serving_app.sharing import prefix
 
-__all__ = ["FlowControl", "Slot", "instance_key", "prefix"]
+__all__ = ["FlowControl", "Slot", "prefix"]
 
 log = logging.getLogger(__name__)
 

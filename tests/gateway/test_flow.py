@@ -26,6 +26,7 @@ from django.conf import settings
 
 from benchmarks.gateway_bench import kill_group
 from gateway_app import flow
+from serving_app import inflight
 from tests.gateway.conftest import REDIS_URL, World, _test_database_url, start_gateway
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
@@ -42,6 +43,22 @@ def strict_gateway(django_db_setup, django_db_blocker, gateways):
                        GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS="3")
     yield gw
     kill_group(gw.proc)
+
+
+@pytest.fixture(scope="module")
+def flood_gateways(django_db_setup, django_db_blocker):
+    """Three workers over two servers, like `gateways`, whose queue timeout outlasts the flood's
+    waits: 36 closed-loop clients of one tenant share about half of a budget of 2, so each of
+    their requests waits about 72 / (completions per second) in the queue, over the default
+    30 s when the engine is slow (the test is about who is served, not about timeouts)."""
+    url = _test_database_url()
+    servers = [start_gateway(url, workers=2, GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS="300")]
+    try:
+        servers.append(start_gateway(url, workers=1, GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS="300"))
+        yield servers
+    finally:
+        for gw in servers:
+            kill_group(gw.proc)
 
 
 def set_budget(world: World, budget: int, flow_control: bool = True) -> None:
@@ -75,7 +92,7 @@ def block_instance(world: World, member: str = "blocker") -> None:
     """Take the instance's whole budget of 1 with a request that never settles."""
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        client.zadd(flow.instance_key(world.instance.pk), {member: time.time() * 1000 + 600_000})
+        client.zadd(inflight.key(world.instance.pk), {member: time.time() * 1000 + 600_000})
     finally:
         client.close()
 
@@ -83,7 +100,7 @@ def block_instance(world: World, member: str = "blocker") -> None:
 def unblock_instance(world: World, member: str = "blocker") -> None:
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        client.zrem(flow.instance_key(world.instance.pk), member)
+        client.zrem(inflight.key(world.instance.pk), member)
     finally:
         client.close()
 
@@ -155,7 +172,7 @@ class Watch:
 
     def _run(self) -> None:
         client = redis.Redis.from_url(REDIS_URL)
-        key = flow.instance_key(self.world.instance.pk)
+        key = inflight.key(self.world.instance.pk)
         try:
             while not self._stop.is_set():
                 metrics = self.engine.metrics()
@@ -178,7 +195,7 @@ def weighted_served(done, secret: str, window: slice) -> float:
 
 
 def test_equal_backlogged_tenants_are_served_within_the_bound_and_fcfs_is_not(
-    world, engine, gateways
+    world, engine, flood_gateways
 ):
     """acme floods with 36 concurrent clients, globex with 12, both always backlogged, through
     three gateway workers. With flow control (budget 2) their weighted tokens served differ by
@@ -187,7 +204,7 @@ def test_equal_backlogged_tenants_are_served_within_the_bound_and_fcfs_is_not(
     more than the budget at the engine (its own running + waiting counts, and the gateway's)."""
     budget = 2
     set_budget(world, budget)
-    urls = [g.url for g in gateways]
+    urls = [g.url for g in flood_gateways]
     let_gateways_reload()
     clients = {world.acme_secret: 36, world.globex_secret: 12}
     prompt_bound = len(PROMPT.encode()) + 16  # what admission reserves (docs/gateway.md)

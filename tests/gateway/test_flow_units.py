@@ -13,6 +13,7 @@ import redis
 from gateway_app import flow
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.metering import Meter
+from serving_app import inflight
 from tests.gateway.conftest import REDIS_URL
 from tests.gateway.test_units import CONFIG
 
@@ -83,7 +84,7 @@ class Engine:
     def in_flight(self) -> list[int]:
         client = redis.Redis.from_url(REDIS_URL)
         try:
-            return [client.zcard(flow.instance_key(i.id)) for i in self.instances]
+            return [client.zcard(inflight.key(i.id)) for i in self.instances]
         finally:
             client.close()
 
