@@ -8,7 +8,7 @@ from typing import Any
 
 from django import forms
 
-from alerts_app.metrics import REGISTRY, TENANT_SCOPES, Scope, tenant_metrics
+from alerts_app.metrics import TENANT_SCOPES, Scope, tenant_metrics
 from alerts_app.models import Alert, AlertRule, Channel, Silence
 from tenants_app.models import Tenant
 
@@ -34,9 +34,6 @@ class RuleForm(forms.ModelForm):
             metric.choices = [(s.metric.value, s.label) for s in tenant_metrics()]
             scope.choices = [(s.value, s.label) for s in TENANT_SCOPES]
             self.fields["target"].help_text = "A model's public name. Empty: each model."
-        else:
-            metric.choices = [(key, s.label + ("" if s.available else " (not yet)"))
-                              for key, s in REGISTRY.items()]
 
 
 class ChannelForm(forms.ModelForm):

@@ -2,8 +2,7 @@
 tenant may put a rule on it, and where its values come from.
 
 The registry is data, read by the rule model's validation, the forms, the API and the
-evaluator alike. A metric whose source is not in the console yet is listed with `available`
-False and the reason: rules on it are refused with that reason, rather than never firing.
+evaluator alike.
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from django.db import models
+
+from serving_app.sharing import STATS_KEPT_SECONDS
 
 
 class Scope(models.TextChoices):
@@ -48,7 +49,8 @@ class Source(models.TextChoices):
     NODES = "nodes", "Node heartbeats"
     METERING = "metering", "The usage stream"
     ENGINE = "engine", "Engine metric samples"
-    PENDING = "pending", "Not in the console yet"
+    FLOW = "flow", "The gateway's flow-control counters"
+    ROLLOUTS = "rollouts", "Rollout states"
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,7 @@ class MetricSpec:
     tenant_allowed: bool = False
     quantile: bool = False  # the rule names a percentile (latency, TTFT)
     windowed: bool = True  # the value is read over the rule's window
-    unavailable: str = ""  # why rules on it are refused for now
-
-    @property
-    def available(self) -> bool:
-        return not self.unavailable
+    max_window_seconds: int = 0  # the longest window its source keeps (0: any)
 
     @property
     def label(self) -> str:
@@ -93,10 +91,11 @@ REGISTRY: dict[str, MetricSpec] = {
         MetricSpec(Metric.METERING_LAG, "s", (Scope.CLUSTER,), Source.METERING, windowed=False),
         MetricSpec(Metric.ENGINE_QUEUE, "requests", _ENGINES, Source.ENGINE),
         MetricSpec(Metric.KV_CACHE, "%", _ENGINES, Source.ENGINE),
-        MetricSpec(Metric.GATEWAY_QUEUE_WAIT, "ms", (Scope.CLUSTER, Scope.TENANT),
-                   Source.PENDING, unavailable="the gateway does not queue requests yet"),
+        MetricSpec(Metric.GATEWAY_QUEUE_WAIT, "ms", (Scope.CLUSTER, Scope.DEPLOYMENT,
+                                                     Scope.TENANT),
+                   Source.FLOW, max_window_seconds=STATS_KEPT_SECONDS),
         MetricSpec(Metric.ROLLOUT_FAILED, "rollouts", (Scope.CLUSTER, Scope.DEPLOYMENT),
-                   Source.PENDING, unavailable="rollouts are not recorded as events yet"),
+                   Source.ROLLOUTS, windowed=False),
     )
 }
 
@@ -110,4 +109,4 @@ def spec(metric: str) -> MetricSpec:
 
 
 def tenant_metrics() -> list[MetricSpec]:
-    return [s for s in REGISTRY.values() if s.tenant_allowed and s.available]
+    return [s for s in REGISTRY.values() if s.tenant_allowed]

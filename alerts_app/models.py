@@ -151,8 +151,11 @@ class AlertRule(models.Model):
         metric = REGISTRY.get(self.metric)
         if metric is None:
             raise ValidationError({"metric": "Unknown metric."})
-        if not metric.available:
-            errors["metric"] = f"{metric.label} cannot be watched yet: {metric.unavailable}."
+        if (metric.max_window_seconds and metric.windowed
+                and self.window_seconds > metric.max_window_seconds):
+            errors["window_seconds"] = (f"{metric.label} is kept for "
+                                        f"{metric.max_window_seconds} s: choose a window of "
+                                        "at most that.")
         if self.scope not in metric.scopes:
             allowed = ", ".join(str(s) for s in metric.scopes)
             errors["scope"] = f"{metric.label} has values per {allowed}, not per {self.scope}."

@@ -29,9 +29,10 @@ from django.db.models.functions import Cast
 
 from alerts_app.metrics import Metric, Scope, Source
 from alerts_app.models import AlertRule
-from serving_app import health
+from serving_app import health, sharing
 from serving_app.engine_metrics import EngineSample
 from serving_app.models import Deployment, Gpu, GpuSample, Instance, Node
+from serving_app.revisions import Rollout
 from serving_app.usage import (
     LATENCY_FIELDS,
     TTFT_FIELDS,
@@ -93,6 +94,8 @@ class Snapshot:
         self._engines: dict[int, list[tuple[int, int, int | None, float, float]]] = {}
         self._budgets: dict[int, float] | None = None
         self._lag: float | None | bool = False  # False: not read yet
+        self._flow: dict[int, dict[tuple[int, int], list[float]] | None] = {}
+        self._failed_rollouts: dict[int, bool] | None = None
         self.tenants = {t.pk: t for t in Tenant.objects.all()}
         self._deployments: dict[int, Deployment] | None = None
         self._nodes: dict[int, Node] | None = None
@@ -253,6 +256,44 @@ class Snapshot:
                 client.close()
         return self._lag if self._lag is not False else None
 
+    def flow_controlled(self) -> list[int]:
+        """The running deployments whose requests go through the gateway's flow control."""
+        return [d.pk for d in self.deployments.values()
+                if d.desired_state == Deployment.DesiredState.RUNNING and d.flow_controlled]
+
+    def flow_waits(self, window_seconds: int) -> dict[tuple[int, int], list[float]] | None:
+        """Per (deployment, tenant) with requests through the gateway's queue in the window:
+        [requests dispatched, ms they waited, requests that left the queue without a slot, ms
+        those waited], from the gateway's per-minute counters (whole minutes, the current one
+        included). None when Redis cannot be read."""
+        if window_seconds in self._flow:
+            return self._flow[window_seconds]
+        minutes = max(1, -(-window_seconds // 60))
+        try:
+            stats = sharing.minute_stats(self.flow_controlled(), self.now.timestamp(), minutes)
+        except redis.RedisError:
+            self._flow[window_seconds] = None
+            return None
+        waits: dict[tuple[int, int], list[float]] = {}
+        fields = ("n", "w", "x", "xw")
+        for deployment_id, counters in stats.items():
+            for name, value in counters.items():
+                kind, _, tenant = name.partition(":")
+                if kind in fields and tenant.isdigit():
+                    row = waits.setdefault((deployment_id, int(tenant)), [0.0] * 4)
+                    row[fields.index(kind)] += value
+        self._flow[window_seconds] = waits
+        return waits
+
+    def failed_rollouts(self) -> dict[int, bool]:
+        """Per deployment with a rollout: whether its latest one failed (a later rollout, a
+        rollback or an abort clears it)."""
+        if self._failed_rollouts is None:
+            latest = (Rollout.objects.order_by("deployment_id", "-created_at", "-pk")
+                      .distinct("deployment_id").values_list("deployment_id", "state"))
+            self._failed_rollouts = {d: state == Rollout.State.FAILED for d, state in latest}
+        return self._failed_rollouts
+
     def crash_loops(self) -> list[tuple[int, int | None]]:
         """(deployment, node) of each instance in crash loop."""
         return list(Instance.objects.filter(state=Instance.State.CRASH_LOOP)
@@ -344,7 +385,58 @@ class Reader:
             return [Reading("cluster", "cluster", None, self.s.metering_lag())]
         if source == Source.ENGINE:
             return self._engines(rule)
+        if source == Source.FLOW:
+            return self._queue_waits(rule)
+        if source == Source.ROLLOUTS:
+            failed = self.s.failed_rollouts()
+            if rule.scope == Scope.CLUSTER:
+                return [Reading("cluster", "cluster", None, float(sum(failed.values())))]
+            ids = ([d.pk for d in self.s.deployments.values() if d.name == rule.target]
+                   if rule.target else list(self.s.deployments))
+            return [Reading(*self.deployment_key(d), None, 1.0 if failed.get(d) else 0.0)
+                    for d in ids]
         return []
+
+    def _queue_waits(self, rule: AlertRule) -> list[Reading]:
+        """The mean wait in the gateway's queue of the requests that went through it in the
+        window: those dispatched and those that left without a slot (timed out or
+        disconnected), which count with the time they had waited. No requests: no data."""
+        waits = self.s.flow_waits(rule.window_seconds)
+        if waits is None:  # Redis unreadable: every expected key reads as no data
+            waits = {}
+        per_scope: dict[Any, list[float]] = defaultdict(lambda: [0.0] * 4)
+        for (deployment_id, tenant_id), row in waits.items():
+            for key in ("cluster", ("deployment", deployment_id), ("tenant", tenant_id)):
+                per_scope[key] = [a + b for a, b in zip(per_scope[key], row, strict=True)]
+
+        def reading(key: str, label: str, tenant_id: int | None, scope_key: Any) -> Reading:
+            row = per_scope.get(scope_key)
+            requests = (row[0] + row[2]) if row else 0.0
+            if not row or not requests:
+                return Reading(key, label, tenant_id, None, {"requests": 0})
+            return Reading(key, label, tenant_id, (row[1] + row[3]) / requests,
+                           {"requests": int(row[0]), "left_queue": int(row[2])})
+
+        controlled = self.s.flow_controlled()
+        if rule.scope == Scope.CLUSTER:
+            if not controlled:
+                return []
+            return [reading("cluster", "cluster", None, "cluster")]
+        if rule.scope == Scope.DEPLOYMENT:
+            ids = (self._deployment_ids(rule) if rule.target else
+                   _union(controlled, [k[1] for k in per_scope if k[0] == "deployment"
+                                       and k[1] in self.s.deployments]))
+            return [reading(*self.deployment_key(d), None, ("deployment", d)) for d in ids]
+        if rule.target:
+            tenant_ids = self._tenant_ids(rule)
+        else:
+            serving = set(Deployment.tenants.through.objects
+                          .filter(deployment_id__in=controlled)
+                          .values_list("tenant_id", flat=True))
+            tenant_ids = _union(sorted(t for t in serving if t in self.s.tenants),
+                                [k[1] for k in per_scope if k[0] == "tenant"
+                                 and k[1] in self.s.tenants])
+        return [reading(*self.tenant_key(t), t, ("tenant", t)) for t in tenant_ids]
 
     def _engines(self, rule: AlertRule) -> list[Reading]:
         """Queue depth adds up over a scope's engines (requests waiting anywhere wait); KV-cache

@@ -48,7 +48,7 @@ from typing import Any
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
-from serving_app.sharing import prefix
+from serving_app.sharing import STATS_KEPT_SECONDS, prefix
 
 __all__ = ["FlowControl", "Slot", "prefix"]
 
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 BLOCK_SECONDS = 1
 _DEPLOYMENT = re.compile(r"gw:\{d(\d+)\}:fc$")
 WAKE_TTL_MS = 300_000  # a dead worker's list is dropped after this
-STATS_TTL_MS = 2 * 3600 * 1000
+STATS_TTL_MS = STATS_KEPT_SECONDS * 1000
 
 # Shared by the admission and settlement scripts. `fa` is the index in ARGV of the first flow
 # argument (see `enter_args()` / `settle_args()`).
@@ -220,9 +220,11 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """ + LUA_LIB + """
 local P, rid, tenant, band, spec = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-if redis.call('HEXISTS', P .. ':w', rid) == 1 then
+local info = redis.call('HGET', P .. ':w', rid)
+if info then
   fc_unqueue(P, band, tenant, rid)
   fc_stat(P, now, 'x:' .. tenant, 1)
+  fc_stat(P, now, 'xw:' .. tenant, now - tonumber(fc_split(info, '|')[5]))
   return 0
 end
 for _, item in ipairs(fc_split(spec, ',')) do

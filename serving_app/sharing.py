@@ -5,7 +5,8 @@ console name the same ones).
 The gateway's admission and settlement scripts keep, per deployment, one queue per tenant and
 per-minute counters (`<prefix>:m:<minute>`, kept two hours): per tenant `n:` requests
 dispatched, `w:` milliseconds they waited in all, `b:` requests that had to wait, `x:` requests
-that left the queue without a slot (timeout or disconnect), `s:` weighted tokens served
+that left the queue without a slot (timeout or disconnect) and `xw:` milliseconds those had
+waited, `s:` weighted tokens served
 (input and output tokens weighted by GATEWAY_FLOW_INPUT/OUTPUT_TOKEN_WEIGHT). `report()` turns
 the last minutes of them into shares: a tenant's served share against its entitled share
 (its `fair_share_weight` over the weights of the deployment's tenants), and Jain's fairness
@@ -24,6 +25,8 @@ from serving_app import inflight
 from serving_app.models import Deployment
 
 WINDOW_MINUTES = 5
+# How long the gateway keeps a minute's counters (gateway_app/flow.py sets their expiry from it).
+STATS_KEPT_SECONDS = 2 * 3600
 
 
 def prefix(deployment_id: int) -> str:
@@ -67,6 +70,28 @@ def jain_index(values: Iterable[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * square)
 
 
+def minute_stats(deployment_ids: Iterable[int], end: float,
+                 minutes: int) -> dict[int, dict[str, float]]:
+    """Per deployment: its counters (`n:<tenant>`, `w:<tenant>`, ...) summed over the `minutes`
+    up to and including the one holding `end` (a Unix time), in one round trip for all of them.
+    Raises `redis.RedisError` when Redis cannot be read."""
+    ids = list(deployment_ids)
+    last = int(end // 60)
+    with inflight.client().pipeline(transaction=False) as pipe:
+        for deployment_id in ids:
+            for m in range(last - minutes + 1, last + 1):
+                pipe.hgetall(f"{prefix(deployment_id)}:m:{m}")
+        buckets = pipe.execute()
+    out: dict[int, dict[str, float]] = {}
+    for n, deployment_id in enumerate(ids):
+        stats: dict[str, float] = defaultdict(float)
+        for bucket in buckets[n * minutes:(n + 1) * minutes]:
+            for field, value in bucket.items():
+                stats[field.decode()] += float(value)
+        out[deployment_id] = stats
+    return out
+
+
 def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
            tenant_ids: Iterable[int] | None = None) -> FlowReport:
     """The deployment's flow control over the last `minutes`. `tenant_ids` narrows the rows
@@ -75,15 +100,7 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
     client = inflight.client()
     key = prefix(deployment.pk)
     now_ms = time.time() * 1000
-    minute = int(now_ms // 60000)
-    stats: dict[str, float] = defaultdict(float)
-    with client.pipeline(transaction=False) as pipe:
-        for m in range(minute - minutes + 1, minute + 1):
-            pipe.hgetall(f"{key}:m:{m}")
-        buckets = pipe.execute()
-    for bucket in buckets:
-        for field, value in bucket.items():
-            stats[field.decode()] += float(value)
+    stats = minute_stats([deployment.pk], now_ms / 1000, minutes)[deployment.pk]
     tenants = list(deployment.tenants.all())
     instances = list(deployment.instances.values_list("pk", flat=True))
     with client.pipeline(transaction=False) as pipe:

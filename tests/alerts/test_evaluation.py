@@ -4,16 +4,26 @@ resolution, no data, one transition and one notification per channel each time."
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from datetime import timedelta
 
 import pytest
+import redis
+from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from alerts_app.evaluate import evaluate
 from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
+from gateway_app.catalog import InstanceEntry
+from serving_app import inflight, sharing
 from serving_app.models import Instance, Node
+from serving_app.revisions import Rollout
 from tests.alerts.conftest import default_rules_migration, gpu_sample, make_rule, traffic
 from tests.factories import make_engine_sample
+from tests.gateway.conftest import REDIS_URL
+from tests.gateway.test_flow_units import Engine, run
+from tests.gateway.test_flow_units import tenant as flow_tenant
 
 pytestmark = pytest.mark.django_db
 State = Alert.State
@@ -256,3 +266,85 @@ def test_a_disabled_rules_alerts_end_without_a_notification(gpu, platform_hook):
     evaluate(now=now + timedelta(seconds=1))
     assert Alert.objects.get(rule=rule).state == State.OK
     assert [n.kind for n in Notification.objects.all()] == ["firing"]
+
+
+def test_gateway_queue_wait_is_the_mean_wait_through_the_gateways_queue(served, settings):
+    """From the counters the gateway's own flow-control scripts keep in Redis (driven here on
+    real Redis as a gateway worker drives them): requests dispatched with their waits, and a
+    waiter that left the queue with the time it had waited."""
+    acme, globex, deployment = served
+    settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": REDIS_URL, "FLOW_CONTROL": True}
+    deployment.flow_control = True
+    deployment.save(update_fields=["flow_control"])
+    instance = Instance.objects.create(deployment=deployment, ordinal=0, state="ready")
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(sharing.prefix(deployment.pk) + "*"):
+        client.delete(key)
+    client.delete(inflight.key(instance.pk))
+    client.close()
+    rule = make_rule(metric="gateway_queue_wait", scope="tenant", threshold=50,
+                     window_seconds=60)
+    per_deployment = make_rule(metric="gateway_queue_wait", scope="deployment", threshold=50,
+                               window_seconds=60)
+
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        engine.deployment = deployment.pk
+        engine.instances = [InstanceEntry(instance.pk, deployment.pk, "", "", frozenset(), 1)]
+        a = dataclasses.replace(flow_tenant(), id=acme.pk)
+        g = dataclasses.replace(flow_tenant(), id=globex.pk)
+        await engine.send(a)  # dispatched at once
+        waiting = await engine.send(a)
+        gone = await engine.send(g)
+        await asyncio.sleep(0.3)
+        assert await meter.flow.leave(gone, engine.slots[gone]) == 0  # left after 0.3 s
+        engine.futures.pop(gone)
+        await asyncio.sleep(0.3)
+        await engine.finish()  # `waiting` gets the slot after 0.6 s
+        assert engine.running == [waiting]
+        await engine.finish()
+
+    run(scenario)
+    now = timezone.now()
+    evaluate(now=now)
+    acme_wait = Alert.objects.get(rule=rule, scope_key=f"tenant:{acme.pk}")
+    # Two requests dispatched: one at once, one after about 600 ms.
+    assert acme_wait.state == State.FIRING and 300 <= acme_wait.value < 3000
+    globex_wait = Alert.objects.get(rule=rule, scope_key=f"tenant:{globex.pk}")
+    assert globex_wait.state == State.FIRING and 300 <= globex_wait.value < 3000
+    overall = Alert.objects.get(rule=per_deployment)
+    assert overall.value == pytest.approx((2 * acme_wait.value + globex_wait.value) / 3)
+    # Minutes later the window holds no request through the queue: no data.
+    evaluate(now=now + timedelta(minutes=3))
+    assert Alert.objects.get(rule=per_deployment).state == State.NO_DATA
+
+
+def test_gateway_queue_wait_rules_are_refused_past_what_the_gateway_keeps(db):
+    with pytest.raises(ValidationError) as refused:
+        make_rule(metric="gateway_queue_wait", scope="cluster", threshold=100,
+                  window_seconds=3 * 3600)
+    assert "window_seconds" in refused.value.message_dict
+
+
+def test_a_failed_rollout_fires_until_a_later_rollout_or_rollback(served, platform_hook):
+    _, _, deployment = served
+    rule = make_rule(metric="rollout_failed", scope="deployment", threshold=0)
+    cluster = make_rule(metric="rollout_failed", scope="cluster", threshold=0)
+    revision = deployment.applied_revision
+    Rollout.objects.create(deployment=deployment, to_revision=revision,
+                           state=Rollout.State.SUCCEEDED)
+    evaluate()
+    assert not Alert.objects.filter(rule__in=[rule, cluster]).exists()
+    Rollout.objects.create(deployment=deployment, to_revision=revision,
+                           state=Rollout.State.FAILED, reason="instance 3 never became ready")
+    evaluate()
+    failed = Alert.objects.get(rule=rule)
+    assert failed.state == State.FIRING and failed.scope_label == "deployment llama"
+    assert Alert.objects.get(rule=cluster).value == 1
+    Rollout.objects.create(deployment=deployment, to_revision=revision,
+                           state=Rollout.State.ROLLED_BACK)
+    evaluate()
+    assert Alert.objects.get(rule=rule).state == State.OK
+    kinds = list(AlertTransition.objects.filter(alert__rule=rule)
+                 .order_by("at").values_list("kind", flat=True))
+    assert kinds == ["firing", "resolved"]
