@@ -70,25 +70,59 @@ def jain_index(values: Iterable[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * square)
 
 
-def minute_stats(deployment_ids: Iterable[int], end: float,
-                 minutes: int) -> dict[int, dict[str, float]]:
-    """Per deployment: its counters (`n:<tenant>`, `w:<tenant>`, ...) summed over the `minutes`
-    up to and including the one holding `end` (a Unix time), in one round trip for all of them.
-    Raises `redis.RedisError` when Redis cannot be read."""
+def minute_buckets(deployment_ids: Iterable[int], end: float,
+                   minutes: int) -> dict[int, list[tuple[int, dict[str, float]]]]:
+    """Per deployment: each of the `minutes` up to and including the one holding `end` (a Unix
+    time), oldest first, as (minute start, its counters `n:<tenant>`, `w:<tenant>`, ...), in
+    one round trip for all of them. Raises `redis.RedisError` when Redis cannot be read."""
     ids = list(deployment_ids)
     last = int(end // 60)
+    span = range(last - minutes + 1, last + 1)
     with inflight.client().pipeline(transaction=False) as pipe:
         for deployment_id in ids:
-            for m in range(last - minutes + 1, last + 1):
+            for m in span:
                 pipe.hgetall(f"{prefix(deployment_id)}:m:{m}")
-        buckets = pipe.execute()
+        buckets = iter(pipe.execute())
+    return {
+        deployment_id: [(m * 60, {field.decode(): float(value)
+                                  for field, value in next(buckets).items()}) for m in span]
+        for deployment_id in ids
+    }
+
+
+def minute_stats(deployment_ids: Iterable[int], end: float,
+                 minutes: int) -> dict[int, dict[str, float]]:
+    """Per deployment: its counters summed over the `minutes` up to `end` (`minute_buckets`)."""
     out: dict[int, dict[str, float]] = {}
-    for n, deployment_id in enumerate(ids):
+    for deployment_id, buckets in minute_buckets(deployment_ids, end, minutes).items():
         stats: dict[str, float] = defaultdict(float)
-        for bucket in buckets[n * minutes:(n + 1) * minutes]:
-            for field, value in bucket.items():
-                stats[field.decode()] += float(value)
+        for _, counters in buckets:
+            for field, value in counters.items():
+                stats[field] += value
         out[deployment_id] = stats
+    return out
+
+
+def wait_series(deployment_ids: Iterable[int], end: float, minutes: int,
+                tenant_ids: Iterable[int] | None = None
+                ) -> dict[tuple[int, int], list[tuple[int, float | None]]]:
+    """Per (deployment, tenant) with requests through the queue in the window: each minute's
+    mean wait in milliseconds of the requests that went through it (dispatched, or left
+    without a slot), None for a minute without any; `tenant_ids` narrows the tenants."""
+    wanted = set(tenant_ids) if tenant_ids is not None else None
+    out: dict[tuple[int, int], list[tuple[int, float | None]]] = {}
+    for deployment_id, buckets in minute_buckets(deployment_ids, end, minutes).items():
+        tenants = {int(f.partition(":")[2]) for _, counters in buckets for f in counters
+                   if f.startswith(("n:", "x:"))}
+        for tenant in sorted(tenants):
+            if wanted is not None and tenant not in wanted:
+                continue
+            points: list[tuple[int, float | None]] = []
+            for at, c in buckets:
+                through = c.get(f"n:{tenant}", 0.0) + c.get(f"x:{tenant}", 0.0)
+                waited = c.get(f"w:{tenant}", 0.0) + c.get(f"xw:{tenant}", 0.0)
+                points.append((at, round(waited / through, 1) if through else None))
+            out[(deployment_id, tenant)] = points
     return out
 
 

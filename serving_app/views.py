@@ -693,7 +693,8 @@ def dashboard_payload(
     if name == "usage":
         panel = panels.usage_panel(trange, tenants)
     elif name == "latency":
-        panel = panels.latency_panel(trange, tenants, request.GET.get("model") or None)
+        panel = panels.latency_panel(trange, tenants, request.GET.get("model") or None,
+                                     portal=portal)
     else:
         panel = panels.gpu_panel(trange, selected_plan(request))
     tables = render_to_string(DASHBOARDS[name][1], {**panel, "range": trange, "portal": portal},
@@ -742,7 +743,7 @@ def selected_plan(request: HttpRequest) -> FleetPlan | None:
 
 CHARTS = {
     "usage": ["requests", "tokens"],
-    "latency": ["percentiles", "p95", "ttft", "errors"],
+    "latency": ["percentiles", "p95", "ttft", "errors", "queue_wait"],
     "gpus": ["by_deployment", "by_tenant", "utilization", "memory"],
 }
 

@@ -197,6 +197,20 @@ def ttft_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dict[str, 
     return _plain(_empty(fig, has_data, "No streamed requests in this range"))
 
 
+def queue_wait_figure(series: dict[str, list[tuple[int, float | None]]]) -> dict[str, Any]:
+    """The mean wait per minute in the gateway's flow-control queue, one line per label (a
+    tenant on a deployment; a model on the portal)."""
+    fig = _figure(layout=_layout("Wait in the gateway's queue (mean per minute)", "ms"))
+    has_data = False
+    for index, (label, points) in enumerate(sorted(series.items())):
+        values = [v for _, v in points]
+        has_data = has_data or any(v is not None for v in values)
+        fig.add_scatter(x=times(datetime.fromtimestamp(at, UTC) for at, _ in points), y=values,
+                        name=label, mode="lines+markers", marker={"size": 4},
+                        line={"color": colour_for(index), "width": 2})
+    return _plain(_empty(fig, has_data, "No request went through a flow-control queue"))
+
+
 def error_rates_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dict[str, Any]:
     colours = tenant_colours(tenants.values())
     x = times(series.bins)

@@ -7,12 +7,15 @@ default. The views only parse the query string and render the table template.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import redis
 from django.db.models import QuerySet
 
+from serving_app import sharing
 from serving_app.dashboards import figures, queries
-from serving_app.models import FleetPlan
+from serving_app.models import Deployment, FleetPlan
 from serving_app.placement import fleetplans, service
 from serving_app.placement.accounting import Period, period_ending_now
 from tenants_app.models import Tenant
@@ -37,21 +40,60 @@ def latency_panel(
     trange: queries.TimeRange,
     tenants: QuerySet[Tenant],
     model: str | None = None,
+    *,
+    portal: bool = False,
 ) -> dict:
     names = queries.tenant_names(tenants)
     series = queries.latency_series(trange, tenants, model)
     rows = queries.latency_table(trange, tenants)
     if model:
         rows = [r for r in rows if r["model"] == model]
+    flow = flow_panel(trange, tenants, portal=portal)
     return {
         "figures": {
             "percentiles": figures.percentiles_figure(series, names),
             "p95": figures.p95_by_tenant_figure(series, names),
             "ttft": figures.ttft_figure(series, names),
             "errors": figures.error_rates_figure(series, names),
+            "queue_wait": figures.queue_wait_figure(flow["waits"]),
         },
         "rows": rows,
+        "flow": flow,
     }
+
+
+def flow_panel(trange: queries.TimeRange, tenants: QuerySet[Tenant], *,
+               portal: bool = False) -> dict[str, Any]:
+    """The gateway's flow control on the running deployments that serve `tenants` and use it:
+    each minute's mean queue wait per tenant and deployment over the range (at most the two
+    hours the gateway keeps), and, for the console, each deployment's report over the same
+    minutes (queues, waits, served against entitled share, Jain's index). The portal's tenant
+    gets only its own waits, labelled by model. `error` when Redis cannot be read."""
+    minutes = max(1, min(int(trange.span.total_seconds()) // 60,
+                         sharing.STATS_KEPT_SECONDS // 60))
+    deployments = [d for d in Deployment.objects.filter(
+        tenants__in=tenants, desired_state=Deployment.DesiredState.RUNNING
+    ).distinct().select_related("base_model").order_by("name") if d.flow_controlled]
+    names = {t.pk: t.slug for t in tenants}
+    out: dict[str, Any] = {"minutes": minutes, "deployments": deployments, "reports": [],
+                           "waits": {}, "error": False}
+    try:
+        waits = sharing.wait_series([d.pk for d in deployments], time.time(), minutes,
+                                    tenant_ids=list(names))
+        if not portal:
+            out["reports"] = [(d, sharing.report(d, minutes)) for d in deployments]
+    except redis.RedisError:
+        out["error"] = True
+        return out
+    by_pk = {d.pk: d for d in deployments}
+    for (deployment_id, tenant_id), points in waits.items():
+        deployment = by_pk[deployment_id]
+        label = (deployment.base_model.name if portal
+                 else f"{names[tenant_id]} on {deployment.name}")
+        while label in out["waits"]:  # two deployments of one model serve the tenant
+            label += "'"
+        out["waits"][label] = points
+    return out
 
 
 def accounting_period(trange: queries.TimeRange) -> Period:

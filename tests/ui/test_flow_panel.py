@@ -42,3 +42,73 @@ def test_the_deployment_page_shows_shares_waits_and_the_fairness_index(
     # (300 + 100)^2 / (2 (300^2 + 100^2)) = 0.8
     assert "Jain's index over the backlogged tenants: <strong>0.800</strong>" in page
     assert "250 ms" in page and "75%" in page and "25%" in page
+
+
+@pytest.fixture
+def flow_counters(acme, globex, base_model):
+    """A running shared deployment under flow control, and a minute of the gateway's counters
+    for it: acme dispatched 4 requests that waited 1 s in all and had one leave the queue
+    after 500 ms; globex dispatched 1 at once."""
+    deployment = make_deployment(base_model, [acme.tenant, globex.tenant], name="shared",
+                                 max_num_seqs=8, desired_state="running", flow_control=True)
+    client = redis.Redis.from_url(settings.GATEWAY["REDIS_URL"])
+    key = sharing.prefix(deployment.pk)
+    for stale in client.scan_iter(key + ":*"):
+        client.delete(stale)
+    a, g = acme.tenant.pk, globex.tenant.pk
+    client.hset(f"{key}:m:{int(time.time() // 60)}", mapping={
+        f"n:{a}": 4, f"w:{a}": 1000, f"b:{a}": 4, f"s:{a}": 300, f"x:{a}": 1, f"xw:{a}": 500,
+        f"n:{g}": 1, f"w:{g}": 0, f"b:{g}": 1, f"s:{g}": 100,
+    })
+    yield deployment
+    for stale in client.scan_iter(key + ":*"):
+        client.delete(stale)
+    client.close()
+
+
+def _series(payload: dict) -> dict[str, list]:
+    return {trace["name"]: trace["y"] for trace in payload["figures"]["queue_wait"]["data"]}
+
+
+def test_the_latency_dashboard_charts_queue_waits_and_reports_each_deployment(
+    flow_counters, platform_admin, login
+):
+    client = login(platform_admin)
+    payload = client.get(reverse("console:dashboard-data", args=["latency"]),
+                         {"range": "1h"}).json()
+    waits = _series(payload)
+    # acme: (1000 + 500) ms over 4 dispatched + 1 that left; globex: 0 ms over 1.
+    assert waits["acme on shared"][-1] == 300 and waits["globex on shared"][-1] == 0
+    assert len(waits["acme on shared"]) == 60  # one point a minute of the hour
+    tables = payload["tables"]
+    assert "Flow control, last 60 minutes" in tables
+    assert "Jain's index over the backlogged tenants: 0.800" in tables
+    assert "250 ms" in tables and "75%" in tables
+    page = client.get(reverse("console:dashboard", args=["latency"])).content.decode()
+    assert 'id="chart-queue_wait"' in page
+    # A week's range shows the two hours the gateway keeps.
+    week = client.get(reverse("console:dashboard-data", args=["latency"]),
+                      {"range": "7d"}).json()
+    assert len(_series(week)["acme on shared"]) == 120
+
+
+def test_a_tenants_portal_charts_only_its_own_waits_by_model(flow_counters, acme, login):
+    client = login(acme.viewer)
+    payload = client.get(reverse("portal:dashboard-data", args=["acme", "latency"]),
+                         {"range": "1h"}).json()
+    waits = _series(payload)
+    assert list(waits) == [flow_counters.base_model.name]
+    assert waits[flow_counters.base_model.name][-1] == 300
+    assert "globex" not in payload["tables"] and "Jain" not in payload["tables"]
+    assert "shared" not in str(payload["figures"]["queue_wait"])
+
+
+def test_the_latency_dashboard_says_when_no_deployment_uses_flow_control(
+    platform_admin, login, acme, base_model
+):
+    make_deployment(base_model, [acme.tenant], name="solo", desired_state="running",
+                    flow_control=False)
+    payload = login(platform_admin).get(reverse("console:dashboard-data",
+                                                args=["latency"])).json()
+    assert "No running deployment uses flow control" in payload["tables"]
+    assert _series(payload) == {}
