@@ -1,6 +1,6 @@
 """Three departments on one engine: first come first served, vLLM's priority, and flow control.
 
-    .venv/bin/python benchmarks/fairness_bench.py                  # the whole run (about 15 min)
+    .venv/bin/python benchmarks/fairness_bench.py                  # the whole run (about 12 min)
     .venv/bin/python benchmarks/fairness_bench.py --quick          # a short smoke run (about 5 min)
     .venv/bin/python benchmarks/fairness_bench.py --budgets 2,4,8,16,32 --json var/fair.json
 
@@ -272,9 +272,15 @@ def figures(runs: list[dict[str, dict]]) -> dict[str, Any]:
     """Per tenant and in total, over each run's overlap window, all runs pooled."""
     per: dict[str, dict[str, Any]] = {}
     total_seconds = 0.0
+    spans = []  # per run: the window and each tenant's first start and last completion
     for results in runs:
         begin, end = window_of(results)
         total_seconds += max(end - begin, 0.0)
+        t0 = min(min(r["starts"]) for r in results.values() if r["starts"])
+        spans.append({"window": [begin - t0, end - t0], **{
+            slug: [min(r["starts"]) - t0, max(s + e for s, e in zip(r["starts"], r["e2els"],
+                                                                   strict=True)) - t0]
+            for slug, r in results.items() if r["starts"]}})
         for slug, r in results.items():
             row = per.setdefault(slug, {"e2e": [], "ttft": [], "done": 0, "tokens": 0,
                                         "weighted": 0.0, "failed": 0, "errors": set()})
@@ -294,7 +300,7 @@ def figures(runs: list[dict[str, dict]]) -> dict[str, Any]:
                     row["ttft"].append(ttft)
     from serving_app.sharing import jain_index
 
-    out: dict[str, Any] = {"window_s": total_seconds, "tenants": {}}
+    out: dict[str, Any] = {"window_s": total_seconds, "spans": spans, "tenants": {}}
     for slug, row in per.items():
         seconds = total_seconds or 1.0
         out["tenants"][slug] = {
