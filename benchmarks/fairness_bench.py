@@ -19,12 +19,13 @@ seeded afresh) and its own Redis. The tenants, with the settings of the case:
 The load is vLLM's own benchmark client (`vllm.benchmarks.serve`, from the engine's virtual
 environment, benchmarks/stream_bench.py's `Client`), one process per tenant, all three running
 at once: `--backend openai-chat`, streaming, the random dataset, a new prompt seed each time.
-The flood starts first, the others `--lead` seconds later; after `--seconds` every client stops
-sending (a stop file its client process checks before each request) and the requests already
-sent complete. Every figure is computed over the window in which all of them overlap, from each
-request's start time and latency (vLLM's `--save-detailed` detail): from the last tenant's first
-request to the first tenant's last completion. Latency and TTFT percentiles are over the requests
-that start and end in the window; requests/s and output tokens/s over those that complete in it.
+Each client builds its prompts first and then waits for its cue: the flood starts first, the
+others `--lead` seconds later; after `--seconds` every client stops sending (a stop file its
+client process checks before each request) and the requests already sent complete. Every
+figure is computed over the window in which all of them overlap, from each request's start
+time and latency (vLLM's `--save-detailed` detail): from the last tenant's first request to the
+first tenant's last completion. Latency and TTFT percentiles are over the requests that start
+and end in the window; requests/s and output tokens/s over those that complete in it.
 
 Modes, in one run on one engine (switched by updating the database rows, which every gateway
 worker re-reads every 0.5 s here; the flow-control queues and counters are cleared between
@@ -213,34 +214,35 @@ class Loads:
         results: dict[str, dict] = {}
         errors: list[BaseException] = []
 
-        def one(slug: str, clients: int, length: float, started: Path) -> None:
+        def one(slug: str, clients: int, length: float) -> None:
             try:
                 results[slug] = self.client(slug).run(
                     self.argv(BY_SLUG[slug], clients, length), self.keys[slug], str(stop),
-                    str(started))
+                    str(self.folder / f"ready-{run}-{slug}"),
+                    str(self.folder / f"go-{run}-{slug}"))
             except BaseException as exc:  # reported by the caller
                 errors.append(exc)
 
-        def wait_started(markers: list[Path]) -> None:
-            """Until each client sends its first request (it builds its prompts first)."""
-            deadline = time.monotonic() + 180
-            while not all(m.exists() for m in markers):
-                if errors or time.monotonic() > deadline:
-                    stop.touch()
-                    raise RuntimeError(f"a vLLM client did not start: {errors[:1]}")
-                time.sleep(0.05)
-
-        threads, markers = [], []
+        # Every client builds its prompts first, then waits for its cue: the flood's, `lead`
+        # seconds later the others'.
+        threads = []
         for n, (slug, clients) in enumerate(plan):
             length = seconds + (lead if n == 0 else 0)
-            markers.append(self.folder / f"started-{run}-{slug}")
-            threads.append(threading.Thread(target=one, args=(slug, clients, length,
-                                                              markers[-1]), daemon=True))
+            threads.append(threading.Thread(target=one, args=(slug, clients, length),
+                                            daemon=True))
             threads[-1].start()
+        deadline = time.monotonic() + 180
+        while not all((self.folder / f"ready-{run}-{slug}").exists() for slug, _ in plan):
+            if errors or time.monotonic() > deadline:
+                for slug, _ in plan:
+                    (self.folder / f"go-{run}-{slug}").touch()
+                stop.touch()
+                raise RuntimeError(f"a vLLM client did not get ready: {errors[:1]}")
+            time.sleep(0.05)
+        for n, (slug, _) in enumerate(plan):
+            (self.folder / f"go-{run}-{slug}").touch()
             if n == 0 and len(plan) > 1:
-                wait_started(markers)
                 time.sleep(lead)
-        wait_started(markers)
         time.sleep(seconds)
         stop.touch()
         for thread in threads:
@@ -249,6 +251,10 @@ class Loads:
             raise errors[0]
         if any(t.is_alive() for t in threads):
             raise RuntimeError("a vLLM client did not finish within 300 s of its stop")
+        for slug, r in results.items():
+            if not r["stopped"]:
+                print(f"warning: {slug} ran out of prompts before the stop (--max-prompts)",
+                      flush=True)
         return results
 
 

@@ -231,11 +231,14 @@ def _client_main() -> None:
     def stoppable(func):
         """A request that starts once the job's `stop_file` exists is not sent: it fails at
         once with STOPPED, so a load sized by time ends when the file appears (the requests
-        already sent complete). The first request creates the job's `started_file`."""
+        already sent complete). The first request creates the job's `started_file`, then
+        waits for its `go_file` (prompts are built before: loads start together on cue)."""
 
         async def request(request_func_input, session, pbar=None):
             if stop.get("started"):
                 Path(stop.pop("started")).touch()
+            while stop.get("go") and not os.path.exists(stop["go"]):
+                await asyncio.sleep(0.01)
             if stop.get("file") and os.path.exists(stop["file"]):
                 output = funcs.RequestFuncOutput(prompt_len=request_func_input.prompt_len)
                 output.error = STOPPED
@@ -262,7 +265,8 @@ def _client_main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         os.environ["OPENAI_API_KEY"] = job["key"]
-        stop.update(file=job.get("stop_file", ""), started=job.get("started_file", ""))
+        stop.update(file=job.get("stop_file", ""), started=job.get("started_file", ""),
+                    go=job.get("go_file", ""))
         result = serve.main(parser.parse_args(job["argv"]))
         ok = [i for i, error in enumerate(result["errors"]) if not error]
         itls = [x for i in ok for x in result["itls"][i]]
@@ -294,13 +298,15 @@ class Client:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                 start_new_session=True)
 
-    def run(self, argv: list[str], key: str, stop_file: str = "",
-            started_file: str = "") -> dict[str, Any]:
-        """One measurement; with `stop_file`, no request starts once that file exists, and
-        `started_file` is created when the first one starts."""
+    def run(self, argv: list[str], key: str, stop_file: str = "", started_file: str = "",
+            go_file: str = "") -> dict[str, Any]:
+        """One measurement; with `stop_file`, no request starts once that file exists;
+        `started_file` is created when the prompts are ready, and with `go_file` the first
+        request waits for that file."""
         assert self.proc.stdin and self.proc.stdout
         self.proc.stdin.write(json.dumps({"argv": argv, "key": key, "stop_file": stop_file,
-                                          "started_file": started_file}) + "\n")
+                                          "started_file": started_file,
+                                          "go_file": go_file}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
