@@ -268,6 +268,16 @@ def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
         proc.wait(5)
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Stop processes started in sessions of their own: SIGTERM to all but the first (the
+    benchmark's Redis, stopped last) at once, then wait for each, the last started first."""
+    for proc in procs[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in reversed(procs):
+        kill_group(proc)
+
+
 FAILED: list[tuple[str, int, bytes]] = []  # (side, status, body) of every failed request
 
 
@@ -441,9 +451,11 @@ def start_redis(rt: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def start_engine(port: int, scheduling: str = "idle") -> subprocess.Popen:
+def start_engine(port: int, scheduling: str = "idle",
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """The real CPU engine (tiny model) as node agents launch it: under SCHED_IDLE unless
-    `scheduling` is "normal" (serving_app.engine.launch.CPU_IDLE_PREFIX)."""
+    `scheduling` is "normal" (serving_app.engine.launch.CPU_IDLE_PREFIX). `extra`: more vLLM
+    flags (benchmarks/fairness_bench.py: `--scheduling-policy priority`)."""
     engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
     sched = ["chrt", "--idle", "0"] if scheduling == "idle" else []
     return subprocess.Popen(
@@ -451,7 +463,7 @@ def start_engine(port: int, scheduling: str = "idle") -> subprocess.Popen:
          "vllm.entrypoints.openai.api_server", "--model",
          str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
          "--dtype", "float32", "--max-model-len", "1024", "--api-key", ENGINE_SECRET,
-         "--host", "127.0.0.1", "--port", str(port)],
+         "--host", "127.0.0.1", "--port", str(port), *extra],
         env=engine_env, start_new_session=True, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)
 

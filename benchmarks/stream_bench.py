@@ -75,6 +75,7 @@ from benchmarks.gateway_bench import (
     start_engine,
     start_gateway,
     start_redis,
+    stop_all,
     wait_http,
 )
 
@@ -82,6 +83,7 @@ ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
 TOKENIZER = ROOT / "var" / "models" / "tiny-llama"
 MODELS = {"engine": "tiny-llama", "paced": "paced", "instant": "instant"}
 WHOLE_BACKEND = "openai-chat-whole"
+STOPPED = "stopped: the job's stop file exists"
 
 
 # -- the paced mock upstream ------------------------------------------------------------------
@@ -224,7 +226,32 @@ def _client_main() -> None:
     async def no_metrics(*_args):
         return None
 
+    stop: dict[str, str] = {}
+
+    def stoppable(func):
+        """A request that starts once the job's `stop_file` exists is not sent: it fails at
+        once with STOPPED, so a load sized by time ends when the file appears (the requests
+        already sent complete). The first request creates the job's `started_file`, then
+        waits for its `go_file` (prompts are built before: loads start together on cue)."""
+
+        async def request(request_func_input, session, pbar=None):
+            if stop.get("started"):
+                Path(stop.pop("started")).touch()
+            while stop.get("go") and not os.path.exists(stop["go"]):
+                await asyncio.sleep(0.01)
+            if stop.get("file") and os.path.exists(stop["file"]):
+                output = funcs.RequestFuncOutput(prompt_len=request_func_input.prompt_len)
+                output.error = STOPPED
+                if pbar:
+                    pbar.update(1)
+                return output
+            return await func(request_func_input, session, pbar)
+
+        return request
+
     funcs.ASYNC_REQUEST_FUNCS[WHOLE_BACKEND] = whole_chat
+    for backend in ("openai-chat", WHOLE_BACKEND):
+        funcs.ASYNC_REQUEST_FUNCS[backend] = stoppable(funcs.ASYNC_REQUEST_FUNCS[backend])
     serve.OPENAI_COMPATIBLE_BACKENDS.append(WHOLE_BACKEND)
     # Every side gets exactly the measured requests and the same prompts: no re-alignment of
     # the prompts through the server's /tokenize (the gateway has none; the server's tokenizer
@@ -238,16 +265,24 @@ def _client_main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         os.environ["OPENAI_API_KEY"] = job["key"]
+        stop.update(file=job.get("stop_file", ""), started=job.get("started_file", ""),
+                    go=job.get("go_file", ""))
         result = serve.main(parser.parse_args(job["argv"]))
         ok = [i for i, error in enumerate(result["errors"]) if not error]
         itls = [x for i in ok for x in result["itls"][i]]
+        stopped = sum(error == STOPPED for error in result["errors"])
         out.write(json.dumps({
-            "completed": result["completed"], "failed": result["failed"],
-            "duration": result["duration"],
+            "completed": result["completed"], "failed": result["failed"] - stopped,
+            "stopped": stopped, "duration": result["duration"],
             "ttfts": [result["ttfts"][i] for i in ok],
             "e2els": [result["latencies"][i] for i in ok],
+            # Per request (perf_counter: CLOCK_MONOTONIC, comparable across processes).
+            "starts": [result["start_times"][i] for i in ok],
+            "input_lens": [result["input_lens"][i] for i in ok],
+            "output_lens": [result["output_lens"][i] for i in ok],
             "itl_p50": statistics.median(itls) if itls else None,
-            "errors": sorted({e.strip().splitlines()[-1][:200] for e in result["errors"] if e}),
+            "errors": sorted({e.strip().splitlines()[-1][:200] for e in result["errors"]
+                              if e and e != STOPPED}),
         }) + "\n")
         out.flush()
 
@@ -263,9 +298,15 @@ class Client:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                 start_new_session=True)
 
-    def run(self, argv: list[str], key: str) -> dict[str, Any]:
+    def run(self, argv: list[str], key: str, stop_file: str = "", started_file: str = "",
+            go_file: str = "") -> dict[str, Any]:
+        """One measurement; with `stop_file`, no request starts once that file exists;
+        `started_file` is created when the prompts are ready, and with `go_file` the first
+        request waits for that file."""
         assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(json.dumps({"argv": argv, "key": key}) + "\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "key": key, "stop_file": stop_file,
+                                          "started_file": started_file,
+                                          "go_file": go_file}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -689,11 +730,7 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
-        for proc in procs[1:]:  # all at once (Redis, the first, last), then wait for each
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in reversed(procs):
-            kill_group(proc)
+        stop_all(procs)
         stack.close()
     return 0
 
