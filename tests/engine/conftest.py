@@ -9,19 +9,25 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import redis
 from django.conf import settings
+from django.conf import settings as django_settings
 from django.db import connection
 
 from console.celery import app as celery_app
+from gateway_app import invalidation
 from serving_app.engine import supervisor
 from serving_app.models import Instance, Node
+from tests.redis_server import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "var" / "models"
@@ -151,3 +157,65 @@ def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
         celery_app.conf.update(broker_url=previous[0], result_backend=previous[1])
         _reset_broker_pools()
         broker.flushdb()
+
+
+@dataclass
+class Traffic:
+    """Short completions through the gateway on each thread, all counted. Paced (`pause`
+    between requests): a closed loop at full speed leaves a starting engine almost no CPU on
+    these 2-core machines (seen here: a start beside it did not finish within the 280 s start
+    timeout; beside two threads pausing 0.2 s it took 145 s, against 30 s with no traffic), and
+    what is tested is that no request fails, not the machine's capacity
+    (benchmarks/rollout_bench.py measures that)."""
+
+    client: Any
+    threads: int = 2
+    pause: float = 0.3
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    failed_sent_at: list[float] = field(default_factory=list)  # when each failure was sent
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.time()
+            try:
+                reply = self.client.completions.create(model="tiny-llama", prompt="Hello there",
+                                                       max_tokens=8)
+                assert reply.choices[0].text is not None
+                self.ok += 1
+            except Exception as exc:  # every failure is kept, with what it was
+                self.failures.append(repr(exc))
+                self.failed_sent_at.append(sent)
+            self._stop.wait(self.pause)
+
+    def start(self) -> Traffic:
+        self._workers = [threading.Thread(target=self._run, daemon=True)
+                         for _ in range(self.threads)]
+        for worker in self._workers:
+            worker.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for worker in self._workers:
+            worker.join(60)
+
+
+@pytest.fixture
+def gateway_redis(tmp_path, settings):
+    """A Redis of this test's own for the gateway, the control plane's drains and this
+    process's invalidations: pub/sub channels are shared by every database of a Redis server,
+    so on a shared one other test runs' invalidation messages (a tenant suspended, under the
+    same id) would reach this gateway."""
+    server = PrivateRedis(tmp_path)
+    server.start()
+    settings.GATEWAY = {**django_settings.GATEWAY, "REDIS_URL": server.url,
+                        "CATALOG_REFRESH_SECONDS": 0.5}
+    # The in-flight counts follow the setting by themselves (a client per address); the
+    # invalidation publisher keeps one client, made at first use.
+    invalidation._client.cache_clear()
+    yield server.url
+    invalidation._client.cache_clear()
+    server.stop()

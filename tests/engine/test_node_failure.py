@@ -7,7 +7,10 @@ node, while its engine (not frozen: it runs in a session of its own) goes on run
 agent is let go with SIGCONT: its node is back, and the engine it still runs is stopped, never
 adopted beside its replacement. Last, the node now serving is drained: the instance moves back
 to the first node, its replacement ready before it stops, so the deployment is never without a
-ready instance. Three engine starts, at most two engines alive at once.
+ready instance. Then, scaled to one replica on each node with traffic going through a gateway,
+the first node's agent is killed with SIGKILL together with its engine: its instance is replaced
+on the other node, and no request sent after the node was declared lost fails. Five engine
+starts, at most three engines alive at once.
 """
 
 from __future__ import annotations
@@ -19,17 +22,20 @@ import time
 import pytest
 
 from audit_app.models import AuditLog
+from benchmarks.gateway_bench import kill_group
 from gateway_app.catalog import load_snapshot
 from serving_app.events import Event, Kind
 from serving_app.models import Instance, Node
+from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
-from tests.engine.conftest import engine_sessions, wait_for
+from tests.engine.conftest import Traffic, engine_sessions, wait_for
 from tests.engine.test_engine_lifecycle import (
     START_TIMEOUT,
     complete,
     create_deployment,
     register_model,
 )
+from tests.gateway.conftest import start_gateway
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
 State = Instance.State
@@ -53,9 +59,10 @@ def ready_on(deployment_id: int, node: str) -> Instance | None:
 
 
 def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves_it_back(
-    cluster, platform_admin, acme
+    cluster, gateway_redis, platform_admin, acme
 ):
-    cluster.env["NODE_LOST_SECONDS"] = str(LOST_SECONDS)
+    cluster.env.update(NODE_LOST_SECONDS=str(LOST_SECONDS), GATEWAY_REDIS_URL=gateway_redis,
+                       GATEWAY_CATALOG_REFRESH_SECONDS="0.5")
     cluster.start_control()
     cluster.start_agent("cpu-a")
     cluster.start_agent("cpu-b")
@@ -115,3 +122,49 @@ def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves
     assert (node_b.cordoned, node_b.state) == (True, "cordoned")
     assert AuditLog.objects.filter(action="drain", object_id=str(node_b.pk), via="api").exists()
     assert complete(moved, "tiny-llama")["choices"][0]["text"]
+
+    # One replica on each node, traffic through the gateway; cpu-a's agent is killed with
+    # SIGKILL together with its engine. Its instance is replaced on cpu-b, and every request
+    # sent once the node was declared lost succeeds (the other replica serves meanwhile).
+    assert client.post(f"/api/v1/nodes/{node_b.pk}/uncordon/").status_code == 200
+    Node.objects.filter(name="cpu-a").update(max_instances=1)  # the second replica: cpu-b
+    scaled = client.post(f"/api/v1/deployments/{deployment}/scale/", {"replicas": 2},
+                         format="json")
+    assert scaled.status_code == 200, scaled.data
+    other = wait_for(lambda: ready_on(deployment, "cpu-b"), START_TIMEOUT, "ready on cpu-b")
+    _, secret = ApiKey.objects.create_key(tenant=acme.tenant, name="node-failure")
+    gateway = start_gateway(cluster.env["DATABASE_URL"], workers=1,
+                            GATEWAY_REDIS_URL=gateway_redis)
+    traffic = None
+    try:
+        wait_for(lambda: routed(deployment) == {moved.pk, other.pk}, 10, "both routed")
+        traffic = Traffic(gateway.client(secret, timeout=120)).start()
+        time.sleep(2)
+        cluster.stop_process("agent-cpu-a", signal.SIGKILL)
+        for session in engine_sessions(moved.secret):
+            os.killpg(session, signal.SIGKILL)
+        wait_for(lambda: not engine_sessions(moved.secret), 10, "cpu-a's engine gone")
+        wait_for(lambda: Node.objects.filter(name="cpu-a", lost_at__isnull=False).exists(),
+                 LOST_SECONDS + 30, "cpu-a declared lost")
+        lost_at = Node.objects.get(name="cpu-a").lost_at.timestamp()
+        assert routed(deployment) == {other.pk}
+        replacement = wait_for(
+            lambda: Instance.objects.filter(deployment_id=deployment, node__name="cpu-b",
+                                            state=State.READY).exclude(pk=other.pk).first(),
+            START_TIMEOUT, "the replacement ready on cpu-b")
+        wait_for(lambda: routed(deployment) == {other.pk, replacement.pk}, 10,
+                 "the replacement routed")
+        sent_before = traffic.ok
+        time.sleep(2)
+        traffic.stop()
+        assert traffic.ok > sent_before
+        after_lost = [error for error, sent in zip(traffic.failures, traffic.failed_sent_at,
+                                                   strict=True) if sent >= lost_at]
+        assert after_lost == [], after_lost[:5]
+        assert Instance.objects.get(pk=moved.pk).state in (State.STOPPING, State.STOPPED)
+        assert Event.objects.filter(kind=Kind.REPLACED, instance_id=moved.pk,
+                                    data__node="cpu-a").exists()
+    finally:
+        if traffic is not None:
+            traffic.stop()
+        kill_group(gateway.proc)

@@ -15,69 +15,25 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from django.conf import settings as django_settings
 
 from benchmarks.gateway_bench import kill_group
-from gateway_app import invalidation
 from serving_app import inflight
 from serving_app.events import Event, Kind
 from serving_app.models import Instance, Node
 from serving_app.revisions import Rollout
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
-from tests.engine.conftest import wait_for
+from tests.engine.conftest import Traffic, wait_for
 from tests.engine.test_engine_lifecycle import START_TIMEOUT, create_deployment, register_model
 from tests.gateway.conftest import start_gateway
-from tests.redis_server import PrivateRedis
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
 State = Instance.State
 STREAM_TOKENS = 1900  # the model's context is 2048: a stream of several seconds on these CPUs
-
-
-@dataclass
-class Traffic:
-    """Short completions through the gateway on each thread, all counted. Paced (`pause`
-    between requests): a closed loop at full speed leaves a starting engine almost no CPU on
-    these 2-core machines (seen here: a start beside it did not finish within the 280 s start
-    timeout; beside two threads pausing 0.2 s it took 145 s, against 30 s with no traffic), and
-    what is tested is that no request fails, not the machine's capacity
-    (benchmarks/rollout_bench.py measures that)."""
-
-    client: Any
-    threads: int = 2
-    pause: float = 0.3
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _workers: list[threading.Thread] = field(default_factory=list)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                reply = self.client.completions.create(model="tiny-llama", prompt="Hello there",
-                                                       max_tokens=8)
-                assert reply.choices[0].text is not None
-                self.ok += 1
-            except Exception as exc:  # every failure is kept, with what it was
-                self.failures.append(repr(exc))
-            self._stop.wait(self.pause)
-
-    def start(self) -> Traffic:
-        self._workers = [threading.Thread(target=self._run, daemon=True)
-                         for _ in range(self.threads)]
-        for worker in self._workers:
-            worker.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(60)
 
 
 @dataclass
@@ -124,24 +80,6 @@ def rollout_of(deployment_id: int) -> Rollout:
     """The deployment's newest rollout."""
     return Rollout.objects.filter(deployment_id=deployment_id).select_related(
         "to_revision").latest("created_at")
-
-
-@pytest.fixture
-def gateway_redis(tmp_path, settings):
-    """A Redis of this test's own for the gateway, the control plane's drains and this
-    process's invalidations: pub/sub channels are shared by every database of a Redis server,
-    so on a shared one other test runs' invalidation messages (a tenant suspended, under the
-    same id) would reach this gateway."""
-    server = PrivateRedis(tmp_path)
-    server.start()
-    settings.GATEWAY = {**django_settings.GATEWAY, "REDIS_URL": server.url,
-                        "CATALOG_REFRESH_SECONDS": 0.5}
-    # The in-flight counts follow the setting by themselves (a client per address); the
-    # invalidation publisher keeps one client, made at first use.
-    invalidation._client.cache_clear()
-    yield server.url
-    invalidation._client.cache_clear()
-    server.stop()
 
 
 def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stops(
@@ -245,6 +183,7 @@ def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stop
         assert client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4)
         state = api.get(url).data
         assert (state["applied_revision"], state["pending_revision"]) == (2, 3)
+
     finally:
         if traffic is not None:
             traffic.stop()
