@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
+import redis
+from django.conf import settings
 from django.test import Client
 from django.urls import NoReverseMatch, clear_url_caches, reverse
 from django.utils import timezone
 
+from serving_app import sharing
 from serving_app.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
 
 
@@ -65,3 +71,26 @@ def add_usage(tenant, model: str = "llama-mini", *, minutes_ago: int = 5, reques
 @pytest.fixture
 def usage():
     return add_usage
+
+
+@contextmanager
+def flow_minute(deployment_id: int, counters: dict[str, float],
+                queued: dict[int, list[str]] | None = None) -> Iterator[None]:
+    """This minute's flow-control counters of a deployment in the gateway's Redis, written as
+    the gateway's scripts name them (and tenants' queued request ids), removed again after."""
+    client = redis.Redis.from_url(settings.GATEWAY["REDIS_URL"])
+    key = sharing.prefix(deployment_id)
+
+    def clear() -> None:
+        for stale in client.scan_iter(key + ":*"):
+            client.delete(stale)
+
+    clear()
+    client.hset(f"{key}:m:{int(time.time() // 60)}", mapping=counters)
+    for tenant_id, ids in (queued or {}).items():
+        client.rpush(f"{key}:q:{tenant_id}", *ids)
+    try:
+        yield
+    finally:
+        clear()
+        client.close()

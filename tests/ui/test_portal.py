@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
-import redis
-from django.conf import settings
 from django.urls import reverse
 
 from audit_app.models import AuditLog
-from serving_app import sharing, storage
+from serving_app import storage
 from serving_app.models import AdapterFileRemoval, Instance, LoraAdapter
 from tenants_app.models import ApiKey, Invitation, Membership, Role
 from tests.factories import add_member, make_adapter, make_adapter_dir, make_deployment, make_user
+from tests.ui.conftest import flow_minute
 
 pytestmark = pytest.mark.django_db
 
@@ -527,21 +525,12 @@ def test_portal_home_shows_budget_consumption(login, acme, usage):
 def test_models_page_shows_only_this_tenants_share_and_waits(login, acme, globex, served):
     """The tenant's own share of the shared engine against its entitlement and its waits, from
     the gateway's counters; the co-tenant's figures are nowhere on the page."""
-    client = redis.Redis.from_url(settings.GATEWAY["REDIS_URL"])
-    key = sharing.prefix(served.pk)
-    for stale in client.scan_iter(key + ":*"):
-        client.delete(stale)
     a, g = acme.tenant.pk, globex.tenant.pk
-    client.hset(f"{key}:m:{int(time.time() // 60)}", mapping={
+    with flow_minute(served.pk, {
         f"n:{a}": 2, f"w:{a}": 600, f"b:{a}": 2, f"s:{a}": 100,
         f"n:{g}": 7, f"w:{g}": 7777, f"b:{g}": 7, f"s:{g}": 300,
-    })
-    try:
+    }):
         body = login(acme.member).get(reverse("portal:models", args=["acme"])).content.decode()
-    finally:
-        for stale in client.scan_iter(key + ":*"):
-            client.delete(stale)
-        client.close()
     panel = body.split('id="engine-shares"', 1)[1].split("</section>", 1)[0]
     assert "300 ms" in panel and "25%" in panel and "50%" in panel  # wait, served, entitled
     assert "globex" not in body and "1111 ms" not in panel and "75%" not in panel
