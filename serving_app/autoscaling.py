@@ -233,7 +233,7 @@ def wake(deployment_id: int, now: datetime | None = None) -> bool:
     that is waiting (idempotent: a second request's wake finds it scaled already)."""
     now = now or timezone.now()
     with transaction.atomic():
-        autoscaler = (Autoscaler.objects.select_for_update().select_related("deployment")
+        autoscaler = (Autoscaler.objects.select_for_update(no_key=True).select_related("deployment")
                       .filter(deployment_id=deployment_id, enabled=True).first())
         if autoscaler is None:
             return False

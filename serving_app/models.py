@@ -920,7 +920,7 @@ class Deployment(models.Model):
                        keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
                        by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
         with transaction.atomic():
-            locked = Deployment.objects.select_for_update().get(pk=self.pk)
+            locked = Deployment.objects.select_for_update(no_key=True).get(pk=self.pk)
             revision = revision or locked.latest_revision
             if revision is None or revision.deployment_id != self.pk:
                 raise ValidationError({"revision": "No such revision of this deployment."})
@@ -1080,7 +1080,7 @@ class Deployment(models.Model):
 
     def _locked(self) -> Deployment:
         """The row as committed, locked until the surrounding transaction ends."""
-        return Deployment.objects.select_for_update().only(
+        return Deployment.objects.select_for_update(no_key=True).only(
             "desired_state", "generation", "replicas").get(pk=self.pk)
 
     def _set_desired_state(self, state: str) -> bool:

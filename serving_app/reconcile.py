@@ -38,7 +38,7 @@ __all__ = ["advance_drain", "backoff_seconds", "declare_lost_nodes", "handle_fai
 def reconcile_deployment(deployment_id: int) -> dict[str, int]:
     counts = {"started": 0, "stopped": 0, "restarted": 0, "adapters": 0}
     with transaction.atomic():
-        deployment = (Deployment.objects.select_for_update(of=("self",))
+        deployment = (Deployment.objects.select_for_update(of=("self",), no_key=True)
                       .select_related("base_model", "applied_revision")
                       .filter(pk=deployment_id).first())
         if deployment is None:
@@ -155,7 +155,7 @@ def advance_drain(node: Node) -> str:
 
 def _move(node: Node, instance: Instance) -> str:
     with transaction.atomic():
-        deployment = (Deployment.objects.select_for_update(of=("self",))
+        deployment = (Deployment.objects.select_for_update(of=("self",), no_key=True)
                       .select_related("base_model", "applied_revision")
                       .get(pk=instance.deployment_id))
         if not Instance.objects.filter(pk=instance.pk, state__in=SERVING).exists():

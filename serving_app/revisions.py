@@ -256,7 +256,7 @@ class Rollout(models.Model):
         still running; otherwise the new instances are replaced by instances of the old
         revision without downtime (old ones start before new ones stop)."""
         with transaction.atomic():
-            row = Rollout.objects.select_for_update().get(pk=self.pk)
+            row = self._locked()
             if not row.is_active:
                 raise ValidationError(f"The rollout is {row.get_state_display().lower()}, "
                                       "not running or paused.")
@@ -285,6 +285,18 @@ class Rollout(models.Model):
         self.refresh_from_db()
         return {"state": [before, self.state]}
 
+    def _locked(self) -> Rollout:
+        """The row as committed, locked after its deployment's row, in the reconciler's order.
+
+        A reconcile round locks the deployment, then its active rollout. Locking the rollout
+        alone deadlocked with such a round (seen in CI on a resume): the round waited for the
+        rollout, and this transaction's commit waited for the deployment, whose key the
+        foreign keys of the event and audit rows it wrote must share."""
+        deployments = Rollout.deployment.field.related_model.objects  # type: ignore[attr-defined]
+        list(deployments.select_for_update(of=("self",), no_key=True)
+             .filter(pk=self.deployment_id).values_list("pk", flat=True))
+        return Rollout.objects.select_for_update().get(pk=self.pk)
+
     def _switch_back(self, row: Rollout) -> None:
         """Blue-green after the switch: the old generation, kept running out of routing, serves
         again, and the deployment's applied revision is the old one again."""
@@ -299,7 +311,7 @@ class Rollout(models.Model):
     def _move(self, action: str, expected: list[str], new: str, kind: str,
               message: str) -> dict[str, list]:
         with transaction.atomic():
-            row = Rollout.objects.select_for_update().get(pk=self.pk)
+            row = self._locked()
             if row.state not in expected:
                 raise ValidationError(f"The rollout is {row.get_state_display().lower()}.")
             Rollout.objects.filter(pk=self.pk).update(state=new)

@@ -10,11 +10,14 @@ tests/engine/test_rollout_e2e.py.
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
 import redis
 from django.core.exceptions import ValidationError
+from django.db import connections
 from django.utils import timezone
 
 from serving_app import draining, events, lifecycle, reconcile, rollout
@@ -456,3 +459,65 @@ def test_blue_green_without_room_for_a_second_generation_fails_with_the_reason(
     started.refresh_from_db()
     assert started.state == Rollout.State.FAILED and "do not fit" in started.reason
     assert revisions_run(deployment) == [1, 1] and ready_count(deployment) == 2
+
+
+# -- an operator's action during a reconcile round -------------------------------------------------
+def _wait_until_blocked(pid: int) -> None:
+    """Return once the backend `pid` waits for a lock another transaction holds."""
+    deadline = time.monotonic() + 20
+    with connections["default"].cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid])
+            row = cursor.fetchone()
+            if row is not None and row[0] == "Lock":
+                return
+            time.sleep(0.05)
+    raise AssertionError("the operator's transaction never waited for the reconcile round")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["resume", "abort"])
+def test_an_operator_action_during_a_reconcile_round_waits_for_it_without_a_deadlock(
+        tasks, in_flight, node, deployment, monkeypatch, action):
+    """A round locks the deployment, then its rollout; the action, in another connection, must
+    queue behind the round rather than lock the rollout first (which deadlocked in CI: the
+    action's commit then waited for the deployment row the round held)."""
+    if connections["default"].vendor != "postgresql":
+        pytest.skip("row locks need PostgreSQL")
+    running(deployment, tasks)
+    edit(deployment, max_num_seqs=16)
+    started = deployment.apply()
+    if action == "resume":
+        started.pause()
+    acting: dict[str, object] = {}
+    round_errors: list[BaseException] = []
+    holding = threading.Event()
+    original = reconcile.converge
+
+    def held_round(*args):
+        holding.set()
+        while "pid" not in acting:
+            time.sleep(0.01)
+        _wait_until_blocked(acting["pid"])  # the action waits for something this round holds
+        return original(*args)
+
+    def round_in_thread():
+        try:
+            reconcile.reconcile_deployment(deployment.pk)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            round_errors.append(exc)
+        finally:
+            connections.close_all()
+
+    monkeypatch.setattr(reconcile, "converge", held_round)
+    worker = threading.Thread(target=round_in_thread)
+    worker.start()
+    assert holding.wait(20)
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        acting["pid"] = cursor.fetchone()[0]
+    result = getattr(Rollout.objects.get(pk=started.pk), action)()
+    worker.join(30)
+    assert not worker.is_alive() and round_errors == []
+    assert result["state"][1] == {"resume": Rollout.State.RUNNING,
+                                  "abort": Rollout.State.ABORTED}[action]
