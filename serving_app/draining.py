@@ -45,12 +45,7 @@ def drain_then_stop(instance: Instance, reason: str, *,
     one drains first, anything else (starting, failed, unhealthy: not routed to) stops at once.
     `standby_until` keeps a drained instance running until then. Returns its state now."""
     if instance.state == State.READY:
-        if instance.transition([State.READY], State.DRAINING, standby_until=standby_until):
-            kept = (f"; kept running until {standby_until:%H:%M:%S} for a rollback"
-                    if standby_until else "")
-            events.record(events.Kind.DRAINING,
-                          f"Instance #{instance.ordinal} left routing and drains: {reason}{kept}.",
-                          instance=instance, data={"reason": reason})
+        instance.leave_routing(reason, standby_until)
         return instance.state
     if instance.state != State.DRAINING:
         request_stop(instance, reason)

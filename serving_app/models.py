@@ -10,7 +10,7 @@ import copy
 import secrets
 import shlex
 import shutil
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -1222,6 +1222,19 @@ class Instance(models.Model):
                 # their next periodic refresh.
                 signals.instance_routing_changed.send(sender=Instance, instance=self)
         return bool(updated)
+
+    def leave_routing(self, reason: str, standby_until: datetime | None = None) -> bool:
+        """A ready instance leaves routing and drains (its event says why); `standby_until`
+        keeps it running, drained, until then for a rollback. False if it was not ready."""
+        if not self.transition([self.State.READY], self.State.DRAINING,
+                               standby_until=standby_until):
+            return False
+        kept = (f"; kept running until {standby_until:%H:%M:%S} for a rollback"
+                if standby_until else "")
+        events.record(events.Kind.DRAINING,
+                      f"Instance #{self.ordinal} left routing and drains: {reason}{kept}.",
+                      instance=self, data={"reason": reason})
+        return True
 
     @property
     def command_line(self) -> str:

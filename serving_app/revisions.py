@@ -299,7 +299,9 @@ class Rollout(models.Model):
 
     def _switch_back(self, row: Rollout) -> None:
         """Blue-green after the switch: the old generation, kept running out of routing, serves
-        again, and the deployment's applied revision is the old one again."""
+        again, and the new one leaves routing, in this one transaction (the gateway never routes
+        to both); the deployment's applied revision is the old one again. The reconciler then
+        stops the new generation once it has drained."""
         deployment = row.deployment
         type(deployment).objects.filter(pk=deployment.pk).update(
             applied_revision=row.from_revision_id)
@@ -307,6 +309,9 @@ class Rollout(models.Model):
                                            revision_id=row.from_revision_id)
         for instance in kept:
             instance.transition(["draining"], "ready", standby_until=None)
+        source = row.from_revision.number if row.from_revision else "none"
+        for instance in deployment.instances.filter(state="ready", revision_id=row.to_revision_id):
+            instance.leave_routing(f"traffic switched back to revision {source}")
 
     def _move(self, action: str, expected: list[str], new: str, kind: str,
               message: str) -> dict[str, list]:

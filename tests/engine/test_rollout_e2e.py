@@ -9,6 +9,10 @@ drains with one of them on it. Every instance ends on the new revision, no reque
 every stream ends complete. Then a revision with a flag the engine refuses (`--quantization
 gptq` on a model that is not quantized) is applied: its new instance never becomes ready, the
 rollout stops with the engine's own words as its reason, and the old instances keep serving.
+Last, scaled to one replica, a change is applied blue-green: the new generation starts beside the
+old one, traffic switches to it at once (the gateway's catalog routes to it alone) while the old
+engine is kept out of routing for a rollback; the rollback routes to the old engine again at
+once, without a start, and the new one stops; no request fails throughout.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import pytest
 
 from benchmarks.gateway_bench import kill_group
+from gateway_app.catalog import load_snapshot
 from serving_app import inflight
 from serving_app.events import Event, Kind
 from serving_app.models import Instance, Node
@@ -74,6 +79,11 @@ def in_flight(instances: list[Instance]) -> dict[int, int]:
 def live(deployment_id: int) -> list[Instance]:
     return list(Instance.objects.select_related("revision").filter(deployment_id=deployment_id)
                 .exclude(state=State.STOPPED).order_by("ordinal"))
+
+
+def routed(deployment_id: int) -> set[int]:
+    """The instances a gateway routes the deployment's requests to, as its catalog reads them."""
+    return {entry.id for entry in load_snapshot().instances.get(deployment_id, ())}
 
 
 def rollout_of(deployment_id: int) -> Rollout:
@@ -183,6 +193,41 @@ def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stop
         assert client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4)
         state = api.get(url).data
         assert (state["applied_revision"], state["pending_revision"]) == (2, 3)
+
+        # Blue-green with one replica: the new generation comes up beside the old one, traffic
+        # switches to it at once, the old one is kept out of routing for a rollback, and the
+        # rollback routes to it again at once.
+        assert api.post(url + "scale/", {"replicas": 1}, format="json").status_code == 200
+        wait_for(lambda: [(i.state, i.revision.number) for i in live(deployment["id"])]
+                 == [(State.READY, 2)], 120, "one instance left")
+        [blue] = live(deployment["id"])
+        api.patch(url, {"quantization": "", "max_num_seqs": 5}, format="json")
+        traffic = Traffic(client).start()
+        switched = api.post(url + "apply/", {"strategy": "blue_green", "keep_old_seconds": 900},
+                            format="json")
+        assert switched.status_code == 200 and switched.data["to_revision"] == 4, switched.data
+        wait_for(lambda: rollout_of(deployment["id"]).phase == Rollout.Phase.SWITCHED,
+                 START_TIMEOUT, "the switch to the new generation")
+        by_revision = {i.revision.number: i for i in live(deployment["id"])}
+        green = by_revision[4]
+        assert (green.state, by_revision[2].pk) == (State.READY, blue.pk)
+        blue.refresh_from_db()
+        assert blue.state == State.DRAINING and blue.standby_until is not None
+        assert routed(deployment["id"]) == {green.pk}
+        assert client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4)
+
+        rolled = api.post(url + "rollback/")
+        assert rolled.status_code == 200 and rolled.data["state"] == "rolled_back", rolled.data
+        blue.refresh_from_db()
+        assert blue.state == State.READY  # the same engine, routed again without a start
+        assert routed(deployment["id"]) == {blue.pk}
+        wait_for(lambda: [(i.pk, i.state) for i in live(deployment["id"])]
+                 == [(blue.pk, State.READY)], 120, "the new generation stopped")
+        traffic.stop()
+        assert traffic.failures == [] and traffic.ok > 0, traffic.failures[:5]
+        state = api.get(url).data
+        assert state["applied_revision"] == 2
+        assert Event.objects.filter(kind=Kind.ROLLED_BACK, deployment_id=deployment["id"]).exists()
 
     finally:
         if traffic is not None:

@@ -442,6 +442,9 @@ def test_blue_green_abort_after_the_switch_switches_back_at_once(tasks, in_fligh
     assert started.state == Rollout.State.ROLLED_BACK and deployment.applied_revision.number == 1
     assert set(deployment.instances.filter(state=State.READY, revision__number=1)
                .values_list("pk", flat=True)) == old  # the same engines, routed again at once
+    # ... and the new generation left routing in the same transaction, before any round.
+    assert set(deployment.instances.filter(revision__number=2).exclude(state=State.STOPPED)
+               .values_list("state", flat=True)) == {State.DRAINING}
     for _ in range(3):
         reconcile.reconcile_deployment(deployment.pk)
         tasks.run()
