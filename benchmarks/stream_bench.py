@@ -62,7 +62,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway_bench import (
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: the project
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gateway_bench import (  # noqa: E402
     ENGINE_SECRET,
     ROOT,
     InstantUpstream,
