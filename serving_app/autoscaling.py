@@ -219,9 +219,8 @@ def _scale(autoscaler: Autoscaler, current: int, replicas: int, recommendation: 
 def evaluate_all(now: datetime | None = None) -> int:
     """A round for every enabled autoscaler; returns how many deployments changed size."""
     changed = 0
-    for pk in Autoscaler.objects.filter(enabled=True).values_list("pk", flat=True):
-        before = Autoscaler.objects.filter(pk=pk).values_list("deployment__replicas",
-                                                              flat=True).first()
+    for pk, before in Autoscaler.objects.filter(enabled=True).values_list(
+            "pk", "deployment__replicas"):
         decision = evaluate(pk, now)
         if decision is not None and decision.replicas != before:
             changed += 1
