@@ -25,6 +25,10 @@ Bands are strict (a band is served only while no higher band waits) or weighted 
 its own counter, grown by the weighted tokens it is served divided by the band's weight, and the
 band with the smallest counter goes next, so a low band still progresses).
 
+An admission while nobody waits in the deployment (the usual case) takes a shorter path in the
+same script: with a slot free it is dispatched at once, charged and counted as queueing and then
+dispatching it would have done, in about a third of the Redis calls.
+
 A waiter is woken cheaply: whichever script frees a slot (a settlement) or finds one (an
 admission) pops the next waiter, records it on the instance and pushes `<request id>
 <instance id>` onto its worker's list, which each worker reads with one blocking BLPOP loop. A
@@ -172,6 +176,22 @@ local function fc_enter(fa, rid, now, lease)
   local charge, wake, timeout = ARGV[fa + 4], ARGV[fa + 5], tonumber(ARGV[fa + 6])
   local strict, bws, spec, cands = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
     ARGV[fa + 9], ARGV[fa + 10]
+  if redis.call('EXISTS', P .. ':bands') == 0 then
+    -- Nobody waits (the usual case): with a slot free, what queueing then the pump would do,
+    -- in a third of the calls.
+    local inst = fc_free(spec, cands, now)
+    if inst then
+      local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
+      local floor = tonumber(redis.call('HGET', P .. ':floor', band) or '0')
+      if v < floor then v = floor; redis.call('HSET', P .. ':v', t, fc_num(v)) end
+      redis.call('ZADD', 'gw:{i' .. inst .. '}:inflight', now + lease, rid)
+      redis.call('HSET', P .. ':floor', band, fc_num(v))
+      fc_charge(P, band, t, weight, tonumber(charge), bws)
+      fc_stat(P, now, 'n:' .. t, 1)
+      fc_stat(P, now, 'w:' .. t, 0)
+      return tonumber(inst)
+    end
+  end
   if redis.call('LLEN', P .. ':q:' .. t) == 0 then
     -- Becomes backlogged: lifted so that idling banks no credit.
     local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')

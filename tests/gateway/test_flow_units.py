@@ -177,6 +177,33 @@ def test_an_idle_tenant_is_lifted_and_cannot_bank_credit():
     run(scenario)
 
 
+def test_a_tenant_arriving_when_nobody_waits_is_lifted_too():
+    """With nobody waiting, a request is dispatched at once without queueing; it is still
+    lifted to the counter of the band's last dispatch, so an idle tenant banks no credit there
+    either."""
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        early, late = tenant(), tenant()
+        for _ in range(8):  # `early` alone, one at a time: never queued
+            await engine.send(early)
+            assert not engine.futures
+            await engine.finish()
+        await engine.send(late)  # nobody waits: dispatched at once, lifted to early's counter
+        assert not engine.futures
+        for _ in range(4):  # `late` queues first, so it is backlogged alone for a moment
+            await engine.send(late)
+        for _ in range(4):
+            await engine.send(early)
+        while engine.running:
+            await engine.finish()
+        order = ["e" if t is early else "l" for t in engine.granted[9:]]
+        # Lifted, `late` alternates with `early`; had it kept its counter of 0 it would take
+        # every slot until it had caught up with eight requests' worth.
+        assert order[:6] in (["l", "e", "l", "e", "l", "e"], ["e", "l", "e", "l", "e", "l"])
+
+    run(scenario)
+
+
 def test_strict_bands_serve_a_higher_band_first():
     async def scenario(meter):
         engine = Engine(meter, 1)
