@@ -33,7 +33,7 @@ takes nothing from the lower bands.
 
 An admission while nobody waits in the deployment (the usual case) takes a shorter path in the
 same script: with a slot free it is dispatched at once, charged and counted as queueing and then
-dispatching it would have done, in about a third of the Redis calls.
+dispatching it would have done, in less than half the Redis calls.
 
 A waiter is woken cheaply: whichever script frees a slot (a settlement) or finds one (an
 admission) pops the next waiter, records it on the instance and pushes `<request id>
@@ -234,7 +234,7 @@ local function fc_enter(fa, rid, now, lease)
     ARGV[fa + 9], ARGV[fa + 10]
   if redis.call('EXISTS', P .. ':bands') == 0 then
     -- Nobody waits (the usual case): with a slot free, what queueing then the pump would do,
-    -- in a third of the calls.
+    -- in less than half the calls.
     local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws))
     if inst then
       local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
