@@ -54,6 +54,9 @@ whether the issue's target holds there (customer service's p95 within 1.25x of a
 its objective, total throughput at least 0.9 of FCFS). On a CPU engine a smaller batch protects
 latency and costs throughput: this is that trade-off.
 
+`--reserved-slots N` sets the slots beyond the budget that customer service's high tier may
+use (`GATEWAY_FLOW_RESERVED_SLOTS`, 2 by default; 0 to measure without the reserve).
+
 `--rounds N` repeats the baseline and the three modes N times (samples pooled per mode). Each
 run is bounded by its time (and each client by `--max-prompts`); everything listens on
 127.0.0.1, and every process the benchmark starts is stopped when it ends, is interrupted or
@@ -368,6 +371,9 @@ def parse_args() -> argparse.Namespace:
                         help="concurrent requests of the two equal tenants")
     parser.add_argument("--bands", choices=("weighted", "strict"), default="weighted",
                         help="GATEWAY_FLOW_BANDS of the gateway")
+    parser.add_argument("--reserved-slots", type=int, default=2,
+                        help="GATEWAY_FLOW_RESERVED_SLOTS of the gateway (the upper bands' "
+                             "reserve beyond the budget; 0: none)")
     parser.add_argument("--max-prompts", type=int, default=4000,
                         help="cap on each client's prompts in one measurement")
     parser.add_argument("--quick", action="store_true",
@@ -419,6 +425,7 @@ def main() -> int:
                 "--scheduling-policy", "priority", "--max-num-seqs", str(MAX_NUM_SEQS))))
             env = setup_django(redis_url)
             env["GATEWAY_FLOW_BANDS"] = args.bands
+            env["GATEWAY_FLOW_RESERVED_SLOTS"] = str(args.reserved_slots)
             deployment_id, keys = seed(engine_port)
             port = free_port()
             procs.append(start_gateway(env, port, 2))

@@ -414,6 +414,10 @@ GATEWAY: dict[str, Any] = {
     "FLOW_BANDS": env_choice("GATEWAY_FLOW_BANDS", "weighted", ("weighted", "strict")),
     # Weights of the bands critical, high, normal, low (the tenants' priority tiers).
     "FLOW_BAND_WEIGHTS": env_list("GATEWAY_FLOW_BAND_WEIGHTS", ["8", "4", "2", "1"]),
+    # Slots beyond each instance's dispatch budget that only the critical and high bands may
+    # use: a request of an upper band finds a slot at once rather than waiting behind a flood of
+    # a lower one (the engine orders it first by its priority). 0: the budget holds for all.
+    "FLOW_RESERVED_SLOTS": env_int("GATEWAY_FLOW_RESERVED_SLOTS", 2, minimum=0),
     # Fair share counts weighted tokens: prompt tokens times the first, completion tokens times
     # the second (a generated token costs the engine more than a prompt token).
     "FLOW_INPUT_TOKEN_WEIGHT": env_float("GATEWAY_FLOW_INPUT_TOKEN_WEIGHT", 1.0, minimum=0.0),

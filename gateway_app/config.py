@@ -27,6 +27,7 @@ class GatewayConfig:
     flow_band_weights: tuple[float, ...] = (8.0, 4.0, 2.0, 1.0)
     flow_input_weight: float = 1.0
     flow_output_weight: float = 2.0
+    flow_reserved_slots: int = 0
     wake_timeout: float = 180.0
     window_ms: int = 60_000
 
@@ -57,5 +58,6 @@ class GatewayConfig:
             flow_band_weights=tuple(settings.GATEWAY["FLOW_BAND_WEIGHTS"]),
             flow_input_weight=settings.GATEWAY["FLOW_INPUT_TOKEN_WEIGHT"],
             flow_output_weight=settings.GATEWAY["FLOW_OUTPUT_TOKEN_WEIGHT"],
+            flow_reserved_slots=settings.GATEWAY["FLOW_RESERVED_SLOTS"],
             wake_timeout=settings.GATEWAY["WAKE_TIMEOUT_SECONDS"],
         )

@@ -7,7 +7,9 @@ only inside the admission and settlement scripts (`admission.py`), which carry t
 - per instance, `gw:{i<id>}:inflight`: a sorted set of the requests dispatched to it, scored by
   when their lease expires (Redis's clock). Its size is what the budget is checked against; a
   member whose gateway died expires with its lease. (The same key and members the control
-  plane reads to finish a drain.)
+  plane reads to finish a drain.) Those of its requests that hold one of the slots reserved
+  for the upper bands beyond the budget (`GATEWAY_FLOW_RESERVED_SLOTS`) are also in
+  `gw:{i<id>}:reserve`, and do not count against the budget.
 - per deployment, under `gw:{d<id>}:fc`: a list of waiting request ids per tenant (`:q:<t>`),
   each waiter's details (`:w`), the backlogged tenants of each band scored by their virtual
   counter (`:b:<band>`), the bands with waiters (`:bands`), every tenant's virtual counter
@@ -23,7 +25,15 @@ backlogged after idling is lifted to the smallest counter of the backlogged tena
 (or, with none, to the counter of the band's last dispatch), so idling banks no credit.
 Bands are strict (a band is served only while no higher band waits) or weighted (each band has
 its own counter, grown by the weighted tokens it is served divided by the band's weight, and the
-band with the smallest counter goes next, so a low band still progresses).
+band with the smallest counter goes next, so a low band still progresses). Requests of the
+upper bands (critical and high) may also take one of the slots reserved for them beyond the
+budget when it is full, so that a flood of a lower band never makes them wait for its requests
+to end; the slots within the budget are shared by band and fair share as before, so the reserve
+takes nothing from the lower bands.
+
+An admission while nobody waits in the deployment (the usual case) takes a shorter path in the
+same script: with a slot free it is dispatched at once, charged and counted as queueing and then
+dispatching it would have done, in less than half the Redis calls.
 
 A waiter is woken cheaply: whichever script frees a slot (a settlement) or finds one (an
 admission) pops the next waiter, records it on the instance and pushes `<request id>
@@ -70,19 +80,58 @@ end
 local function fc_num(v) return string.format('%.17g', v) end
 
 -- The instance among `spec` ("id:budget,...") that may take one more request, the least
--- loaded first; `cands` (",id,id,") narrows it to instances that can serve the request.
-local function fc_free(spec, cands, now)
-  local best, best_n = nil, nil
+-- loaded first, and whether it is one of its `extra` reserved slots; `cands` (",id,id,")
+-- narrows it to instances that can serve the request. The requests on reserved slots (in
+-- `gw:{i<id>}:reserve` as well) do not count against the budget; `reserve` is how many an
+-- instance may have (0: none, nothing to read).
+local function fc_free(spec, cands, now, extra, reserve)
+  local best, best_n, best_r = nil, nil, false
   for _, item in ipairs(fc_split(spec, ',')) do
     local id, budget = string.match(item, '(%d+):(%d+)')
     if cands == '' or string.find(cands, ',' .. id .. ',', 1, true) then
       local key = 'gw:{i' .. id .. '}:inflight'
       redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
       local n = redis.call('ZCARD', key)
-      if n < tonumber(budget) and (best_n == nil or n < best_n) then best, best_n = id, n end
+      local r = 0
+      if reserve > 0 then
+        local rkey = 'gw:{i' .. id .. '}:reserve'
+        redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+        r = redis.call('ZCARD', rkey)
+      end
+      local in_budget = n - r < tonumber(budget)
+      if (in_budget or r < extra) and (best_n == nil or n < best_n) then
+        best, best_n, best_r = id, n, not in_budget
+      end
     end
   end
-  return best
+  return best, best_r
+end
+
+-- Record request `rid` on instance `inst` until `expires`, on a reserved slot or not.
+local function fc_take(inst, rid, expires, reserved)
+  redis.call('ZADD', 'gw:{i' .. inst .. '}:inflight', expires, rid)
+  if reserved then
+    local rkey = 'gw:{i' .. inst .. '}:reserve'
+    redis.call('ZADD', rkey, expires, rid)
+    redis.call('PEXPIREAT', rkey, expires)
+  end
+end
+
+local function fc_give_back(inst, rid)
+  redis.call('ZREM', 'gw:{i' .. inst .. '}:inflight', rid)
+  redis.call('ZREM', 'gw:{i' .. inst .. '}:reserve', rid)
+end
+
+-- `bws` holds the four bands' weights, then the reserve: slots beyond each instance's budget
+-- that only requests of the upper bands (critical and high) may use, so that they need not
+-- wait for a lower band's requests to end (the engine then runs them first, by priority).
+local function fc_reserve(bws)
+  return tonumber(bws[5] or '0')
+end
+
+local function fc_extra(bws, band)
+  if tonumber(band) < 2 then return fc_reserve(bws) end
+  return 0
 end
 
 local function fc_stat(P, now, field, by)
@@ -128,9 +177,16 @@ end
 -- `self_rid` (the request being admitted) is returned instead of pushed to its worker.
 local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
   local mine = nil
+  local upper_only = false  -- a lower band found no slot: only the upper bands' reserve is left
   for _ = 1, 10000 do
-    local band = fc_band(P, strict)
-    if not band then break end
+    local band
+    if upper_only then
+      band = redis.call('ZRANGE', P .. ':bands', 0, 0)[1]
+      if not band or tonumber(band) >= 2 then break end
+    else
+      band = fc_band(P, strict)
+      if not band then break end
+    end
     local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')
     local t = top[1]
     local rid = redis.call('LINDEX', P .. ':q:' .. t, 0)
@@ -145,19 +201,23 @@ local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
       if tonumber(f[4]) < now then
         fc_unqueue(P, band, t, rid)  -- its worker answers 503 (it has left, or will)
       else
-        local inst = fc_free(spec, cands, now)
-        if not inst then break end
-        fc_unqueue(P, band, t, rid)
-        redis.call('ZADD', 'gw:{i' .. inst .. '}:inflight', now + lease, rid)
-        redis.call('HSET', P .. ':floor', band, top[2])
-        fc_charge(P, band, t, tonumber(f[2]), tonumber(f[3]), bws)
-        fc_stat(P, now, 'n:' .. t, 1)
-        fc_stat(P, now, 'w:' .. t, now - tonumber(f[5]))
-        if rid == self_rid then
-          mine = inst
+        local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws))
+        if not inst then
+          if tonumber(band) < 2 or fc_reserve(bws) == 0 then break end
+          upper_only = true
         else
-          redis.call('RPUSH', f[1], rid .. ' ' .. inst .. ' ' .. P)
-          redis.call('PEXPIRE', f[1], WAKE_TTL)
+          fc_unqueue(P, band, t, rid)
+          fc_take(inst, rid, now + lease, reserved)
+          redis.call('HSET', P .. ':floor', band, top[2])
+          fc_charge(P, band, t, tonumber(f[2]), tonumber(f[3]), bws)
+          fc_stat(P, now, 'n:' .. t, 1)
+          fc_stat(P, now, 'w:' .. t, now - tonumber(f[5]))
+          if rid == self_rid then
+            mine = inst
+          else
+            redis.call('RPUSH', f[1], rid .. ' ' .. inst .. ' ' .. P)
+            redis.call('PEXPIRE', f[1], WAKE_TTL)
+          end
         end
       end
     end
@@ -172,6 +232,22 @@ local function fc_enter(fa, rid, now, lease)
   local charge, wake, timeout = ARGV[fa + 4], ARGV[fa + 5], tonumber(ARGV[fa + 6])
   local strict, bws, spec, cands = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
     ARGV[fa + 9], ARGV[fa + 10]
+  if redis.call('EXISTS', P .. ':bands') == 0 then
+    -- Nobody waits (the usual case): with a slot free, what queueing then the pump would do,
+    -- in less than half the calls.
+    local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws))
+    if inst then
+      local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
+      local floor = tonumber(redis.call('HGET', P .. ':floor', band) or '0')
+      if v < floor then v = floor; redis.call('HSET', P .. ':v', t, fc_num(v)) end
+      fc_take(inst, rid, now + lease, reserved)
+      redis.call('HSET', P .. ':floor', band, fc_num(v))
+      fc_charge(P, band, t, weight, tonumber(charge), bws)
+      fc_stat(P, now, 'n:' .. t, 1)
+      fc_stat(P, now, 'w:' .. t, 0)
+      return tonumber(inst)
+    end
+  end
   if redis.call('LLEN', P .. ':q:' .. t) == 0 then
     -- Becomes backlogged: lifted so that idling banks no credit.
     local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
@@ -206,7 +282,7 @@ local function fc_settle(fa, rid, now)
   local charged, served, inst = tonumber(ARGV[fa + 4]), tonumber(ARGV[fa + 5]), ARGV[fa + 6]
   local strict, bws, spec, lease = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
     ARGV[fa + 9], tonumber(ARGV[fa + 10])
-  redis.call('ZREM', 'gw:{i' .. inst .. '}:inflight', rid)
+  fc_give_back(inst, rid)
   fc_charge(P, band, t, weight, served - charged, bws)
   fc_stat(P, now, 's:' .. t, served)
   fc_pump(P, now, strict, bws, spec, lease, nil)
@@ -242,7 +318,7 @@ RELEASE_LUA = """#!lua flags=allow-cross-slot-keys
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """ + LUA_LIB + """
-redis.call('ZREM', 'gw:{i' .. ARGV[3] .. '}:inflight', ARGV[2])
+fc_give_back(ARGV[3], ARGV[2])
 fc_pump(ARGV[1], now, ARGV[4] == '1', fc_split(ARGV[5], ','), ARGV[6], tonumber(ARGV[7]), nil)
 return 1
 """
@@ -285,7 +361,9 @@ class FlowControl:
         self.instances_of: Callable[[int], Iterable[InstanceEntry]] = lambda _: ()
         self._background: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
-        self._bands = ",".join(f"{w:g}" for w in config.flow_band_weights)
+        # The bands' weights, then the upper bands' reserve (`fc_reserve`).
+        self._bands = ",".join(f"{w:g}" for w in (*config.flow_band_weights,
+                                                    config.flow_reserved_slots))
         self._strict = "1" if config.flow_strict else "0"
 
     def start(self) -> None:

@@ -113,7 +113,7 @@ BREAKAGES = (
     Breakage(
         "flow-control-ignores-the-budget",
         "gateway_app/flow.py",
-        "      if n < tonumber(budget) and (best_n == nil or n < best_n) then",
+        "      if (in_budget or r < extra) and (best_n == nil or n < best_n) then",
         "      if (best_n == nil or n < best_n) then",
         ("tests/gateway/test_flow_units.py",),
     ),

@@ -265,10 +265,10 @@ def ordered_completions(url: str, world: World, first: tuple[str, int],
     return order
 
 
-def test_strict_bands_serve_the_high_band_first(world, strict_gateway):
+def test_strict_bands_serve_the_higher_band_first(world, strict_gateway):
     world.acme.priority_tier = 3  # low
     world.acme.save()
-    world.globex.priority_tier = 1  # high
+    world.globex.priority_tier = 2  # normal (the upper bands' reserve would let it pass)
     world.globex.save()
     set_budget(world, 1)
     let_gateways_reload()
@@ -280,7 +280,7 @@ def test_strict_bands_serve_the_high_band_first(world, strict_gateway):
 def test_weighted_bands_let_the_low_band_progress(world, gateways):
     world.acme.priority_tier = 3  # low: band weight 1
     world.acme.save()
-    world.globex.priority_tier = 1  # high: band weight 4
+    world.globex.priority_tier = 2  # normal: band weight 2
     world.globex.save()
     set_budget(world, 1)
     let_gateways_reload()
@@ -289,6 +289,41 @@ def test_weighted_bands_let_the_low_band_progress(world, gateways):
     first_low = order.index(world.acme_secret)
     last_high = len(order) - 1 - order[::-1].index(world.globex_secret)
     assert first_low < last_high, order
+
+
+def test_an_upper_band_request_uses_the_reserve_beyond_the_budget(world, strict_gateway):
+    """With the instance's budget of 1 taken, a request of the high tier is dispatched at once
+    on one of the slots reserved for the upper bands (GATEWAY_FLOW_RESERVED_SLOTS, 2 by
+    default), while a normal one waits for the budget."""
+    world.globex.priority_tier = 1  # high
+    world.globex.save()
+    set_budget(world, 1)
+    let_gateways_reload()
+    block_instance(world)
+    try:
+        async def main() -> tuple[int, int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                normal = asyncio.ensure_future(http.post(
+                    strict_gateway.url + "/v1/completions", json=request_body(8),
+                    headers={"Authorization": f"Bearer {world.acme_secret}"}))
+                await asyncio.to_thread(wait_for, lambda: queued(world, world.acme.pk) == 1,
+                                        "the normal request queued")
+                high = await http.post(strict_gateway.url + "/v1/completions",
+                                       json=request_body(8),
+                                       headers={"Authorization": f"Bearer {world.globex_secret}"})
+                assert high.status_code == 200, high.text
+                assert queued(world, world.acme.pk) == 1  # still waiting for the budget
+                unblock_instance(world)
+                # Freeing the slot by hand settles nothing: one more request's admission hands
+                # it out, to the waiter (the first in its band) or to itself.
+                more = await http.post(strict_gateway.url + "/v1/completions",
+                                       json=request_body(8),
+                                       headers={"Authorization": f"Bearer {world.acme_secret}"})
+                return (await normal).status_code, more.status_code
+
+        assert asyncio.run(main()) == (200, 200)
+    finally:
+        unblock_instance(world)
 
 
 def test_a_request_past_its_queue_timeout_gets_503_with_retry_after(world, strict_gateway):

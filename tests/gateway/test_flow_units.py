@@ -177,6 +177,81 @@ def test_an_idle_tenant_is_lifted_and_cannot_bank_credit():
     run(scenario)
 
 
+def test_a_tenant_arriving_when_nobody_waits_is_lifted_too():
+    """With nobody waiting, a request is dispatched at once without queueing; it is still
+    lifted to the counter of the band's last dispatch, so an idle tenant banks no credit there
+    either."""
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        early, late = tenant(), tenant()
+        for _ in range(8):  # `early` alone, one at a time: never queued
+            await engine.send(early)
+            assert not engine.futures
+            await engine.finish()
+        await engine.send(late)  # nobody waits: dispatched at once, lifted to early's counter
+        assert not engine.futures
+        for _ in range(4):  # `late` queues first, so it is backlogged alone for a moment
+            await engine.send(late)
+        for _ in range(4):
+            await engine.send(early)
+        while engine.running:
+            await engine.finish()
+        order = ["e" if t is early else "l" for t in engine.granted[9:]]
+        # Lifted, `late` alternates with `early`; had it kept its counter of 0 it would take
+        # every slot until it had caught up with eight requests' worth.
+        assert order[:6] in (["l", "e", "l", "e", "l", "e"], ["e", "l", "e", "l", "e", "l"])
+
+    run(scenario)
+
+
+def reserved(engine: Engine) -> int:
+    """Requests on the instance's reserved slots (the engine's first instance)."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return client.zcard(f"gw:{{i{engine.instances[0].id}}}:reserve")
+    finally:
+        client.close()
+
+
+def test_an_upper_band_takes_the_reserve_beyond_the_budget_and_a_lower_one_does_not():
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        normal, high = tenant(priority=2), tenant(priority=1)
+        for _ in range(3):
+            await engine.send(normal)
+        assert engine.in_flight() == [1] and len(engine.futures) == 2  # the budget holds
+        for _ in range(4):
+            await engine.send(high)
+        # Two of high's go at once, on the two reserved slots; the rest wait with normal's.
+        assert engine.granted == [normal, high, high]
+        assert engine.in_flight() == [3] and reserved(engine) == 2 and len(engine.futures) == 4
+        while engine.running:
+            await engine.finish()
+            assert engine.in_flight()[0] <= 3 and reserved(engine) <= 2
+        assert Counter(id(t) for t in engine.granted) == {id(normal): 3, id(high): 4}
+        assert reserved(engine) == 0
+
+    run(scenario, flow_reserved_slots=2)
+
+
+def test_a_flood_of_an_upper_band_through_the_reserve_does_not_starve_a_lower_band():
+    """The reserved slots are the upper bands' on top of the budget: the budget's slot is still
+    shared by the bands' weights, so a lower band progresses while an upper one floods."""
+    async def scenario(meter):
+        engine = Engine(meter, 1)
+        normal, high = tenant(priority=2), tenant(priority=1)
+        for _ in range(3):
+            await engine.send(normal)
+        for _ in range(6):
+            await engine.send(high)
+        for _ in range(24):  # high stays backlogged throughout
+            await engine.finish()
+            await engine.send(high)
+        assert Counter(id(t) for t in engine.granted)[id(normal)] == 3
+
+    run(scenario, flow_reserved_slots=2)
+
+
 def test_strict_bands_serve_a_higher_band_first():
     async def scenario(meter):
         engine = Engine(meter, 1)
