@@ -173,6 +173,17 @@ local function fc_charge(P, band, t, weight, amount, bws)
   redis.call('HINCRBYFLOAT', P .. ':bv', band, amount / bw)
 end
 
+-- Dispatch request `rid` of tenant `t` (virtual counter `v`) to `inst`: record it, make `v`
+-- the band's floor, charge it, count it and the time it waited.
+local function fc_dispatch(P, now, band, t, v, rid, inst, reserved, lease, weight, charge,
+                           waited, bws)
+  fc_take(inst, rid, now + lease, reserved)
+  redis.call('HSET', P .. ':floor', band, v)
+  fc_charge(P, band, t, weight, charge, bws)
+  fc_stat(P, now, 'n:' .. t, 1)
+  fc_stat(P, now, 'w:' .. t, waited)
+end
+
 -- Hand free slots to waiters, best first, until no slot or no waiter is left. A grant to
 -- `self_rid` (the request being admitted) is returned instead of pushed to its worker.
 local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
@@ -207,11 +218,8 @@ local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
           upper_only = true
         else
           fc_unqueue(P, band, t, rid)
-          fc_take(inst, rid, now + lease, reserved)
-          redis.call('HSET', P .. ':floor', band, top[2])
-          fc_charge(P, band, t, tonumber(f[2]), tonumber(f[3]), bws)
-          fc_stat(P, now, 'n:' .. t, 1)
-          fc_stat(P, now, 'w:' .. t, now - tonumber(f[5]))
+          fc_dispatch(P, now, band, t, top[2], rid, inst, reserved, lease, tonumber(f[2]),
+                      tonumber(f[3]), now - tonumber(f[5]), bws)
           if rid == self_rid then
             mine = inst
           else
@@ -240,11 +248,8 @@ local function fc_enter(fa, rid, now, lease)
       local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
       local floor = tonumber(redis.call('HGET', P .. ':floor', band) or '0')
       if v < floor then v = floor; redis.call('HSET', P .. ':v', t, fc_num(v)) end
-      fc_take(inst, rid, now + lease, reserved)
-      redis.call('HSET', P .. ':floor', band, fc_num(v))
-      fc_charge(P, band, t, weight, tonumber(charge), bws)
-      fc_stat(P, now, 'n:' .. t, 1)
-      fc_stat(P, now, 'w:' .. t, 0)
+      fc_dispatch(P, now, band, t, fc_num(v), rid, inst, reserved, lease, weight,
+                  tonumber(charge), 0, bws)
       return tonumber(inst)
     end
   end
