@@ -41,7 +41,9 @@ total; Jain's index over the tenants' weighted served tokens (prompt tokens x 1 
 2, the gateway's default weights, divided by the tenant's fair-share weight; only content
 generation is backlogged in this scenario, so the index mostly shows how little the others
 ask for); then customer service's p95 under the flood against its p95 alone, and each mode's
-total output tokens/s against FCFS's.
+total output tokens/s against FCFS's. After every flow-control run it also prints the gateway's
+own queue statistics per tenant (`queue_waits`: how many of its requests had to wait in the
+gateway's queue, and the mean wait), so that a tenant's latency can be told apart from queueing.
 
 Second scenario: two tenants of equal weight and tier, both backlogged (`--pair-clients`, 24
 and 8 concurrent: with equal client counts first come first served is already even; unequal
@@ -175,6 +177,48 @@ def configure(deployment_id: int, mode: str, budget: int | None, redis_url: str)
         for key in client.scan_iter(prefix(deployment_id) + "*"):
             client.delete(key)
     time.sleep(2.0)  # catalog re-read every 0.5 s (GATEWAY_CATALOG_REFRESH_SECONDS below)
+
+
+def queue_waits(deployment_id: int, redis_url: str) -> dict[str, dict[str, float]]:
+    """Per tenant, the gateway's own flow-control statistics over the whole run (the flood's
+    lead included; the per-minute counters `serving_app.sharing` reads for the console):
+    requests dispatched, how many of them had to wait in the gateway's queue, and the mean
+    wait of all of them. Where a tenant's latency goes when it is not the queue: the engine."""
+    import redis
+
+    from serving_app.sharing import prefix
+    from tenants_app.models import Tenant
+
+    totals: dict[str, float] = {}
+    with redis.Redis.from_url(redis_url) as client:
+        for key in client.scan_iter(prefix(deployment_id) + ":m:*"):
+            for field, value in client.hgetall(key).items():
+                totals[field.decode()] = totals.get(field.decode(), 0.0) + float(value)
+    out = {}
+    for pk, slug in Tenant.objects.values_list("pk", "slug"):
+        n = totals.get(f"n:{pk}", 0.0)
+        if n:
+            out[slug] = {"dispatched": n, "waited": totals.get(f"b:{pk}", 0.0),
+                         "wait_ms": totals.get(f"w:{pk}", 0.0)}
+    return out
+
+
+def pooled_waits(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for run in runs:
+        for slug, row in run.items():
+            into = out.setdefault(slug, {"dispatched": 0.0, "waited": 0.0, "wait_ms": 0.0})
+            for field, value in row.items():
+                into[field] += value
+    for row in out.values():
+        row["mean_wait_ms"] = row["wait_ms"] / row["dispatched"]
+    return out
+
+
+def print_waits(waits: dict[str, dict[str, float]]) -> None:
+    print("gateway queue (whole run): " + "; ".join(
+        f"{slug} {w['waited']:.0f} of {w['dispatched']:.0f} waited, mean wait "
+        f"{w['mean_wait_ms']:.1f} ms" for slug, w in waits.items()), flush=True)
 
 
 # -- the load ----------------------------------------------------------------------------------
@@ -452,6 +496,7 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
     loads.run(three, 8.0, 2.0)
     modes = ("fcfs", "priority", "flow")
     runs: dict[str, list[dict[str, dict]]] = {"alone": [], **{m: [] for m in modes}}
+    waits: list[dict[str, dict[str, float]]] = []
     for round_no in range(args.rounds):
         configure(deployment_id, "fcfs", None, redis_url)
         runs["alone"].append(loads.run([(CS, args.cs_clients)], args.alone_seconds, 0.0))
@@ -459,13 +504,18 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
         for mode in modes:
             configure(deployment_id, mode, args.budget, redis_url)
             runs[mode].append(loads.run(three, args.seconds, args.lead))
+            if mode == "flow":
+                waits.append(queue_waits(deployment_id, redis_url))
             print(f"round {round_no}: {mode} done", flush=True)
     fig = {name: figures(r) for name, r in runs.items()}
+    fig["flow"]["queue"] = pooled_waits(waits)
     results["three_departments"] = fig
     print_mode("customer service alone", fig["alone"])
     for mode in modes:
         print_mode(f"{mode}" + (f" (dispatch budget {args.budget})" if mode == "flow" else ""),
                    fig[mode])
+        if mode == "flow":
+            print_waits(fig[mode]["queue"])
     alone = fig["alone"]["tenants"][CS]
     fcfs_total = fig["fcfs"]["tok_s"]
     print(f"\ncustomer service alone: p50 {alone['e2e_p50']:.0f} ms, p95 "
@@ -496,7 +546,9 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
         if budget not in sweep:
             configure(deployment_id, "flow", budget, redis_url)
             sweep[budget] = figures([loads.run(three, args.seconds, args.lead)])
+            sweep[budget]["queue"] = pooled_waits([queue_waits(deployment_id, redis_url)])
             print_mode(f"flow, dispatch budget {budget}", sweep[budget])
+            print_waits(sweep[budget]["queue"])
     curve = []
     print(f"\n{'budget':>6} {'CS p50':>7} {'CS p95':>7} {'p95 / alone':>11} {'total tok/s':>11} "
           f"{'/ FCFS':>7}  target")

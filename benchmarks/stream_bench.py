@@ -18,7 +18,9 @@ other round, because this machine's speed drifts by 2x over minutes):
 - `relay`: a bare TCP relay in its own process (benchmarks/gateway_bench.py: no HTTP parsing,
   no limits), the floor that one more process hop costs here;
 - `gateway w<N> <limits|nolimits>`: the gateway (uvicorn, N workers) with a tenant that has RPM
-  and TPM limits (admission and settlement: two Redis round trips) or none (one);
+  and TPM limits (admission and settlement: two Redis round trips) or none (one); flow
+  control on (the default), and with `--flow on off` also a gateway with it off
+  (`GATEWAY_FLOW_CONTROL`, sides named `... noflow`): what it costs, measured in the same run;
 - with `--compare COMMIT`, the same gateways running that commit's code, from a git worktree
   the benchmark creates in a temporary folder (and removes), on their own database.
 
@@ -586,6 +588,9 @@ def parse_args() -> argparse.Namespace:
                         help="gateway (uvicorn) workers; one gateway per value")
     parser.add_argument("--limits", nargs="+", choices=("on", "off"), default=["on"],
                         help="the tenant has RPM and TPM limits (on) or none (off)")
+    parser.add_argument("--flow", nargs="+", choices=("on", "off"), default=["on"],
+                        help="the gateways' flow control (GATEWAY_FLOW_CONTROL); one gateway "
+                             "per value")
     parser.add_argument("--no-relay", action="store_true", help="leave out the bare TCP relay")
     parser.add_argument("--compare", default="", metavar="COMMIT",
                         help="also measure the gateway of this commit (a git worktree)")
@@ -656,15 +661,17 @@ def main() -> int:
             env = {**gateway_env(redis_url, f"sqlite:///{tmp / label}.sqlite3", code),
                    "CONSOLE_VAR_DIR": str(tmp / f"{label}-var")}
             keys = seed_gateway_db(env, upstreams, code)
-            for workers in args.workers:
+            for workers, flow in itertools.product(args.workers, args.flow):
                 port = free_port()
-                proc = start_gateway(env, port, workers, code)
+                proc = start_gateway({**env, "GATEWAY_FLOW_CONTROL": str(flow == "on").lower()},
+                                     port, workers, code)
                 procs.append(proc)
                 url = f"http://127.0.0.1:{port}"
                 gateways.append((proc, url, keys["limits"]))
                 for limits in args.limits:
                     key = keys["limits" if limits == "on" else "nolimits"]
-                    name = f"{label} w{workers} {'limits' if limits == 'on' else 'nolimits'}"
+                    name = (f"{label} w{workers} {'limits' if limits == 'on' else 'nolimits'}"
+                            + ("" if flow == "on" else " noflow"))
                     sides.append(Side(name, dict.fromkeys(upstreams, url), key,
                                       dict.fromkeys(upstreams, proc.pid),
                                       redis_pid=redis_proc.pid))

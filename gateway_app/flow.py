@@ -135,6 +135,7 @@ local function fc_extra(bws, band)
 end
 
 local function fc_stat(P, now, field, by)
+  if by == 0 then return end  -- the readers count a missing field as 0
   local key = P .. ':m:' .. math.floor(now / 60000)
   redis.call('HINCRBYFLOAT', key, field, by)
   redis.call('PEXPIRE', key, STATS_TTL)

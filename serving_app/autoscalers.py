@@ -29,7 +29,9 @@ class Autoscaler(models.Model):
 
     The control worker computes, every engine-metrics interval, the replicas that would bring the
     metric's average per ready instance to `target` (ceil(ready x average / target), within
-    `min_replicas`..`max_replicas`), and keeps those recommendations. It scales up to the
+    `min_replicas`..`max_replicas`; for the request-count metrics the requests waiting in the
+    gateway's flow-control queue count as waiting on the deployment's instances), and keeps
+    those recommendations. It scales up to the
     smallest recommendation of the last `up_window_seconds` when that is above the current count,
     and down to the largest of the last `down_window_seconds` when that is below it (so a short
     spike does not scale up and a short lull does not scale down); after a change it waits the

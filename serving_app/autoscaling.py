@@ -1,7 +1,10 @@
 """Autoscaling: the control worker's decisions for deployments whose `Autoscaler` is enabled.
 
 `evaluate_all()` runs on the control worker's beat every `ENGINE_METRICS_INTERVAL_SECONDS`, from
-the engine metric samples the node agents stored (never from the request path). For each
+the engine metric samples the node agents stored (never from the request path) and, for the
+request-count metrics, the requests waiting in the gateway's flow-control queue (under flow
+control the engines' own queues stay within the dispatch budget's allowance, and the rest of
+the demand waits there: `serving_app.sharing.waiting()`, one Redis read). For each
 deployment it computes a recommendation (the `Autoscaler` docstring has the rule), keeps the
 recommendations of its windows, and scales through `Deployment.scale_to()` (the reconciler then
 starts instances, or drains and stops them) when the windows and cooldowns allow. Each change
@@ -16,20 +19,24 @@ instance is ready.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from serving_app import events
+from serving_app import events, sharing
 from serving_app.autoscalers import Autoscaler, Metric
 from serving_app.engine_metrics import EngineSample
 from serving_app.models import Deployment, Instance
+
+log = logging.getLogger(__name__)
 
 # A metric within this share of its target leaves the count alone (as Kubernetes' autoscaler
 # does), so that an average hovering at the target does not add and remove an instance in turn.
@@ -38,11 +45,13 @@ TOLERANCE = 0.1
 
 @dataclass(frozen=True)
 class Reading:
-    """What the samples say now: the metric per ready instance, and whether the deployment
-    generated nothing over the down window (idle: it may go to zero)."""
+    """What the samples say now: the metric per ready instance, the requests waiting in the
+    gateway's queue (request-count metrics only; None when Redis could not be read), and
+    whether the deployment generated nothing over the down window (idle: it may go to zero)."""
 
     values: list[float]
     idle: bool
+    queued: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -85,23 +94,38 @@ def read(autoscaler: Autoscaler, now: datetime) -> Reading | None:
     covered = EngineSample.objects.filter(
         deployment_id=autoscaler.deployment_id,
         at__lte=window_start + timedelta(seconds=interval)).exists()
-    busy_now = any(v > 0 for v in values) if autoscaler.metric != Metric.KV_CACHE else False
+    queued: int | None = 0
+    if autoscaler.metric != Metric.KV_CACHE:
+        try:
+            queued = sharing.waiting(autoscaler.deployment_id)
+        except redis.RedisError as exc:  # the engines' samples alone, as without flow control
+            log.warning("gateway queue of deployment %s unreadable: %s",
+                        autoscaler.deployment_id, exc)
+            queued = None
+    busy_now = (any(v > 0 for v in values) or bool(queued)
+                if autoscaler.metric != Metric.KV_CACHE else False)
     idle = covered and generated == 0 and not busy_now
-    return Reading(values, idle)
+    return Reading(values, idle, queued)
 
 
 def recommend(autoscaler: Autoscaler, current: int, reading: Reading) -> tuple[int, str]:
     """The replicas that bring the metric's average per ready instance to the target, within
     the autoscaler's range, and why."""
     ready = len(reading.values)
-    average = sum(reading.values) / ready if ready else 0.0
+    # Requests held in the gateway's queue count as waiting on the deployment's instances.
+    total = sum(reading.values) + (reading.queued or 0)
+    average = total / ready if ready else 0.0
     ratio = average / autoscaler.target
     if ready and abs(ratio - 1) <= TOLERANCE:
         wanted, why = current, f"{_name(autoscaler)} {average:.2f} is at its target"
     else:
-        wanted = math.ceil(sum(reading.values) / autoscaler.target)
+        wanted = math.ceil(total / autoscaler.target)
         why = (f"{_name(autoscaler)} averages {average:.2f} over {ready} ready instance(s) "
                f"against a target of {autoscaler.target:g}")
+    if reading.queued:
+        why += f" ({reading.queued} of them waiting in the gateway's queue)"
+    elif reading.queued is None:
+        why += " (the gateway's queue could not be read: engines' samples alone)"
     floor = 0 if reading.idle else 1
     if reading.idle:
         why += "; nothing was generated over the down window"
@@ -186,7 +210,8 @@ def evaluate(autoscaler_id: int, now: datetime | None = None) -> Decision | None
         history.append((stamp, recommendation))
         decision = decide(autoscaler, current, history, stamp, reason)
         figures = {"metric": autoscaler.metric, "values": reading.values,
-                   "target": autoscaler.target, "recommendation": recommendation}
+                   "gateway_queued": reading.queued, "target": autoscaler.target,
+                   "recommendation": recommendation}
         if decision.replicas != current:
             _scale(autoscaler, current, decision.replicas, recommendation, decision.reason,
                    figures, now, history)

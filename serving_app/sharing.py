@@ -61,6 +61,16 @@ class FlowReport:
     jain_index: float | None
 
 
+def waiting(deployment_id: int) -> int:
+    """Requests waiting in the gateway's queue for the deployment now, from the waiters' details
+    the admission script keeps (`<prefix>:w`: wake list, weight, charge, deadline, ...). A
+    waiter past its queue deadline is not counted: its worker has answered 503, or died and
+    left it for the next dispatch to drop. Raises `redis.RedisError` when Redis cannot be read."""
+    now_ms = time.time() * 1000
+    details: list[bytes] = inflight.client().hvals(prefix(deployment_id) + ":w")  # type: ignore[assignment]
+    return sum(float(detail.split(b"|")[3]) > now_ms for detail in details)
+
+
 def jain_index(values: Iterable[float]) -> float | None:
     """(sum x)^2 / (n sum x^2): 1 when all equal; None without values."""
     xs = list(values)

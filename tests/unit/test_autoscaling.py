@@ -4,9 +4,11 @@ data, scale to zero and the wake, and the event each change records."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
+import redis
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
@@ -217,3 +219,83 @@ def test_a_policy_that_cannot_work_is_refused_field_by_field(world, fields, fiel
         policy(deployment, **fields)
     assert field in caught.value.message_dict
     assert not Autoscaler.objects.exists()
+
+
+@pytest.fixture
+def gateway_queue(settings):
+    """Queues requests in the gateway's Redis as the flow-control tests drive it (tests/gateway),
+    the control plane reading the same Redis; what it leaves there is removed afterwards (ids
+    repeat across test databases)."""
+    from serving_app import sharing
+    from tests.gateway.conftest import REDIS_URL
+
+    settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": REDIS_URL}
+    client = redis.Redis.from_url(REDIS_URL)
+    keys: list[str] = []
+
+    def clear() -> None:
+        for key in keys:
+            for found in client.scan_iter(key):
+                client.delete(found)
+
+    def queue(deployment: Deployment, waiting: int, timeout: float = 30.0) -> None:
+        """`waiting` requests of one tenant queued by the gateway's real admission script behind
+        an instance whose dispatch budget (1) is taken: what flow control leaves in the
+        gateway's queue while the engine's own queue stays empty."""
+        from tests.gateway.test_flow_units import Engine, run, tenant
+
+        async def scenario(meter):
+            engine = Engine(meter, 1)
+            engine.deployment = deployment.pk
+            instance = engine.instances[0].id
+            keys.extend([sharing.prefix(deployment.pk) + ":*", f"gw:{{i{instance}}}:*"])
+            clear()
+            entry = tenant()
+            for _ in range(1 + waiting):
+                await engine.send(entry)
+            assert len(engine.running) == 1 and len(engine.futures) == waiting
+
+        run(scenario, flow_queue_timeout=timeout)
+
+    yield queue
+    clear()
+    client.close()
+
+
+def test_requests_waiting_in_the_gateways_queue_count_as_waiting(world, gateway_queue):
+    deployment, node = world
+    instances = ready(deployment, node, 1)
+    autoscaler = policy(deployment, up_window_seconds=0, up_cooldown_seconds=0)
+    t0 = timezone.now()
+    # The engine's own queue is empty (flow control keeps it within its allowance).
+    decision = round_at(autoscaler, instances, t0, requests_waiting=0)
+    assert decision.recommendation == 1 and decision.replicas == 1
+    gateway_queue(deployment, 5)
+    # Five waiting in the gateway, target two per instance: three instances.
+    decision = round_at(autoscaler, instances, t0 + timedelta(seconds=10), requests_waiting=0)
+    assert decision.recommendation == 3 and decision.replicas == 3
+    entry = autoscale_entries(deployment)[-1]
+    assert "5 of them waiting in the gateway's queue" in entry.message
+    assert entry.data["gateway_queued"] == 5
+
+
+def test_waiters_past_their_queue_deadline_are_not_counted(world, gateway_queue):
+    deployment, node = world
+    instances = ready(deployment, node, 1)
+    autoscaler = policy(deployment, up_window_seconds=0, up_cooldown_seconds=0)
+    # Left behind by a gateway that died: their deadline (0.2 s) passes.
+    gateway_queue(deployment, 4, timeout=0.2)
+    time.sleep(0.4)
+    decision = round_at(autoscaler, instances, timezone.now(), requests_waiting=0)
+    assert decision.recommendation == 1 and decision.replicas == 1
+    assert "gateway's queue" not in autoscaler.last_decision
+
+
+def test_an_unreadable_gateway_queue_leaves_the_engines_samples_to_decide(world, settings):
+    deployment, node = world
+    instances = ready(deployment, node, 1)
+    autoscaler = policy(deployment, up_window_seconds=0, up_cooldown_seconds=0)
+    settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": "redis://127.0.0.1:1/0"}  # nothing there
+    decision = round_at(autoscaler, instances, timezone.now(), requests_waiting=6)
+    assert decision.recommendation == 3 and decision.replicas == 3
+    assert "could not be read" in autoscale_entries(deployment)[-1].message
