@@ -43,7 +43,9 @@ generation is backlogged in this scenario, so the index mostly shows how little 
 ask for); then customer service's p95 under the flood against its p95 alone, and each mode's
 total output tokens/s against FCFS's. After every flow-control run it also prints the gateway's
 own queue statistics per tenant (`queue_waits`: how many of its requests had to wait in the
-gateway's queue, and the mean wait), so that a tenant's latency can be told apart from queueing.
+gateway's queue, and the mean wait), so that a tenant's latency can be told apart from queueing;
+and after every mode the time to the engine's first bytes as the gateway recorded it per
+streamed request (`engine_ttfts`), to set beside the client's TTFT.
 
 Second scenario: two tenants of equal weight and tier, both backlogged (`--pair-clients`, 24
 and 8 concurrent: with equal client counts first come first served is already even; unequal
@@ -89,6 +91,7 @@ if str(ROOT) not in sys.path:  # run as a script: the project's packages
 from benchmarks.dashboard_bench import database_url, ensure_database  # noqa: E402
 from benchmarks.gateway_bench import (  # noqa: E402
     ENGINE_SECRET,
+    USAGE_STREAM,
     free_port,
     gateway_env,
     start_engine,
@@ -176,6 +179,7 @@ def configure(deployment_id: int, mode: str, budget: int | None, redis_url: str)
     with redis.Redis.from_url(redis_url) as client:
         for key in client.scan_iter(prefix(deployment_id) + "*"):
             client.delete(key)
+        client.delete(USAGE_STREAM)
     time.sleep(2.0)  # catalog re-read every 0.5 s (GATEWAY_CATALOG_REFRESH_SECONDS below)
 
 
@@ -201,6 +205,41 @@ def queue_waits(deployment_id: int, redis_url: str) -> dict[str, dict[str, float
             out[slug] = {"dispatched": n, "waited": totals.get(f"b:{pk}", 0.0),
                          "wait_ms": totals.get(f"w:{pk}", 0.0)}
     return out
+
+
+def engine_ttfts(redis_url: str) -> dict[str, list[float]]:
+    """Per tenant, over the whole run, the time from each streamed request's arrival at the
+    gateway to the engine's first bytes, as the gateway recorded it in its usage event
+    (`ttft_ms`): its queue wait, its own work and the engine's time to a first token. Set
+    beside the client's TTFT, it tells the gateway's part from the engine's."""
+    import redis
+
+    from tenants_app.models import Tenant
+
+    slugs = dict(Tenant.objects.values_list("pk", "slug"))
+    by_tenant: dict[str, list[float]] = {}
+    with redis.Redis.from_url(redis_url) as client:
+        for _id, fields in client.xrange(USAGE_STREAM):
+            event = json.loads(fields[b"e"])
+            if event.get("stream") and event.get("ttft_ms") is not None:
+                by_tenant.setdefault(slugs.get(event["tenant"], "?"), []).append(
+                    float(event["ttft_ms"]) / 1000)  # seconds, as vLLM's detail
+    return by_tenant
+
+
+def pooled_ttfts(runs: list[dict[str, list[float]]]) -> dict[str, dict[str, Any]]:
+    pooled: dict[str, list[float]] = {}
+    for run in runs:
+        for slug, values in run.items():
+            pooled.setdefault(slug, []).extend(values)
+    return {slug: {"n": len(v), "p50": _pct(v, 0.50), "p95": _pct(v, 0.95)}
+            for slug, v in pooled.items()}
+
+
+def print_ttfts(ttfts: dict[str, dict[str, Any]]) -> None:
+    print("to the engine's first bytes, as the gateway saw it (whole run, p50 / p95 ms): "
+          + "; ".join(f"{slug} {_ms(t['p50']).strip()} / {_ms(t['p95']).strip()}"
+                      for slug, t in ttfts.items()), flush=True)
 
 
 def pooled_waits(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -497,6 +536,7 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
     modes = ("fcfs", "priority", "flow")
     runs: dict[str, list[dict[str, dict]]] = {"alone": [], **{m: [] for m in modes}}
     waits: list[dict[str, dict[str, float]]] = []
+    ttfts: dict[str, list[dict[str, list[float]]]] = {m: [] for m in modes}
     for round_no in range(args.rounds):
         configure(deployment_id, "fcfs", None, redis_url)
         runs["alone"].append(loads.run([(CS, args.cs_clients)], args.alone_seconds, 0.0))
@@ -504,16 +544,20 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
         for mode in modes:
             configure(deployment_id, mode, args.budget, redis_url)
             runs[mode].append(loads.run(three, args.seconds, args.lead))
+            ttfts[mode].append(engine_ttfts(redis_url))
             if mode == "flow":
                 waits.append(queue_waits(deployment_id, redis_url))
             print(f"round {round_no}: {mode} done", flush=True)
     fig = {name: figures(r) for name, r in runs.items()}
     fig["flow"]["queue"] = pooled_waits(waits)
+    for mode in modes:
+        fig[mode]["engine_ttft"] = pooled_ttfts(ttfts[mode])
     results["three_departments"] = fig
     print_mode("customer service alone", fig["alone"])
     for mode in modes:
         print_mode(f"{mode}" + (f" (dispatch budget {args.budget})" if mode == "flow" else ""),
                    fig[mode])
+        print_ttfts(fig[mode]["engine_ttft"])
         if mode == "flow":
             print_waits(fig[mode]["queue"])
     alone = fig["alone"]["tenants"][CS]
@@ -547,7 +591,9 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
             configure(deployment_id, "flow", budget, redis_url)
             sweep[budget] = figures([loads.run(three, args.seconds, args.lead)])
             sweep[budget]["queue"] = pooled_waits([queue_waits(deployment_id, redis_url)])
+            sweep[budget]["engine_ttft"] = pooled_ttfts([engine_ttfts(redis_url)])
             print_mode(f"flow, dispatch budget {budget}", sweep[budget])
+            print_ttfts(sweep[budget]["engine_ttft"])
             print_waits(sweep[budget]["queue"])
     curve = []
     print(f"\n{'budget':>6} {'CS p50':>7} {'CS p95':>7} {'p95 / alone':>11} {'total tok/s':>11} "

@@ -468,13 +468,16 @@ def start_engine(port: int, scheduling: str = "idle",
         stderr=subprocess.DEVNULL)
 
 
+USAGE_STREAM = "gw:bench-usage"  # the gateways' usage events (nothing consumes them here)
+
+
 def gateway_env(redis_url: str, database_url: str, code: Path = ROOT) -> dict[str, str]:
     """The environment of a gateway (and its migrate/seed commands) running the code in `code`
     (this checkout, or another commit's) on `database_url` and the benchmark's Redis."""
     return {"DEBUG": "true", **os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
             "PYTHONPATH": str(code), "DATABASE_URL": database_url,
             "MODEL_ROOTS": str(ROOT / "var" / "models"), "GATEWAY_REDIS_URL": redis_url,
-            "LOG_LEVEL": "WARNING", "GATEWAY_USAGE_STREAM": "gw:bench-usage"}
+            "LOG_LEVEL": "WARNING", "GATEWAY_USAGE_STREAM": USAGE_STREAM}
 
 
 def seed_gateway_db(env: dict[str, str], upstreams: dict[str, int],
@@ -548,7 +551,7 @@ def main() -> int:
             redis_proc, redis_url = start_redis(rt)
             procs.append(redis_proc)
         client = redis.Redis.from_url(redis_url)
-        client.delete("gw:bench-usage")
+        client.delete(USAGE_STREAM)
         client.close()
         env = gateway_env(redis_url, f"sqlite:///{ROOT / 'var' / 'gateway-bench.sqlite3'}")
         if args.only in (None, "engine"):

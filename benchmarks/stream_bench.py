@@ -295,11 +295,12 @@ def _client_main() -> None:
 class Client:
     """The client process: vLLM imported once, one call per measurement."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, rt: list[str] | None = None) -> None:
         self.log = log
         with open(log, "wb") as stderr:
             self.proc = subprocess.Popen(
-                [str(ENGINE_PYTHON), "-m", "benchmarks.stream_bench", "--client"], cwd=ROOT,
+                [*(rt or []), str(ENGINE_PYTHON), "-m", "benchmarks.stream_bench", "--client"],
+                cwd=ROOT,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                 start_new_session=True)
 
@@ -591,6 +592,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--flow", nargs="+", choices=("on", "off"), default=["on"],
                         help="the gateways' flow control (GATEWAY_FLOW_CONTROL); one gateway "
                              "per value")
+    parser.add_argument("--pin", action="store_true",
+                        help="run the client, relay, gateways, mocks and Redis on the last core "
+                             "only, off the core the engine computes on")
     parser.add_argument("--no-relay", action="store_true", help="leave out the bare TCP relay")
     parser.add_argument("--compare", default="", metavar="COMMIT",
                         help="also measure the gateway of this commit (a git worktree)")
@@ -631,23 +635,26 @@ def main() -> int:
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stream-bench-")))
     client: Client | None = None
     try:
-        redis_proc, redis_url = start_redis()
+        # `--pin`: everything but the engine on the last core (the engine's worker computes on
+        # core 0, where vLLM's CPU backend pins it).
+        rt = ["taskset", "-c", str((os.cpu_count() or 1) - 1)] if args.pin else None
+        redis_proc, redis_url = start_redis(rt)
         procs.append(redis_proc)
         upstreams: dict[str, int] = {kind: free_port() for kind in args.upstreams}
         if "engine" in upstreams:
             procs.append(start_engine(upstreams["engine"]))
         if "paced" in upstreams:
             procs.append(spawn("stream_bench._paced_main", upstreams["paced"],
-                               args.pace_ms / 1000))
+                               args.pace_ms / 1000, rt=rt))
         if "instant" in upstreams:
-            procs.append(spawn("stream_bench._paced_main", upstreams["instant"], 0.0))
+            procs.append(spawn("stream_bench._paced_main", upstreams["instant"], 0.0, rt=rt))
         sides = [Side("direct", {k: f"http://127.0.0.1:{p}" for k, p in upstreams.items()},
                       ENGINE_SECRET)]
         if not args.no_relay:
             relay = Side("relay", {}, ENGINE_SECRET)
             for kind, port in upstreams.items():  # one relay process per upstream
                 relay_port = free_port()
-                procs.append(spawn("gateway_bench._relay_main", relay_port, port))
+                procs.append(spawn("gateway_bench._relay_main", relay_port, port, rt=rt))
                 relay.urls[kind] = f"http://127.0.0.1:{relay_port}"
                 relay.pids[kind] = procs[-1].pid
             sides.append(relay)
@@ -664,7 +671,7 @@ def main() -> int:
             for workers, flow in itertools.product(args.workers, args.flow):
                 port = free_port()
                 proc = start_gateway({**env, "GATEWAY_FLOW_CONTROL": str(flow == "on").lower()},
-                                     port, workers, code)
+                                     port, workers, code, rt)
                 procs.append(proc)
                 url = f"http://127.0.0.1:{port}"
                 gateways.append((proc, url, keys["limits"]))
@@ -698,7 +705,7 @@ def main() -> int:
                  for c in args.concurrency if not (u == "paced" and m == "whole" and c == 1)]
         chunks = {(u, m): chunks_per_request(sides[0].urls[u], MODELS[u], args.output_len, m)
                   for u, m, _c in cells}
-        client = Client(tmp / "client.log")
+        client = Client(tmp / "client.log", rt)
         seeds = itertools.count()
         for round_no in range(args.rounds):
             for cell in cells:
