@@ -103,6 +103,7 @@ from benchmarks.gateway_bench import (  # noqa: E402
 from benchmarks.stream_bench import TOKENIZER, Client  # noqa: E402
 
 DB_NAME = "bench_fairness"
+RUN_MINUTES = 15  # longer than any one run: the counters a run's statistics are read from
 MAX_NUM_SEQS = 64
 TOKEN_WEIGHTS = (1.0, 2.0)  # GATEWAY_FLOW_INPUT_TOKEN_WEIGHT, _OUTPUT_ (their defaults)
 HIGH, NORMAL, LOW = 1, 2, 3  # tenants_app.models.PriorityTier
@@ -183,27 +184,21 @@ def configure(deployment_id: int, mode: str, budget: int | None, redis_url: str)
     time.sleep(2.0)  # catalog re-read every 0.5 s (GATEWAY_CATALOG_REFRESH_SECONDS below)
 
 
-def queue_waits(deployment_id: int, redis_url: str) -> dict[str, dict[str, float]]:
+def queue_waits(deployment_id: int) -> dict[str, dict[str, float]]:
     """Per tenant, the gateway's own flow-control statistics over the whole run (the flood's
-    lead included; the per-minute counters `serving_app.sharing` reads for the console):
+    lead included; `serving_app.sharing`'s per-minute counters, which `configure()` clears
+    before each run, read through this process's settings, i.e. the benchmark's Redis):
     requests dispatched, how many of them had to wait in the gateway's queue, and the mean
     wait of all of them. Where a tenant's latency goes when it is not the queue: the engine."""
-    import redis
-
-    from serving_app.sharing import prefix
+    from serving_app.sharing import minute_stats
     from tenants_app.models import Tenant
 
-    totals: dict[str, float] = {}
-    with redis.Redis.from_url(redis_url) as client:
-        for key in client.scan_iter(prefix(deployment_id) + ":m:*"):
-            for field, value in client.hgetall(key).items():
-                totals[field.decode()] = totals.get(field.decode(), 0.0) + float(value)
+    stats = minute_stats([deployment_id], time.time(), RUN_MINUTES)[deployment_id]
     out = {}
     for pk, slug in Tenant.objects.values_list("pk", "slug"):
-        n = totals.get(f"n:{pk}", 0.0)
+        n = stats[f"n:{pk}"]
         if n:
-            out[slug] = {"dispatched": n, "waited": totals.get(f"b:{pk}", 0.0),
-                         "wait_ms": totals.get(f"w:{pk}", 0.0)}
+            out[slug] = {"dispatched": n, "waited": stats[f"b:{pk}"], "wait_ms": stats[f"w:{pk}"]}
     return out
 
 
@@ -546,7 +541,7 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
             runs[mode].append(loads.run(three, args.seconds, args.lead))
             ttfts[mode].append(engine_ttfts(redis_url))
             if mode == "flow":
-                waits.append(queue_waits(deployment_id, redis_url))
+                waits.append(queue_waits(deployment_id))
             print(f"round {round_no}: {mode} done", flush=True)
     fig = {name: figures(r) for name, r in runs.items()}
     fig["flow"]["queue"] = pooled_waits(waits)
@@ -590,7 +585,7 @@ def run_all(args: argparse.Namespace, loads: Loads, deployment_id: int, redis_ur
         if budget not in sweep:
             configure(deployment_id, "flow", budget, redis_url)
             sweep[budget] = figures([loads.run(three, args.seconds, args.lead)])
-            sweep[budget]["queue"] = pooled_waits([queue_waits(deployment_id, redis_url)])
+            sweep[budget]["queue"] = pooled_waits([queue_waits(deployment_id)])
             sweep[budget]["engine_ttft"] = pooled_ttfts([engine_ttfts(redis_url)])
             print_mode(f"flow, dispatch budget {budget}", sweep[budget])
             print_ttfts(sweep[budget]["engine_ttft"])

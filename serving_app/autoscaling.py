@@ -95,6 +95,7 @@ def read(autoscaler: Autoscaler, now: datetime) -> Reading | None:
         deployment_id=autoscaler.deployment_id,
         at__lte=window_start + timedelta(seconds=interval)).exists()
     queued: int | None = 0
+    busy_now = False
     if autoscaler.metric != Metric.KV_CACHE:
         try:
             queued = sharing.waiting(autoscaler.deployment_id)
@@ -102,8 +103,7 @@ def read(autoscaler: Autoscaler, now: datetime) -> Reading | None:
             log.warning("gateway queue of deployment %s unreadable: %s",
                         autoscaler.deployment_id, exc)
             queued = None
-    busy_now = (any(v > 0 for v in values) or bool(queued)
-                if autoscaler.metric != Metric.KV_CACHE else False)
+        busy_now = any(v > 0 for v in values) or bool(queued)
     idle = covered and generated == 0 and not busy_now
     return Reading(values, idle, queued)
 

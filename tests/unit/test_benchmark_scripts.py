@@ -27,7 +27,7 @@ def test_a_benchmark_runs_as_a_script(script, tmp_path):
 
 
 @pytest.mark.django_db
-def test_the_fairness_benchmark_reads_the_gateways_own_queue_statistics():
+def test_the_fairness_benchmark_reads_the_gateways_own_queue_statistics(settings):
     """`fairness_bench.queue_waits` reads what the flow-control scripts count: here a budget of
     one and two requests of one tenant, the second of which waits."""
     import redis
@@ -58,7 +58,8 @@ def test_the_fairness_benchmark_reads_the_gateways_own_queue_statistics():
         await engine.finish()
 
     run(scenario)
-    waits = queue_waits(engines[0].deployment, REDIS_URL)
+    settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": REDIS_URL}  # the benchmark's Redis
+    waits = queue_waits(engines[0].deployment)
     assert set(waits) == {"bench-queue"}
     assert waits["bench-queue"]["dispatched"] == 2 and waits["bench-queue"]["waited"] == 1
     pooled = pooled_waits([waits, waits])
