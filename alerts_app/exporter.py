@@ -42,11 +42,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from alerts_app.models import Alert
-from serving_app import health
-from serving_app.engine_metrics import EngineSample
+from serving_app.fleet import service
+from serving_app.metering import health
 from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
-from serving_app.placement import service
-from serving_app.usage import (
+from serving_app.models.engine_metrics import EngineSample
+from serving_app.models.usage import (
     LATENCY_BUCKETS_MS,
     LATENCY_FIELDS,
     TTFT_FIELDS,

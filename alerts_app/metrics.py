@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from django.db import models
 
-from serving_app.sharing import STATS_KEPT_SECONDS
+from serving_app.deployments.sharing import STATS_KEPT_SECONDS
 
 
 class Scope(models.TextChoices):

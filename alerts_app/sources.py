@@ -29,11 +29,12 @@ from django.db.models.functions import Cast
 
 from alerts_app.metrics import Metric, Scope, Source
 from alerts_app.models import AlertRule
-from serving_app import health, sharing
-from serving_app.engine_metrics import EngineSample
+from serving_app.deployments import sharing
+from serving_app.metering import health
 from serving_app.models import Deployment, Gpu, GpuSample, Instance, Node
-from serving_app.revisions import Rollout
-from serving_app.usage import (
+from serving_app.models.engine_metrics import EngineSample
+from serving_app.models.revisions import Rollout
+from serving_app.models.usage import (
     LATENCY_FIELDS,
     TTFT_FIELDS,
     UsageHour,

@@ -73,7 +73,7 @@ def generate() -> None:
 
     from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification
     from serving_app.models import BaseModel, Deployment, Gpu, GpuSample, Node
-    from serving_app.usage import (
+    from serving_app.models.usage import (
         LATENCY_FIELDS,
         TTFT_FIELDS,
         UsageHour,
@@ -227,7 +227,7 @@ def measure(rounds: int) -> int:
 
     from alerts_app.evaluate import evaluate
     from alerts_app.models import Alert, AlertRule, Notification
-    from serving_app.usage import UsageHour, UsageMinute, UsageTenSecond
+    from serving_app.models.usage import UsageHour, UsageMinute, UsageTenSecond
 
     with connection.cursor() as cur:
         for model in (UsageHour, UsageMinute, UsageTenSecond):

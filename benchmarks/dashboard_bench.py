@@ -63,7 +63,7 @@ def setup_django(url: str) -> None:
 
 
 def _tables() -> dict[str, str]:
-    from serving_app.usage import UsageEvent, UsageHour, UsageMinute
+    from serving_app.models.usage import UsageEvent, UsageHour, UsageMinute
 
     return {"event": UsageEvent._meta.db_table, "minute": UsageMinute._meta.db_table,
             "hour": UsageHour._meta.db_table}
@@ -126,7 +126,7 @@ def generate(events: int) -> None:
         for statement in restore:
             cur.execute(statement)
     print(f"  event indexes rebuilt  ({time.perf_counter() - started:5.1f} s)", flush=True)
-    from serving_app.usage import LATENCY_BUCKETS_MS, LATENCY_FIELDS, TTFT_FIELDS
+    from serving_app.models.usage import LATENCY_BUCKETS_MS, LATENCY_FIELDS, TTFT_FIELDS
 
     hist = []
     for source in ("latency_ms", "ttft_ms"):
@@ -217,9 +217,9 @@ def measure(repeat: int) -> int:
     from django.db import connection
     from django.test import RequestFactory
 
-    from serving_app import portal as portal_views
-    from serving_app import views
     from tenants_app.models import Tenant
+    from ui_app.console import views
+    from ui_app.portal import views as portal_views
 
     t = _tables()
     with connection.cursor() as cur:

@@ -168,8 +168,8 @@ def configure(deployment_id: int, mode: str, budget: int | None, redis_url: str)
     gateway worker time to re-read its catalog."""
     import redis
 
+    from serving_app.deployments.sharing import prefix
     from serving_app.models import Deployment
-    from serving_app.sharing import prefix
     from tenants_app.models import Tenant
 
     for dep in DEPARTMENTS:
@@ -186,11 +186,11 @@ def configure(deployment_id: int, mode: str, budget: int | None, redis_url: str)
 
 def queue_waits(deployment_id: int) -> dict[str, dict[str, float]]:
     """Per tenant, the gateway's own flow-control statistics over the whole run (the flood's
-    lead included; `serving_app.sharing`'s per-minute counters, which `configure()` clears
-    before each run, read through this process's settings, i.e. the benchmark's Redis):
+    lead included; `serving_app.deployments.sharing`'s per-minute counters, which `configure()`
+    clears before each run, read through this process's settings, i.e. the benchmark's Redis):
     requests dispatched, how many of them had to wait in the gateway's queue, and the mean
     wait of all of them. Where a tenant's latency goes when it is not the queue: the engine."""
-    from serving_app.sharing import minute_stats
+    from serving_app.deployments.sharing import minute_stats
     from tenants_app.models import Tenant
 
     stats = minute_stats([deployment_id], time.time(), RUN_MINUTES)[deployment_id]
@@ -385,7 +385,7 @@ def figures(runs: list[dict[str, dict]]) -> dict[str, Any]:
                 if start >= begin:
                     row["e2e"].append(e2e)
                     row["ttft"].append(ttft)
-    from serving_app.sharing import jain_index
+    from serving_app.deployments.sharing import jain_index
 
     out: dict[str, Any] = {"window_s": total_seconds, "spans": spans, "tenants": {}}
     for slug, row in per.items():

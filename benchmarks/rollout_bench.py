@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> None:
     from benchmarks.gateway_bench import free_port, kill_group, wait_http
     from serving_app.engine import supervisor
     from serving_app.models import BaseModel, Instance, Node
-    from serving_app.revisions import Rollout
+    from serving_app.models.revisions import Rollout
     from tenants_app.models import ApiKey, Tenant
 
     call_command("migrate", verbosity=0)

@@ -50,6 +50,7 @@ INSTALLED_APPS = [
     "serving_app",
     "gateway_app",
     "alerts_app",
+    "ui_app",
 ]
 
 MIDDLEWARE = [
@@ -169,7 +170,7 @@ SPECTACULAR_SETTINGS = {
         "NotificationKindEnum": "alerts_app.models.Notification.Kind",
         "TransitionKindEnum": "alerts_app.models.AlertTransition.Kind",
         "SeverityEnum": "alerts_app.models.Severity",
-        "RolloutStateEnum": "serving_app.revisions.Rollout.State",
+        "RolloutStateEnum": "serving_app.models.revisions.Rollout.State",
     },
 }
 
@@ -219,7 +220,7 @@ NODE_HEARTBEAT_SECONDS = env_float("NODE_HEARTBEAT_SECONDS", 5.0, minimum=0.1)
 # Engine metrics: node agents scrape each ready engine's /metrics at this pace, and read their
 # GPUs through NVML at the same pace unless NODE_INVENTORY_SECONDS says otherwise
 # (serving_app/engine/scrape.py; samples are kept, then rolled up per hour:
-# serving_app/engine_metrics.py).
+# serving_app/models/engine_metrics.py).
 ENGINE_METRICS_INTERVAL_SECONDS = env_float("ENGINE_METRICS_INTERVAL_SECONDS", 10.0, minimum=1.0)
 ENGINE_SAMPLE_RETENTION_HOURS = env_float("ENGINE_SAMPLE_RETENTION_HOURS", 24.0, minimum=0.1)
 ENGINE_ROLLUP_RETENTION_DAYS = env_float("ENGINE_ROLLUP_RETENTION_DAYS", 31.0, minimum=1.0)
@@ -230,7 +231,7 @@ NODE_INVENTORY_SECONDS = env_float(
 # its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
 NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
 # How long an instance being stopped keeps running for the requests in flight on it, after it
-# left routing (serving_app/draining.py); then it is stopped whatever still runs.
+# left routing (serving_app/deployments/draining.py); then it is stopped whatever still runs.
 DRAIN_TIMEOUT_SECONDS = env_float("DRAIN_TIMEOUT_SECONDS", 120.0, minimum=0.0)
 PLACEMENT_HEADROOM = env_float("PLACEMENT_HEADROOM", 0.10, minimum=0.0)
 PLACEMENT_POLICY = env_choice("PLACEMENT_POLICY", "binpack", ("binpack", "spread"))

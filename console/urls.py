@@ -6,19 +6,28 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
-from rest_framework.routers import DefaultRouter
+from rest_framework.routers import APIRootView, DefaultRouter
 
 from alerts_app import exporter
 from alerts_app.api import views as alert_views
-from serving_app import views as console_views
 from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
 from serving_app.api.fleetplans import FleetPlanViewSet
 from tenants_app.api import views as tenant_views
 from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
+from ui_app.console import views as console_views
+from ui_app.scoping import Scope, declare_included, public, signed_in
+
+
+class ApiRootView(APIRootView):
+    """The API's index: a link to each endpoint, for any signed-in user."""
+
+    page_scope = Scope.SIGNED_IN
+
 
 router = DefaultRouter()
+router.APIRootView = ApiRootView
 router.register("tenants", tenant_views.TenantViewSet)
 router.register("memberships", tenant_views.MembershipViewSet)
 router.register("invitations", tenant_views.InvitationViewSet)
@@ -45,26 +54,37 @@ router.register("autoscalers", AutoscalerViewSet)
 router.register("events", fleet_views.EventViewSet)
 
 urlpatterns = [
-    path("healthz", console_views.healthz, name="healthz"),
-    path("readyz", console_views.readyz, name="readyz"),
-    path("metrics", exporter.metrics, name="metrics"),
-    path("alerts/", include("alerts_app.urls")),
-    path("portal/<slug:slug>/alerts/", include("alerts_app.portal_urls")),
-    path("", include("serving_app.urls")),
-    path("portal/", include("serving_app.portal_urls")),
+    path("healthz", public(console_views.healthz, "the liveness probe (says only 'ok')"),
+         name="healthz"),
+    path("readyz", public(console_views.readyz, "the readiness probe (which dependency is down, "
+                                                "no data)"), name="readyz"),
+    path("metrics", public(exporter.metrics, "Prometheus scrapes it with its bearer token "
+                                             "(METRICS_SCRAPE_TOKEN), checked by the view"),
+         name="metrics"),
+    path("alerts/", include("ui_app.alerts.urls")),
+    path("portal/<slug:slug>/alerts/", include("ui_app.alerts.portal_urls")),
+    path("", include("ui_app.console.urls")),
+    path("portal/", include("ui_app.portal.urls")),
     path("admin/", admin.site.urls),
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),
     path("api/v1/", include("serving_app.api.metrics_views")),
     path("api/v1/", include(router.urls)),
-    path("api/v1/auth/token/", TokenLoginView.as_view(), name="api-token"),
+    path("api/v1/auth/token/", public(TokenLoginView.as_view(), "signing in for a token"),
+         name="api-token"),
     # Revoking tokens: this one, or every token of the signed-in user.
-    path("api/v1/auth/logout/", TokenLogoutView.as_view(), name="api-token-logout"),
-    path("api/v1/auth/logout-all/", TokenLogoutAllView.as_view(),
+    path("api/v1/auth/logout/", signed_in(TokenLogoutView.as_view(), "revokes the caller's token"),
+         name="api-token-logout"),
+    path("api/v1/auth/logout-all/", signed_in(TokenLogoutAllView.as_view(),
+                                              "revokes the caller's own tokens"),
          name="api-token-logout-all"),
-    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/schema/", public(SpectacularAPIView.as_view(), "the API's OpenAPI schema"),
+         name="schema"),
     # The split view serves Swagger UI's start-up script as a file of its own (no inline script,
     # so the page works under the content security policy).
-    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
-    path("api-auth/", include("rest_framework.urls")),
+    path("api/docs/", public(SpectacularSwaggerSplitView.as_view(url_name="schema"),
+                             "the API's documentation"), name="api-docs"),
+    path("api-auth/", include(declare_included(
+        include("rest_framework.urls"), Scope.PUBLIC,
+        "the browsable API's sign-in and sign-out pages"))),
 ]

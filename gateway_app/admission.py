@@ -16,9 +16,9 @@ Per tenant (keys share the `{t<id>}` hash tag):
   Redis restart does not hand a tenant its month's tokens again.
 The clock is Redis's own (`TIME`), so every worker and host agrees on the window.
 
-Per instance, the same scripts keep the requests in flight (`serving_app.inflight`): admission
-adds the request to the instance it will be sent to, settlement removes it, so the control plane
-reads how many requests each instance still serves (to finish a drain) at no extra round trip.
+Per instance, the same scripts keep the requests in flight (`serving_app.deployments.inflight`):
+admission adds the request to the instance it will be sent to, settlement removes it, so the control
+plane reads how many requests each instance still serves (to finish a drain) at no extra round trip.
 That key is outside the tenant's hash tag (`allow-cross-slot-keys`: one Redis, or a cluster
 that allows it).
 

@@ -17,9 +17,9 @@ from functools import lru_cache
 
 from django.db import connection
 
-from serving_app.catalog import served_models
+from serving_app.deployments.catalog import served_models
 from serving_app.models import Autoscaler, Deployment, Instance
-from serving_app.usage import UsageHour
+from serving_app.models.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
 
 

@@ -14,7 +14,7 @@ only inside the admission and settlement scripts (`admission.py`), which carry t
   each waiter's details (`:w`), the backlogged tenants of each band scored by their virtual
   counter (`:b:<band>`), the bands with waiters (`:bands`), every tenant's virtual counter
   (`:v`), each band's counter (`:bv`, weighted bands), and per-minute statistics (`:m:<min>`,
-  read for the console by `serving_app.sharing`, which names these keys).
+  read for the console by `serving_app.deployments.sharing`, which names these keys).
 
 Fair share within a band is the virtual token counter (VTC, "Fairness in Serving Large Language
 Models", OSDI 2024): a tenant's counter grows by the weighted tokens it is served divided by its
@@ -58,7 +58,7 @@ from typing import Any
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
-from serving_app.sharing import STATS_KEPT_SECONDS, prefix
+from serving_app.deployments.sharing import STATS_KEPT_SECONDS, prefix
 
 __all__ = ["FlowControl", "Slot", "prefix"]
 

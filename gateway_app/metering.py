@@ -4,8 +4,9 @@ event (round trip 2), plus the in-memory buffer that keeps events while Redis is
 A request that the gateway refuses before admission (bad key, bad body, unknown model) costs one
 round trip: its event alone. A tenant without any limit skips admission.
 
-The same two round trips keep the requests in flight per instance (`serving_app.inflight`):
-admission adds the request to the set of the instance it goes to, settlement removes it. A
+The same two round trips keep the requests in flight per instance
+(`serving_app.deployments.inflight`): admission adds the request to the set of the instance it goes
+to, settlement removes it. A
 request that skips admission is added with a write nobody waits for (`begin()`), on the same
 pipelined connection as its later settlement, so Redis sees the two in order.
 """
@@ -26,7 +27,7 @@ from gateway_app.catalog import TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.flow import FlowControl, Slot
 from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
-from serving_app import inflight
+from serving_app.deployments import inflight
 
 log = logging.getLogger(__name__)
 

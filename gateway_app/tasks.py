@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from gateway_app.writer import UsageWriter
 from serving_app import lifecycle
-from serving_app.usage import UsageTenSecond
+from serving_app.models.usage import UsageTenSecond
 
 _writer: UsageWriter | None = None
 

@@ -30,7 +30,7 @@ from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import Q
 
-from serving_app.usage import (
+from serving_app.models.usage import (
     LATENCY_FIELDS,
     ROLLUP_COUNTERS,
     TOTAL_BUCKET,

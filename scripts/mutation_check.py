@@ -82,7 +82,7 @@ BREAKAGES = (
     ),
     Breakage(
         "portal-panel-all-tenants",
-        "serving_app/dashboards/panels.py",
+        "serving_app/metering/panels.py",
         "    series = queries.latency_series(trange, tenants, model)\n"
         "    rows = queries.latency_table(trange, tenants)\n",
         "    series = queries.latency_series(trange, tenants.model.objects.all(), model)\n"
@@ -91,7 +91,7 @@ BREAKAGES = (
     ),
     Breakage(
         "gateway-any-tenant-any-deployment",
-        "serving_app/catalog.py",
+        "serving_app/deployments/catalog.py",
         "        served = {t.pk for t in dep.tenants.all()}\n",
         "        served = {t.pk for d in running for t in d.tenants.all()}\n",
         ("tests/gateway/test_catalog.py",),
@@ -162,7 +162,7 @@ BREAKAGES = (
     ),
     Breakage(
         "shared-deployment-charged-to-one-tenant",
-        "serving_app/placement/service.py",
+        "serving_app/fleet/service.py",
         "                    shares=pairs.get(dep.pk, ()),\n",
         "                    shares=(),\n",
         ("tests/placement_db/test_gpu_accounting.py",),
@@ -191,14 +191,14 @@ BREAKAGES = (
     ),
     Breakage(
         "drain-ignores-requests-in-flight",
-        "serving_app/draining.py",
+        "serving_app/deployments/draining.py",
         "        if left == 0 and elapsed >= grace:\n",
         "        if elapsed >= grace:\n",
         ("tests/unit/test_rollout.py",),
     ),
     Breakage(
         "rolling-drains-below-the-replicas",
-        "serving_app/rollout.py",
+        "serving_app/deployments/rollout.py",
         "    to_drain = max(0, min(len(old_ready), ready - floor))\n",
         "    to_drain = len(old_ready)\n",
         ("tests/unit/test_rollout.py",),
@@ -217,7 +217,7 @@ BREAKAGES = (
     ),
     Breakage(
         "autoscale-up-on-a-spike",
-        "serving_app/autoscaling.py",
+        "serving_app/deployments/autoscaling.py",
         "        if min(ups) > current:\n"
         "            return Decision(min(ups), recommendation, reason)\n",
         "        if recommendation > current:\n"
@@ -226,10 +226,17 @@ BREAKAGES = (
     ),
     Breakage(
         "autoscale-blind-to-the-gateway-queue",
-        "serving_app/autoscaling.py",
+        "serving_app/deployments/autoscaling.py",
         "    total = sum(reading.values) + (reading.queued or 0)\n",
         "    total = sum(reading.values)\n",
         ("tests/unit/test_autoscaling.py",),
+    ),
+    Breakage(
+        "a-page-without-a-scope",
+        "ui_app/console/views.py",
+        "class TenantListView(StaffPage, ListView):\n",
+        "class TenantListView(ListView):\n",
+        ("tests/unit/test_url_scoping.py",),
     ),
 )
 

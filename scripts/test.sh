@@ -8,8 +8,24 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# What each part costs: every step's wall time is printed when the next one starts; pytest's
+# own last line gives its time (nothing is printed after it, so CI reads pytest's summary).
+step_started=$SECONDS
+step_name=""
+step() {
+    if [[ -n "$step_name" ]]; then
+        echo "[test] ${step_name}: $((SECONDS - step_started)) s"
+    fi
+    step_name="$1"
+    step_started=$SECONDS
+    echo "[test] $1"
+}
+
+step "services"
 bash scripts/services.sh
+step "console environment"
 bash scripts/setup_console.sh
+step "engine environment and tiny models"
 bash scripts/setup_engine.sh
 
 if [[ ! -x /usr/bin/chromium ]]; then
@@ -21,18 +37,18 @@ export DATABASE_URL="${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
 export DEBUG="${DEBUG:-true}"  # manage.py below, and the processes the tests start
 
-echo "[test] ruff check"
+step "ruff check"
 .venv/bin/ruff check .
-echo "[test] migrations complete"
+step "migrations complete"
 .venv/bin/python manage.py makemigrations --check --dry-run
 # The structure checks, configured in pyproject.toml (docs/architecture.md explains the layers).
-echo "[test] import contracts (lint-imports)"
+step "import contracts (lint-imports)"
 PYTHONPATH=. .venv/bin/lint-imports --no-cache
-echo "[test] type check (mypy)"
+step "type check (mypy)"
 PYTHONPATH=. .venv/bin/mypy
-echo "[test] duplicate code (pylint duplicate-code)"
+step "duplicate code (pylint duplicate-code)"
 .venv/bin/pylint --disable=all --enable=duplicate-code --score=n \
-    console audit_app tenants_app serving_app gateway_app alerts_app tests benchmarks scripts \
+    console ui_app audit_app tenants_app serving_app gateway_app alerts_app tests benchmarks scripts \
     manage.py
 # The fast part of the mutation check (scripts/mutation_check.py): deliberate breakages the
 # suite must catch. Run before the suite (its pytest runs go to var/mutation-logs), and only for
@@ -40,12 +56,14 @@ echo "[test] duplicate code (pylint duplicate-code)"
 paths_given=0
 for arg in "$@"; do [[ "$arg" != -* ]] && paths_given=1; done
 if [[ $paths_given -eq 0 ]]; then
-    echo "[test] mutation check (fast breakages)"
+    step "mutation check (fast breakages)"
     .venv/bin/python scripts/mutation_check.py --fast
 fi
-echo "[test] pytest"
+step "pytest"
+echo "[test] everything before pytest: ${SECONDS} s"
 set +e
-.venv/bin/pytest "$@"
+# The 25 slowest tests are listed at the end of the run (where CI time goes).
+.venv/bin/pytest --durations=25 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

@@ -12,7 +12,6 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
-from serving_app.events import Event
 from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
@@ -33,7 +32,8 @@ from serving_app.models import (
     UsageTenSecond,
     UsageTotal,
 )
-from serving_app.revisions import DeploymentRevision, Rollout, describe
+from serving_app.models.events import Event
+from serving_app.models.revisions import DeploymentRevision, Rollout, describe
 
 
 @admin.register(BaseModel)

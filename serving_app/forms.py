@@ -11,7 +11,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
-from serving_app.revisions import Rollout
+from serving_app.models.revisions import Rollout
 from tenants_app.models import Tenant
 
 

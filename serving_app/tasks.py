@@ -18,7 +18,8 @@ from celery.signals import worker_ready, worker_shutdown
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerError
 
-from serving_app import autoscaling, lifecycle, reconcile
+from serving_app import lifecycle
+from serving_app.deployments import autoscaling, reconcile
 from serving_app.engine import agent
 from serving_app.models import AdapterFileRemoval, EngineHour, EngineSample
 

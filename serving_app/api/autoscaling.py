@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from serving_app.autoscalers import Autoscaler
 from serving_app.models import Deployment
+from serving_app.models.autoscalers import Autoscaler
 from tenants_app.api.base import IsStaff, ScopedModelViewSet, ValidatedModelSerializer
 
 

@@ -30,16 +30,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
-from serving_app import rollout
 from serving_app.api.serializers import (
     ApplySerializer,
     EventSerializer,
     RevisionSerializer,
     RolloutSerializer,
 )
-from serving_app.events import Event
+from serving_app.deployments import rollout
 from serving_app.models import Deployment
-from serving_app.revisions import DeploymentRevision, Rollout
+from serving_app.models.events import Event
+from serving_app.models.revisions import DeploymentRevision, Rollout
 from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyModelViewSet
 
 MAX_REVISION = 2**31 - 1

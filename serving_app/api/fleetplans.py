@@ -19,8 +19,8 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from serving_app.fleet import plans as fleetplans
 from serving_app.models import FleetPlan
-from serving_app.placement import fleetplans
 from tenants_app.api.base import IsStaff, ScopedModelViewSet, ValidatedModelSerializer
 
 

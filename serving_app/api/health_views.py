@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from serving_app import health
+from serving_app.metering import health
 from tenants_app.api.base import IsStaff
 
 

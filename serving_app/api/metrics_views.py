@@ -29,14 +29,14 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from serving_app.engine_metrics import (
+from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.models.engine_metrics import (
     EngineHour,
     EngineSample,
     quantile_ms,
     rollup_retention,
     sample_retention,
 )
-from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin
 from tenants_app.api.base import IsStaff, ScopedQuerysetMixin
 

@@ -29,10 +29,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving_app.api.serializers import DeploymentSerializer
-from serving_app.dashboards import panels, queries
+from serving_app.fleet import service
+from serving_app.fleet.sync import sample_retention
+from serving_app.metering import panels, queries
 from serving_app.models import Deployment, Gpu, GpuSample
-from serving_app.placement import service
-from serving_app.placement.sync import sample_retention
 from tenants_app.api.base import IsStaff
 
 

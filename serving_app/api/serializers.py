@@ -12,7 +12,6 @@ from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
 from serving_app import storage
-from serving_app.events import Event
 from serving_app.models import (
     BaseModel,
     Deployment,
@@ -21,13 +20,14 @@ from serving_app.models import (
     LoraAdapter,
     Node,
 )
+from serving_app.models.events import Event
+from serving_app.models.revisions import ENGINE_FIELDS, DeploymentRevision, Rollout
 from serving_app.redaction import (
     is_platform_admin,
     redact_paths,
     redact_value,
     visible_tenant_ids,
 )
-from serving_app.revisions import ENGINE_FIELDS, DeploymentRevision, Rollout
 from serving_app.uploads import allowed_base_models
 from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
@@ -366,7 +366,8 @@ class ScaleSerializer(serializers.Serializer):
 
 
 class TenantShareSerializer(serializers.Serializer):
-    """One tenant's flow control on a deployment over the window (`serving_app.sharing`)."""
+    """One tenant's flow control on a deployment over the window
+    (`serving_app.deployments.sharing`)."""
 
     tenant_id = serializers.IntegerField()
     tenant = serializers.CharField()

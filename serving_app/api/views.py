@@ -19,7 +19,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
-from serving_app import sharing, storage
+from serving_app import storage
 from serving_app.api.fleet import DeploymentOperations
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
@@ -33,6 +33,7 @@ from serving_app.api.serializers import (
     NodeSerializer,
     ScaleSerializer,
 )
+from serving_app.deployments import sharing
 from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
 from serving_app.uploads import register_upload
 from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyModelViewSet

@@ -22,19 +22,19 @@ from django.core.exceptions import ValidationError
 from django.db import close_old_connections
 from django.utils import timezone
 
-from serving_app import events, lifecycle, storage
+from serving_app import lifecycle, storage
 from serving_app.engine import scrape, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
+from serving_app.fleet.sync import store_inventory
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
     read_adapter,
     read_model,
 )
-from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node, events
 from serving_app.placement import inventory
-from serving_app.placement.sync import store_inventory
 
 log = logging.getLogger(__name__)
 State = Instance.State

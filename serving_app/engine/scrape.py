@@ -1,4 +1,4 @@
-"""Reading each engine's own `/metrics` into compact samples (`serving_app.engine_metrics`).
+"""Reading each engine's own `/metrics` into compact samples (`serving_app.models.engine_metrics`).
 
 The node agent calls `scrape_node()` every `ENGINE_METRICS_INTERVAL_SECONDS`: each ready engine
 of its node is read once, parsed with `prometheus_client`'s parser, and compared with the
@@ -42,8 +42,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving_app.engine.client import EngineClient
-from serving_app.engine_metrics import COUNTERS, Bucket, EngineSample, quantile_ms
 from serving_app.models import Instance
+from serving_app.models.engine_metrics import COUNTERS, Bucket, EngineSample, quantile_ms
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ Reading is split in two so the parser can be tested on a recorded snapshot:
 
 ``declared_inventory(spec)`` builds the same dataclasses for a host without NVML (CPU engines in
 development, tests and demos) from a string such as ``"2x24GiB"`` or
-``"0:NVIDIA L4:24GiB,1:NVIDIA L4:24GiB[3g.40gb,3g.40gb]"`` (``serving_app.fleetspec`` holds the
-format); those GPUs carry ``declared=True``.
+``"0:NVIDIA L4:24GiB,1:NVIDIA L4:24GiB[3g.40gb,3g.40gb]"`` (``serving_app.placement.fleetspec``
+holds the format); those GPUs carry ``declared=True``.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
 
-from serving_app.fleetspec import DeclaredGpu, parse_gpus
-from serving_app.fleetspec import parse_size as parse_size  # the declared format's, re-exported
+from serving_app.placement.fleetspec import DeclaredGpu, parse_gpus
+from serving_app.placement.fleetspec import (
+    parse_size as parse_size,
+)  # the declared format's, re-exported
 
 SNAPSHOT_SCHEMA = 1
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from serving_app.fleetspec import DeclaredNode, PlanDeployment
+from serving_app.placement.fleetspec import DeclaredNode, PlanDeployment
 
 from . import placer as P
 from .inventory import declared_gpu_infos

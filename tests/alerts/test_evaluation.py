@@ -16,9 +16,9 @@ from django.utils import timezone
 from alerts_app.evaluate import evaluate
 from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
 from gateway_app.catalog import InstanceEntry
-from serving_app import inflight, sharing
+from serving_app.deployments import inflight, sharing
 from serving_app.models import Instance, Node
-from serving_app.revisions import Rollout
+from serving_app.models.revisions import Rollout
 from tests.alerts.conftest import default_rules_migration, gpu_sample, make_rule, traffic
 from tests.factories import make_engine_sample
 from tests.gateway.conftest import REDIS_URL

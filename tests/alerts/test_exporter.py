@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from alerts_app.exporter import EXPORTED_BOUNDS
 from alerts_app.models import Alert
 from serving_app.models import Instance, Node
-from serving_app.usage import LATENCY_BUCKETS_MS
+from serving_app.models.usage import LATENCY_BUCKETS_MS
 from tests.alerts.conftest import make_rule, traffic
 from tests.factories import make_engine_sample
 

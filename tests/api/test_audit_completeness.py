@@ -47,7 +47,6 @@ from alerts_app.models import (
 )
 from audit_app import recording
 from audit_app.models import AuditLog
-from serving_app import events
 from serving_app.models import (
     AdapterFileRemoval,
     Autoscaler,
@@ -66,8 +65,9 @@ from serving_app.models import (
     UsageMinute,
     UsageTenSecond,
     UsageTotal,
+    events,
 )
-from serving_app.revisions import Rollout
+from serving_app.models.revisions import Rollout
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
 from tests.api.helpers import admin_form_data, as_user
 from tests.factories import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving_app.autoscalers import Autoscaler
+from serving_app.models.autoscalers import Autoscaler
 from tests.api.helpers import as_user
 from tests.factories import make_deployment
 

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving_app.engine_metrics import EngineHour
 from serving_app.models import Instance
+from serving_app.models.engine_metrics import EngineHour
 from tests.api.helpers import as_user
 from tests.factories import (
     add_member,

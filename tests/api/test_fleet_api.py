@@ -8,9 +8,9 @@ import pytest
 from django.utils import timezone
 
 from audit_app.models import AuditLog
-from serving_app import events, lifecycle
-from serving_app.models import Deployment, Instance, Node
-from serving_app.revisions import Rollout
+from serving_app import lifecycle
+from serving_app.models import Deployment, Instance, Node, events
+from serving_app.models.revisions import Rollout
 from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from, results
 from tests.factories import make_deployment
 

@@ -10,7 +10,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from serving_app import inflight, sharing
+from serving_app.deployments import inflight, sharing
 from serving_app.models import Instance
 from tests.api.helpers import as_user
 from tests.factories import add_member, make_deployment, make_tenant, make_user

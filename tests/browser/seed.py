@@ -12,7 +12,7 @@ from datetime import timedelta
 from django.utils import timezone
 
 from serving_app.models import Deployment, Gpu, GpuSample, Instance, Node
-from serving_app.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
+from serving_app.models.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
 
 GIB = 2**30
 MODELS = ("llama-mini", "support-style")

@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from benchmarks.gateway_bench import kill_group
-from serving_app.events import Event, Kind
 from serving_app.models import Deployment, EngineSample, Instance
+from serving_app.models.events import Event, Kind
 from tenants_app.models import ApiKey, Tenant
 from tests.api.helpers import as_user
 from tests.engine.conftest import TEST_BROKER, Cluster, wait_for

@@ -24,8 +24,8 @@ import pytest
 from audit_app.models import AuditLog
 from benchmarks.gateway_bench import kill_group
 from gateway_app.catalog import load_snapshot
-from serving_app.events import Event, Kind
 from serving_app.models import Instance, Node
+from serving_app.models.events import Event, Kind
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
 from tests.engine.conftest import Traffic, engine_sessions, wait_for

@@ -26,10 +26,10 @@ import pytest
 
 from benchmarks.gateway_bench import kill_group
 from gateway_app.catalog import load_snapshot
-from serving_app import inflight
-from serving_app.events import Event, Kind
+from serving_app.deployments import inflight
 from serving_app.models import Instance, Node
-from serving_app.revisions import Rollout
+from serving_app.models.events import Event, Kind
+from serving_app.models.revisions import Rollout
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
 from tests.engine.conftest import Traffic, wait_for

@@ -32,7 +32,7 @@ def test_a_deployment_serving_one_tenant_is_absent_from_the_others_catalog(tmp_p
 def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
     from datetime import timedelta
 
-    from serving_app.usage import UsageHour, month_start
+    from serving_app.models.usage import UsageHour, month_start
 
     acme = make_tenant("acme", monthly_token_budget=10_000)
     start = month_start()
@@ -46,9 +46,9 @@ def test_the_monthly_budget_is_seeded_from_this_months_hourly_rollups(tmp_path):
 
 
 def test_the_portal_lists_exactly_what_the_gateway_routes(tmp_path):
-    """One rule (`serving_app.catalog`): a stopped deployment, a co-tenant's adapter and an
-    adapter shadowed by a base model's name are in neither; everything else is in both."""
-    from serving_app.portal import catalog
+    """One rule (`serving_app.deployments.catalog`): a stopped deployment, a co-tenant's adapter and
+    an adapter shadowed by a base model's name are in neither; everything else is in both."""
+    from ui_app.portal.views import catalog
 
     acme, globex = make_tenant("acme"), make_tenant("globex")
     shared = make_base_model(tmp_path / "models", "shared-base")

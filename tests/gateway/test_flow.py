@@ -26,7 +26,7 @@ from django.conf import settings
 
 from benchmarks.gateway_bench import kill_group
 from gateway_app import flow
-from serving_app import inflight
+from serving_app.deployments import inflight
 from tests.gateway.conftest import REDIS_URL, World, _test_database_url, start_gateway
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]

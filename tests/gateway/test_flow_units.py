@@ -13,7 +13,7 @@ import redis
 from gateway_app import flow
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.metering import Meter
-from serving_app import inflight
+from serving_app.deployments import inflight
 from tests.gateway.conftest import REDIS_URL
 from tests.gateway.test_units import CONFIG
 

@@ -1,7 +1,7 @@
 """What draining needs from the gateway: a draining instance is out of every worker's routing,
 and the requests in flight per instance are counted cluster-wide by the admission and
 settlement scripts (real Redis, DB 9), where the control plane reads them
-(`serving_app.inflight`)."""
+(`serving_app.deployments.inflight`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from django.utils import timezone
 from gateway_app import admission
 from gateway_app.catalog import load_snapshot
 from gateway_app.metering import Meter
-from serving_app import inflight
+from serving_app.deployments import inflight
 from serving_app.models import Instance, Node
 from tests.factories import make_base_model, make_deployment, make_tenant
 from tests.gateway.conftest import REDIS_URL

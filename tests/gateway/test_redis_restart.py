@@ -26,7 +26,7 @@ from gateway_app.catalog import load_snapshot
 from gateway_app.config import GatewayConfig
 from gateway_app.metering import Meter
 from gateway_app.writer import UsageWriter
-from serving_app.usage import UsageEvent, UsageHour, month_start
+from serving_app.models.usage import UsageEvent, UsageHour, month_start
 from tests.factories import make_tenant
 from tests.gateway.conftest import (
     ROOT,

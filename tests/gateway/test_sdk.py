@@ -10,7 +10,7 @@ import openai
 import pytest
 from django.db.models import Sum
 
-from serving_app.usage import UsageEvent, UsageMinute
+from serving_app.models.usage import UsageEvent, UsageMinute
 from tests.gateway.conftest import drain_usage
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]

@@ -18,7 +18,7 @@ from gateway_app.config import GatewayConfig
 from gateway_app.metering import Meter
 from gateway_app.proxy import StreamRelay
 from gateway_app.writer import persist
-from serving_app.usage import UsageEvent, UsageHour, UsageMinute
+from serving_app.models.usage import UsageEvent, UsageHour, UsageMinute
 from tests.factories import make_tenant
 from tests.gateway.conftest import REDIS_URL
 

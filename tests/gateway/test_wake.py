@@ -21,9 +21,10 @@ from django.conf import settings
 from django.db import transaction
 
 from benchmarks.gateway_bench import kill_group
-from serving_app import autoscaling, lifecycle
-from serving_app.autoscalers import Autoscaler
+from serving_app import lifecycle
+from serving_app.deployments import autoscaling
 from serving_app.models import Deployment, Instance
+from serving_app.models.autoscalers import Autoscaler
 from tests.gateway.conftest import _test_database_url, make_world, start_gateway, wait_until
 from tests.gateway.test_requests import Upstream
 

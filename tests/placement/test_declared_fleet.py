@@ -1,23 +1,24 @@
 """The declared-inventory format's MIG syntax, what-if fleets and plan deployments
-(serving_app/fleetspec.py), and the what-if placer on a declared fleet (placement/whatif.py):
-the three-department plan the demo seeds, placed with no database and nothing running."""
+(serving_app/placement/fleetspec.py), and the what-if placer on a declared fleet
+(placement/whatif.py): the three-department plan the demo seeds, placed with no database and nothing
+running."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving_app.fleetspec import (
+from serving_app.fleet.plans import inline_architecture
+from serving_app.management.commands.seed_demo import (
+    THREE_DEPARTMENT_DEPLOYMENTS,
+    THREE_DEPARTMENT_FLEET,
+)
+from serving_app.placement.fleetspec import (
     FleetSpecError,
     mig_slices,
     parse_fleet,
     parse_gpus,
     parse_plan_deployments,
 )
-from serving_app.management.commands.seed_demo import (
-    THREE_DEPARTMENT_DEPLOYMENTS,
-    THREE_DEPARTMENT_FLEET,
-)
-from serving_app.placement.fleetplans import inline_architecture
 from serving_app.placement.inventory import GIB, declared_inventory
 from serving_app.placement.placer import TenantShare
 from serving_app.placement.shares import entitled_shares

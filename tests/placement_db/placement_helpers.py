@@ -7,9 +7,9 @@ from pathlib import Path
 
 from django.utils import timezone
 
+from serving_app.fleet.sync import store_inventory
 from serving_app.models import Node
 from serving_app.placement.inventory import GpuInfo, declared_inventory, parse_snapshot
-from serving_app.placement.sync import store_inventory
 
 FIXTURES = Path(__file__).resolve().parent.parent / "placement" / "fixtures"
 A100_80 = "8xNVIDIA A100-SXM4-80GB:80GiB"

@@ -13,6 +13,9 @@ from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.urls import reverse
 
+from serving_app.fleet import plans as fleetplans
+from serving_app.fleet import service
+from serving_app.fleet.accounting import period_ending_now
 from serving_app.management.commands.seed_demo import (
     TENANTS,
     THREE_DEPARTMENT_DEPLOYMENTS,
@@ -20,8 +23,6 @@ from serving_app.management.commands.seed_demo import (
     seed_plan,
 )
 from serving_app.models import FleetPlan, Gpu, Instance
-from serving_app.placement import fleetplans, service
-from serving_app.placement.accounting import period_ending_now
 from tests.api.helpers import as_user, assert_forbidden_for
 from tests.factories import make_base_model, make_deployment, make_tenant
 from tests.placement_db.placement_helpers import make_node

@@ -10,11 +10,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.urls import reverse
 
-from serving_app.placement import service
-from serving_app.placement.accounting import measured_charges, period_ending_now
+from serving_app.fleet import service
+from serving_app.fleet.accounting import measured_charges, period_ending_now
+from serving_app.models.usage import UsageHour, UsageMinute
 from serving_app.placement.inventory import GIB
 from serving_app.placement.shares import split_amount
-from serving_app.usage import UsageHour, UsageMinute
 from tests.api.helpers import as_user
 from tests.factories import make_adapter, make_base_model, make_deployment, make_tenant
 from tests.placement_db.placement_helpers import make_node

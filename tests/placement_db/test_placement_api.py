@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from serving_app.fleet import service
 from serving_app.models import Deployment, Gpu, GpuSample
-from serving_app.placement import service
 from tests.api.helpers import as_user, assert_forbidden_for
 from tests.factories import make_base_model, make_deployment
 from tests.placement_db.placement_helpers import A100_80, make_node

@@ -12,8 +12,8 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
+from serving_app.fleet import service
 from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
-from serving_app.placement import service
 from serving_app.placement.inventory import GIB
 from serving_app.placement.planner import plan_memory
 from tests.factories import make_base_model, make_deployment, make_tenant
@@ -269,7 +269,7 @@ def test_cordoned_and_lost_nodes_take_nothing(qwen, tenant):
 
 def test_mig_isolation_gets_a_free_mig_device(qwen, tenant):
     node = make_node("mig")
-    from serving_app.placement.sync import store_inventory
+    from serving_app.fleet.sync import store_inventory
 
     store_inventory(node, [a100_with_mig()], "nvml")
     deployment = deploy(qwen, tenant, isolation_mode="mig")

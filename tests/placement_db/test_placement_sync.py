@@ -8,6 +8,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from serving_app.fleet.service import build_placer
+from serving_app.fleet.sync import store_inventory
 from serving_app.models import Gpu, GpuSample, Instance, Node
 from serving_app.placement.inventory import (
     GIB,
@@ -16,8 +18,6 @@ from serving_app.placement.inventory import (
     MigDeviceInfo,
     declared_inventory,
 )
-from serving_app.placement.service import build_placer
-from serving_app.placement.sync import store_inventory
 from tests.factories import make_base_model, make_deployment, make_tenant
 from tests.placement_db.placement_helpers import h200_gpus, make_node, store
 

@@ -14,8 +14,8 @@ from django.test import Client
 from django.urls import NoReverseMatch, clear_url_caches, reverse
 from django.utils import timezone
 
-from serving_app import sharing
-from serving_app.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
+from serving_app.deployments import sharing
+from serving_app.models.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
 
 
 @pytest.fixture(autouse=True)

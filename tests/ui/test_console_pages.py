@@ -10,11 +10,11 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit_app.models import AuditLog
-from serving_app import autoscaling
-from serving_app.autoscalers import Autoscaler
-from serving_app.dashboards.queries import percentile
+from serving_app.deployments import autoscaling
 from serving_app.engine.launch import build_launch_spec
+from serving_app.metering.queries import percentile
 from serving_app.models import Deployment, FleetPlan, Instance, Node
+from serving_app.models.autoscalers import Autoscaler
 from tenants_app.models import Tenant
 from tests.factories import make_adapter, make_deployment, make_tenant
 

@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from serving_app.dashboards import queries
+from serving_app.metering import queries
 from tenants_app.models import Tenant
 
 pytestmark = pytest.mark.django_db

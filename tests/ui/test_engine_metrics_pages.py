@@ -11,9 +11,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from serving_app.dashboards import engine
-from serving_app.engine_metrics import EngineHour
+from serving_app.metering import engine_charts as engine
 from serving_app.models import Instance
+from serving_app.models.engine_metrics import EngineHour
 from tests.factories import make_deployment, make_engine_sample
 
 pytestmark = pytest.mark.django_db

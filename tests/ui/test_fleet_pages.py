@@ -8,9 +8,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit_app.models import AuditLog
-from serving_app import events, lifecycle
-from serving_app.models import Deployment, Instance, Node
-from serving_app.revisions import Rollout
+from serving_app import lifecycle
+from serving_app.models import Deployment, Instance, Node, events
+from serving_app.models.revisions import Rollout
 from tests.factories import make_deployment
 
 pytestmark = pytest.mark.django_db

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.test import Client, override_settings
 
 from gateway_app.writer import UsageWriter
-from serving_app import health
+from serving_app.metering import health
 from tests.factories import make_user
 from tests.redis_server import PrivateRedis
 

@@ -9,7 +9,7 @@ from console.urls import urlpatterns as project_patterns
 
 _wired = {getattr(p, "namespace", None) for p in project_patterns} >= {"console", "portal"}
 urlpatterns = project_patterns if _wired else [
-    path("", include("serving_app.urls")),
-    path("portal/", include("serving_app.portal_urls")),
+    path("", include("ui_app.console.urls")),
+    path("portal/", include("ui_app.portal.urls")),
     *project_patterns,
 ]

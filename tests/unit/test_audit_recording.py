@@ -23,9 +23,9 @@ from audit_app.context import Source, acting_as
 from audit_app.middleware import source_of
 from audit_app.models import AuditLog
 from serving_app.engine import agent
+from serving_app.fleet.sync import store_inventory
 from serving_app.models import Deployment, Gpu, Node
 from serving_app.placement.inventory import GpuInfo
-from serving_app.placement.sync import store_inventory
 from tenants_app.models import ApiKey, Membership, PrefixCacheGroup, Role, Tenant, new_cache_secret
 from tests.factories import add_member, make_deployment, make_tenant, make_user
 

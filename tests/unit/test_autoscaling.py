@@ -1,6 +1,6 @@
-"""Autoscaling decisions from stored engine samples (serving_app/autoscaling.py), round by round
-as the control worker's beat runs them, against PostgreSQL: windows, cooldowns, the range, no
-data, scale to zero and the wake, and the event each change records."""
+"""Autoscaling decisions from stored engine samples (serving_app/deployments/autoscaling.py), round
+by round as the control worker's beat runs them, against PostgreSQL: windows, cooldowns, the range,
+no data, scale to zero and the wake, and the event each change records."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import redis
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from serving_app import autoscaling
-from serving_app.autoscalers import Autoscaler, Metric
-from serving_app.events import Event, Kind
+from serving_app.deployments import autoscaling
 from serving_app.models import Deployment, Instance, Node
+from serving_app.models.autoscalers import Autoscaler, Metric
+from serving_app.models.events import Event, Kind
 from tests.factories import make_deployment, make_engine_sample, make_tenant
 
 pytestmark = pytest.mark.django_db
@@ -226,7 +226,7 @@ def gateway_queue(settings):
     """Queues requests in the gateway's Redis as the flow-control tests drive it (tests/gateway),
     the control plane reading the same Redis; what it leaves there is removed afterwards (ids
     repeat across test databases)."""
-    from serving_app import sharing
+    from serving_app.deployments import sharing
     from tests.gateway.conftest import REDIS_URL
 
     settings.GATEWAY = {**settings.GATEWAY, "REDIS_URL": REDIS_URL}

@@ -33,7 +33,7 @@ def test_the_fairness_benchmark_reads_the_gateways_own_queue_statistics(settings
     import redis
 
     from benchmarks.fairness_bench import pooled_waits, queue_waits
-    from serving_app.sharing import prefix
+    from serving_app.deployments.sharing import prefix
     from tenants_app.models import Tenant
     from tests.gateway.conftest import REDIS_URL
     from tests.gateway.test_flow_units import Engine, run, tenant

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from serving_app.engine_metrics import EngineHour, EngineSample, quantile_ms
 from serving_app.models import Instance
+from serving_app.models.engine_metrics import EngineHour, EngineSample, quantile_ms
 from serving_app.tasks import roll_up_engine_samples
 from tests.factories import make_deployment, make_engine_sample, make_tenant
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from serving_app.engine import scrape
-from serving_app.engine_metrics import merge_buckets, quantile_ms
+from serving_app.models.engine_metrics import merge_buckets, quantile_ms
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-metrics"
 

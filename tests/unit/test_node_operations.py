@@ -1,10 +1,10 @@
 """Node failure and maintenance, as the reconciler decides them: a node whose heartbeat stopped is
 declared lost and its instances replaced elsewhere; a cordoned node takes nothing new; a drained
 node has its instances moved off one at a time, each old one stopped only once its replacement
-is ready (it drains first: `serving_app.draining`, with the requests in flight given by the
-test and no grace period). Node tasks are recorded (`sent`), not sent; the real agents and
+is ready (it drains first: `serving_app.deployments.draining`, with the requests in flight given by
+the test and no grace period). Node tasks are recorded (`sent`), not sent; the real agents and
 engines are in tests/engine/test_node_failure.py. What the control plane did is an event
-(`serving_app.events`); what an operator asked for, an audit entry."""
+(`serving_app.models.events`); what an operator asked for, an audit entry."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from audit_app.models import AuditLog
-from serving_app import draining, reconcile, signals
+from serving_app import signals
+from serving_app.deployments import draining, reconcile
 from serving_app.engine import agent
-from serving_app.events import Event, Kind
 from serving_app.models import Deployment, Instance, Node
+from serving_app.models.events import Event, Kind
 from tests.factories import make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db

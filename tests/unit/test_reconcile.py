@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving_app import draining, reconcile, rollout
+from serving_app.deployments import draining, reconcile, rollout
 from serving_app.models import Deployment, Instance, Node
 from tests.factories import make_deployment, make_tenant
 

@@ -20,10 +20,11 @@ from django.core.exceptions import ValidationError
 from django.db import connections
 from django.utils import timezone
 
-from serving_app import draining, events, lifecycle, reconcile, rollout
+from serving_app import lifecycle
+from serving_app.deployments import draining, reconcile, rollout
 from serving_app.engine.launch import build_launch_spec
-from serving_app.models import Deployment, Instance, Node
-from serving_app.revisions import Rollout
+from serving_app.models import Deployment, Instance, Node, events
+from serving_app.models.revisions import Rollout
 from tests.factories import make_adapter, make_base_model, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db

@@ -11,9 +11,9 @@ from django.utils import timezone
 from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
 from audit_app.models import AuditLog
 from console.urls import router
-from serving_app.dashboards import panels, queries
+from serving_app.metering import panels, queries
 from serving_app.models import Deployment, Instance, LoraAdapter
-from serving_app.usage import (
+from serving_app.models.usage import (
     TOTAL_BUCKET,
     UsageEvent,
     UsageHour,

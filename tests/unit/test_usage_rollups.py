@@ -12,7 +12,7 @@ from django.apps import apps as django_apps
 
 from gateway_app.writer import persist
 from serving_app import migrations
-from serving_app.usage import (
+from serving_app.models.usage import (
     LATENCY_BUCKETS_MS,
     TOTAL_BUCKET,
     UsageHour,

@@ -186,6 +186,6 @@ def test_portal_and_api_refuse_an_admin_demoting_an_owner_alike(acme):
 
 
 def test_the_owner_rule_has_one_copy():
-    sources = [path.read_text() for package in ("serving_app", "tenants_app")
+    sources = [path.read_text() for package in ("serving_app", "tenants_app", "ui_app")
                for path in (ROOT / package).rglob("*.py")]
     assert sum(text.count("Only an owner can make someone an owner") for text in sources) == 1

@@ -12,7 +12,7 @@ import signal
 from django.core.management.base import BaseCommand, CommandError
 
 from gateway_app.writer import UsageWriter
-from serving_app import health
+from serving_app.metering import health
 
 
 class Command(BaseCommand):

@@ -16,8 +16,8 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from serving_app.autoscalers import Autoscaler, Metric
 from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
+from serving_app.models.autoscalers import Autoscaler, Metric
 from tenants_app.models import ApiKey, Membership, PriorityTier, Role, Tenant
 
 TENANTS = [

@@ -1,0 +1,427 @@
+"""Dashboard queries over the usage rollups (`UsageMinute`, `UsageHour`) and `GpuSample`.
+
+Every chart is one aggregate query grouped by rollup bucket (and tenant), folded into the
+range's display bins in Python. The last hour and day read the per-minute rollup, longer
+ranges the per-hour one, so a 30-day chart reads at most 720 buckets per tenant and model.
+Percentiles come from the rollups' latency histogram (`LATENCY_BUCKETS_MS`, log-spaced),
+interpolated linearly inside a bucket; above the last bound the bucket's maximum latency is the
+upper end.
+
+Every usage query takes `tenants`, an already-scoped Tenant queryset (`Tenant.objects.for_user(
+user)`, `.for_tenant(t)`, or `.all()` for a platform admin's view): there is no default, and ids
+or None are refused, so no forgotten argument can show one tenant everyone's usage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connection
+from django.db.models import BigIntegerField, F, FloatField, Func, Max, QuerySet, Sum, Value
+from django.db.models.functions import Cast
+from django.utils import timezone
+
+from serving_app.models import Gpu, GpuSample
+from serving_app.models.usage import LATENCY_FIELDS, UsageHour, UsageMinute, histogram_quantile
+from serving_app.placement.inventory import GIB
+from tenants_app.models import Tenant
+
+HIST_FIELDS = LATENCY_FIELDS
+COUNTERS = (
+    "requests",
+    "errors",
+    "rate_limited",
+    "prompt_tokens",
+    "completion_tokens",
+    "latency_ms_total",
+    "ttft_ms_total",
+    "ttft_count",
+    *HIST_FIELDS,
+)
+USAGE_COUNTERS = ("requests", "errors", "rate_limited", "prompt_tokens", "completion_tokens")
+
+
+@dataclass(frozen=True)
+class TimeRange:
+    """A dashboard's time range: how far back, which rollup it reads, how wide a bin is."""
+
+    key: str
+    label: str
+    span: timedelta
+    rollup: type
+    bin_seconds: int
+
+    def bounds(self, now: datetime | None = None) -> tuple[datetime, datetime]:
+        """The first bin's start (aligned to the bin width) and now."""
+        now = now or timezone.now()
+        start = now - self.span
+        epoch = int(start.timestamp())
+        aligned = epoch - epoch % self.bin_seconds
+        return datetime.fromtimestamp(aligned, UTC), now
+
+    def bins(self, now: datetime | None = None) -> list[datetime]:
+        start, end = self.bounds(now)
+        count = math.ceil((end - start).total_seconds() / self.bin_seconds)
+        return [start + timedelta(seconds=i * self.bin_seconds) for i in range(max(count, 1))]
+
+
+RANGES: dict[str, TimeRange] = {
+    r.key: r
+    for r in (
+        TimeRange("1h", "Last hour", timedelta(hours=1), UsageMinute, 60),
+        TimeRange("24h", "Last 24 hours", timedelta(hours=24), UsageMinute, 15 * 60),
+        TimeRange("7d", "Last 7 days", timedelta(days=7), UsageHour, 3600),
+        TimeRange("30d", "Last 30 days", timedelta(days=30), UsageHour, 6 * 3600),
+    )
+}
+DEFAULT_RANGE = "24h"
+
+
+def get_range(key: str | None) -> TimeRange:
+    return RANGES.get(key or DEFAULT_RANGE, RANGES[DEFAULT_RANGE])
+
+
+# ----------------------------------------------------------------------------- reading rollups
+
+
+FLOAT_COUNTERS = {"latency_ms_total", "ttft_ms_total"}
+
+
+class DateBin(Func):
+    """PostgreSQL's date_bin(stride, source, origin): the start of the bin holding source."""
+
+    function = "date_bin"
+
+    def __init__(self, seconds: int, expression: Any, origin: datetime) -> None:
+        from django.db.models import DateTimeField, DurationField
+
+        super().__init__(
+            Value(timedelta(seconds=seconds), output_field=DurationField()), expression,
+            Value(origin, output_field=DateTimeField()), output_field=DateTimeField(),
+        )
+
+
+def _rollup_rows(
+    rollup: type,
+    start: datetime,
+    group_by: Sequence[str],
+    counters: Sequence[str],
+    tenants: QuerySet[Tenant],
+    model: str | None = None,
+    with_max: bool = False,
+    bin_seconds: int | None = None,
+) -> list[dict[str, Any]]:
+    """Summed counters grouped by `group_by`. With `bin_seconds` on PostgreSQL, `bucket` is
+    folded into bins of that width in SQL (date_bin), so fewer rows come back."""
+    qs = rollup.objects.in_scope(tenants).filter(bucket__gte=start)
+    if model:
+        qs = qs.filter(model=model)
+    # Sums of bigint columns are numeric in PostgreSQL; cast them back so no Decimal is built.
+    aggregates: dict[str, Any] = {
+        name: Cast(Sum(name), FloatField() if name in FLOAT_COUNTERS else BigIntegerField())
+        for name in counters
+    }
+    if with_max:
+        aggregates["latency_ms_max"] = Max("latency_ms_max")
+    # order_by() drops the Meta ordering, which would otherwise join the GROUP BY.
+    qs = qs.order_by()
+    if bin_seconds and "bucket" in group_by and connection.vendor == "postgresql":
+        qs = qs.annotate(bin=DateBin(bin_seconds, F("bucket"), start))
+        group_by = ["bin" if g == "bucket" else g for g in group_by]
+        rows = list(qs.values(*group_by).annotate(**aggregates))
+        for row in rows:
+            row["bucket"] = row.pop("bin")
+        return rows
+    return list(qs.values(*group_by).annotate(**aggregates))
+
+
+def _zero(counters: Sequence[str]) -> dict[str, float]:
+    return dict.fromkeys(counters, 0)
+
+
+def _add(into: dict[str, float], row: dict[str, Any], counters: Sequence[str]) -> None:
+    for name in counters:
+        into[name] += row[name] or 0
+    if "latency_ms_max" in row:
+        into["latency_ms_max"] = max(into.get("latency_ms_max", 0.0), row["latency_ms_max"] or 0)
+
+
+def percentile(
+    hist: dict[str, float],
+    q: float,
+    fields: Sequence[str] = HIST_FIELDS,
+    total: str = "requests",
+    maximum: str = "latency_ms_max",
+) -> float | None:
+    """The q-quantile (0..1) of a rollup histogram (latency by default; `fields`, `total` and
+    `maximum` name another's, e.g. time to first token's), interpolated inside its buckets."""
+    return histogram_quantile(
+        [hist.get(name, 0) for name in fields], hist.get(total, 0), hist.get(maximum) or 0.0, q
+    )
+
+
+def tenant_names(tenants: QuerySet[Tenant]) -> dict[int, Tenant]:
+    """The scope's tenants by id, in slug order."""
+    return {t.pk: t for t in _tenants(tenants).order_by("slug")}
+
+
+def _tenants(tenants: QuerySet[Tenant]) -> QuerySet[Tenant]:
+    """The scope itself, checked like the usage rows are (a Tenant queryset, never ids)."""
+    if not isinstance(tenants, QuerySet) or tenants.model is not Tenant:
+        raise TypeError("dashboard queries are scoped by a Tenant queryset, not by ids or None")
+    return tenants
+
+
+# ----------------------------------------------------------------------------- usage
+
+
+@dataclass
+class Series:
+    """Per-tenant counters folded into the range's bins."""
+
+    bins: list[datetime]
+    by_tenant: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+
+
+def _fold(
+    trange: TimeRange,
+    rows: list[dict[str, Any]],
+    counters: Sequence[str],
+    now: datetime | None = None,
+) -> Series:
+    bins = trange.bins(now)
+    start = bins[0]
+    series = Series(bins=bins)
+    width = trange.bin_seconds
+    last = len(bins) - 1
+    for row in rows:
+        index = int((row["bucket"] - start).total_seconds() // width)
+        index = min(max(index, 0), last)
+        per_bin = series.by_tenant.get(row["tenant_id"])
+        if per_bin is None:
+            per_bin = [_zero(counters) for _ in bins]
+            series.by_tenant[row["tenant_id"]] = per_bin
+        _add(per_bin[index], row, counters)
+    return series
+
+
+def usage_series(
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
+) -> Series:
+    """Requests and tokens per bin, per tenant."""
+    start, _ = trange.bounds(now)
+    rows = _rollup_rows(
+        trange.rollup, start, ("bucket", "tenant_id"), USAGE_COUNTERS, tenants,
+        bin_seconds=trange.bin_seconds,
+    )
+    return _fold(trange, rows, USAGE_COUNTERS, now)
+
+
+def usage_totals(
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Per tenant: the range's totals, and the month's tokens against the monthly budget."""
+    start, _ = trange.bounds(now)
+    rows = {
+        r["tenant_id"]: r
+        for r in _rollup_rows(trange.rollup, start, ("tenant_id",), USAGE_COUNTERS, tenants)
+    }
+    month = month_used_tokens(tenants, now)
+    out = []
+    for tenant in tenant_names(tenants).values():
+        row = rows.get(tenant.pk) or _zero(USAGE_COUNTERS)
+        used = month.get(tenant.pk, 0)
+        budget = tenant.monthly_token_budget
+        out.append(
+            {
+                "tenant": tenant,
+                "requests": int(row["requests"] or 0),
+                "errors": int(row["errors"] or 0),
+                "rate_limited": int(row["rate_limited"] or 0),
+                "prompt_tokens": int(row["prompt_tokens"] or 0),
+                "completion_tokens": int(row["completion_tokens"] or 0),
+                "total_tokens": int((row["prompt_tokens"] or 0) + (row["completion_tokens"] or 0)),
+                "month_tokens": used,
+                "budget": budget,
+                "budget_fraction": (used / budget) if budget else None,
+            }
+        )
+    return out
+
+
+def month_used_tokens(tenants: QuerySet[Tenant], now: datetime | None = None) -> dict[int, int]:
+    """Prompt plus completion tokens since the month started, per tenant (the budgets' rule)."""
+    return UsageHour.objects.month_tokens(tenants, now)
+
+
+def current_load(
+    tenants: QuerySet[Tenant], minutes: int = 5, now: datetime | None = None
+) -> dict[int, dict[str, float]]:
+    """Per tenant: requests and tokens per minute over the last few minutes."""
+    now = now or timezone.now()
+    start = (now - timedelta(minutes=minutes)).replace(second=0, microsecond=0)
+    rows = _rollup_rows(UsageMinute, start, ("tenant_id",), USAGE_COUNTERS, tenants)
+    return {
+        r["tenant_id"]: {
+            "rpm": (r["requests"] or 0) / minutes,
+            "tpm": ((r["prompt_tokens"] or 0) + (r["completion_tokens"] or 0)) / minutes,
+            "errors": int(r["errors"] or 0),
+            "rate_limited": int(r["rate_limited"] or 0),
+        }
+        for r in rows
+    }
+
+
+# ----------------------------------------------------------------------------- latency
+
+
+@dataclass
+class LatencyPoint:
+    requests: int
+    p50: float | None
+    p95: float | None
+    p99: float | None
+    ttft_mean: float | None
+    error_rate: float | None
+    rate_limited_rate: float | None
+
+
+def latency_point(counters: dict[str, float]) -> LatencyPoint:
+    requests = int(counters.get("requests", 0))
+    ttft_count = counters.get("ttft_count", 0)
+    return LatencyPoint(
+        requests=requests,
+        p50=percentile(counters, 0.50),
+        p95=percentile(counters, 0.95),
+        p99=percentile(counters, 0.99),
+        ttft_mean=(counters["ttft_ms_total"] / ttft_count) if ttft_count else None,
+        error_rate=(counters["errors"] / requests) if requests else None,
+        rate_limited_rate=(counters["rate_limited"] / requests) if requests else None,
+    )
+
+
+@dataclass
+class LatencySeries:
+    bins: list[datetime]
+    by_tenant: dict[int, list[LatencyPoint]]
+    overall: list[LatencyPoint]
+
+
+def latency_series(
+    trange: TimeRange,
+    tenants: QuerySet[Tenant],
+    model: str | None = None,
+    now: datetime | None = None,
+) -> LatencySeries:
+    """Percentiles, mean time to first token and error rates per bin: per tenant and overall."""
+    start, _ = trange.bounds(now)
+    rows = _rollup_rows(
+        trange.rollup, start, ("bucket", "tenant_id"), COUNTERS, tenants, model, with_max=True,
+        bin_seconds=trange.bin_seconds,
+    )
+    folded = _fold(trange, rows, COUNTERS, now)
+    overall = [_zero(COUNTERS) for _ in folded.bins]
+    for per_bin in folded.by_tenant.values():
+        for total, counters in zip(overall, per_bin, strict=True):
+            _add(total, counters, COUNTERS)
+    return LatencySeries(
+        bins=folded.bins,
+        by_tenant={
+            tid: [latency_point(c) for c in per_bin] for tid, per_bin in folded.by_tenant.items()
+        },
+        overall=[latency_point(c) for c in overall],
+    )
+
+
+def latency_table(
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Per tenant and model over the whole range: percentiles, TTFT, error rates, objective."""
+    start, _ = trange.bounds(now)
+    rows = _rollup_rows(
+        trange.rollup, start, ("tenant_id", "model"), COUNTERS, tenants, with_max=True
+    )
+    names = tenant_names(_tenants(tenants).filter(pk__in={r["tenant_id"] for r in rows}))
+    out = []
+    for row in rows:
+        tenant = names.get(row["tenant_id"])
+        if tenant is None:
+            continue
+        counters = _zero(COUNTERS)
+        _add(counters, row, COUNTERS)
+        point = latency_point(counters)
+        objective = tenant.latency_objective_ms
+        out.append(
+            {
+                "tenant": tenant,
+                "model": row["model"],
+                "point": point,
+                "objective": objective,
+                "meets_objective": (
+                    None if objective is None or point.p95 is None else point.p95 <= objective
+                ),
+            }
+        )
+    out.sort(key=lambda r: (r["tenant"].slug, r["model"]))
+    return out
+
+
+def models_in_range(trange: TimeRange, tenants: QuerySet[Tenant]) -> list[str]:
+    start, _ = trange.bounds()
+    qs = trange.rollup.objects.in_scope(tenants).filter(bucket__gte=start)
+    return sorted(set(qs.order_by().values_list("model", flat=True).distinct()))
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+
+@dataclass
+class GpuSeries:
+    gpu: Gpu
+    bins: list[datetime]
+    utilization: list[float | None]
+    memory_used_gib: list[float | None]
+
+
+def gpu_series(trange: TimeRange, now: datetime | None = None) -> list[GpuSeries]:
+    """Each GPU's utilization and memory used, averaged per bin (samples are kept for a day
+    by default, `GPU_SAMPLE_RETENTION_HOURS`, so longer ranges show what is kept)."""
+    bins = trange.bins(now)
+    start = bins[0]
+    width = trange.bin_seconds
+    gpus = list(Gpu.objects.select_related("node").filter(parent__isnull=True))
+    rows = (
+        GpuSample.objects.filter(at__gte=start, gpu__in=gpus)
+        .order_by()
+        .values_list("gpu_id", "at", "utilization_percent", "memory_used_bytes")
+    )
+    sums: dict[int, list[list[float]]] = defaultdict(lambda: [[0.0, 0, 0.0, 0] for _ in bins])
+    last = len(bins) - 1
+    for gpu_id, at, util, used in rows.iterator(chunk_size=5000):
+        index = min(max(int((at - start).total_seconds() // width), 0), last)
+        cell = sums[gpu_id][index]
+        if util is not None:
+            cell[0] += util
+            cell[1] += 1
+        if used is not None:
+            cell[2] += used
+            cell[3] += 1
+    out = []
+    for gpu in gpus:
+        cells = sums.get(gpu.pk)
+        if cells is None:
+            continue
+        out.append(
+            GpuSeries(
+                gpu=gpu,
+                bins=bins,
+                utilization=[c[0] / c[1] if c[1] else None for c in cells],
+                memory_used_gib=[c[2] / c[3] / GIB if c[3] else None for c in cells],
+            )
+        )
+    return out

@@ -1,0 +1,1257 @@
+"""The serving domain: base models, LoRA adapters, nodes and GPUs, deployments, instances.
+
+A Deployment is desired state; Instances record what actually runs. Node agents and the
+reconciler change Instance state only through conditional updates (`Instance.transition`).
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import shlex
+import shutil
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models, transaction
+from django.db.models.signals import post_delete
+from django.urls import reverse
+from django.utils import timezone
+
+from audit_app import recording
+from serving_app import lifecycle, signals, storage
+from serving_app.modelfiles import (
+    ModelFilesError,
+    expected_module_shapes,
+    read_adapter,
+    read_model,
+)
+from serving_app.models import events
+from serving_app.models.revisions import (
+    ENGINE_FIELDS,
+    DeploymentRevision,
+    Rollout,
+    describe,
+    diff,
+    spec_of,
+)
+from serving_app.placement import fleetspec
+from tenants_app.models import SignedInQuerySet, StaffOnlyQuerySet, Tenant, TenantOwnedQuerySet
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+
+
+def _path_error(exc: ModelFilesError) -> ValidationError:
+    """A model-files problem as a field error on "path"; a problem with the path itself keeps
+    the `host_path` code, so a tenant user is shown the generic message instead."""
+    code = storage.HOST_PATH if exc.host_path else "files"
+    return ValidationError({"path": ValidationError(str(exc), code=code)})
+
+
+class Dtype(models.TextChoices):
+    AUTO = "auto", "auto"
+    FLOAT32 = "float32", "float32"
+    FLOAT16 = "float16", "float16"
+    BFLOAT16 = "bfloat16", "bfloat16"
+
+
+class Quantization(models.TextChoices):
+    NONE = "", "none"
+    AWQ = "awq", "AWQ"
+    GPTQ = "gptq", "GPTQ"
+    FP8 = "fp8", "FP8"
+    BITSANDBYTES = "bitsandbytes", "bitsandbytes"
+
+
+class BaseModel(models.Model):
+    """A model whose files sit at the same local path on every node host.
+
+    The architecture fields are read from the folder's config.json and safetensors headers
+    when the model is registered or its path changes; they are never typed in.
+    """
+
+    name = models.SlugField(max_length=100, unique=True, help_text="Public model name.")
+    path = models.CharField(max_length=500)
+    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    quantization = models.CharField(
+        max_length=16, choices=Quantization.choices, default=Quantization.NONE, blank=True
+    )
+    architecture = models.CharField(max_length=100, editable=False, default="")
+    num_layers = models.PositiveIntegerField(editable=False, default=0)
+    hidden_size = models.PositiveIntegerField(editable=False, default=0)
+    intermediate_size = models.PositiveIntegerField(editable=False, default=0)
+    num_attention_heads = models.PositiveIntegerField(editable=False, default=0)
+    num_kv_heads = models.PositiveIntegerField(editable=False, default=0)
+    head_dim = models.PositiveIntegerField(editable=False, default=0)
+    max_position_embeddings = models.PositiveIntegerField(editable=False, default=0)
+    vocab_size = models.PositiveIntegerField(editable=False, default=0)
+    torch_dtype = models.CharField(max_length=16, editable=False, default="")
+    weight_bytes = models.PositiveBigIntegerField(editable=False, default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    # Read from the model's files, never typed in.
+    ARCHITECTURE_FIELDS = (
+        "architecture", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_kv_heads", "head_dim", "max_position_embeddings", "vocab_size", "torch_dtype",
+        "weight_bytes",
+    )
+
+    objects = SignedInQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "base model"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:basemodel-detail", args=[self.pk])
+
+    def clean(self) -> None:
+        if not self.path:
+            return
+        resolved = storage.check_model_path(self.path)
+        for adapter in LoraAdapter.objects.select_related("tenant").only(
+            "path", "name", "tenant__slug"
+        ):
+            if adapter.path and storage.overlaps(resolved, adapter.path):
+                raise storage.host_path_error(f"{resolved} holds the files of the adapter "
+                                              f"{adapter}.")
+        try:
+            arch = read_model(str(resolved))
+        except ModelFilesError as exc:
+            raise _path_error(exc) from exc
+        self.path = str(resolved)  # what was checked is what the engines load
+        for name, value in vars(arch).items():
+            setattr(self, name, value)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        element = 4 if self.effective_dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def effective_dtype(self) -> str:
+        return self.torch_dtype if self.dtype == Dtype.AUTO else self.dtype
+
+
+class LoraAdapterQuerySet(TenantOwnedQuerySet):
+    def storage_used(self, tenant: Tenant) -> int:
+        """Bytes the tenant's adapters take (size_bytes, read from their files when
+        registered): what the portal shows against the tenant's storage quota."""
+        return self.filter(tenant=tenant).aggregate(total=models.Sum("size_bytes"))["total"] or 0
+
+
+class LoraAdapter(models.Model):
+    """A tenant's LoRA adapter for one base model; rank and targets come from its files."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="adapters")
+    name = models.SlugField(max_length=100, help_text="Public name, unique within the tenant.")
+    path = models.CharField(max_length=500)
+    rank = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Expected rank; read from adapter_config.json if empty."
+    )
+    target_modules = models.JSONField(default=list, editable=False)
+    size_bytes = models.PositiveBigIntegerField(default=0, editable=False)
+    last_error = models.TextField(blank=True, default="", editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = LoraAdapterQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "name"]
+        verbose_name = "LoRA adapter"
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "name"], name="unique_adapter_per_tenant"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id and self.tenant.slug}/{self.name}"
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:loraadapter-detail", args=[self.pk])
+
+    @property
+    def engine_name(self) -> str:
+        """The name the engine knows it by; tenant-qualified so tenants never collide."""
+        return f"{self.tenant.slug}--{self.name}"
+
+    def check_path(self) -> Path:
+        """The adapter's folder, resolved, if this tenant may use it (serving_app/storage.py):
+        in its own storage area or under a model root, and neither a base model's folder nor
+        another tenant's adapter's. Raises a `host_path` ValidationError on "path" otherwise."""
+        resolved = storage.check_adapter_path(self.path, self.tenant_id)
+        for model in BaseModel.objects.only("name", "path"):
+            if model.path and storage.overlaps(resolved, model.path):
+                raise storage.host_path_error(
+                    f"{resolved} holds the files of the base model {model.name}."
+                )
+        others = LoraAdapter.objects.exclude(tenant_id=self.tenant_id).select_related("tenant")
+        for other in others.only("path", "name", "tenant__slug"):
+            if other.path and storage.overlaps(resolved, other.path):
+                raise storage.host_path_error(
+                    f"{resolved} holds the files of {other}, an adapter of another tenant."
+                )
+        return resolved
+
+    def clean(self) -> None:
+        if not self.path:
+            return
+        resolved = self.check_path()
+        try:
+            info = read_adapter(str(resolved))
+        except ModelFilesError as exc:
+            raise _path_error(exc) from exc
+        if self._state.adding and self.tenant_id and storage.is_in_tenant_area(resolved):
+            # An upload takes the tenant's own disk: its quota applies.
+            quota = storage.quota_bytes(self.tenant)
+            used = LoraAdapter.objects.storage_used(self.tenant)
+            if used + info.size_bytes > quota:
+                raise ValidationError(
+                    {"path": storage.quota_error(info.size_bytes, used, quota)}
+                )
+        self.path = str(resolved)  # what was checked is what the engines load
+        if self.rank is not None and self.rank != info.rank:
+            raise ValidationError(
+                {"rank": f"The adapter's files have rank {info.rank}, not {self.rank}."}
+            )
+        base = self.base_model if self.base_model_id else None
+        if base is not None and base.hidden_size:
+            expected = expected_module_shapes(base)
+            mismatched = sorted(
+                f"{module} {shape[0]}x{shape[1]} (base: {expected[module][0]}x"
+                f"{expected[module][1]})"
+                for module, shapes in info.module_shapes.items() if module in expected
+                for shape in shapes if shape != expected[module] and shape[1]
+            )
+            if mismatched:
+                raise ValidationError({
+                    "base_model": (
+                        f"This adapter was trained for another base model than {base.name}: "
+                        f"its layer shapes do not match ({'; '.join(mismatched[:3])})."
+                    )
+                })
+        self.rank = info.rank
+        self.target_modules = info.target_modules
+        self.size_bytes = info.size_bytes
+
+
+class AdapterFileRemovalQuerySet(models.QuerySet):
+    def remove_released(self) -> int:
+        """Remove the files of deleted adapters that no engine has any more; how many went.
+
+        Runs after the deleting transaction commits and again in every reconcile round, so
+        files still loaded in an engine go as soon as its node agent has unloaded the adapter
+        (the reconciler asks it to once the adapter left the deployment). Idempotent.
+        """
+        removed = 0
+        for record in self.filter(removed_at__isnull=True):
+            if record.still_in_use():
+                continue
+            folder = storage.removable(record.path)
+            if folder is not None and LoraAdapter.objects.filter(path=record.path).exists():
+                folder = None  # registered again since (by a platform admin): keep it
+            if folder is not None and folder.exists():
+                try:
+                    shutil.rmtree(folder)
+                except FileNotFoundError:
+                    pass  # a concurrent round removed it first
+                except OSError as exc:
+                    AdapterFileRemoval.objects.filter(pk=record.pk).update(
+                        last_error=f"Could not remove the files: {exc}")
+                    continue
+            removed += AdapterFileRemoval.objects.filter(
+                pk=record.pk, removed_at__isnull=True
+            ).update(removed_at=timezone.now(), last_error="")
+        return removed
+
+
+class AdapterFileRemoval(models.Model):
+    """The files of a deleted adapter, waiting until no engine can still read them.
+
+    Deleting an adapter (through the API, the portal, the admin, or with its tenant) records
+    one of these; the files go once `still_in_use()` is false. Only folders in the tenant
+    storage area are ever removed: an adapter registered from a model root leaves its files,
+    which belong to the platform.
+    """
+
+    tenant_id_at_deletion = models.BigIntegerField(null=True, blank=True)
+    engine_name = models.CharField(max_length=220)
+    path = models.CharField(max_length=500)
+    requested_at = models.DateTimeField(auto_now_add=True)
+    removed_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+
+    objects = AdapterFileRemovalQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-requested_at"]
+
+    def __str__(self) -> str:
+        return f"{self.engine_name} ({self.path})"
+
+    def still_in_use(self) -> bool:
+        """Whether an engine may still read the files.
+
+        A ready, unhealthy or draining engine has the adapter while its instance lists it in
+        `loaded_adapters` (set when the engine became ready, changed by each runtime load and
+        unload). A starting or stopping engine was given its adapters on the command line,
+        which holds their paths. vLLM reads an adapter's files again when it was evicted from
+        its cache and is asked for again, so they stay until all of these are past. (A new
+        adapter of the same tenant and name keeps the old files until it is unloaded too:
+        later than needed, never too early.)
+        """
+        State = Instance.State
+        live = Instance.objects.filter(
+            state__in=(State.STARTING, State.READY, State.UNHEALTHY, State.DRAINING,
+                       State.STOPPING)
+        ).only("state", "loaded_adapters", "command")
+        for instance in live:
+            if self.engine_name in (instance.loaded_adapters or []):
+                return True
+            if instance.state in (State.STARTING, State.STOPPING) and any(
+                self.path in str(arg) for arg in instance.command or []
+            ):
+                return True
+        return False
+
+
+def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> None:
+    """Queue the removal of a deleted adapter's uploaded files (a post_delete receiver, so a
+    deletion through the tenant's cascade is covered too)."""
+    if storage.removable(instance.path) is None:
+        return
+    AdapterFileRemoval.objects.create(
+        tenant_id_at_deletion=instance.tenant_id, engine_name=instance.engine_name,
+        path=instance.path,
+    )
+    lifecycle.adapter_files_released()
+
+
+post_delete.connect(_adapter_deleted, sender=LoraAdapter, dispatch_uid="adapter-files")
+
+
+class Node(models.Model):
+    """A host running a node agent (a Celery worker consuming `queue`)."""
+
+    class InventorySource(models.TextChoices):
+        NVML = "nvml", "NVML"
+        DECLARED = "declared", "Declared in configuration"
+
+    name = models.SlugField(max_length=100, unique=True)
+    queue = models.CharField(max_length=150, unique=True)
+    address = models.CharField(
+        max_length=100, default="127.0.0.1", help_text="Where the gateway reaches its engines."
+    )
+    engine_env = models.CharField(max_length=500, blank=True, help_text="Engine virtualenv path.")
+    inventory_source = models.CharField(
+        max_length=16, choices=InventorySource.choices, default=InventorySource.DECLARED
+    )
+    cordoned = models.BooleanField(default=False, help_text="Gets no new instances.")
+    draining = models.BooleanField(
+        default=False, editable=False,
+        help_text="Its instances are being moved to other nodes, one at a time (it is cordoned).",
+    )
+    drain_status = models.CharField(
+        max_length=500, blank=True, default="", editable=False,
+        help_text="Where the drain stands: the move in progress, or why it waits.",
+    )
+    lost_at = models.DateTimeField(
+        null=True, blank=True, editable=False,
+        help_text="When the reconciler declared the node lost (its heartbeat had stopped) and "
+                  "replaced its instances; cleared when its agent is back.",
+    )
+    max_instances = models.PositiveIntegerField(
+        default=4, help_text="Engines this host may run when it has no GPUs (CPU engines)."
+    )
+    agent_pid = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = StaffOnlyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:node-detail", args=[self.pk])
+
+    def clean(self) -> None:
+        if self.queue and not self.queue.startswith("node."):
+            raise ValidationError({"queue": "A node agent's queue is named node.<host>."})
+
+    @property
+    def is_lost(self) -> bool:
+        if self.last_heartbeat is None:
+            return True
+        age = timezone.now() - self.last_heartbeat
+        return age > timedelta(seconds=settings.NODE_LOST_SECONDS)
+
+    @property
+    def state(self) -> str:
+        if self.is_lost or self.lost_at:
+            return "lost"
+        if self.draining:
+            return "draining"
+        return "cordoned" if self.cordoned else "ready"
+
+    # -- operator actions. Each records its audit entry (a conditional update sends no signal)
+    # and returns the change made ({field: [before, after]}, empty when nothing changed).
+    def cordon(self) -> dict[str, list]:
+        """No new instances on this node; what runs here goes on running."""
+        return self._change("cordon", cordoned=True)
+
+    def uncordon(self) -> dict[str, list]:
+        """Take new instances again; a drain in progress stops after the move under way."""
+        changes = self._change("uncordon", cordoned=False, draining=False, drain_status="")
+        lifecycle.nodes_changed()  # placements that waited for room may fit now
+        return changes
+
+    def drain(self) -> dict[str, list]:
+        """Cordon the node and move every instance off it, one at a time: the reconciler starts
+        a replacement elsewhere, waits until it is ready, then stops the old one. Refused when
+        no other node could take anything."""
+        serving = self.instances.filter(
+            state__in=(Instance.State.READY, Instance.State.UNHEALTHY, Instance.State.STARTING)
+        ).count()
+        others = [n for n in Node.objects.exclude(pk=self.pk).filter(cordoned=False)
+                  if not n.is_lost]
+        if serving and not others:
+            raise ValidationError(
+                f"Nothing to move the {serving} instance(s) of {self.name} to: no other node is "
+                "online and uncordoned. Start another node agent, or cordon this node instead."
+            )
+        changes = self._change("drain", cordoned=True, draining=True,
+                               drain_status="Drain requested." if not self.draining
+                               else self.drain_status)
+        lifecycle.nodes_changed()
+        return changes
+
+    def _change(self, action: str, **values: object) -> dict[str, list]:
+        with transaction.atomic():
+            current = Node.objects.select_for_update().get(pk=self.pk)
+            changes = {name: [getattr(current, name), value] for name, value in values.items()
+                       if getattr(current, name) != value}
+            if changes:
+                Node.objects.filter(pk=self.pk).update(**{n: v[1] for n, v in changes.items()})
+            for name, value in values.items():
+                setattr(self, name, value)
+        changes.pop("drain_status", None)  # a message, not a setting
+        # Recorded even when nothing changed, as a deployment's start is: someone asked for it.
+        recording.record(action, self, changes)
+        if changes:
+            kind, message = NODE_ACTION_EVENTS[action]
+            events.record(kind, message.format(node=self.name), node=self)
+        return changes
+
+
+# The event on the cluster's timeline of each operator action on a node that changed it.
+NODE_ACTION_EVENTS: dict[str, tuple[str, str]] = {
+    "cordon": (events.Kind.NODE_CORDONED, "Node {node} cordoned: it gets no new instances."),
+    "uncordon": (events.Kind.NODE_UNCORDONED, "Node {node} uncordoned: it takes new instances "
+                                              "again."),
+    "drain": (events.Kind.NODE_DRAIN, "Node {node} cordoned and drained: its instances move "
+                                      "to other nodes, one at a time."),
+}
+
+
+class Gpu(models.Model):
+    """A GPU (or a MIG device, with `parent` set) on a node."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveIntegerField()
+    uuid = models.CharField(max_length=100)
+    name = models.CharField(max_length=100)
+    memory_total_bytes = models.PositiveBigIntegerField()
+    mig_mode = models.BooleanField(default=False)
+    mig_profile = models.CharField(max_length=50, blank=True)
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="mig_devices"
+    )
+    memory_used_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    utilization_percent = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+    processes = models.JSONField(default=list, blank=True)
+    declared = models.BooleanField(default=False, help_text="From configuration, not NVML.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = StaffOnlyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["node__name", "index", "uuid"]
+        verbose_name = "GPU"
+        constraints = [
+            models.UniqueConstraint(fields=["node", "uuid"], name="unique_gpu_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node_id and self.node.name} GPU {self.index} ({self.name})"
+
+    def clean(self) -> None:
+        if self.parent_id and self.parent.node_id != self.node_id:
+            raise ValidationError({"parent": "A MIG device belongs to a GPU on the same node."})
+
+
+class GpuSample(models.Model):
+    """A point-in-time reading of one GPU, kept for the dashboards."""
+
+    gpu = models.ForeignKey(Gpu, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    memory_used_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    utilization_percent = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at"]
+        indexes = [models.Index(fields=["gpu", "-at"], name="gpusample_gpu_at")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id}@{self.at:%H:%M:%S}"
+
+
+class FleetPlan(models.Model):
+    """A what-if: a fleet that is not running (declared nodes, GPUs and MIG devices) and the
+    deployments to place on it. Placing it (``placement.fleetplans``) starts nothing and
+    reserves nothing; the GPU allocation page shows it beside the live allocation, labelled as
+    a plan. Platform admins only: a plan may name any tenant, so tenants see none."""
+
+    class Policy(models.TextChoices):
+        BINPACK = "binpack", "Bin-pack (tightest fit)"
+        SPREAD = "spread", "Spread (most free memory)"
+
+    name = models.SlugField(max_length=100, unique=True)
+    description = models.TextField(blank=True)
+    fleet = models.TextField(
+        help_text=(
+            "One node per line, NAME: GPUS in the declared-inventory format, MIG devices in "
+            "brackets: 'gpu-a: 2xNVIDIA A100-SXM4-80GB:80GiB, "
+            "2:NVIDIA A100-SXM4-80GB:80GiB[3g.40gb,3g.40gb]'."
+        )
+    )
+    deployments = models.JSONField(
+        default=list, blank=True,
+        help_text=(
+            'A list of deployments, placed in this order: {"name": ..., "model": a registered '
+            'base model or an object with its architecture, "tenants": [slugs], "replicas", '
+            '"isolation", "max_num_seqs", "max_model_len", ...} (docs/placement.md).'
+        ),
+    )
+    policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.BINPACK)
+    headroom = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0), MaxValueValidator(0.5)],
+        help_text="Share of every GPU left unreserved. Empty: PLACEMENT_HEADROOM.",
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = StaffOnlyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-updated_at", "name"]
+        verbose_name = "what-if plan"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:fleetplan-detail", args=[self.pk])
+
+    def clean(self) -> None:
+        errors: dict[str, list[str]] = {}
+        try:
+            fleetspec.parse_fleet(self.fleet)
+        except fleetspec.FleetSpecError as exc:
+            errors["fleet"] = exc.messages
+        try:
+            planned = fleetspec.parse_plan_deployments(self.deployments)
+        except fleetspec.FleetSpecError as exc:
+            errors["deployments"] = exc.messages
+        else:
+            missing = self._missing_references(planned)
+            if missing:
+                errors["deployments"] = missing
+        if errors:
+            raise ValidationError(errors)
+
+    @staticmethod
+    def _missing_references(planned: list[fleetspec.PlanDeployment]) -> list[str]:
+        slugs = {slug for d in planned for slug in d.tenants}
+        known = set(Tenant.objects.filter(slug__in=slugs).values_list("slug", flat=True))
+        names = {d.model for d in planned if d.model}
+        models_known = set(BaseModel.objects.filter(name__in=names).values_list("name", flat=True))
+        problems = []
+        for number, d in enumerate(planned, start=1):
+            where = f"deployment {number} ({d.name})"
+            for slug in d.tenants:
+                if slug not in known:
+                    problems.append(f"{where}: there is no tenant {slug!r}")
+            if d.model and d.model not in models_known:
+                problems.append(
+                    f"{where}: there is no base model {d.model!r}; register it, or give the "
+                    "model's architecture as an object"
+                )
+        return problems
+
+
+class DeploymentQuerySet(models.QuerySet):
+    def for_user(self, user: AbstractBaseUser) -> DeploymentQuerySet:
+        """Deployments the user may see: all for staff, else those open to their tenants."""
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(tenants__memberships__user=user).distinct()
+
+    def for_tenant(self, tenant: Tenant) -> DeploymentQuerySet:
+        return self.filter(tenants=tenant)
+
+
+class Deployment(models.Model):
+    """What should run: a base model with adapters, engine settings, replicas and isolation."""
+
+    class Isolation(models.TextChoices):
+        DEDICATED = "dedicated", "Dedicated GPUs"
+        SHARED = "shared", "Shared GPU"
+        MIG = "mig", "MIG slice"
+        MPS = "mps", "MPS"
+
+    class DesiredState(models.TextChoices):
+        RUNNING = "running", "Running"
+        STOPPED = "stopped", "Stopped"
+
+    class SchedulingPolicy(models.TextChoices):
+        FCFS = "fcfs", "First come, first served"
+        PRIORITY = "priority", "Priority (from the tenant's tier)"
+
+    name = models.SlugField(max_length=100, unique=True)
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="deployments")
+    tenants = models.ManyToManyField(Tenant, related_name="deployments")
+    adapters = models.ManyToManyField(LoraAdapter, blank=True, related_name="deployments")
+    replicas = models.PositiveIntegerField(default=1, validators=[MaxValueValidator(64)])
+    gpu_memory_utilization = models.FloatField(
+        default=0.9, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)]
+    )
+    max_num_seqs = models.PositiveIntegerField(
+        default=64, validators=[MinValueValidator(1), MaxValueValidator(4096)]
+    )
+    max_model_len = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(16)],
+        help_text="Empty: the model's max positions.",
+    )
+    max_num_batched_tokens = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(16)]
+    )
+    enable_prefix_caching = models.BooleanField(default=True)
+    tensor_parallel_size = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(16)]
+    )
+    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    quantization = models.CharField(
+        max_length=16, choices=Quantization.choices, default=Quantization.NONE, blank=True
+    )
+    max_loras = models.PositiveIntegerField(
+        default=4, validators=[MinValueValidator(1), MaxValueValidator(64)]
+    )
+    max_lora_rank = models.PositiveIntegerField(default=16)
+    scheduling_policy = models.CharField(
+        max_length=16, choices=SchedulingPolicy.choices, default=SchedulingPolicy.FCFS
+    )
+    isolation_mode = models.CharField(
+        max_length=16, choices=Isolation.choices, default=Isolation.SHARED
+    )
+    flow_control = models.BooleanField(
+        default=True,
+        help_text="The gateway queues requests beyond each instance's dispatch budget, by "
+        "priority band then fair share. Off: first come, first served.",
+    )
+    dispatch_budget = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(65536)],
+        help_text="Requests the gateway sends one instance at a time. Empty: max_num_seqs plus "
+        "GATEWAY_FLOW_QUEUE_ALLOWANCE.",
+    )
+    mps_thread_percentage = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
+    )
+    base_port = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1024), MaxValueValidator(65000)],
+        help_text="Fixed engine port for replica 0 (replica n: base_port + n). Empty: any free.",
+    )
+    desired_state = models.CharField(
+        max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED
+    )
+    generation = models.PositiveIntegerField(
+        default=0, editable=False, help_text="Raised by a restart; older instances are replaced."
+    )
+    applied_revision = models.ForeignKey(
+        DeploymentRevision, null=True, blank=True, editable=False, on_delete=models.SET_NULL,
+        related_name="+",
+        help_text="The revision of the engine settings that instances run (restarts, scale-ups "
+                  "and replacements too); an edit makes a pending revision until it is applied.",
+    )
+    placement_error = models.TextField(
+        blank=True, default="", editable=False,
+        help_text="Why the last placement was refused (nothing is half-placed).",
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = DeploymentQuerySet.as_manager()
+
+    VALID_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """A new deployment starts with revision 1 of its engine settings, applied."""
+        adding = self._state.adding
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            if adding and self.applied_revision_id is None:
+                first = DeploymentRevision.objects.create(
+                    deployment=self, number=1, spec=spec_of(self), created_by=self.created_by)
+                Deployment.objects.filter(pk=self.pk).update(applied_revision=first)
+                self.applied_revision = first
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:deployment-detail", args=[self.pk])
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        base = self.base_model if self.base_model_id else None
+        if base is not None:
+            if (
+                self.max_model_len
+                and base.max_position_embeddings
+                and (self.max_model_len > base.max_position_embeddings)
+            ):
+                errors["max_model_len"] = (
+                    f"{base.name} supports at most {base.max_position_embeddings} tokens."
+                )
+            if base.num_attention_heads and base.num_attention_heads % self.tensor_parallel_size:
+                errors["tensor_parallel_size"] = (
+                    f"{base.name} has {base.num_attention_heads} attention heads, "
+                    f"not divisible by {self.tensor_parallel_size}."
+                )
+        if self.max_lora_rank not in self.VALID_LORA_RANKS:
+            errors["max_lora_rank"] = f"vLLM accepts {', '.join(map(str, self.VALID_LORA_RANKS))}."
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
+            errors["max_num_batched_tokens"] = "Must be at least max_num_seqs."
+        if self.isolation_mode == self.Isolation.MPS and not self.mps_thread_percentage:
+            errors["mps_thread_percentage"] = "MPS isolation needs a thread percentage."
+        if self.isolation_mode != self.Isolation.MPS and self.mps_thread_percentage:
+            errors["mps_thread_percentage"] = "Only used with MPS isolation."
+        if self.isolation_mode == self.Isolation.MIG and self.tensor_parallel_size > 1:
+            errors["tensor_parallel_size"] = "A MIG slice runs one GPU's worth: use 1."
+        if self.pk and self.base_model_id and Deployment.objects.filter(pk=self.pk).exclude(
+            base_model_id=self.base_model_id
+        ).exists():
+            # The gateway routes the deployment's public name to every instance at once, and
+            # adapters are trained for one base model: a new model is a new deployment.
+            errors["base_model"] = ("A deployment's base model cannot change; create a new "
+                                    "deployment for another model.")
+        if errors:
+            raise ValidationError(errors)
+
+    def check_relations(self, tenants: Iterable[Tenant], adapters: Iterable[LoraAdapter]) -> None:
+        """Validate the many-to-many choices, which `clean()` cannot see before saving."""
+        tenants = list(tenants)
+        errors: dict[str, list[str]] = {}
+        if not tenants:
+            errors["tenants"] = ["A deployment serves at least one tenant."]
+        tenant_ids = {t.pk for t in tenants}
+        for adapter in adapters:
+            if adapter.base_model_id != self.base_model_id:
+                errors.setdefault("adapters", []).append(
+                    f"{adapter} is an adapter for {adapter.base_model}, not {self.base_model}."
+                )
+            elif adapter.tenant_id not in tenant_ids:
+                errors.setdefault("adapters", []).append(
+                    f"{adapter} belongs to a tenant this deployment does not serve."
+                )
+            elif adapter.rank and adapter.rank > self.max_lora_rank:
+                errors.setdefault("adapters", []).append(
+                    f"{adapter} has rank {adapter.rank}, above max_lora_rank {self.max_lora_rank}."
+                )
+        if errors:
+            raise ValidationError(errors)
+
+    @property
+    def effective_max_model_len(self) -> int:
+        return self.max_model_len or self.base_model.max_position_embeddings
+
+    @property
+    def effective_dispatch_budget(self) -> int:
+        """Requests the gateway's flow control sends each instance at a time."""
+        return self.dispatch_budget or self.max_num_seqs + settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"]
+
+    @property
+    def flow_controlled(self) -> bool:
+        return self.flow_control and settings.GATEWAY["FLOW_CONTROL"]
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters.exists()
+
+    # -- revisions ----------------------------------------------------------------------------
+    @property
+    def latest_revision(self) -> DeploymentRevision | None:
+        return self.revisions.order_by("-number").first()
+
+    @property
+    def pending_revision(self) -> DeploymentRevision | None:
+        """The newest revision if it is not the applied one (an edit waiting to be applied)."""
+        latest = self.latest_revision
+        if latest is None or latest.pk == self.applied_revision_id:
+            return None
+        return latest
+
+    @property
+    def active_rollout(self) -> Rollout | None:
+        return self.rollouts.active().select_related("from_revision", "to_revision").first()
+
+    def with_spec(self, revision: DeploymentRevision | None) -> Deployment:
+        """This deployment with the engine settings of `revision` (an unsaved copy; the row and
+        this object are untouched): what an instance of that revision is started with and
+        placed by. None: the settings as they are."""
+        if revision is None:
+            return self
+        clone = copy.copy(self)
+        for name in ENGINE_FIELDS:
+            if name in revision.spec:
+                setattr(clone, name, revision.spec[name])
+        return clone
+
+    def applied_settings(self) -> Deployment:
+        """This deployment with the engine settings of its applied revision."""
+        return self.with_spec(self.applied_revision)
+
+    def out_of_date(self) -> list[Instance]:
+        """Instances (not stopped) that do not run the newest revision."""
+        latest = self.latest_revision
+        return [i for i in self.instances.exclude(state=Instance.State.STOPPED)
+                if latest is not None and i.revision_id != latest.pk]
+
+    def record_revision(
+        self, by: AbstractBaseUser | AnonymousUser | None = None
+    ) -> DeploymentRevision | None:
+        """Record the engine settings as a new revision if they differ from the newest one.
+        Nothing runs (no instance, no rollout): it is applied at once, since there is nothing to
+        roll out. Otherwise it is pending until applied. Returns the new revision, if any."""
+        latest = self.latest_revision
+        spec = spec_of(self)
+        if latest is not None and latest.spec == spec:
+            return None
+        number = (latest.number if latest else 0) + 1
+        revision = DeploymentRevision.objects.create(
+            deployment=self, number=number, spec=spec,
+            created_by=by if by is not None and by.is_authenticated else None)
+        changes = describe(diff(latest.spec if latest else None, spec))
+        running = self.instances.exclude(state=Instance.State.STOPPED).exists()
+        stopped = Deployment.objects.filter(pk=self.pk,
+                                            desired_state=self.DesiredState.STOPPED).exists()
+        idle = (not running or stopped) and self.active_rollout is None
+        if idle:
+            Deployment.objects.filter(pk=self.pk).update(applied_revision=revision)
+            self.applied_revision = revision
+            events.record(events.Kind.APPLIED,
+                          f"Revision {number} applied at once (nothing was running): {changes}.",
+                          deployment=self, data={"revision": number})
+        else:
+            events.record(events.Kind.REVISION,
+                          f"Revision {number} recorded, pending until applied: {changes}.",
+                          deployment=self, data={"revision": number})
+        return revision
+
+    def apply(self, revision: DeploymentRevision | None = None,
+              strategy: str = Rollout.Strategy.ROLLING, *, max_surge: int = 1,
+              max_unavailable: int = 0,
+              keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
+              by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+        """Set `revision` (default: the newest) as the target and roll it out with `strategy`;
+        the reconciler carries the rollout out. With nothing running it is applied at once (a
+        rollout that succeeded immediately). Raises ValidationError when it cannot start.
+        Leaves the "apply" audit entry."""
+        with transaction.atomic():
+            started = self._start_rollout(revision, strategy, max_surge=max_surge,
+                                          max_unavailable=max_unavailable,
+                                          keep_old_seconds=keep_old_seconds, by=by)
+            recording.record("apply", self, {
+                "applied_revision": [started.from_revision.number if started.from_revision
+                                     else None, started.to_revision.number],
+                "strategy": [None, started.strategy]})
+        return started
+
+    def _start_rollout(self, revision: DeploymentRevision | None, strategy: str, *,
+                       max_surge: int = 1, max_unavailable: int = 0,
+                       keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
+                       by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+        with transaction.atomic():
+            locked = Deployment.objects.select_for_update(no_key=True).get(pk=self.pk)
+            revision = revision or locked.latest_revision
+            if revision is None or revision.deployment_id != self.pk:
+                raise ValidationError({"revision": "No such revision of this deployment."})
+            if locked.active_rollout is not None:
+                raise ValidationError("A rollout of this deployment is in progress: wait for it, "
+                                      "or abort it first.")
+            if revision.pk == locked.applied_revision_id:
+                raise ValidationError({"revision": f"Revision {revision.number} is already "
+                                                   "applied."})
+            rollout = Rollout(
+                deployment=locked, from_revision_id=locked.applied_revision_id,
+                to_revision=revision, strategy=strategy, max_surge=max_surge,
+                max_unavailable=max_unavailable, keep_old_seconds=keep_old_seconds,
+                instances_total=locked.replicas,
+                created_by=by if by is not None and by.is_authenticated else None,
+            )
+            rollout.full_clean(exclude=["deployment", "from_revision", "to_revision",
+                                        "created_by"])
+            previous = locked.applied_revision
+            changes = describe(revision.changes_from(previous))
+            running = locked.instances.exclude(state=Instance.State.STOPPED).exists()
+            if not running or locked.desired_state == self.DesiredState.STOPPED:
+                rollout.state = Rollout.State.SUCCEEDED
+                rollout.finished_at = timezone.now()
+                rollout.step = "Applied at once: nothing was running."
+                rollout.save()
+                Deployment.objects.filter(pk=self.pk).update(applied_revision=revision)
+                events.record(events.Kind.APPLIED,
+                              f"Revision {revision.number} applied at once (nothing was "
+                              f"running): {changes}.", deployment=self,
+                              data={"revision": revision.number, "rollout": rollout.pk})
+            else:
+                if strategy == Rollout.Strategy.BLUE_GREEN:
+                    rollout.phase = Rollout.Phase.STARTING
+                rollout.step = "Waiting for the reconciler."
+                rollout.save()
+                source = previous.number if previous else "none"
+                events.record(events.Kind.ROLLOUT_STARTED,
+                              f"Rollout from revision {source} to revision {revision.number} "
+                              f"({rollout.get_strategy_display().lower()}): {changes}.",
+                              deployment=self, data={"rollout": rollout.pk,
+                                                     "strategy": strategy,
+                                                     "revision": revision.number})
+            lifecycle.deployment_changed(self.pk)
+        self.refresh_from_db(fields=["applied_revision"])
+        return rollout
+
+    def rollback(self, by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+        """Return to the revision applied before: an active rollout is aborted (a blue-green one
+        that switched switches back at once); otherwise the revision the last finished rollout
+        started from is applied again, rolling. Leaves the "rollback" audit entry."""
+        self.refresh_from_db(fields=["applied_revision"])
+        before = self.applied_revision.number if self.applied_revision else None
+        with transaction.atomic():
+            active = self.active_rollout
+            if active is not None:
+                active.abort(reason="Rolled back by an operator.")
+                active.refresh_from_db()
+                result, target = active, active.from_revision
+            else:
+                last = (self.rollouts.filter(state=Rollout.State.SUCCEEDED,
+                                             from_revision__isnull=False,
+                                             to_revision_id=self.applied_revision_id)
+                        .select_related("from_revision").first())
+                if last is None or last.from_revision is None:
+                    raise ValidationError("There is no earlier applied revision to return to.")
+                result = self._start_rollout(last.from_revision, Rollout.Strategy.ROLLING, by=by)
+                target = result.to_revision
+            recording.record("rollback", self, {
+                "target_revision": [before, target.number if target else None]})
+        return result
+
+    # -- workflows: each one transaction that asks the reconciler once it commits and leaves its
+    # audit entry (their conditional updates send no signal). They return the change made
+    # ({field: [before, after]}, empty when nothing changed). A request that changes nothing (a
+    # start of a running deployment) is still recorded: someone asked for it.
+    def start(self) -> dict[str, list]:
+        """Ask for the deployment to run."""
+        return self._change_desired_state("start", self.DesiredState.RUNNING)
+
+    def stop(self, *, reconcile: bool = True) -> dict[str, list]:
+        """Ask for every instance of the deployment to stop, each draining first
+        (`reconcile=False`: the caller stops the engines itself, as `manage.py stop_engines`
+        does)."""
+        return self._change_desired_state("stop", self.DesiredState.STOPPED, reconcile)
+
+    def restart(self) -> dict[str, list]:
+        """Replace every instance (a new generation, of the applied revision) and ask for the
+        deployment to run. The reconciler replaces them one by one, each new instance ready
+        before an old one drains, as in a rolling rollout."""
+        with transaction.atomic():
+            locked = self._locked()
+            Deployment.objects.filter(pk=self.pk).update(
+                generation=models.F("generation") + 1,
+                desired_state=self.DesiredState.RUNNING, updated_at=timezone.now(),
+            )
+            self.refresh_from_db(fields=["generation", "desired_state", "updated_at"])
+            changes: dict[str, list] = {"generation": [locked.generation, self.generation]}
+            if locked.desired_state != self.desired_state:
+                changes["desired_state"] = [locked.desired_state, self.desired_state]
+            recording.record("restart", self, changes)
+            events.record(events.Kind.DESIRED_STATE,
+                          f"Restart asked: generation {locked.generation} is replaced by "
+                          f"generation {self.generation}.", deployment=self)
+            lifecycle.deployment_changed(self.pk)
+        return changes
+
+    def scale_to(self, replicas: int) -> dict[str, list]:
+        """Ask for `replicas` instances (0 to 64)."""
+        if not 0 <= replicas <= 64:
+            raise ValidationError({"replicas": "Must be between 0 and 64."})
+        with transaction.atomic():
+            before = self._locked().replicas
+            changed = Deployment.objects.filter(pk=self.pk).exclude(replicas=replicas).update(
+                replicas=replicas, updated_at=timezone.now()
+            )
+            self.replicas = replicas
+            changes = {"replicas": [before, replicas]}
+            recording.record("scale", self, changes)
+            if changed:
+                events.record(events.Kind.SCALED, f"Scaled from {before} to {replicas} "
+                              f"replica{'s' if replicas != 1 else ''}.", deployment=self,
+                              data={"before": before, "after": replicas})
+            lifecycle.deployment_changed(self.pk)
+        return changes
+
+    def save_settings(self, tenants: Iterable[Tenant] | None = None,
+                      adapters: Iterable[LoraAdapter] | None = None,
+                      by: AbstractBaseUser | AnonymousUser | None = None) -> None:
+        """Save edited settings (and the tenants and adapters when given; None leaves them to a
+        caller that sets them in the same transaction, as the Django admin does), then ask the
+        reconciler to converge. Changed engine settings become a pending revision
+        (`record_revision()`); adapters and tenants apply at once, without restarts. The save
+        and the many-to-many changes are audited by the signals (one entry)."""
+        with transaction.atomic():
+            self.save()
+            if tenants is not None:
+                self.tenants.set(tenants)
+            if adapters is not None:
+                self.adapters.set(adapters)
+            self.record_revision(by)
+            lifecycle.deployment_changed(self.pk)
+
+    def _change_desired_state(self, action: str, state: str,
+                              reconcile: bool = True) -> dict[str, list]:
+        with transaction.atomic():
+            before = self._locked().desired_state
+            changed = self._set_desired_state(state)
+            changes = {"desired_state": [before, state]} if changed else {}
+            recording.record(action, self, changes)
+            if changed:
+                events.record(events.Kind.DESIRED_STATE,
+                              f"Desired state {before} → {state}.", deployment=self)
+            if reconcile:
+                lifecycle.deployment_changed(self.pk)
+        return changes
+
+    def _locked(self) -> Deployment:
+        """The row as committed, locked until the surrounding transaction ends."""
+        return Deployment.objects.select_for_update(no_key=True).only(
+            "desired_state", "generation", "replicas").get(pk=self.pk)
+
+    def _set_desired_state(self, state: str) -> bool:
+        """Record what should run, without asking the reconciler; True if it changed."""
+        changed = (
+            Deployment.objects.filter(pk=self.pk)
+            .exclude(desired_state=state)
+            .update(desired_state=state, updated_at=timezone.now())
+        )
+        self.desired_state = state
+        return bool(changed)
+
+
+def new_instance_secret() -> str:
+    """The engine's API key. Hex, because the engine's argument parser reads a value that begins
+    with "-" as an option (`--api-key -x...`: "expected at least one argument"), which URL-safe
+    base64 produced for one instance in 64: that instance could never start."""
+    return secrets.token_hex(24)
+
+
+class InstanceQuerySet(models.QuerySet):
+    def for_user(self, user: AbstractBaseUser) -> InstanceQuerySet:
+        if not user.is_authenticated:
+            return self.none()
+        if user.is_staff:
+            return self.all()
+        return self.filter(deployment__tenants__memberships__user=user).distinct()
+
+    def for_tenant(self, tenant: Tenant) -> InstanceQuerySet:
+        """Instances of the deployments that serve the tenant."""
+        return self.filter(deployment__tenants=tenant).distinct()
+
+    def active(self) -> InstanceQuerySet:
+        return self.exclude(state__in=Instance.TERMINAL_STATES)
+
+
+class Instance(models.Model):
+    """One engine process of a deployment: where it runs and what state it is in."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        STARTING = "starting", "Starting"
+        READY = "ready", "Ready"
+        UNHEALTHY = "unhealthy", "Unhealthy"
+        FAILED = "failed", "Failed"
+        CRASH_LOOP = "crash_loop", "Crash loop"
+        # Out of routing in every gateway worker, still running: its requests in flight finish
+        # before it stops (serving_app/deployments/draining.py).
+        DRAINING = "draining", "Draining"
+        STOPPING = "stopping", "Stopping"
+        STOPPED = "stopped", "Stopped"
+
+    TERMINAL_STATES = (State.STOPPED,)
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="instances")
+    ordinal = models.PositiveIntegerField(default=0)
+    generation = models.PositiveIntegerField(default=0)
+    revision = models.ForeignKey(
+        DeploymentRevision, null=True, blank=True, on_delete=models.SET_NULL,
+        related_name="instances", help_text="The engine settings this instance runs.",
+    )
+    standby_until = models.DateTimeField(
+        null=True, blank=True,
+        help_text="Blue-green: the previous generation, out of routing but kept running until "
+                  "then so that a rollback switches back at once.",
+    )
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances"
+    )
+    gpus = models.ManyToManyField(Gpu, blank=True, related_name="instances")
+    replaces = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replacements",
+        help_text="The instance this one takes over from (moved off a draining node): that one "
+                  "is stopped once this one is ready.",
+    )
+    gpu_memory_fraction = models.FloatField(null=True, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    restarts = models.PositiveIntegerField(default=0)
+    restart_history = models.JSONField(
+        default=list, blank=True, help_text="When recent restarts happened (ISO times)."
+    )
+    exit_code = models.IntegerField(null=True, blank=True)
+    health_failures = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True, default="")
+    log_tail = models.TextField(blank=True, default="")
+    log_path = models.CharField(max_length=500, blank=True, default="")
+    command = models.JSONField(default=list, blank=True)
+    environment = models.JSONField(default=dict, blank=True)
+    secret = models.CharField(max_length=64, default=new_instance_secret, editable=False)
+    loaded_adapters = models.JSONField(default=list, blank=True)
+    adapter_errors = models.JSONField(
+        default=dict, blank=True, help_text="Adapters that failed to load here: name -> error."
+    )
+    next_restart_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = InstanceQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["deployment__name", "ordinal"]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id and self.deployment.name}#{self.ordinal}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        # An instance created without a revision runs its deployment's applied one.
+        if self._state.adding and self.revision_id is None and self.deployment_id:
+            self.revision_id = self.deployment.applied_revision_id
+        super().save(*args, **kwargs)
+
+    def get_absolute_url(self) -> str:
+        """Its page in the console (also the admin's "view on site")."""
+        return reverse("console:instance-detail", args=[self.pk])
+
+    def engine_deployment(self) -> Deployment:
+        """The deployment with the engine settings of this instance's revision: what its engine
+        is started with, whatever was edited since."""
+        return self.deployment.with_spec(self.revision)
+
+    def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
+        """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""
+        now = timezone.now()
+        expected = list(expected)
+        updated = Instance.objects.filter(pk=self.pk, state__in=expected).update(
+            state=new, state_changed_at=now, **fields
+        )
+        if updated:
+            self.state = new
+            self.state_changed_at = now
+            for name, value in fields.items():
+                setattr(self, name, value)
+            if new == self.State.READY or self.State.READY in expected:
+                # The gateway routes to ready instances: its workers hear of it now, not at
+                # their next periodic refresh.
+                signals.instance_routing_changed.send(sender=Instance, instance=self)
+        return bool(updated)
+
+    def leave_routing(self, reason: str, standby_until: datetime | None = None) -> bool:
+        """A ready instance leaves routing and drains (its event says why); `standby_until`
+        keeps it running, drained, until then for a rollback. False if it was not ready."""
+        if not self.transition([self.State.READY], self.State.DRAINING,
+                               standby_until=standby_until):
+            return False
+        kept = (f"; kept running until {standby_until:%H:%M:%S} for a rollback"
+                if standby_until else "")
+        events.record(events.Kind.DRAINING,
+                      f"Instance #{self.ordinal} left routing and drains: {reason}{kept}.",
+                      instance=self, data={"reason": reason})
+        return True
+
+    @property
+    def command_line(self) -> str:
+        """The engine's command as a shell would take it (it holds no secret: the engine's key
+        is in its environment only)."""
+        return shlex.join(self.command or [])
+
+    @property
+    def base_url(self) -> str:
+        address = self.node.address if self.node_id else "127.0.0.1"
+        return f"http://{address}:{self.port}"
+
+
+# Usage metering models and engine metric samples live in their own modules (written by the
+# gateway, and by node agents and the control worker); importing them here registers them.
+from serving_app.models.autoscalers import Autoscaler  # noqa: E402,F401
+from serving_app.models.engine_metrics import EngineHour, EngineSample  # noqa: E402,F401
+from serving_app.models.usage import *  # noqa: E402,F401,F403

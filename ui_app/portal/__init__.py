@@ -1,0 +1,1 @@
+"""The tenant portal's pages, mounted at ``/portal/``."""

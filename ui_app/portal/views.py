@@ -1,0 +1,272 @@
+"""The tenant portal's pages about serving data: the tenant's home, its dashboards, API keys
+scoped to the models it may call, adapters, models and the playground.
+
+They sit here, above tenants_app, because they read serving data (the catalog, usage, adapters);
+the portal's own mixin (`ui_app.portal.tenants.TenantPage`: a tenant among the user's, 404 for any
+other, and the user's role) and its tenant-only pages (members, invitations, key revocation) stay
+in tenants_app. The portal's URLs are `ui_app.portal.urls`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import redis
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, redirect
+from django.urls import reverse
+from django.utils import timezone
+from django.views import View
+
+from serving_app import storage
+from serving_app.deployments.catalog import engine_shares, served_models
+from serving_app.metering import queries
+from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.redaction import is_platform_admin, redact_paths
+from tenants_app.models import ApiKey, Tenant
+from ui_app.console.views import CHARTS, dashboard_payload
+from ui_app.portal.forms import AdapterPathForm, AdapterUploadForm
+from ui_app.portal.tenant_forms import ApiKeyForm
+from ui_app.scoping import TenantPage
+
+PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
+
+
+def catalog(tenant: Tenant) -> list[dict[str, Any]]:
+    """The public model names a tenant may call (`serving_app.deployments.catalog`, the gateway's
+    rule), with how many ready instances serve each."""
+    served = [s for s in served_models(Deployment.objects.for_tenant(tenant))
+              if s.tenant_id == tenant.pk]
+    ready = {
+        row["deployment_id"]: row["n"]
+        for row in Instance.objects.filter(
+            deployment__in={s.deployment.pk for s in served}, state=Instance.State.READY)
+        .order_by().values("deployment_id").annotate(n=Count("id"))
+    }
+    names: dict[str, dict[str, Any]] = {}
+    for s in served:
+        entry = names.setdefault(s.public_name, {
+            "name": s.public_name, "kind": "adapter" if s.adapter else "base model",
+            "parent": s.parent, "running": True, "ready": 0,
+            "context": s.deployment.effective_max_model_len,
+        })
+        entry["ready"] += ready.get(s.deployment.pk, 0)
+    return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))
+
+
+def storage_usage(tenant: Tenant) -> dict[str, Any]:
+    """What the tenant's adapters take on disk against its storage quota."""
+    used = LoraAdapter.objects.storage_used(tenant)
+    quota = storage.quota_bytes(tenant)
+    pct = round(100 * used / quota, 1) if quota else 100.0
+    return {"used": used, "quota": quota, "pct": pct, "bar": min(pct, 100),
+            "left": max(quota - used, 0)}
+
+
+class TenantHomeView(TenantPage, View):
+    section = "home"
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        tenant = self.tenant
+        used = queries.month_used_tokens(self.scope).get(tenant.pk, 0)
+        budget = tenant.monthly_token_budget
+        pct = round(100 * used / budget, 1) if budget else None
+        day = queries.usage_totals(queries.RANGES["24h"], self.scope)
+        return self.render(
+            "portal/home.html",
+            month_tokens=used,
+            budget_pct=pct,
+            budget_bar=min(pct, 100) if pct is not None else None,
+            remaining=max(budget - used, 0) if budget else None,
+            day=day[0] if day else None,
+            load=queries.current_load(self.scope).get(tenant.pk, {}),
+            models=catalog(tenant),
+            keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
+            storage=storage_usage(tenant),
+        )
+
+
+# ----------------------------------------------------------------------------- dashboards
+
+PORTAL_DASHBOARDS = {"usage": "Usage", "latency": "Latency"}
+
+
+class TenantDashboardView(TenantPage, View):
+    section = "dashboards"  # the one shown: usage or latency
+
+    def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
+        self.section = name
+        trange = queries.get_range(request.GET.get("range"))
+        return self.render(
+            "portal/dashboard.html",
+            name=name,
+            title=PORTAL_DASHBOARDS[name],
+            ranges=queries.RANGES.values(),
+            range=trange,
+            data_url=reverse("portal:dashboard-data", args=[slug, name]),
+            models=queries.models_in_range(trange, self.scope) if name == "latency" else [],
+            model=request.GET.get("model", ""),
+            charts=CHARTS[name],
+        )
+
+
+class TenantDashboardDataView(TenantPage, View):
+    section = "dashboards"
+
+    def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
+        return dashboard_payload(request, name, self.scope, portal=True)
+
+
+# ----------------------------------------------------------------------------- API keys
+
+
+class ApiKeysView(TenantPage, View):
+    """List keys; create one (its secret is in this one response only); revoke."""
+
+    section = "keys"
+
+    def keys_page(self, form: ApiKeyForm, status: int = 200, **extra: Any) -> HttpResponse:
+        keys = ApiKey.objects.for_tenant(self.tenant).select_related("created_by")
+        return self.render("portal/keys.html", status=status, form=form, keys=keys, **extra)
+
+    def model_names(self) -> list[str]:
+        return [entry["name"] for entry in catalog(self.tenant)]
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.keys_page(ApiKeyForm(model_names=self.model_names()))
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        form = ApiKeyForm(request.POST, model_names=self.model_names())
+        if not form.is_valid():
+            return self.keys_page(form, status=400)
+        try:
+            key, secret = ApiKey.objects.create_key(
+                tenant=self.tenant, created_by=request.user, **form.key_fields()
+            )
+        except ValidationError as exc:
+            for field, errors in exc.message_dict.items():
+                for error in errors:
+                    form.add_error(field if field in form.fields else None, error)
+            return self.keys_page(form, status=400)
+        # Rendered, not redirected: the secret must not travel through the session.
+        response = self.keys_page(ApiKeyForm(model_names=self.model_names()), new_key=key,
+                                  secret=secret)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+class AdaptersView(TenantPage, View):
+    section = "adapters"
+
+    def page(self, status: int = 200, **forms: Any) -> HttpResponse:
+        adapters = list(LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model")
+                        .prefetch_related("deployments"))
+        staff = is_platform_admin(self.request.user)
+        for adapter in adapters:
+            # An engine's load error may name host paths; tenant users get them redacted.
+            adapter.shown_error = adapter.last_error if staff else redact_paths(adapter.last_error)
+        # Tenants never name host paths: registering a folder on the hosts is for platform
+        # admins (who see the portal as every tenant does).
+        if staff:
+            forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
+        forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
+        return self.render("portal/adapters.html", status=status, adapters=adapters,
+                           storage=storage_usage(self.tenant), **forms)
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.page()
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        if request.POST.get("source") == "upload":
+            form = AdapterUploadForm(request.POST, request.FILES, tenant=self.tenant,
+                                     user=request.user)
+            if not form.is_valid():
+                return self.page(status=400, upload_form=form)
+            try:
+                adapter = form.save()
+            except ValidationError:
+                return self.page(status=400, upload_form=form)
+        else:
+            if not request.user.is_staff:
+                raise PermissionDenied("Only platform admins register adapters from a path; "
+                                       "upload the adapter's files instead.")
+            form = AdapterPathForm(request.POST, tenant=self.tenant)
+            if not form.is_valid():
+                return self.page(status=400, path_form=form)
+            adapter = form.save()
+        messages.success(request, f"Adapter {adapter.name} registered (rank {adapter.rank}, "
+                                  f"{', '.join(adapter.target_modules)}).")
+        return redirect("portal:adapters", slug=slug)
+
+
+class AdapterDeleteView(TenantPage, View):
+    """Delete one of the tenant's adapters. Its deployments stop offering it at once; the
+    engines unload it at the next reconcile round, and its uploaded files go after that
+    (`AdapterFileRemoval`)."""
+
+    section = "adapters"
+
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        self.require_manager()
+        adapter = get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
+        adapter.delete()
+        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
+                                  "no engine has it loaded.")
+        return redirect("portal:adapters", slug=slug)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class ModelsView(TenantPage, View):
+    section = "models"
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        models = catalog(self.tenant)
+        try:
+            shares = engine_shares(self.tenant.pk)
+        except redis.RedisError:
+            shares = None
+        return self.render("portal/models.html", models=models, shares=shares,
+                           base_url=request.build_absolute_uri("/v1"),
+                           example=models[0]["name"] if models else "MODEL")
+
+
+# ----------------------------------------------------------------------------- playground
+
+
+class PlaygroundView(TenantPage, View):
+    section = "playground"
+
+    def get(self, request: HttpRequest, slug: str) -> HttpResponse:
+        return self.render("portal/playground.html", models=catalog(self.tenant),
+                           lifetime_minutes=int(PLAYGROUND_KEY_LIFETIME.total_seconds() // 60))
+
+
+class PlaygroundKeyView(TenantPage, View):
+    """A short-lived key for the playground (owners and admins), returned once as JSON."""
+
+    section = "playground"
+
+    def post(self, request: HttpRequest, slug: str) -> HttpResponse:
+        self.require_manager()
+        now = timezone.now()
+        key, secret = ApiKey.objects.create_key(
+            tenant=self.tenant,
+            name=f"playground {request.user.get_username()} {now:%Y-%m-%d %H:%M:%S.%f}"[:100],
+            expires_at=now + PLAYGROUND_KEY_LIFETIME,
+            created_by=request.user,
+        )
+        response = JsonResponse({"secret": secret, "prefix": key.prefix,
+                                 "expires_at": key.expires_at.isoformat()})
+        response["Cache-Control"] = "no-store"
+        return response
