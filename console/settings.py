@@ -65,6 +65,8 @@ MIDDLEWARE = [
     "audit_app.middleware.AuditContextMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # With DEBUG on, Django's debug pages for platform admins only (ui_app/middleware.py).
+    "ui_app.middleware.DebugPagesForStaffOnlyMiddleware",
 ]
 
 ROOT_URLCONF = "console.urls"
@@ -117,6 +119,14 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
+# `collectstatic` (scripts/demo.sh; docs/operations.md for production) writes every file under a
+# content-hashed name with gzip and brotli copies beside it; whitenoise serves those with a
+# year's immutable caching, so a browser fetches plotly.js once, compressed. (With DEBUG on the
+# plain names are served from static/ as they change.)
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+}
 
 LOGIN_URL = "/login/"
 

@@ -13,3 +13,11 @@ import os
 os.environ.setdefault("DEBUG", "true")
 
 from console.settings import *  # noqa: E402, F403
+
+# The test client renders pages with DEBUG off, where the production storage needs the manifest
+# that `collectstatic` writes; the tests render with plain names instead (no collectstatic run
+# before pytest). tests/browser/test_static_files.py runs the production storage for real.
+STORAGES = {
+    **STORAGES,  # noqa: F405
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
