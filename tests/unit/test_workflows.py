@@ -7,6 +7,7 @@ with real workers in tests/engine)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -115,15 +116,19 @@ def test_editing_in_the_api_asks_the_reconciler(deployment, platform_admin, queu
     assert queued == [reconciles(deployment)]
 
 
-def test_editing_in_the_django_admin_asks_the_reconciler(deployment, platform_admin, acme,
-                                                         queued):
-    client = admin_client(platform_admin)
+def admin_edit(client: Client, deployment: Deployment, **changes: Any) -> Any:
+    """Post the Django admin's change form of `deployment` as shown, with `changes`."""
     url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
     form = client.get(url).context["adminform"].form
     data = {name: value for name, value in form.initial.items() if value is not None}
-    data.update(tenants=[acme.tenant.pk], adapters=[], max_num_seqs=11,
+    data.update(tenants=[t.pk for t in deployment.tenants.all()], adapters=[],
                 **{"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
-    response = client.post(url, data)
+    data.update(changes)
+    return client.post(url, data)
+
+
+def test_editing_in_the_django_admin_asks_the_reconciler(deployment, platform_admin, queued):
+    response = admin_edit(admin_client(platform_admin), deployment, max_num_seqs=11)
     assert response.status_code == 302, response.context["adminform"].form.errors
     deployment.refresh_from_db()
     assert deployment.max_num_seqs == 11
@@ -136,16 +141,31 @@ def test_the_django_admin_refuses_what_the_console_refuses(deployment, platform_
                                                            base_model, tmp_path, queued):
     """One form, one copy of the many-to-many rule: an adapter of a tenant not served."""
     adapter = make_adapter(globex.tenant, base_model, tmp_path / "adapters")
-    client = admin_client(platform_admin)
-    url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
-    form = client.get(url).context["adminform"].form
-    data = {name: value for name, value in form.initial.items() if value is not None}
-    data.update(tenants=[t.pk for t in deployment.tenants.all()], adapters=[adapter.pk],
-                **{"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
-    response = client.post(url, data)
+    response = admin_edit(admin_client(platform_admin), deployment, adapters=[adapter.pk])
     assert response.status_code == 200
     assert "belongs to a tenant this deployment does not serve" in response.content.decode()
     assert queued == []
+
+
+def test_the_django_admin_shows_the_desired_state_but_only_its_actions_change_it(
+        deployment, platform_admin, queued):
+    client = admin_client(platform_admin)
+    page = client.get(reverse("admin:serving_app_deployment_change", args=[deployment.pk]))
+    adminform = page.context["adminform"]
+    assert "desired_state" in adminform.readonly_fields
+    assert "desired_state" not in adminform.form.fields
+    response = admin_edit(client, deployment, desired_state=RUNNING, max_num_seqs=12)
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    deployment.refresh_from_db()
+    assert (deployment.desired_state, deployment.max_num_seqs) == (STOPPED, 12)
+    edit = AuditLog.objects.get(via="admin")
+    assert (edit.action, edit.changes) == ("update", {"max_num_seqs": [64, 12]})
+    client.post(reverse("admin:serving_app_deployment_changelist"),
+                {"action": "start_deployments", "_selected_action": [deployment.pk]})
+    deployment.refresh_from_db()
+    assert deployment.desired_state == RUNNING
+    entry = AuditLog.objects.filter(via="admin").latest("pk")
+    assert (entry.action, entry.changes) == ("start", {"desired_state": [STOPPED, RUNNING]})
 
 
 # -- memberships: the owner rules live on Membership's manager, used by the portal and the API
