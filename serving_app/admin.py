@@ -184,7 +184,8 @@ class DeploymentAdmin(admin.ModelAdmin):
     filter_horizontal = ["tenants", "adapters"]
     # What the workflows own is shown, never edited: the desired state changes through the
     # start, stop and restart actions (Deployment.start() and the others, which record their
-    # event and audit entry and ask the reconciler).
+    # event and audit entry and ask the reconciler). An edit of replicas is saved as a scale
+    # (save_settings() calls Deployment.scale_to()).
     readonly_fields = ["desired_state", "generation", "applied_revision", "revision_status",
                        "revision_history"]
     inlines = [InstanceInline]

@@ -1054,15 +1054,23 @@ class Deployment(models.Model):
         caller that sets them in the same transaction, as the Django admin does), then ask the
         reconciler to converge. Changed engine settings become a pending revision
         (`record_revision()`); adapters and tenants apply at once, without restarts. The save
-        and the many-to-many changes are audited by the signals (one entry)."""
+        and the many-to-many changes are audited by the signals (one entry). A changed number
+        of replicas of a saved deployment is a scale: `scale_to()` makes it, with its event and
+        its "scale" entry, as the scale action does."""
         with transaction.atomic():
+            replicas = self.replicas
+            if not self._state.adding:
+                self.replicas = self._locked().replicas  # as committed: scale_to() changes it
             self.save()
             if tenants is not None:
                 self.tenants.set(tenants)
             if adapters is not None:
                 self.adapters.set(adapters)
             self.record_revision(by)
-            lifecycle.deployment_changed(self.pk)
+            if replicas != self.replicas:
+                self.scale_to(replicas)  # which asks the reconciler
+            else:
+                lifecycle.deployment_changed(self.pk)
 
     def _change_desired_state(self, action: str, state: str,
                               reconcile: bool = True) -> dict[str, list]:
