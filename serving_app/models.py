@@ -18,7 +18,6 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
-from django.db.models.signals import post_delete
 from django.urls import reverse
 from django.utils import timezone
 
@@ -244,6 +243,18 @@ class LoraAdapter(models.Model):
         self.target_modules = info.target_modules
         self.size_bytes = info.size_bytes
 
+    def release_files(self) -> None:
+        """Queue the removal of a deleted adapter's uploaded files (nothing for files outside
+        the tenants' storage areas), which `AdapterFileRemoval.objects.remove_released()` makes
+        once no engine has them. Called by the app's post_delete receiver, so a deletion
+        through the tenant's cascade is covered too."""
+        if storage.removable(self.path) is None:
+            return
+        AdapterFileRemoval.objects.create(
+            tenant_id_at_deletion=self.tenant_id, engine_name=self.engine_name, path=self.path,
+        )
+        lifecycle.adapter_files_released()
+
 
 class AdapterFileRemovalQuerySet(models.QuerySet):
     def remove_released(self) -> int:
@@ -323,21 +334,6 @@ class AdapterFileRemoval(models.Model):
             ):
                 return True
         return False
-
-
-def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> None:
-    """Queue the removal of a deleted adapter's uploaded files (a post_delete receiver, so a
-    deletion through the tenant's cascade is covered too)."""
-    if storage.removable(instance.path) is None:
-        return
-    AdapterFileRemoval.objects.create(
-        tenant_id_at_deletion=instance.tenant_id, engine_name=instance.engine_name,
-        path=instance.path,
-    )
-    lifecycle.adapter_files_released()
-
-
-post_delete.connect(_adapter_deleted, sender=LoraAdapter, dispatch_uid="adapter-files")
 
 
 class Node(models.Model):
