@@ -100,7 +100,8 @@ class GpuAdmin(admin.ModelAdmin):
 
 class DeploymentAdminForm(DeploymentForm):
     """The console's deployment form (the same validation and the same save, which asks the
-    reconciler), with every editable field and the admin's own widgets."""
+    reconciler), with every editable field but those the workflows own (`DeploymentAdmin`'s
+    read-only fields) and the admin's own widgets."""
 
     class Meta(DeploymentForm.Meta):
         fields = "__all__"
@@ -181,7 +182,12 @@ class DeploymentAdmin(admin.ModelAdmin):
     ]
     list_filter = ["desired_state", "isolation_mode", "base_model"]
     filter_horizontal = ["tenants", "adapters"]
-    readonly_fields = ["generation", "applied_revision", "revision_status", "revision_history"]
+    # What the workflows own is shown, never edited: the desired state changes through the
+    # start, stop and restart actions (Deployment.start() and the others, which record their
+    # event and audit entry and ask the reconciler). An edit of replicas is saved as a scale
+    # (save_settings() calls Deployment.scale_to()).
+    readonly_fields = ["desired_state", "generation", "applied_revision", "revision_status",
+                       "revision_history"]
     inlines = [InstanceInline]
     actions = [
         _desired_state_action("start", Deployment.start),

@@ -1,8 +1,18 @@
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.apps import AppConfig
+from django.db.models.signals import post_delete
 
 from audit_app.registry import exclude, track
+
+if TYPE_CHECKING:
+    from serving_app.models import LoraAdapter
+
+
+def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> None:
+    instance.release_files()
 
 
 class ServingAppConfig(AppConfig):
@@ -11,6 +21,10 @@ class ServingAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # A deleted adapter's uploaded files are removed once no engine has them, whatever
+        # deleted it (the tenant's cascade too).
+        post_delete.connect(_adapter_deleted, sender=self.get_model("LoraAdapter"),
+                            dispatch_uid="adapter-files")
         # What people change is audited; what the control plane writes (agents' heartbeats and
         # readings, placement and load errors) is named here and is no change of its own.
         # docs/architecture.md ("The audit log") says why each exclusion is one.

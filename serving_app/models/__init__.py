@@ -18,7 +18,6 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models, transaction
-from django.db.models.signals import post_delete
 from django.urls import reverse
 from django.utils import timezone
 
@@ -246,6 +245,18 @@ class LoraAdapter(models.Model):
         self.target_modules = info.target_modules
         self.size_bytes = info.size_bytes
 
+    def release_files(self) -> None:
+        """Queue the removal of a deleted adapter's uploaded files (nothing for files outside
+        the tenants' storage areas), which `AdapterFileRemoval.objects.remove_released()` makes
+        once no engine has them. Called by the app's post_delete receiver, so a deletion
+        through the tenant's cascade is covered too."""
+        if storage.removable(self.path) is None:
+            return
+        AdapterFileRemoval.objects.create(
+            tenant_id_at_deletion=self.tenant_id, engine_name=self.engine_name, path=self.path,
+        )
+        lifecycle.adapter_files_released()
+
 
 class AdapterFileRemovalQuerySet(models.QuerySet):
     def remove_released(self) -> int:
@@ -325,21 +336,6 @@ class AdapterFileRemoval(models.Model):
             ):
                 return True
         return False
-
-
-def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> None:
-    """Queue the removal of a deleted adapter's uploaded files (a post_delete receiver, so a
-    deletion through the tenant's cascade is covered too)."""
-    if storage.removable(instance.path) is None:
-        return
-    AdapterFileRemoval.objects.create(
-        tenant_id_at_deletion=instance.tenant_id, engine_name=instance.engine_name,
-        path=instance.path,
-    )
-    lifecycle.adapter_files_released()
-
-
-post_delete.connect(_adapter_deleted, sender=LoraAdapter, dispatch_uid="adapter-files")
 
 
 class Node(models.Model):
@@ -1056,15 +1052,23 @@ class Deployment(models.Model):
         caller that sets them in the same transaction, as the Django admin does), then ask the
         reconciler to converge. Changed engine settings become a pending revision
         (`record_revision()`); adapters and tenants apply at once, without restarts. The save
-        and the many-to-many changes are audited by the signals (one entry)."""
+        and the many-to-many changes are audited by the signals (one entry). A changed number
+        of replicas of a saved deployment is a scale: `scale_to()` makes it, with its event and
+        its "scale" entry, as the scale action does."""
         with transaction.atomic():
+            replicas = self.replicas
+            if not self._state.adding:
+                self.replicas = self._locked().replicas  # as committed: scale_to() changes it
             self.save()
             if tenants is not None:
                 self.tenants.set(tenants)
             if adapters is not None:
                 self.adapters.set(adapters)
             self.record_revision(by)
-            lifecycle.deployment_changed(self.pk)
+            if replicas != self.replicas:
+                self.scale_to(replicas)  # which asks the reconciler
+            else:
+                lifecycle.deployment_changed(self.pk)
 
     def _change_desired_state(self, action: str, state: str,
                               reconcile: bool = True) -> dict[str, list]:

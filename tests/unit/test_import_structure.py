@@ -4,6 +4,8 @@
   task name through `serving_app.lifecycle`, the one module that queues Celery work.
 - No function-level import of a project module, which is how an import cycle hides: each one
   left is listed below with its reason.
+- No signal receiver is connected by importing a module: the apps connect theirs in
+  `AppConfig.ready()` (Celery's own signals, listed below, excepted).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ PACKAGES = ("console", "ui_app", "alerts_app", "audit_app", "gateway_app", "serv
 
 # (file, imported module) -> why the import is inside a function.
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {}
+# (file, signal) -> why its receiver is connected when the module is imported.
+CONNECTED_AT_IMPORT: dict[tuple[str, str], str] = {
+    ("console/celery.py", "app.on_after_finalize"): "the Celery app's own signal, connected "
+    "where the app is made, before it finalizes",
+    ("serving_app/tasks.py", "worker_ready"): "a Celery worker's signal, in the tasks module "
+    "that every worker imports (and no other process needs)",
+    ("serving_app/tasks.py", "worker_shutdown"): "as worker_ready",
+}
 
 
 def project_modules() -> list[Path]:
@@ -124,6 +134,49 @@ def test_the_scan_sees_the_imports_it_forbids():
     assert function_level_imports(sample, source) == [(4, "serving_app.deployments.reconcile"),
                                                       (5, "serving_app.placement")]
     assert "tasks" in module_aliases(sample, ast.parse(source))
+
+
+def connected_at_import(source: str) -> list[tuple[int, str]]:
+    """The signals a module connects a receiver to at its top level (a call of `.connect()`,
+    or a `@signal.connect` or `@receiver(signal)` decorator)."""
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for decorator in node.decorator_list:
+                if isinstance(decorator, ast.Attribute) and decorator.attr == "connect":
+                    found.append((node.lineno, ast.unparse(decorator.value)))
+                elif (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Name)
+                        and decorator.func.id == "receiver"):
+                    found.append((node.lineno, ast.unparse(decorator.args[0])))
+        elif not isinstance(node, ast.ClassDef):
+            for inner in ast.walk(node):
+                if (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+                        and inner.func.attr == "connect"):
+                    found.append((inner.lineno, ast.unparse(inner.func.value)))
+    return found
+
+
+def test_receivers_are_connected_in_ready_not_by_importing_a_module():
+    found = {}
+    for path in project_modules():
+        for line, signal in connected_at_import(path.read_text()):
+            found.setdefault((path.relative_to(ROOT).as_posix(), signal), []).append(line)
+    unexpected = {key: lines for key, lines in found.items() if key not in CONNECTED_AT_IMPORT}
+    assert unexpected == {}, "connect receivers in the app's AppConfig.ready()"
+    stale = set(CONNECTED_AT_IMPORT) - set(found)
+    assert stale == set(), "a listed receiver is no longer connected at import: drop it"
+
+
+def test_the_scan_sees_receivers_connected_at_import():
+    source = (
+        "post_delete.connect(f, sender=Adapter)\n"
+        "@receiver(post_save, sender=Key)\ndef g(**kw): pass\n"
+        "@worker_ready.connect\ndef h(**kw): pass\n"
+        "def connect_receivers():\n    post_save.connect(f)\n"
+        "class C:\n    def ready(self):\n        m2m_changed.connect(f)\n"
+    )
+    assert connected_at_import(source) == [(1, "post_delete"), (3, "post_save"),
+                                           (5, "worker_ready")]
 
 
 def test_work_is_queued_only_through_the_lifecycle_module():

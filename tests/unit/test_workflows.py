@@ -6,7 +6,9 @@ with real workers in tests/engine)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -15,6 +17,7 @@ from django.urls import reverse
 
 from audit_app.models import AuditLog
 from serving_app import lifecycle
+from serving_app.events import Kind
 from serving_app.models import Deployment
 from tenants_app.models import Membership, Role
 from tests.api.helpers import as_user
@@ -115,15 +118,41 @@ def test_editing_in_the_api_asks_the_reconciler(deployment, platform_admin, queu
     assert queued == [reconciles(deployment)]
 
 
-def test_editing_in_the_django_admin_asks_the_reconciler(deployment, platform_admin, acme,
-                                                         queued):
-    client = admin_client(platform_admin)
-    url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
-    form = client.get(url).context["adminform"].form
+def as_shown(form: Any, deployment: Deployment, **changes: Any) -> dict[str, Any]:
+    """The data of an edit form of `deployment` posted as shown, with `changes`."""
     data = {name: value for name, value in form.initial.items() if value is not None}
-    data.update(tenants=[acme.tenant.pk], adapters=[], max_num_seqs=11,
-                **{"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
-    response = client.post(url, data)
+    data.update(tenants=[t.pk for t in deployment.tenants.all()], adapters=[])
+    data.update(changes)
+    return data
+
+
+def admin_edit(client: Client, deployment: Deployment, **changes: Any) -> Any:
+    """Post the Django admin's change form of `deployment`."""
+    url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
+    data = as_shown(client.get(url).context["adminform"].form, deployment, **changes)
+    data.update({"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
+    return client.post(url, data)
+
+
+def console_edit(client: Client, deployment: Deployment, **changes: Any) -> Any:
+    """Post the console's edit form of `deployment`."""
+    url = reverse("console:deployment-edit", args=[deployment.pk])
+    return client.post(url, as_shown(client.get(url).context["form"], deployment, **changes))
+
+
+# Each front door's edit of a deployment, by the audit source it is recorded with.
+EDITS: dict[str, Callable[..., Any]] = {
+    "admin": lambda user, deployment, **changes: admin_edit(
+        admin_client(user), deployment, **changes),
+    "console": lambda user, deployment, **changes: console_edit(
+        admin_client(user), deployment, **changes),
+    "api": lambda user, deployment, **changes: as_user(user).patch(
+        f"/api/v1/deployments/{deployment.pk}/", changes, format="json"),
+}
+
+
+def test_editing_in_the_django_admin_asks_the_reconciler(deployment, platform_admin, queued):
+    response = admin_edit(admin_client(platform_admin), deployment, max_num_seqs=11)
     assert response.status_code == 302, response.context["adminform"].form.errors
     deployment.refresh_from_db()
     assert deployment.max_num_seqs == 11
@@ -136,16 +165,78 @@ def test_the_django_admin_refuses_what_the_console_refuses(deployment, platform_
                                                            base_model, tmp_path, queued):
     """One form, one copy of the many-to-many rule: an adapter of a tenant not served."""
     adapter = make_adapter(globex.tenant, base_model, tmp_path / "adapters")
-    client = admin_client(platform_admin)
-    url = reverse("admin:serving_app_deployment_change", args=[deployment.pk])
-    form = client.get(url).context["adminform"].form
-    data = {name: value for name, value in form.initial.items() if value is not None}
-    data.update(tenants=[t.pk for t in deployment.tenants.all()], adapters=[adapter.pk],
-                **{"instances-TOTAL_FORMS": 0, "instances-INITIAL_FORMS": 0})
-    response = client.post(url, data)
+    response = admin_edit(admin_client(platform_admin), deployment, adapters=[adapter.pk])
     assert response.status_code == 200
     assert "belongs to a tenant this deployment does not serve" in response.content.decode()
     assert queued == []
+
+
+def test_the_django_admin_shows_the_desired_state_but_only_its_actions_change_it(
+        deployment, platform_admin, queued):
+    client = admin_client(platform_admin)
+    page = client.get(reverse("admin:serving_app_deployment_change", args=[deployment.pk]))
+    adminform = page.context["adminform"]
+    assert "desired_state" in adminform.readonly_fields
+    assert "desired_state" not in adminform.form.fields
+    response = admin_edit(client, deployment, desired_state=RUNNING, max_num_seqs=12)
+    assert response.status_code == 302, response.context["adminform"].form.errors
+    deployment.refresh_from_db()
+    assert (deployment.desired_state, deployment.max_num_seqs) == (STOPPED, 12)
+    edit = AuditLog.objects.get(via="admin")
+    assert (edit.action, edit.changes) == ("update", {"max_num_seqs": [64, 12]})
+    client.post(reverse("admin:serving_app_deployment_changelist"),
+                {"action": "start_deployments", "_selected_action": [deployment.pk]})
+    deployment.refresh_from_db()
+    assert deployment.desired_state == RUNNING
+    entry = AuditLog.objects.filter(via="admin").latest("pk")
+    assert (entry.action, entry.changes) == ("start", {"desired_state": [STOPPED, RUNNING]})
+
+
+@pytest.mark.parametrize("via", EDITS)
+def test_an_edit_of_replicas_is_a_scale_in_every_front_door(deployment, platform_admin, queued,
+                                                            via):
+    response = EDITS[via](platform_admin, deployment, replicas=3)
+    assert response.status_code in (200, 302)
+    deployment.refresh_from_db()
+    assert deployment.replicas == 3
+    entries = AuditLog.objects.filter(via=via).values_list("action", "changes")
+    assert list(entries) == [("scale", {"replicas": [1, 3]})]
+    scaled = deployment.events.get(kind=Kind.SCALED)
+    assert (scaled.message, scaled.data) == ("Scaled from 1 to 3 replicas.",
+                                             {"before": 1, "after": 3})
+    assert queued == [reconciles(deployment)]
+
+
+def test_an_edit_of_replicas_and_settings_is_an_update_and_a_scale(deployment, queued):
+    earlier = AuditLog.objects.latest("pk").pk
+    deployment.replicas, deployment.max_num_seqs = 2, 12
+    deployment.save_settings()
+    deployment.refresh_from_db()
+    assert (deployment.replicas, deployment.max_num_seqs) == (2, 12)
+    entries = AuditLog.objects.filter(pk__gt=earlier).order_by("pk")
+    assert list(entries.values_list("action", "changes")) == [
+        ("update", {"max_num_seqs": [64, 12]}), ("scale", {"replicas": [1, 2]})]
+    assert deployment.events.filter(kind=Kind.SCALED).count() == 1
+    assert queued == [reconciles(deployment)]
+
+
+def test_an_edit_that_keeps_the_replicas_is_no_scale(deployment, queued):
+    deployment.max_num_seqs = 12
+    deployment.save_settings()
+    assert not AuditLog.objects.filter(action="scale").exists()
+    assert not deployment.events.filter(kind=Kind.SCALED).exists()
+    assert queued == [reconciles(deployment)]
+
+
+def test_a_new_deployment_is_created_with_its_replicas_not_scaled(base_model, acme, queued):
+    deployment = Deployment(name="fresh", base_model=base_model, replicas=2)
+    deployment.save_settings(tenants=[acme.tenant])
+    deployment.refresh_from_db()
+    assert deployment.replicas == 2
+    created = AuditLog.objects.get(object_type="serving_app.Deployment", action="create")
+    assert created.changes["replicas"] == 2
+    assert not AuditLog.objects.filter(action="scale").exists()
+    assert not deployment.events.filter(kind=Kind.SCALED).exists()
 
 
 # -- memberships: the owner rules live on Membership's manager, used by the portal and the API
