@@ -17,8 +17,8 @@ from django.urls import reverse
 
 from audit_app.models import AuditLog
 from serving_app import lifecycle
-from serving_app.events import Kind
 from serving_app.models import Deployment
+from serving_app.models.events import Kind
 from tenants_app.models import Membership, Role
 from tests.api.helpers import as_user
 from tests.factories import add_member, make_adapter, make_deployment, make_user
