@@ -13,12 +13,16 @@ from rest_framework import serializers
 
 from serving_app.models import Deployment
 from serving_app.models.autoscalers import Autoscaler
-from tenants_app.api.base import IsStaff, ScopedModelViewSet, ValidatedModelSerializer
+from tenants_app.api.base import (
+    IsStaff,
+    LookupSlugField,
+    ScopedModelViewSet,
+    ValidatedModelSerializer,
+)
 
 
 class AutoscalerSerializer(ValidatedModelSerializer):
-    deployment = serializers.SlugRelatedField(slug_field="name",
-                                              queryset=Deployment.objects.all())
+    deployment = LookupSlugField(slug_field="name", queryset=Deployment.objects.all())
     replicas = serializers.IntegerField(source="deployment.replicas", read_only=True)
 
     class Meta:

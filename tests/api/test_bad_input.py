@@ -37,6 +37,12 @@ def test_nul_character_in_a_base_model_or_user_name_is_a_field_error(acme, platf
     assert response.status_code == 400 and "user" in response.data
 
 
+def test_nul_character_in_an_autoscalers_deployment_name_is_a_field_error(platform_admin):
+    response = as_user(platform_admin).post("/api/v1/autoscalers/", {"deployment": "d\x00"},
+                                            format="json")
+    assert response.status_code == 400 and "deployment" in response.data
+
+
 def test_nul_character_in_a_path_or_query_is_not_a_500(acme, platform_admin):
     for user in (platform_admin, acme.owner):
         client = as_user(user)
