@@ -33,6 +33,7 @@ from alerts_app.metrics import (
     Metric,
     MetricSpec,
     Scope,
+    Source,
     spec,
 )
 from alerts_app.targets import literal_target_error
@@ -283,6 +284,16 @@ class Alert(models.Model):
     @property
     def severity(self) -> str:
         return self.rule.severity
+
+    @property
+    def no_data_reason(self) -> str:
+        """Why an alert without data has none, in the words of its metric's source."""
+        rule = self.rule
+        spec = rule.spec
+        if spec.source in (Source.USAGE, Source.FLOW):
+            return (f"fewer than {rule.min_requests} request{'s' if rule.min_requests != 1 else ''}"
+                    f" in the last {rule.window_seconds // 60 or 1} min: nothing to judge")
+        return f"no readings from {spec.source.label.lower()} in the window"
 
     def acknowledge(self, user: AbstractBaseUser | AnonymousUser) -> bool:
         """Mark a firing alert as seen; False when it is not firing (or already acknowledged).

@@ -49,6 +49,19 @@ def test_portal_shows_the_tenants_alerts_only(acme, globex, acme_alert, globex_a
     assert 'id="firing-alerts"' in home and "acme slow" in home and "globex errors" not in home
 
 
+def test_an_alert_without_data_reads_no_data_in_grey_with_why(acme):
+    rule = make_rule(tenant=acme.tenant, name="acme idle", metric="latency", scope="tenant",
+                     threshold=800, severity="critical")
+    Alert.objects.create(rule=rule, scope_key=f"tenant:{acme.tenant.pk}",
+                         scope_label="tenant acme", tenant=acme.tenant, state="no_data")
+    page = login(acme.viewer).get("/portal/acme/alerts/").content.decode()
+    row = page[page.index('data-state="no_data"'):]
+    row = row[:row.index("</tr>")]
+    assert '<span class="badge no_data">No data</span>' in row
+    assert '<span class="badge muted">critical</span>' in row  # not the red firing badge
+    assert "fewer than 1 request in the last" in row
+
+
 @pytest.mark.parametrize("path", ["", "rules/", "channels/"])
 def test_another_tenants_alert_pages_are_404(acme, globex, path):
     assert login(globex.owner).get(f"/portal/acme/alerts/{path}").status_code == 404
