@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -221,7 +222,10 @@ def wait_port_free(port: int, host: str = "127.0.0.1", timeout: float = 10.0) ->
     return port_is_free(port, host)
 
 
-def log_tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 16384) -> str:
+def log_tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 65536) -> str:
+    """The last `lines` lines of an engine's log, with the node agent's own polling folded:
+    each run of successful `GET /health` and `GET /metrics` access lines (every few seconds, so
+    they would fill the tail) becomes one line saying how many there were. Failed polls stay."""
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
@@ -231,4 +235,22 @@ def log_tail(path: str | os.PathLike[str], lines: int = 40, max_bytes: int = 163
     except OSError:
         return ""
     text = data.decode(errors="replace")
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(fold_polling(text.splitlines())[-lines:])
+
+
+POLLING_LINE = re.compile(r'"GET /(?:health|metrics) HTTP/1\.[01]" 200\b')
+
+
+def fold_polling(lines: list[str]) -> list[str]:
+    folded: list[str] = []
+    run = 0
+    for line in [*lines, ""]:
+        if line and POLLING_LINE.search(line):
+            run += 1
+            continue
+        if run:
+            folded.append(f"[{run} successful health and metrics poll{'s' if run > 1 else ''} "
+                          "folded]")
+            run = 0
+        folded.append(line)
+    return folded[:-1]

@@ -230,3 +230,23 @@ def test_an_engine_whose_instance_stops_while_it_starts_is_stopped(ready_instanc
     instance = Instance.objects.get(pk=ready_instance.pk)
     assert agent.wait_until_ready(instance) == "cancelled (stopped)"
     assert not supervisor.is_alive(ready_instance.pid)
+
+
+def test_the_log_tail_folds_the_agents_polling_and_keeps_failed_polls(tmp_path):
+    """An engine's access log is mostly the agent's own health and metrics polls; the tail folds
+    each run of successful ones into one line, so the engine's own lines stay readable."""
+    poll = 'INFO:     127.0.0.1:{} - "GET /{} HTTP/1.1" 200 OK'
+    lines = ["INFO 12-05 Starting vLLM API server"]
+    lines += [poll.format(40000 + i, "health" if i % 2 else "metrics") for i in range(60)]
+    lines += ['INFO:     127.0.0.1:41000 - "GET /health HTTP/1.1" 503 Service Unavailable',
+              "ERROR 12-05 EngineCore failed"]
+    lines += [poll.format(42000 + i, "health") for i in range(3)]
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(lines) + "\n")
+    assert supervisor.log_tail(log).splitlines() == [
+        "INFO 12-05 Starting vLLM API server",
+        "[60 successful health and metrics polls folded]",
+        'INFO:     127.0.0.1:41000 - "GET /health HTTP/1.1" 503 Service Unavailable',
+        "ERROR 12-05 EngineCore failed",
+        "[3 successful health and metrics polls folded]",
+    ]
