@@ -171,6 +171,115 @@ SPECTACULAR_SETTINGS = {
     # Served from our own static files: the console must work on an air-gapped host.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # Operations grouped by resource (the path's first part after /api/v1/), not in one "api"
+    # group.
+    "SCHEMA_PATH_PREFIX": r"/api/v[0-9]+",
+    # Each group's description, for the people who call the API.
+    "TAGS": [
+        {"name": "tenants",
+         "description": (
+             "Tenants: limits, budgets, fair-share weight, storage quota. Platform admins manage "
+             "them; members read their own."
+         )},
+        {"name": "memberships",
+         "description": (
+             "Who belongs to a tenant, with which role (owner, admin, member, viewer)."
+         )},
+        {"name": "invitations",
+         "description": (
+             "Invitations to join a tenant, sent by its owners and admins."
+         )},
+        {"name": "my-invitations",
+         "description": (
+             "The invitations addressed to you: accept or decline."
+         )},
+        {"name": "users", "description": "User accounts (platform admins)."},
+        {"name": "api-keys",
+         "description": (
+             "API keys for the OpenAI-compatible endpoint under /v1/: create (the secret is shown "
+             "once), list, revoke."
+         )},
+        {"name": "auth",
+         "description": (
+             "Tokens for this management API: sign in for one, revoke it or all of yours."
+         )},
+        {"name": "prefix-cache-groups",
+         "description": (
+             "Groups of tenants that may share the engines' prefix cache."
+         )},
+        {"name": "base-models",
+         "description": (
+             "Base models the engines serve (a folder on the nodes, its architecture read from "
+             "config.json)."
+         )},
+        {"name": "adapters",
+         "description": (
+             "Tenants' LoRA adapters: register from a folder or upload a zipped one."
+         )},
+        {"name": "deployments",
+         "description": (
+             "Deployments: what should run (model, adapters, engine settings, replicas, isolation)"
+             " and the actions on them: start, stop, restart, scale, apply a revision, roll back."
+         )},
+        {"name": "instances",
+         "description": (
+             "Instances: the engine processes that run a deployment, with their state, node, GPUs "
+             "and logs."
+         )},
+        {"name": "nodes",
+         "description": (
+             "GPU hosts running a node agent: cordon, uncordon, drain."
+         )},
+        {"name": "gpus",
+         "description": (
+             "GPUs as the node agents read them through NVML, with their recent samples."
+         )},
+        {"name": "plan", "description": "Dry-run placement: would a deployment fit, and where."},
+        {"name": "gpu-allocation",
+         "description": (
+             "What each GPU holds, per deployment and per tenant."
+         )},
+        {"name": "gpu-accounting",
+         "description": (
+             "GPU memory and time charged to each tenant over a period."
+         )},
+        {"name": "fleet-plans",
+         "description": (
+             "What-if plans: a declared fleet and deployments placed on it without starting "
+             "anything."
+         )},
+        {"name": "autoscalers",
+         "description": (
+             "Autoscaling policies: a deployment's replica range, metric and target."
+         )},
+        {"name": "events",
+         "description": (
+             "What the control plane did and why, per deployment and for the cluster."
+         )},
+        {"name": "audit-log", "description": "Who changed what, when, and from where."},
+        {"name": "health",
+         "description": (
+             "PostgreSQL, Redis and the usage writer, as the console sees them."
+         )},
+        {"name": "alert-rules",
+         "description": (
+             "Alert rules: a metric, a scope, a threshold and a window."
+         )},
+        {"name": "alerts",
+         "description": (
+             "Alerts: each rule's condition per scope, firing, pending, ok or without data; "
+             "acknowledge."
+         )},
+        {"name": "alert-channels",
+         "description": (
+             "Where notifications go: e-mail or signed webhooks."
+         )},
+        {"name": "alert-silences",
+         "description": (
+             "Silences: no notifications for matching alerts for a while."
+         )},
+        {"name": "alert-deliveries", "description": "Every notification sent, with its outcome."},
+    ],
     # One name per choice set where several models' fields share a name ("state", "kind").
     "ENUM_NAME_OVERRIDES": {
         "InstanceStateEnum": "serving_app.models.Instance.State",

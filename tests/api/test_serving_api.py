@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from serving_app.engine.launch import build_launch_spec
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
@@ -258,3 +259,14 @@ def test_openapi_schema_and_docs(platform_admin, client):
     assert docs.status_code == 200
     # Nothing is loaded from another host (a bare "cdn" can occur in a random CSRF token).
     assert not re.search(rb'(src|href)="(https?:)?//', docs.content)
+
+
+def test_the_api_docs_group_operations_by_resource_each_group_described(client):
+    schema = yaml.safe_load(client.get("/api/schema/").content)
+    described = {tag["name"] for tag in schema["tags"] if tag.get("description")}
+    used = {tag for operations in schema["paths"].values() for operation in operations.values()
+            for tag in operation["tags"]}
+    assert "api" not in used and len(used) >= 20
+    assert used <= described
+    deployment_ops = schema["paths"]["/api/v1/deployments/{id}/start/"]["post"]
+    assert deployment_ops["tags"] == ["deployments"]
