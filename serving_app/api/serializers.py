@@ -27,7 +27,7 @@ from serving_app.redaction import (
     redact_value,
     visible_tenant_ids,
 )
-from serving_app.revisions import ENGINE_FIELDS, DeploymentRevision, Rollout
+from serving_app.revisions import DeploymentRevision, Rollout
 from serving_app.uploads import allowed_base_models
 from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
@@ -278,14 +278,7 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
         model = Deployment
         fields = [
             "id",
-            "name",
-            "base_model",
-            "tenants",
-            "adapters",
-            "replicas",
-            *ENGINE_FIELDS,  # the engine settings a revision holds
-            "flow_control",
-            "dispatch_budget",
+            *Deployment.EDITABLE_FIELDS,  # the engine settings as enginespec declares them
             "desired_state",
             "generation",
             "applied_revision",
