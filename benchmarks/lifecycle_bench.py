@@ -100,7 +100,7 @@ def main() -> None:
         for round_no in range(1, args.rounds + 1):
             # 1. By hand: the same command line and environment the node agent would use.
             probe = Instance(deployment=deployment, port=18990)
-            spec = build_launch_spec(deployment, probe, engine_env=str(ROOT / "var/engine-venv"))
+            spec = build_launch_spec(probe, engine_env=str(ROOT / "var/engine-venv"))
             started = time.monotonic()
             launched = supervisor.launch(spec.argv, spec.process_env(),
                                          logs / f"manual-{round_no}.log")

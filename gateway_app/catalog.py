@@ -18,6 +18,7 @@ from functools import lru_cache
 from django.db import connection
 
 from serving_app.deployments.catalog import served_models
+from serving_app.enginespec import EngineSpec
 from serving_app.models import Autoscaler, Deployment, Instance
 from serving_app.models.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
@@ -148,22 +149,22 @@ def _load_snapshot() -> Snapshot:
     routes: dict[int, dict[str, Route]] = {}
     dispatch_budgets: dict[int, int] = {}
     # What the engines run (an edit waiting to be applied changes nothing here yet).
-    applied: dict[int, Deployment] = {}
+    applied: dict[int, EngineSpec] = {}
     for served in served_models(Deployment.objects.all()):
-        dep = applied.get(served.deployment.pk) or served.deployment.applied_settings()
-        applied[dep.pk] = dep
-        dispatch_budgets[dep.pk] = dep.effective_dispatch_budget
-        priority = dep.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
+        dep = served.deployment
+        engine = applied.get(dep.pk) or dep.engine_spec(dep.applied_revision)
+        applied[dep.pk] = engine
+        dispatch_budgets[dep.pk] = dep.dispatch_budget_for(engine)
+        priority = engine.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
         flow = dep.flow_controlled
         created = int(dep.created_at.timestamp())
+        context = engine.max_model_len or 0
         if served.adapter is None:
-            target = Target(dep.pk, served.public_name, "", priority, dep.effective_max_model_len,
-                            flow)
+            target = Target(dep.pk, served.public_name, "", priority, context, flow)
             owner = "platform"
         else:
             engine_name = served.adapter.engine_name
-            target = Target(dep.pk, engine_name, engine_name, priority,
-                            dep.effective_max_model_len, flow)
+            target = Target(dep.pk, engine_name, engine_name, priority, context, flow)
             owner = served.adapter.tenant.slug
         _add(routes.setdefault(served.tenant_id, {}),
              Route(served.public_name, (target,), owner, served.parent, created))

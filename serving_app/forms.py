@@ -49,29 +49,7 @@ class LoraAdapterForm(forms.ModelForm):
 class DeploymentForm(forms.ModelForm):
     class Meta:
         model = Deployment
-        fields = [
-            "name",
-            "base_model",
-            "tenants",
-            "adapters",
-            "replicas",
-            "isolation_mode",
-            "mps_thread_percentage",
-            "gpu_memory_utilization",
-            "tensor_parallel_size",
-            "max_num_seqs",
-            "max_model_len",
-            "max_num_batched_tokens",
-            "enable_prefix_caching",
-            "dtype",
-            "quantization",
-            "max_loras",
-            "max_lora_rank",
-            "scheduling_policy",
-            "flow_control",
-            "dispatch_budget",
-            "base_port",
-        ]
+        fields = list(Deployment.EDITABLE_FIELDS)
         widgets = {
             "tenants": forms.CheckboxSelectMultiple,
             "adapters": forms.CheckboxSelectMultiple,

@@ -21,7 +21,7 @@ from serving_app.models import (
     Node,
 )
 from serving_app.models.events import Event
-from serving_app.models.revisions import ENGINE_FIELDS, DeploymentRevision, Rollout
+from serving_app.models.revisions import DeploymentRevision, Rollout
 from serving_app.redaction import (
     is_platform_admin,
     redact_paths,
@@ -278,14 +278,7 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
         model = Deployment
         fields = [
             "id",
-            "name",
-            "base_model",
-            "tenants",
-            "adapters",
-            "replicas",
-            *ENGINE_FIELDS,  # the engine settings a revision holds
-            "flow_control",
-            "dispatch_budget",
+            *Deployment.EDITABLE_FIELDS,  # the engine settings as enginespec declares them
             "desired_state",
             "generation",
             "applied_revision",

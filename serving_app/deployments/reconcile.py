@@ -168,7 +168,7 @@ def _move(node: Node, instance: Instance) -> str:
         if not Instance.objects.filter(pk=instance.pk, state__in=SERVING).exists():
             return node.drain_status
         shown_error = deployment.placement_error
-        placed, reason = service.place_replicas(deployment.applied_settings(), [instance.ordinal],
+        placed, reason = service.place_replicas(deployment, [instance.ordinal],
                                                 revision=deployment.applied_revision)
         if not placed:
             # The deployment itself is fine; the refusal is the drain's to show.

@@ -138,9 +138,7 @@ def place_and_start(deployment: Deployment, revision: DeploymentRevision | None,
     """Place all the new instances of `revision` or none (the reason goes on the deployment),
     then start them."""
     before = deployment.placement_error
-    spec = deployment.with_spec(revision)
-    instances, reason = service.place_replicas(spec, ordinals, revision=revision)
-    deployment.placement_error = spec.placement_error
+    instances, reason = service.place_replicas(deployment, ordinals, revision=revision)
     if reason:
         log.info("%s not placed: %s", deployment, reason)
         if reason != before:
@@ -352,9 +350,8 @@ def _rolling(deployment: Deployment, instances: list[Instance], rollout: Rollout
     elif missing > 0:
         room = min(missing, desired + surge - len(groups.current) - len(groups.old))
         if room > 0:
-            spec = deployment.with_spec(target)
-            no_room = service.can_place(spec, room)
-            if no_room and room > 1 and not service.can_place(spec, 1):
+            no_room = service.can_place(deployment, room, target)
+            if no_room and room > 1 and not service.can_place(deployment, 1, target):
                 room, no_room = 1, ""
             if not no_room:
                 started = place_and_start(deployment, target,
@@ -427,8 +424,7 @@ def _blue_green(deployment: Deployment, instances: list[Instance], rollout: Roll
         return
     missing = desired - len(groups.current)
     if missing > 0:
-        spec = deployment.with_spec(target)
-        reason = service.can_place(spec, missing)
+        reason = service.can_place(deployment, missing, target)
         if reason:
             _fail(deployment, rollout, groups, None,
                   f"Blue-green needs room for {missing} more instance(s) beside the current "
@@ -575,10 +571,9 @@ def preview(deployment: Deployment, revision: DeploymentRevision | None = None,
     if deployment.desired_state == Deployment.DesiredState.STOPPED or not running:
         out.update(mode="at_once", message="Nothing is running: the revision applies at once.")
         return out
-    spec = deployment.with_spec(revision)
     replicas = deployment.replicas
     if strategy == Rollout.Strategy.BLUE_GREEN:
-        reason = service.can_place(spec, replicas)
+        reason = service.can_place(deployment, replicas, revision)
         if reason:
             out.update(mode="blocked", message=(
                 f"A second generation of {replicas} instance(s) does not fit beside the "
@@ -588,7 +583,7 @@ def preview(deployment: Deployment, revision: DeploymentRevision | None = None,
                 f"{replicas} new instance(s) start beside the current ones; traffic switches "
                 "once all are ready."))
         return out
-    reason = service.can_place(spec, 1)
+    reason = service.can_place(deployment, 1, revision)
     if reason:
         short = ("the deployment is unavailable while each replacement starts" if replicas <= 1
                  else "the deployment runs one instance short while each replacement starts")

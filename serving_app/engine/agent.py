@@ -153,7 +153,7 @@ def adopt(config: AgentConfig) -> dict[str, int]:
 
 # -- start --------------------------------------------------------------------------------------
 def _choose_port(instance: Instance, config: AgentConfig) -> int:
-    base_port = instance.engine_deployment().base_port
+    base_port = instance.engine_spec().base_port
     if base_port:
         port = base_port + instance.ordinal
         if not supervisor.port_is_free(port, config.address):
@@ -198,8 +198,10 @@ def _preflight(instance: Instance) -> None:
         raise StartError(f"Base model {deployment.base_model.name}: {exc}") from exc
 
 
-def adapter_problem(adapter: LoraAdapter, deployment: Deployment) -> tuple[str, str] | None:
-    """Why the engines of `deployment` must not be given `adapter` now, or None if they may.
+def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
+                    max_lora_rank: int) -> tuple[str, str] | None:
+    """Why the engines of `deployment` started with `max_lora_rank` must not be given `adapter`
+    now, or None if they may.
 
     A shared engine exits at start on one bad `--lora-modules` entry (a rank above its
     max_lora_rank, tensors that do not match the base model, unreadable files), taking every
@@ -219,9 +221,8 @@ def adapter_problem(adapter: LoraAdapter, deployment: Deployment) -> tuple[str, 
         return storage.GENERIC_PATH_ERROR, detail
     except ModelFilesError as exc:
         return (storage.GENERIC_PATH_ERROR if exc.host_path else str(exc)), str(exc)
-    if info.rank > deployment.max_lora_rank:
-        message = (f"Its rank {info.rank} is above the deployment's max_lora_rank "
-                   f"{deployment.max_lora_rank}.")
+    if info.rank > max_lora_rank:
+        message = f"Its rank {info.rank} is above the deployment's max_lora_rank {max_lora_rank}."
         return message, message
     base = deployment.base_model
     if base.hidden_size:
@@ -239,11 +240,12 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
                                                                  dict[str, str]]:
     """The deployment's adapters that validate, and an error for each one left out (also set
     on the adapter's `last_error`, and written to the engine log with its detail)."""
-    deployment = instance.engine_deployment()
+    deployment = instance.deployment
+    max_lora_rank = instance.engine_spec().max_lora_rank
     good: list[LoraAdapter] = []
     errors: dict[str, str] = {}
     for adapter in deployment.adapters.select_related("tenant", "base_model"):
-        problem = adapter_problem(adapter, deployment)
+        problem = adapter_problem(adapter, deployment, max_lora_rank)
         if problem is None:
             good.append(adapter)
             continue
@@ -311,8 +313,8 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     adapters, adapter_errors = usable_adapters(instance, log_path)
     # The settings of the instance's own revision, whatever was edited since.
     spec = build_launch_spec(
-        instance.engine_deployment(), instance, engine_env=config.engine_env,
-        host=config.address, gpus=list(instance.gpus.all()), adapters=adapters,
+        instance, engine_env=config.engine_env, host=config.address,
+        gpus=list(instance.gpus.all()), adapters=adapters,
     )
     try:
         launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
@@ -486,7 +488,7 @@ def _sync_lock(instance_id: int) -> threading.Lock:
 
 
 def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, str]:
-    instance = (Instance.objects.select_related("deployment", "node", "revision")
+    instance = (Instance.objects.select_related("deployment__base_model", "node", "revision")
                 .filter(pk=instance_id).first())
     if instance is None or config is None or instance.state != State.READY:
         return {}
@@ -497,6 +499,7 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
     loaded = set(instance.loaded_adapters)
     errors = dict(instance.adapter_errors)
     capacity = adapter_capacity(instance.command, instance.gpus.all())
+    max_lora_rank = instance.engine_spec().max_lora_rank
     client = EngineClient(instance.base_url, instance.secret)
     outcome: dict[str, str] = {}
     # Unloads first: they free slots for the loads.
@@ -517,7 +520,7 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             outcome[name] = "refused"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
-        problem = adapter_problem(adapter, instance.engine_deployment())
+        problem = adapter_problem(adapter, instance.deployment, max_lora_rank)
         if problem is not None:
             message = f"Not loaded into {instance}: {problem[0]}"
             errors[name] = message

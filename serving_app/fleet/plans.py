@@ -62,6 +62,7 @@ def _resolve(specs: list[PlanDeployment]) -> list[PlannedDeployment]:
     for spec in specs:
         problem = None
         model: ModelArchitecture | None = None
+        base: BaseModel | None = None
         gone = [slug for slug in spec.tenants if slug not in tenants]
         if gone:
             problem = f"there is no tenant {', '.join(gone)} any more"
@@ -70,8 +71,9 @@ def _resolve(specs: list[PlanDeployment]) -> list[PlannedDeployment]:
         elif spec.model not in bases:
             problem = f"there is no base model {spec.model} any more"
         else:
+            base = bases[spec.model]
             try:
-                model = model_architecture(bases[spec.model])
+                model = model_architecture(base)
             except PlanningError as exc:
                 problem = str(exc)
         rows = [tenants[s] for s in spec.tenants if s in tenants]
@@ -83,7 +85,7 @@ def _resolve(specs: list[PlanDeployment]) -> list[PlannedDeployment]:
             )
             for t in rows
         )
-        planned.append(PlannedDeployment(spec, model, charged, problem))
+        planned.append(PlannedDeployment(spec, model, charged, problem, defaults=base))
     return planned
 
 

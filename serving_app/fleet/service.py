@@ -2,12 +2,15 @@
 
 This module turns rows into the plain dataclasses of ``planner`` and ``placer`` and back:
 
-- ``plan_deployment(deployment)``: the ``MemoryPlan`` from the Deployment and its BaseModel.
+- ``plan_deployment(deployment)``: the ``MemoryPlan`` from the Deployment's engine settings
+  (its ``EngineSpec``) and its BaseModel.
 - ``build_placer(exclude_deployment=None)``: a ``Placer`` loaded with every GPU node, its GPUs (MIG
   devices under their parent) and the allocations of active instances.
-- ``place_replicas(deployment, ordinals)``: creates the Instance rows for all ordinals, or none.
+- ``place_replicas(deployment, ordinals, revision)``: creates the Instance rows of ``revision``
+  (default the applied one) for all ordinals, or none.
 - ``place_instance(deployment, instance)``: places one Instance the reconciler already created.
-- ``can_place(deployment, count)``: whether that many more instances fit now, nothing written.
+- ``can_place(deployment, count, revision)``: whether that many more instances of ``revision``
+  fit now, nothing written.
 - ``dry_run(deployment)``: what the plan endpoint shows, with nothing written.
 - ``allocation(period=None)``: per GPU, what is reserved for which deployment and tenant.
 - ``accounting(period)``: per deployment and per tenant, the reservation charged to each tenant.
@@ -50,6 +53,7 @@ from django.db import transaction
 from django.db.models import Count, Max, Min
 from django.utils import timezone
 
+from serving_app.enginespec import EngineSpec
 from serving_app.fleet.accounting import (
     DeploymentCharge,
     Period,
@@ -115,42 +119,30 @@ def model_architecture(base: BaseModel) -> ModelArchitecture:
     )
 
 
-def engine_settings(
-    deployment: Deployment, adapters: Iterable[LoraAdapter] | None = None
-) -> EngineSettings:
-    """The engine arguments that change memory, as ``engine.launch`` passes them to vLLM."""
-    base = deployment.base_model
-    adapters = list(deployment.adapters.all() if adapters is None else adapters)
-    dtype = deployment.dtype if deployment.dtype != "auto" else base.dtype
-    quantization = deployment.quantization or base.quantization or None
+def engine_settings(engine: EngineSpec, adapters: Iterable[LoraAdapter] = ()) -> EngineSettings:
+    """The planner's inputs for engines started with ``engine`` and ``adapters`` attached."""
+    adapters = list(adapters)
     targets = {m for a in adapters for m in (a.target_modules or [])}
-    return EngineSettings(
-        dtype=dtype or "auto",
-        quantization=quantization,
-        max_num_seqs=deployment.max_num_seqs,
-        max_model_len=deployment.max_model_len or base.max_position_embeddings or None,
-        max_num_batched_tokens=deployment.max_num_batched_tokens,
-        tensor_parallel_size=deployment.tensor_parallel_size,
-        # launch.py enables LoRA whenever max_loras is set (it always is), so the slots are
-        # preallocated even before the first adapter is attached.
-        enable_lora=bool(adapters) or deployment.max_loras > 0,
-        max_loras=deployment.max_loras,
-        max_lora_rank=deployment.max_lora_rank,
-        lora_target_mlp=bool(targets & MLP_MODULES),
-    )
+    return EngineSettings.of(engine, adapters=bool(adapters),
+                             lora_target_mlp=bool(targets & MLP_MODULES))
 
 
 def plan_deployment(
-    deployment: Deployment, adapters: Iterable[LoraAdapter] | None = None
+    deployment: Deployment,
+    adapters: Iterable[LoraAdapter] | None = None,
+    engine: EngineSpec | None = None,
 ) -> MemoryPlan:
-    """The memory plan of one instance of ``deployment`` (per GPU of its TP group).
+    """The memory plan of one instance of ``deployment`` (per GPU of its TP group) started with
+    ``engine`` (default: its settings as they are now, ``Deployment.engine_spec()``).
 
     ``adapters`` defaults to the saved deployment's; pass them for an unsaved one. Raises
     ``PlanningError`` when the base model's architecture is unknown.
     """
+    engine = engine or deployment.engine_spec()
+    adapters = list(deployment.adapters.all() if adapters is None else adapters)
     try:
         return plan_memory(model_architecture(deployment.base_model),
-                           engine_settings(deployment, adapters))
+                           engine_settings(engine, adapters))
     except PlanningError:
         raise
     except ValueError as exc:  # an unknown dtype or quantization name
@@ -238,7 +230,8 @@ def load_cluster(
               .exclude(node__lost_at__isnull=False))
     if exclude_id is not None:
         active = active.exclude(deployment_id=exclude_id)
-    instances = list(active.select_related("deployment").prefetch_related("gpus").distinct())
+    instances = list(active.select_related("deployment__base_model", "revision")
+                     .prefetch_related("gpus").distinct())
     placed_at: dict[tuple[Any, int], datetime] = {}
     held_since: dict[int, datetime] = {}
     for inst in instances:
@@ -262,7 +255,8 @@ def load_cluster(
     rows_by_pk = {g.pk: g for g in gpu_rows}
     for inst in instances:
         dep = inst.deployment
-        isolation = dep.isolation_mode
+        engine = inst.engine_spec()  # what it runs, whatever was edited since
+        isolation = engine.isolation_mode
         for gpu in inst.gpus.all():
             if gpu.pk not in rows_by_pk:
                 continue
@@ -274,7 +268,7 @@ def load_cluster(
                 )
                 allocs.setdefault(gpu.parent_id, []).append(alloc)
                 continue
-            fraction = inst.gpu_memory_fraction or dep.gpu_memory_utilization
+            fraction = inst.gpu_memory_fraction or engine.gpu_memory_utilization
             exclusive = isolation == Deployment.Isolation.DEDICATED
             allocs.setdefault(gpu.pk, []).append(
                 P.Allocation(
@@ -385,23 +379,24 @@ def build_placer(exclude_deployment: Deployment | int | None = None) -> P.Placer
 
 def placement_request(
     deployment: Deployment,
+    engine: EngineSpec,
     plan: MemoryPlan,
     replicas: int,
     tenants: Sequence[P.TenantShare],
 ) -> P.PlacementRequest:
-    """The placer's request for ``replicas`` instances of ``deployment``, charged to
-    ``tenants`` (``charged_tenants()``)."""
+    """The placer's request for ``replicas`` instances of ``deployment`` started with
+    ``engine``, charged to ``tenants`` (``charged_tenants()``)."""
     base = deployment.base_model
     return P.PlacementRequest(
         deployment_id=deployment.pk if deployment.pk is not None else UNSAVED,
         tenant_id=tenants[0].tenant_id if tenants else None,
         memory_bytes_per_gpu=plan.needed_bytes,
         replicas=replicas,
-        tensor_parallel_size=deployment.tensor_parallel_size,
+        tensor_parallel_size=engine.tensor_parallel_size,
         num_attention_heads=base.num_attention_heads or None,
         num_kv_heads=base.num_kv_heads or None,
-        isolation=deployment.isolation_mode,
-        mps_thread_percentage=deployment.mps_thread_percentage,
+        isolation=engine.isolation_mode,
+        mps_thread_percentage=engine.mps_thread_percentage,
         tenants=tuple(tenants),
     )
 
@@ -455,7 +450,8 @@ def _lock_nodes() -> None:
     list(Node.objects.select_for_update().order_by("pk").values_list("pk", flat=True))
 
 
-def _choose(deployment: Deployment, count: int) -> tuple[_Choice | None, str]:
+def _choose(deployment: Deployment, engine: EngineSpec,
+            count: int) -> tuple[_Choice | None, str]:
     cluster = load_cluster()
     if not cluster.has_gpu_nodes:
         nodes, reason = choose_cpu_nodes(cluster.cpu_nodes, count)
@@ -463,10 +459,10 @@ def _choose(deployment: Deployment, count: int) -> tuple[_Choice | None, str]:
             return None, reason
         return _Choice(nodes, [[] for _ in nodes], [None] * len(nodes)), ""
     try:
-        plan = plan_deployment(deployment)
+        plan = plan_deployment(deployment, engine=engine)
     except PlanningError as exc:
         return None, str(exc)
-    request = placement_request(deployment, plan, count, charged_tenants(deployment))
+    request = placement_request(deployment, engine, plan, count, charged_tenants(deployment))
     result = cluster.placer.place(request, commit=False)
     if not result.ok:
         return None, result.reason or "refused"
@@ -484,28 +480,34 @@ def _record(deployment: Deployment, reason: str) -> None:
     deployment.placement_error = reason
 
 
-def can_place(deployment: Deployment, count: int) -> str:
-    """Whether ``count`` more instances of ``deployment`` fit beside everything that runs now
-    (its own instances included): ``""`` if they do, else the reason. Nothing is written."""
-    choice, reason = _choose(deployment, count)
+def can_place(deployment: Deployment, count: int,
+              revision: DeploymentRevision | None = None) -> str:
+    """Whether ``count`` more instances of ``revision`` (default the applied one) of
+    ``deployment`` fit beside everything that runs now (its own instances included): ``""`` if
+    they do, else the reason. Nothing is written."""
+    engine = deployment.engine_spec(revision or deployment.applied_revision)
+    choice, reason = _choose(deployment, engine, count)
     return "" if choice is not None else reason or "refused"
 
 
 def place_replicas(
     deployment: Deployment, ordinals: list[int], revision: DeploymentRevision | None = None
 ) -> tuple[list[Instance], str]:
-    """Create and place an Instance for every ordinal, or none.
+    """Create and place an Instance for every ordinal, or none, each running ``revision`` (default
+    the deployment's applied one) and planned by its engine settings.
 
     On success: the instances (node, GPUs, ``gpu_memory_fraction``, ``environment`` set,
-    ``generation`` the deployment's, ``revision`` the given one or else the deployment's applied
-    one) and ``""``. ``deployment.placement_error`` is cleared.
+    ``generation`` the deployment's, ``revision``) and ``""``. ``deployment.placement_error``
+    is cleared.
     On refusal: ``[]`` and the reason, which is also stored on ``deployment.placement_error``.
     """
     if not ordinals:
         return [], ""
+    revision = revision or deployment.applied_revision
+    engine = deployment.engine_spec(revision)
     with transaction.atomic():
         _lock_nodes()
-        choice, reason = _choose(deployment, len(ordinals))
+        choice, reason = _choose(deployment, engine, len(ordinals))
         if choice is None:
             _record(deployment, reason)
             return [], reason
@@ -517,7 +519,7 @@ def place_replicas(
                 deployment=deployment,
                 ordinal=ordinal,
                 generation=deployment.generation,
-                revision=revision or deployment.applied_revision,
+                revision=revision,
                 node=node,
                 gpu_memory_fraction=ip.gpu_memory_utilization if ip else None,
                 environment=dict(ip.env) if ip else {},
@@ -536,7 +538,7 @@ def place_instance(deployment: Deployment, instance: Instance) -> Node | None:
     """
     with transaction.atomic():
         _lock_nodes()
-        choice, reason = _choose(deployment, 1)
+        choice, reason = _choose(deployment, instance.engine_spec(), 1)
         if choice is None:
             Instance.objects.filter(pk=instance.pk).update(last_error=reason)
             instance.last_error = reason
@@ -610,6 +612,7 @@ def dry_run(
     ``tenants`` and ``adapters``, which a row without a pk cannot hold.
     """
     replicas = max(1, deployment.replicas)
+    engine = deployment.engine_spec()
     served = deployment_tenants(deployment, tenants)
     charged = charged_tenants(deployment, served)
     cluster = load_cluster(exclude_deployment=deployment.pk)
@@ -617,7 +620,7 @@ def dry_run(
         "deployment": deployment.pk,
         "name": deployment.name,
         "replicas": replicas,
-        "isolation_mode": deployment.isolation_mode,
+        "isolation_mode": engine.isolation_mode,
         "target": "gpu" if cluster.has_gpu_nodes else "cpu",
         "headroom": cluster.placer.headroom,
         "policy": cluster.placer.policy.value,
@@ -643,7 +646,7 @@ def dry_run(
         for tenant, share in zip(served, charged, strict=True)
     ]
     try:
-        plan = plan_deployment(deployment, adapters)
+        plan = plan_deployment(deployment, adapters, engine)
     except PlanningError as exc:
         out["reason"] = str(exc)
         return out
@@ -652,7 +655,7 @@ def dry_run(
     if not cluster.has_gpu_nodes:
         return _cpu_dry_run(out, plan, cluster, replicas, deployment.pk)
 
-    result = cluster.placer.plan(placement_request(deployment, plan, replicas, charged))
+    result = cluster.placer.plan(placement_request(deployment, engine, plan, replicas, charged))
     if result.ok:
         parts = split_amount(result.reserved_bytes, {t.tenant_id: t.share for t in charged})
         for row in out["tenants"]:

@@ -6,7 +6,6 @@ reconciler change Instance state only through conditional updates (`Instance.tra
 
 from __future__ import annotations
 
-import copy
 import secrets
 import shlex
 import shutil
@@ -23,6 +22,7 @@ from django.utils import timezone
 
 from audit_app import recording
 from serving_app import lifecycle, signals, storage
+from serving_app.enginespec import ENGINE_FIELDS, FIELD, FIELDS, EngineSpec, with_defaults
 from serving_app.modelfiles import (
     ModelFilesError,
     expected_module_shapes,
@@ -31,7 +31,6 @@ from serving_app.modelfiles import (
 )
 from serving_app.models import events
 from serving_app.models.revisions import (
-    ENGINE_FIELDS,
     DeploymentRevision,
     Rollout,
     describe,
@@ -54,19 +53,25 @@ def _path_error(exc: ModelFilesError) -> ValidationError:
     return ValidationError({"path": ValidationError(str(exc), code=code)})
 
 
-class Dtype(models.TextChoices):
-    AUTO = "auto", "auto"
-    FLOAT32 = "float32", "float32"
-    FLOAT16 = "float16", "float16"
-    BFLOAT16 = "bfloat16", "bfloat16"
-
-
-class Quantization(models.TextChoices):
-    NONE = "", "none"
-    AWQ = "awq", "AWQ"
-    GPTQ = "gptq", "GPTQ"
-    FP8 = "fp8", "FP8"
-    BITSANDBYTES = "bitsandbytes", "bitsandbytes"
+def engine_field(name: str) -> dict[str, Any]:
+    """A model field's options from the declaration of the engine setting `name`
+    (serving_app.enginespec): its label, help text, default, range and choices; it may be left
+    empty where its default is None or ""."""
+    declared = FIELD[name]
+    out: dict[str, Any] = {"verbose_name": declared.label, "help_text": declared.help_text}
+    validators = [*([MinValueValidator(declared.minimum)] if declared.minimum is not None else []),
+                  *([MaxValueValidator(declared.maximum)] if declared.maximum is not None else [])]
+    if validators:
+        out["validators"] = validators
+    if declared.choices:
+        out["choices"] = list(declared.choices)
+    if declared.default is None:
+        out.update(null=True, blank=True)
+    else:
+        out["default"] = declared.default
+        if declared.default == "":
+            out["blank"] = True
+    return out
 
 
 class BaseModel(models.Model):
@@ -78,9 +83,10 @@ class BaseModel(models.Model):
 
     name = models.SlugField(max_length=100, unique=True, help_text="Public model name.")
     path = models.CharField(max_length=500)
-    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
+    # The model's own settings, which a deployment's "auto" or empty one falls back on.
+    dtype = models.CharField(max_length=16, choices=FIELD["dtype"].choices, default="auto")
     quantization = models.CharField(
-        max_length=16, choices=Quantization.choices, default=Quantization.NONE, blank=True
+        max_length=16, choices=FIELD["quantization"].choices, default="", blank=True
     )
     architecture = models.CharField(max_length=100, editable=False, default="")
     num_layers = models.PositiveIntegerField(editable=False, default=0)
@@ -140,7 +146,7 @@ class BaseModel(models.Model):
 
     @property
     def effective_dtype(self) -> str:
-        return self.torch_dtype if self.dtype == Dtype.AUTO else self.dtype
+        return self.torch_dtype if self.dtype == "auto" else self.dtype
 
 
 class LoraAdapterQuerySet(TenantOwnedQuerySet):
@@ -627,6 +633,8 @@ class DeploymentQuerySet(models.QuerySet):
 class Deployment(models.Model):
     """What should run: a base model with adapters, engine settings, replicas and isolation."""
 
+    # Names for the declared choices of isolation_mode and scheduling_policy
+    # (serving_app.enginespec; tests/unit/test_engine_spec.py checks they agree).
     class Isolation(models.TextChoices):
         DEDICATED = "dedicated", "Dedicated GPUs"
         SHARED = "shared", "Shared GPU"
@@ -646,39 +654,23 @@ class Deployment(models.Model):
     tenants = models.ManyToManyField(Tenant, related_name="deployments")
     adapters = models.ManyToManyField(LoraAdapter, blank=True, related_name="deployments")
     replicas = models.PositiveIntegerField(default=1, validators=[MaxValueValidator(64)])
-    gpu_memory_utilization = models.FloatField(
-        default=0.9, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)]
-    )
-    max_num_seqs = models.PositiveIntegerField(
-        default=64, validators=[MinValueValidator(1), MaxValueValidator(4096)]
-    )
-    max_model_len = models.PositiveIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(16)],
-        help_text="Empty: the model's max positions.",
-    )
-    max_num_batched_tokens = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(16)]
-    )
-    enable_prefix_caching = models.BooleanField(default=True)
-    tensor_parallel_size = models.PositiveIntegerField(
-        default=1, validators=[MinValueValidator(1), MaxValueValidator(16)]
-    )
-    dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
-    quantization = models.CharField(
-        max_length=16, choices=Quantization.choices, default=Quantization.NONE, blank=True
-    )
-    max_loras = models.PositiveIntegerField(
-        default=4, validators=[MinValueValidator(1), MaxValueValidator(64)]
-    )
-    max_lora_rank = models.PositiveIntegerField(default=16)
-    scheduling_policy = models.CharField(
-        max_length=16, choices=SchedulingPolicy.choices, default=SchedulingPolicy.FCFS
-    )
-    isolation_mode = models.CharField(
-        max_length=16, choices=Isolation.choices, default=Isolation.SHARED
-    )
+    # The engine settings (a revision holds them): each declared once, with its label, help
+    # text, default, range and choices, in serving_app.enginespec.
+    isolation_mode = models.CharField(max_length=16, **engine_field("isolation_mode"))
+    mps_thread_percentage = models.PositiveIntegerField(**engine_field("mps_thread_percentage"))
+    gpu_memory_utilization = models.FloatField(**engine_field("gpu_memory_utilization"))
+    tensor_parallel_size = models.PositiveIntegerField(**engine_field("tensor_parallel_size"))
+    max_num_seqs = models.PositiveIntegerField(**engine_field("max_num_seqs"))
+    max_model_len = models.PositiveIntegerField(**engine_field("max_model_len"))
+    max_num_batched_tokens = models.PositiveIntegerField(**engine_field("max_num_batched_tokens"))
+    enable_prefix_caching = models.BooleanField(**engine_field("enable_prefix_caching"))
+    dtype = models.CharField(max_length=16, **engine_field("dtype"))
+    quantization = models.CharField(max_length=16, **engine_field("quantization"))
+    kv_cache_dtype = models.CharField(max_length=16, **engine_field("kv_cache_dtype"))
+    max_loras = models.PositiveIntegerField(**engine_field("max_loras"))
+    max_lora_rank = models.PositiveIntegerField(**engine_field("max_lora_rank"))
+    scheduling_policy = models.CharField(max_length=16, **engine_field("scheduling_policy"))
+    base_port = models.PositiveIntegerField(**engine_field("base_port"))
     flow_control = models.BooleanField(
         default=True,
         help_text="The gateway queues requests beyond each instance's dispatch budget, by "
@@ -690,15 +682,6 @@ class Deployment(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(65536)],
         help_text="Requests the gateway sends one instance at a time. Empty: max_num_seqs plus "
         "GATEWAY_FLOW_QUEUE_ALLOWANCE.",
-    )
-    mps_thread_percentage = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)]
-    )
-    base_port = models.PositiveIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1024), MaxValueValidator(65000)],
-        help_text="Fixed engine port for replica 0 (replica n: base_port + n). Empty: any free.",
     )
     desired_state = models.CharField(
         max_length=16, choices=DesiredState.choices, default=DesiredState.STOPPED
@@ -724,7 +707,9 @@ class Deployment(models.Model):
 
     objects = DeploymentQuerySet.as_manager()
 
-    VALID_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+    # What the console's form and the API edit (the engine settings as enginespec declares them).
+    EDITABLE_FIELDS = ("name", "base_model", "tenants", "adapters", "replicas", *ENGINE_FIELDS,
+                       "flow_control", "dispatch_budget")
 
     class Meta:
         ordering = ["name"]
@@ -764,8 +749,10 @@ class Deployment(models.Model):
                     f"{base.name} has {base.num_attention_heads} attention heads, "
                     f"not divisible by {self.tensor_parallel_size}."
                 )
-        if self.max_lora_rank not in self.VALID_LORA_RANKS:
-            errors["max_lora_rank"] = f"vLLM accepts {', '.join(map(str, self.VALID_LORA_RANKS))}."
+        for declared in FIELDS:
+            value = getattr(self, declared.name)
+            if declared.allowed and value is not None and value not in declared.allowed:
+                errors[declared.name] = f"vLLM accepts {', '.join(map(str, declared.allowed))}."
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
             errors["max_num_batched_tokens"] = "Must be at least max_num_seqs."
         if self.isolation_mode == self.Isolation.MPS and not self.mps_thread_percentage:
@@ -807,14 +794,28 @@ class Deployment(models.Model):
         if errors:
             raise ValidationError(errors)
 
+    def engine_spec(self, revision: DeploymentRevision | None = None) -> EngineSpec:
+        """The engine settings of `revision`, resolved against the base model: what an instance
+        of that revision is started with and placed by. None: the settings as they are now
+        (saved or not)."""
+        return EngineSpec.resolve(revision.spec if revision is not None else spec_of(self),
+                                  self.base_model)
+
     @property
     def effective_max_model_len(self) -> int:
-        return self.max_model_len or self.base_model.max_position_embeddings
+        """The context length of the settings as they are now (0: the model's is unknown)."""
+        return self.engine_spec().max_model_len or 0
+
+    def dispatch_budget_for(self, engine: EngineSpec) -> int:
+        """Requests the gateway's flow control sends each instance running `engine` at a
+        time."""
+        return self.dispatch_budget or (engine.max_num_seqs
+                                        + settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"])
 
     @property
     def effective_dispatch_budget(self) -> int:
-        """Requests the gateway's flow control sends each instance at a time."""
-        return self.dispatch_budget or self.max_num_seqs + settings.GATEWAY["FLOW_QUEUE_ALLOWANCE"]
+        """`dispatch_budget_for()` the settings as they are now."""
+        return self.dispatch_budget_for(self.engine_spec())
 
     @property
     def flow_controlled(self) -> bool:
@@ -841,22 +842,6 @@ class Deployment(models.Model):
     def active_rollout(self) -> Rollout | None:
         return self.rollouts.active().select_related("from_revision", "to_revision").first()
 
-    def with_spec(self, revision: DeploymentRevision | None) -> Deployment:
-        """This deployment with the engine settings of `revision` (an unsaved copy; the row and
-        this object are untouched): what an instance of that revision is started with and
-        placed by. None: the settings as they are."""
-        if revision is None:
-            return self
-        clone = copy.copy(self)
-        for name in ENGINE_FIELDS:
-            if name in revision.spec:
-                setattr(clone, name, revision.spec[name])
-        return clone
-
-    def applied_settings(self) -> Deployment:
-        """This deployment with the engine settings of its applied revision."""
-        return self.with_spec(self.applied_revision)
-
     def out_of_date(self) -> list[Instance]:
         """Instances (not stopped) that do not run the newest revision."""
         latest = self.latest_revision
@@ -871,7 +856,7 @@ class Deployment(models.Model):
         roll out. Otherwise it is pending until applied. Returns the new revision, if any."""
         latest = self.latest_revision
         spec = spec_of(self)
-        if latest is not None and latest.spec == spec:
+        if latest is not None and with_defaults(latest.spec) == spec:
             return None
         number = (latest.number if latest else 0) + 1
         revision = DeploymentRevision.objects.create(
@@ -1206,10 +1191,10 @@ class Instance(models.Model):
         """Its page in the console (also the admin's "view on site")."""
         return reverse("console:instance-detail", args=[self.pk])
 
-    def engine_deployment(self) -> Deployment:
-        """The deployment with the engine settings of this instance's revision: what its engine
-        is started with, whatever was edited since."""
-        return self.deployment.with_spec(self.revision)
+    def engine_spec(self) -> EngineSpec:
+        """The engine settings of this instance's revision: what its engine is started with,
+        whatever was edited since."""
+        return self.deployment.engine_spec(self.revision)
 
     def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
         """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""

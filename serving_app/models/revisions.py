@@ -1,9 +1,9 @@
 """Revisions of a deployment's engine settings, and the rollouts that apply them.
 
-Editing the settings that change an engine's command line (`ENGINE_FIELDS`, the ones
-`engine.launch.build_launch_spec()` turns into flags) records a new `DeploymentRevision`. It is
-pending until someone applies it: the deployment keeps running its applied revision, and every
-instance started meanwhile (a restart, a scale-up, a replacement) runs that one. Each instance
+Editing the settings that change how a deployment's engines run (`ENGINE_FIELDS`, declared in
+`serving_app.enginespec`) records a new `DeploymentRevision`. It is pending until someone
+applies it: the deployment keeps running its applied revision, and every instance started
+meanwhile (a restart, a scale-up, a replacement) runs that one. Each instance
 records the revision it runs, so drift is read from the settings, never from a command line.
 Adapters are not part of a revision: they are loaded and unloaded at runtime, as before.
 
@@ -31,30 +31,11 @@ from django.utils import timezone
 
 from audit_app import recording
 from serving_app import lifecycle
+from serving_app.enginespec import ENGINE_FIELDS, EngineSpec, with_defaults
 from serving_app.models import events
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser, AnonymousUser
-
-# The deployment settings that change the engine's command line or environment
-# (serving_app/engine/launch.py). Replicas, tenants and adapters are not among them: they change
-# without restarting an engine.
-ENGINE_FIELDS = (
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "max_model_len",
-    "max_num_batched_tokens",
-    "enable_prefix_caching",
-    "tensor_parallel_size",
-    "dtype",
-    "quantization",
-    "max_loras",
-    "max_lora_rank",
-    "scheduling_policy",
-    "isolation_mode",
-    "mps_thread_percentage",
-    "base_port",
-)
 
 
 def spec_of(deployment: Any) -> dict[str, Any]:
@@ -82,10 +63,12 @@ def _shown(value: Any) -> str:
 
 
 def diff(old: dict[str, Any] | None, new: dict[str, Any]) -> list[Change]:
-    """The settings that differ from `old` to `new`, in `ENGINE_FIELDS` order."""
-    old = old or {}
-    return [Change(name, old.get(name), new.get(name)) for name in ENGINE_FIELDS
-            if old.get(name) != new.get(name)]
+    """The settings that differ from `old` to `new`, in `ENGINE_FIELDS` order (a setting a
+    revision lacks, declared after it was recorded, is at its default)."""
+    old = with_defaults(old) if old is not None else {}
+    new = with_defaults(new)
+    return [Change(name, old.get(name), new[name]) for name in ENGINE_FIELDS
+            if old.get(name) != new[name]]
 
 
 def describe(changes: list[Change]) -> str:
@@ -120,6 +103,10 @@ class DeploymentRevision(models.Model):
         return (DeploymentRevision.objects.filter(deployment_id=self.deployment_id,
                                                   number__lt=self.number)
                 .order_by("-number").first())
+
+    def engine_spec(self) -> EngineSpec:
+        """What an instance of this revision runs with, resolved against the base model."""
+        return EngineSpec.resolve(self.spec, self.deployment.base_model)
 
     def changes_from(self, other: DeploymentRevision | None) -> list[Change]:
         """What this revision changes relative to `other` (the one before it by default)."""

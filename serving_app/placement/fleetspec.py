@@ -24,7 +24,9 @@ with ``#`` are ignored.
 
 **Planned deployments** (``parse_plan_deployments``): a list of objects, each naming a ``model``
 (a registered base model's name, or an object with its architecture) and the ``tenants`` it
-serves, with engine settings as a Deployment has them (docs/placement.md, "What-if plans").
+serves, with the engine settings that change placement as a Deployment has them: those that
+change memory, ``isolation`` and ``mps_thread_percentage``, each with its declared range or
+choices (``serving_app.enginespec``; docs/placement.md, "What-if plans").
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from serving_app.enginespec import ENGINE_FIELDS, FIELD, MEMORY_FIELDS, EngineSpec, ModelDefaults
 
 # Compute slices of a MIG-capable GPU (A100, H100, H200): the "7" of "7g.80gb".
 GPU_COMPUTE_SLICES = 7
@@ -291,10 +295,9 @@ def parse_fleet(text: str) -> list[DeclaredNode]:
 
 # -------------------------------------------------------------------------------- deployments
 
-ISOLATION_MODES = ("shared", "dedicated", "mig", "mps")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("", "awq", "gptq", "fp8", "bitsandbytes")
-VALID_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # as Deployment.VALID_LORA_RANKS
+DTYPES = FIELD["dtype"].values
+# The engine settings a plan takes (a Deployment's, under the same names but "isolation").
+PLAN_ENGINE_FIELDS = (*MEMORY_FIELDS, "mps_thread_percentage")
 _DEPLOYMENT_NAME_RE = re.compile(r"^[-a-zA-Z0-9_]{1,100}$")
 
 # Architecture fields of an inline model: name -> required (else optional).
@@ -331,6 +334,7 @@ class PlanDeployment:
     max_num_batched_tokens: int | None = None
     dtype: str = "auto"
     quantization: str = ""
+    kv_cache_dtype: str = "auto"
     max_loras: int = 4
     max_lora_rank: int = 16
     lora_target_mlp: bool = False
@@ -341,6 +345,12 @@ class PlanDeployment:
     @property
     def model_label(self) -> str:
         return self.model or str(self.architecture.get("name") or "inline model")
+
+    def engine_spec(self, model: ModelDefaults) -> EngineSpec:
+        """The engine settings of this deployment on `model`, resolved as a Deployment's are;
+        those a plan does not take are at their defaults."""
+        values = {name: getattr(self, name) for name in ENGINE_FIELDS if hasattr(self, name)}
+        return EngineSpec.resolve({**values, "isolation_mode": self.isolation}, model)
 
 
 # Integers above this are refused (the planner's float arithmetic stays exact and finite).
@@ -367,16 +377,16 @@ def _has_nul(value: Any) -> bool:
 _INTEGERS: dict[str, tuple[int, int | None, bool]] = {
     # name: (low, high, may be null)
     "replicas": (1, 64, False),
-    "tensor_parallel_size": (1, 16, False),
-    "max_num_seqs": (1, 4096, False),
-    "max_model_len": (16, None, True),
-    "max_num_batched_tokens": (16, None, True),
-    "max_loras": (1, 64, False),
     "target_kv_tokens": (1, None, True),
-    "mps_thread_percentage": (1, 100, True),
+    **{f.name: (int(f.minimum or 0), None if f.maximum is None else int(f.maximum), f.optional)
+       for f in map(FIELD.__getitem__, PLAN_ENGINE_FIELDS) if f.kind == "int" and not f.allowed},
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "isolation": ISOLATION_MODES, "dtype": DTYPES, "quantization": QUANTIZATIONS,
+    "isolation": FIELD["isolation_mode"].values,
+    **{f.name: f.values for f in map(FIELD.__getitem__, PLAN_ENGINE_FIELDS) if f.choices},
+}
+_ALLOWED: dict[str, tuple[int, ...]] = {
+    f.name: f.allowed for f in map(FIELD.__getitem__, PLAN_ENGINE_FIELDS) if f.allowed
 }
 _BOOLEANS = ("lora_target_mlp", "enforce_eager")
 
@@ -408,7 +418,7 @@ def _check_deployment(item: Any, number: int, names: set[str], errors: list[str]
         return
     name = item.get("name")
     where = f"deployment {number}" + (f" ({name})" if isinstance(name, str) and name else "")
-    known = {"name", "model", "tenants", "max_lora_rank", *_INTEGERS, *_CHOICES, *_BOOLEANS}
+    known = {"name", "model", "tenants", *_INTEGERS, *_CHOICES, *_ALLOWED, *_BOOLEANS}
     for key in sorted(set(item) - known):
         errors.append(f"{where}: unknown field {key!r}")
     if not isinstance(name, str) or not _DEPLOYMENT_NAME_RE.match(name):
@@ -442,9 +452,9 @@ def _check_deployment(item: Any, number: int, names: set[str], errors: list[str]
     for key in _BOOLEANS:
         if key in item and not isinstance(item[key], bool):
             errors.append(f"{where}: {key} must be true or false")
-    if "max_lora_rank" in item and item["max_lora_rank"] not in VALID_LORA_RANKS:
-        errors.append(f"{where}: max_lora_rank must be one of "
-                      f"{', '.join(map(str, VALID_LORA_RANKS))}")
+    for key, allowed in _ALLOWED.items():
+        if key in item and (isinstance(item[key], bool) or item[key] not in allowed):
+            errors.append(f"{where}: {key} must be one of {', '.join(map(str, allowed))}")
     if item.get("isolation") == "mig" and item.get("tensor_parallel_size", 1) not in (1, None):
         errors.append(f"{where}: a MIG slice runs one GPU's worth: tensor_parallel_size 1")
 

@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving_app.enginespec import MEMORY_FIELDS, EngineSpec
+
 from .inventory import GIB, MIB
 
 DTYPE_BYTES: dict[str, float] = {
@@ -163,6 +165,25 @@ class EngineSettings:
     target_kv_tokens: int | None = None
     block_size: int = VLLM_DEFAULT_BLOCK_SIZE
     enforce_eager: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        engine: EngineSpec,
+        *,
+        adapters: bool = False,
+        lora_target_mlp: bool = False,
+        target_kv_tokens: int | None = None,
+        enforce_eager: bool = False,
+    ) -> EngineSettings:
+        """The planner's inputs for engines started with `engine`: every setting declared as
+        changing memory (``EngineField.memory``), by its name, as launch passes it. LoRA slots
+        are preallocated when ``adapters`` are attached or ``max_loras`` is set (launch then
+        passes ``--enable-lora``)."""
+        memory: dict[str, Any] = {name: getattr(engine, name) for name in MEMORY_FIELDS}
+        return cls(**memory, enable_lora=adapters or engine.max_loras > 0,
+                   lora_target_mlp=lora_target_mlp, target_kv_tokens=target_kv_tokens,
+                   enforce_eager=enforce_eager)
 
 
 @dataclass(frozen=True)

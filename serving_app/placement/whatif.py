@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from serving_app.enginespec import EngineSpec, InlineModel, ModelDefaults
 from serving_app.placement.fleetspec import DeclaredNode, PlanDeployment
 
 from . import placer as P
@@ -24,12 +25,18 @@ from .shares import split_amount
 @dataclass(frozen=True)
 class PlannedDeployment:
     """A plan's deployment with its model and tenants resolved; ``problem`` says why it
-    cannot be planned at all (a model or tenant that does not exist)."""
+    cannot be planned at all (a model or tenant that does not exist). ``defaults``: what its
+    engine settings fall back on, a registered base model's own (None: the architecture's,
+    ``model_defaults()``)."""
 
     spec: PlanDeployment
     model: ModelArchitecture | None
     tenants: tuple[P.TenantShare, ...]
     problem: str | None = None
+    defaults: ModelDefaults | None = None
+
+    def engine_spec(self, model: ModelArchitecture) -> EngineSpec:
+        return self.spec.engine_spec(self.defaults or model_defaults(model))
 
 
 @dataclass
@@ -60,23 +67,20 @@ def fleet_nodes(nodes: Sequence[DeclaredNode]) -> list[P.Node]:
     ]
 
 
-def engine_settings(spec: PlanDeployment, model: ModelArchitecture) -> EngineSettings:
+def model_defaults(model: ModelArchitecture) -> InlineModel:
+    """What an inline model's engine settings fall back on: its checkpoint's dtype ("auto")
+    and quantization, and its max positions."""
+    return InlineModel(max_position_embeddings=model.max_position_embeddings,
+                       quantization=model.checkpoint_quantization or "")
+
+
+def engine_settings(spec: PlanDeployment, engine: EngineSpec) -> EngineSettings:
     """The engine arguments that change memory, as a deployment with these settings would be
-    launched (LoRA slots are always preallocated, as ``engine.launch`` passes them)."""
-    return EngineSettings(
-        dtype=spec.dtype,
-        quantization=spec.quantization or model.checkpoint_quantization or None,
-        max_num_seqs=spec.max_num_seqs,
-        max_model_len=spec.max_model_len or model.max_position_embeddings,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        enable_lora=True,
-        max_loras=spec.max_loras,
-        max_lora_rank=spec.max_lora_rank,
-        lora_target_mlp=spec.lora_target_mlp,
-        target_kv_tokens=spec.target_kv_tokens,
-        enforce_eager=spec.enforce_eager,
-    )
+    launched (LoRA slots are always preallocated, as ``engine.launch`` passes them), with the
+    plan's own planner options."""
+    return EngineSettings.of(engine, adapters=True, lora_target_mlp=spec.lora_target_mlp,
+                             target_kv_tokens=spec.target_kv_tokens,
+                             enforce_eager=spec.enforce_eager)
 
 
 def place_plan(
@@ -94,8 +98,9 @@ def place_plan(
         if planned.problem is not None or planned.model is None:
             outcomes.append(Outcome(planned, ok=False, reason=planned.problem))
             continue
+        engine = planned.engine_spec(planned.model)
         try:
-            memory = plan_memory(planned.model, engine_settings(spec, planned.model))
+            memory = plan_memory(planned.model, engine_settings(spec, engine))
         except ValueError as exc:
             outcomes.append(Outcome(planned, ok=False, reason=str(exc)))
             continue
@@ -104,11 +109,11 @@ def place_plan(
             tenant_id=planned.tenants[0].tenant_id if planned.tenants else None,
             memory_bytes_per_gpu=memory.needed_bytes,
             replicas=spec.replicas,
-            tensor_parallel_size=spec.tensor_parallel_size,
+            tensor_parallel_size=engine.tensor_parallel_size,
             num_attention_heads=planned.model.num_attention_heads,
             num_kv_heads=planned.model.num_kv_heads,
-            isolation=spec.isolation,
-            mps_thread_percentage=spec.mps_thread_percentage,
+            isolation=engine.isolation_mode,
+            mps_thread_percentage=engine.mps_thread_percentage,
             tenants=planned.tenants,
         )
         result = placer.place(request)
@@ -121,4 +126,5 @@ def place_plan(
     return placer, outcomes
 
 
-__all__ = ["Outcome", "PlannedDeployment", "engine_settings", "fleet_nodes", "place_plan"]
+__all__ = ["Outcome", "PlannedDeployment", "engine_settings", "fleet_nodes", "model_defaults",
+           "place_plan"]

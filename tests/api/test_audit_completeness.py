@@ -757,42 +757,42 @@ def _sign_out(everywhere: bool):
 
 API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     **{
-        f"v1_{r.prefix.replace('-', '_')}_{op}": partial(r.run, op=op)
+        f"{r.prefix.replace('-', '_')}_{op}": partial(r.run, op=op)
         for r in RESOURCES for op in ("create", "update", "partial_update", "destroy")
     },
-    **{f"v1_memberships_{op}": partial(_membership, op=op)
+    **{f"memberships_{op}": partial(_membership, op=op)
        for op in ("create", "update", "partial_update", "destroy")},
-    "v1_adapters_upload_create": _upload,
-    "v1_api_keys_revoke_create": _revoke_key,
-    "v1_deployments_start_create": _deployment_action("start"),
-    "v1_deployments_stop_create": _deployment_action("stop"),
-    "v1_deployments_restart_create": _deployment_action("restart"),
-    "v1_deployments_scale_create": _deployment_action("scale", {"replicas": 2}),
-    "v1_deployments_apply_create": _rollout_api("apply", _pending, Deployment, "apply",
+    "adapters_upload_create": _upload,
+    "api_keys_revoke_create": _revoke_key,
+    "deployments_start_create": _deployment_action("start"),
+    "deployments_stop_create": _deployment_action("stop"),
+    "deployments_restart_create": _deployment_action("restart"),
+    "deployments_scale_create": _deployment_action("scale", {"replicas": 2}),
+    "deployments_apply_create": _rollout_api("apply", _pending, Deployment, "apply",
                                                 {"strategy": "rolling"}),
-    "v1_deployments_rollback_create": _rollout_api("rollback", _rolling_out, Deployment,
+    "deployments_rollback_create": _rollout_api("rollback", _rolling_out, Deployment,
                                                    "rollback"),
-    "v1_deployments_rollout_pause_create": _rollout_api("rollout/pause", _rolling_out, Rollout,
+    "deployments_rollout_pause_create": _rollout_api("rollout/pause", _rolling_out, Rollout,
                                                         "pause"),
-    "v1_deployments_rollout_resume_create": _rollout_api(
+    "deployments_rollout_resume_create": _rollout_api(
         "rollout/resume", lambda w: _paused_rollout(w).deployment, Rollout, "resume"),
-    "v1_deployments_rollout_abort_create": _rollout_api("rollout/abort", _rolling_out, Rollout,
+    "deployments_rollout_abort_create": _rollout_api("rollout/abort", _rolling_out, Rollout,
                                                         "abort"),
-    **{f"v1_nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
-    "v1_invitations_create": _invite,
-    "v1_invitations_revoke_create": _revoke_invitation,
-    "v1_my_invitations_accept_create": _answer("accept"),
-    "v1_my_invitations_decline_create": _answer("decline"),
-    "v1_alerts_acknowledge_create": _acknowledge,
-    "v1_alert_channels_test_create": _channel_action("test", "test"),
-    "v1_alert_channels_rotate_secret_create": _channel_action("rotate-secret", "update"),
-    "v1_alert_silences_end_create": _end_silence,
-    "v1_auth_token_create": _sign_in,
-    "v1_auth_logout_create": _sign_out(everywhere=False),
-    "v1_auth_logout_all_create": _sign_out(everywhere=True),
+    **{f"nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
+    "invitations_create": _invite,
+    "invitations_revoke_create": _revoke_invitation,
+    "my_invitations_accept_create": _answer("accept"),
+    "my_invitations_decline_create": _answer("decline"),
+    "alerts_acknowledge_create": _acknowledge,
+    "alert_channels_test_create": _channel_action("test", "test"),
+    "alert_channels_rotate_secret_create": _channel_action("rotate-secret", "update"),
+    "alert_silences_end_create": _end_silence,
+    "auth_token_create": _sign_in,
+    "auth_logout_create": _sign_out(everywhere=False),
+    "auth_logout_all_create": _sign_out(everywhere=True),
 }
 # Write methods that change nothing, and why.
-NOT_A_CHANGE = {"v1_plan_create": "a dry run: the plan of an unsaved deployment body"}
+NOT_A_CHANGE = {"plan_create": "a dry run: the plan of an unsaved deployment body"}
 
 
 def write_operations() -> list[tuple[str, str, str]]:

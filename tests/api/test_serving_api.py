@@ -240,7 +240,7 @@ class TestInstances:
         deployment = make_deployment(base_model, [acme.tenant])
         instance = Instance.objects.create(deployment=deployment, port=1,
                                            log_tail="line one\nline two")
-        spec = build_launch_spec(deployment, instance)  # recorded as the node agent records it
+        spec = build_launch_spec(instance)  # recorded as the node agent records it
         Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env)
         response = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/")
         data = response.data

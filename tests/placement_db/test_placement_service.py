@@ -91,7 +91,7 @@ def test_plan_follows_tp_dtype_and_mlp_adapters(qwen, tenant, tmp_path):
 
     deployment = deploy(qwen, tenant)
     adapter = LoraAdapter(tenant=tenant, base_model=qwen, target_modules=["q_proj", "down_proj"])
-    settings = service.engine_settings(deployment, [adapter])
+    settings = service.engine_settings(deployment.engine_spec(), [adapter])
     assert settings.lora_target_mlp and settings.enable_lora
 
 
@@ -359,7 +359,7 @@ def test_dry_run_says_where_replicas_would_go_and_writes_nothing(qwen, tenant, c
     assert plan["placements"][0]["gpu_memory_utilization"] == 0.28
     assert plan["placements"][0]["concurrent_sequences"] >= 32
     expected = plan_memory(
-        service.model_architecture(qwen), service.engine_settings(deployment)
+        service.model_architecture(qwen), service.engine_settings(deployment.engine_spec())
     ).needed_bytes
     assert plan["memory"]["needed_bytes"] == expected
     assert any(line.startswith("Needed per GPU:") for line in plan["explain"])

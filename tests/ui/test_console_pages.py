@@ -126,8 +126,8 @@ def _deployment_post(base_model, tenants, adapters=(), **extra):
         "name": "support-bot", "base_model": base_model.pk, "tenants": [t.pk for t in tenants],
         "adapters": [a.pk for a in adapters], "replicas": 1, "isolation_mode": "shared",
         "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1, "max_num_seqs": 8,
-        "enable_prefix_caching": "on", "dtype": "auto", "quantization": "", "max_loras": 2,
-        "max_lora_rank": 16, "scheduling_policy": "fcfs",
+        "enable_prefix_caching": "on", "dtype": "auto", "quantization": "",
+        "kv_cache_dtype": "auto", "max_loras": 2, "max_lora_rank": 16, "scheduling_policy": "fcfs",
     }
     data.update(extra)
     return data
@@ -223,7 +223,7 @@ def test_instance_panel_and_log_tail(login, platform_admin, acme, base_model, tm
     log.write_text("INFO starting\nINFO Application startup complete.\n")
     instance = Instance.objects.create(
         deployment=deployment, state=Instance.State.STARTING, log_path=str(log))
-    spec = build_launch_spec(deployment, instance)  # recorded as the node agent records it
+    spec = build_launch_spec(instance)  # recorded as the node agent records it
     Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env)
     client = login(platform_admin)
     panel = client.get(reverse("console:deployment-instances", args=[deployment.pk]))

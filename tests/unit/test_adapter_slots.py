@@ -59,7 +59,7 @@ def ready_instance(deployment, node, port: int, gpus=()) -> Instance:
     instance = Instance.objects.create(deployment=deployment, node=node, state=State.READY,
                                        port=port)
     instance.gpus.set(gpus)
-    spec = build_launch_spec(deployment, instance, gpus=gpus)
+    spec = build_launch_spec(instance, gpus=gpus)
     names = [a.engine_name for a in deployment.adapters.select_related("tenant")]
     Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env,
                                                    loaded_adapters=names)
@@ -102,7 +102,7 @@ def test_a_restart_sizes_the_slots_for_every_adapter(base_model, tmp_path):
     acme = make_tenant("acme")
     adapters = [make_adapter(acme, base_model, tmp_path, f"a{i}") for i in range(3)]
     deployment = make_deployment(base_model, [acme], name="d", max_loras=2, adapters=adapters)
-    spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1))
+    spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=1))
     assert adapter_capacity(spec.argv, []) == 3
 
 

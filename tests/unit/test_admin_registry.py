@@ -36,7 +36,7 @@ def test_admin_instance_page_shows_the_command_once_and_no_secret(client, platfo
 
     deployment = make_deployment(base_model, [make_tenant("acme")], name="d")
     instance = Instance.objects.create(deployment=deployment, port=18001)
-    spec = build_launch_spec(deployment, instance)  # recorded as the node agent records it
+    spec = build_launch_spec(instance)  # recorded as the node agent records it
     Instance.objects.filter(pk=instance.pk).update(command=spec.argv, environment=spec.env)
     client.force_login(platform_admin)
     page = client.get(reverse("admin:serving_app_instance_change", args=[instance.pk]))

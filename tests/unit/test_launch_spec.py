@@ -40,7 +40,7 @@ def test_engine_settings_map_to_flags(tenant, base_model, settings):
         enable_prefix_caching=False, scheduling_policy="priority", max_loras=3, max_lora_rank=32,
     )
     instance = Instance.objects.create(deployment=deployment, port=18555)
-    spec = build_launch_spec(deployment, instance, engine_env="/opt/engine", host="127.0.0.1")
+    spec = build_launch_spec(instance, engine_env="/opt/engine", host="127.0.0.1")
     argv = spec.argv
     assert argv[:6] == ["chrt", "--idle", "0",
                         "/opt/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -69,7 +69,7 @@ def test_the_secret_is_only_in_the_process_environment(tenant, base_model):
     deployment = make_deployment(base_model, [tenant], name="d")
     instance = Instance.objects.create(deployment=deployment, port=1,
                                        environment={"VLLM_API_KEY": "recorded-by-mistake"})
-    spec = build_launch_spec(deployment, instance)
+    spec = build_launch_spec(instance)
     assert spec.process_env()["VLLM_API_KEY"] == instance.secret
     assert "VLLM_API_KEY" not in spec.env
     assert instance.secret not in json.dumps([spec.argv, spec.env])
@@ -80,10 +80,10 @@ def test_cpu_engines_run_idle_class_unless_configured_otherwise(tenant, base_mod
     settings.ENGINE_CPU_SCHEDULING = "idle"
     deployment = make_deployment(base_model, [tenant], name="d")
     instance = Instance.objects.create(deployment=deployment, port=1)
-    assert build_launch_spec(deployment, instance, engine_env="/e").argv[:4] == [
+    assert build_launch_spec(instance, engine_env="/e").argv[:4] == [
         "chrt", "--idle", "0", "/e/bin/python"]
     settings.ENGINE_CPU_SCHEDULING = "normal"
-    assert build_launch_spec(deployment, instance, engine_env="/e").argv[0] == "/e/bin/python"
+    assert build_launch_spec(instance, engine_env="/e").argv[0] == "/e/bin/python"
 
 
 def test_instance_secrets_never_look_like_an_option():
@@ -94,7 +94,7 @@ def test_instance_secrets_never_look_like_an_option():
 
 def test_defaults_use_the_models_context_and_prefix_caching(tenant, base_model):
     deployment = make_deployment(base_model, [tenant], name="d")
-    spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1))
+    spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=1))
     assert flag(spec.argv, "--max-model-len") == "2048"
     assert "--enable-prefix-caching" in spec.argv
     assert "--scheduling-policy" not in spec.argv
@@ -105,7 +105,7 @@ def test_adapters_are_loaded_at_start_under_tenant_qualified_names(tenant, base_
     first = make_adapter(tenant, base_model, tmp_path / "a", "support")
     second = make_adapter(tenant, base_model, tmp_path / "b", "billing")
     deployment = make_deployment(base_model, [tenant], name="d", adapters=[first, second])
-    spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1))
+    spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=1))
     start = spec.argv.index("--lora-modules")
     assert [json.loads(arg) for arg in spec.argv[start + 1:start + 3]] == [
         {"name": "acme--support", "path": first.path, "base_model_name": "llama-mini"},
@@ -132,6 +132,7 @@ for argv in json.load(sys.stdin):
     parsed.append({
         "model": args.model, "served_model_name": args.served_model_name, "port": args.port,
         "api_key": args.api_key, "enable_lora": args.enable_lora,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "lora_modules": [[m.name, m.path, m.base_model_name] for m in args.lora_modules or []],
     })
 print("PARSED " + json.dumps(parsed))
@@ -178,18 +179,22 @@ def test_vllm_parses_hostile_adapter_names_and_paths_back_exactly(tenant, base_m
     deployment.base_model = hostile_base  # after full_clean: a path no validator would pass
     deployment.save()
     instance = Instance.objects.create(deployment=deployment, port=18123)
-    spec = build_launch_spec(deployment, instance, adapters=adapters)
+    spec = build_launch_spec(instance, adapters=adapters)
 
     plain = make_deployment(base_model, [tenant], name="plain")
-    plain_spec = build_launch_spec(plain, Instance.objects.create(deployment=plain, port=18124))
+    plain_spec = build_launch_spec(Instance.objects.create(deployment=plain, port=18124))
+    fp8 = make_deployment(base_model, [tenant], name="fp8", kv_cache_dtype="fp8_e5m2")
+    fp8_spec = build_launch_spec(Instance.objects.create(deployment=fp8, port=18125))
 
-    hostile, no_adapters = parse_with_vllm([engine_args(spec.argv), engine_args(plain_spec.argv)])
+    hostile, no_adapters, fp8_kv = parse_with_vllm(
+        [engine_args(spec.argv), engine_args(plain_spec.argv), engine_args(fp8_spec.argv)])
     assert "exit" not in hostile, hostile
     assert hostile["lora_modules"] == [[a.engine_name, a.path, "-base,=x"] for a in adapters]
     assert (hostile["model"], hostile["served_model_name"]) == ("-O3 /models/ä, b=c",
                                                                ["-base,=x"])
     assert (hostile["port"], hostile["api_key"], hostile["enable_lora"]) == (18123, None, True)
     assert no_adapters["lora_modules"] == [] and no_adapters["model"] == base_model.path
+    assert (no_adapters["kv_cache_dtype"], fp8_kv["kv_cache_dtype"]) == ("auto", "fp8_e5m2")
 
 
 def test_gpus_mig_and_mps_environment(tenant, base_model):
@@ -202,21 +207,21 @@ def test_gpus_mig_and_mps_environment(tenant, base_model):
                              memory_total_bytes=40 * 2**30, parent=gpu0, mig_profile="3g.40gb")
     deployment = make_deployment(base_model, [tenant], name="tp", tensor_parallel_size=2)
     instance = Instance.objects.create(deployment=deployment, port=1, gpu_memory_fraction=0.5)
-    spec = build_launch_spec(deployment, instance, gpus=[gpu0, gpu1])
+    spec = build_launch_spec(instance, gpus=[gpu0, gpu1])
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-0,GPU-1"
     assert spec.argv[0] != "chrt"  # GPU engines keep normal scheduling
     assert flag(spec.argv, "--gpu-memory-utilization") == "0.5"
     assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
 
     mig_deployment = make_deployment(base_model, [tenant], name="mig", isolation_mode="mig")
-    spec = build_launch_spec(mig_deployment, Instance.objects.create(deployment=mig_deployment,
-                                                                     port=2), gpus=[mig])
+    spec = build_launch_spec(Instance.objects.create(deployment=mig_deployment, port=2),
+                             gpus=[mig])
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "MIG-abc"
 
     mps = make_deployment(base_model, [tenant], name="mps", isolation_mode="mps",
                           mps_thread_percentage=30)
-    spec = build_launch_spec(mps, Instance.objects.create(deployment=mps, port=3,
-                                                          gpu_memory_fraction=0.25), gpus=[gpu1])
+    spec = build_launch_spec(Instance.objects.create(deployment=mps, port=3,
+                                                     gpu_memory_fraction=0.25), gpus=[gpu1])
     assert spec.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     # In MiB, as the placer writes it (one function for both).
     assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
@@ -229,7 +234,7 @@ def test_placement_environment_wins_and_declared_gpus_keep_the_cpu_cache(tenant,
     deployment = make_deployment(base_model, [tenant], name="placed")
     instance = Instance.objects.create(deployment=deployment, port=4,
                                        environment={"CUDA_VISIBLE_DEVICES": "MIG-xyz"})
-    spec = build_launch_spec(deployment, instance, gpus=[declared])
+    spec = build_launch_spec(instance, gpus=[declared])
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "MIG-xyz"
     assert "VLLM_CPU_KVCACHE_SPACE" in spec.env
 
@@ -265,7 +270,7 @@ def test_migration_hides_secrets_recorded_before_the_key_left_the_command_line(t
         environment={"CUDA_VISIBLE_DEVICES": "GPU-0", "VLLM_API_KEY": old.secret},
         log_tail=f"args: api_key={old.secret}\nready", last_error=f"key {old.secret} refused")
     new = Instance.objects.create(deployment=deployment, port=2)
-    spec = build_launch_spec(deployment, new)
+    spec = build_launch_spec(new)
     Instance.objects.filter(pk=new.pk).update(command=spec.argv, environment=spec.env)
     scrub(apps, None)
     old = Instance.objects.get(pk=old.pk)

@@ -22,7 +22,7 @@ def test_cpu_engine_has_a_slot_more_than_its_adapters(base_model, tmp_path):
     adapters = [make_adapter(t, base_model, tmp_path / "adapters", name="a") for t in tenants]
     deployment = make_deployment(base_model, tenants, name="shared", max_loras=3,
                                  adapters=adapters)
-    spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1))
+    spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=1))
     assert max_loras(spec.argv) == len(adapters) + 1
 
 
@@ -33,6 +33,6 @@ def test_gpu_engine_uses_the_deployments_slots(base_model, tmp_path):
     node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
     gpu = Gpu.objects.create(node=node, index=0, uuid="GPU-1", name="H200",
                              memory_total_bytes=140 * 2**30)
-    spec = build_launch_spec(deployment, Instance.objects.create(deployment=deployment, port=1),
+    spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=1),
                              gpus=[gpu])
     assert max_loras(spec.argv) == 3

@@ -152,7 +152,7 @@ def test_an_engine_setting_edit_is_pending_and_new_instances_run_the_applied_rev
     tasks.run()
     added = deployment.instances.get(ordinal=2)
     assert added.revision.number == 1
-    argv = build_launch_spec(added.engine_deployment(), added).argv
+    argv = build_launch_spec(added).argv
     assert argv[argv.index("--max-num-seqs") + 1] == "32"
     assert deployment.instances.exclude(revision__number=1).count() == 0
 

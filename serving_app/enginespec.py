@@ -1,0 +1,267 @@
+"""A deployment's engine settings, declared once, and one resolved set of them (`EngineSpec`).
+
+Each `EngineField` of `FIELDS` declares one setting that changes how a deployment's engines
+run: its name, its label in vLLM's words, its vLLM command-line flag, its unit, its allowed range
+or choices, its default and its help text. Every layer reads this declaration instead of naming
+the settings again:
+
+- the `Deployment` model's fields take their verbose name, help text, default, validators and
+  choices from it, so the console form, the API serializer and the admin show them
+  (`ENGINE_FIELDS` are the form's and the serializer's engine fields);
+- a revision's `spec` holds the values of `ENGINE_FIELDS` (`serving_app.models.revisions`); a
+  name it lacks (a revision recorded before the setting was declared) means the declared default;
+- the memory planner takes the `memory` fields (`placement.planner.EngineSettings.of()`) and
+  what-if plans accept them (`fleetspec`);
+- the engine's command line is `EngineSpec.arguments()` (`engine.launch`).
+
+An `EngineSpec` is one set of values with what depends on the base model already resolved:
+`dtype` "auto" becomes the model's own setting, an empty quantization the model's, an empty
+`max_model_len` the model's context length. Build one with `EngineSpec.resolve(values, model)`,
+or from the models: `Deployment.engine_spec(revision=None)`, `Instance.engine_spec()`,
+`DeploymentRevision.engine_spec()`.
+
+Plain Python with no Django, at the bottom of the serving layers, so that the models below the
+engine and placement packages can read it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Protocol
+
+Unit = Literal["bytes", "GiB", "tokens", "fraction", "count", "percent"]
+Kind = Literal["int", "float", "bool", "choice"]
+Value = bool | int | float | str | None
+
+
+@dataclass(frozen=True)
+class EngineField:
+    """One engine setting: how it is named, shown, bounded and passed to vLLM.
+
+    `flag` is vLLM's command-line option (None: the setting is not a flag; it changes where and
+    how the engine runs: placement, its environment, its port). The flag is left out where the
+    value is None or `vllm_default` (vLLM then does the same without it). A "bool" setting is
+    passed as `--flag` or `--no-flag`. `memory`: the memory planner reads it (it changes the GPU
+    memory an instance needs). `allowed`: the only values vLLM accepts, beyond the range.
+    """
+
+    name: str
+    label: str
+    kind: Kind
+    default: Value
+    flag: str | None = None
+    unit: Unit | None = None
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    choices: tuple[tuple[str, str], ...] = ()
+    allowed: tuple[int, ...] = ()
+    help_text: str = ""
+    memory: bool = False
+    vllm_default: Value = None
+
+    @property
+    def optional(self) -> bool:
+        """Whether the setting may be empty (None: the model's or vLLM's default applies)."""
+        return self.default is None
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """The choices' values, for a "choice" setting."""
+        return tuple(value for value, _ in self.choices)
+
+
+class ModelDefaults(Protocol):
+    """What an engine setting falls back on from its base model (a `BaseModel` row, or an
+    inline model of a what-if plan)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def quantization(self) -> str: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class InlineModel:
+    """`ModelDefaults` of a model given by its figures (a what-if plan's inline model)."""
+
+    max_position_embeddings: int
+    dtype: str = "auto"
+    quantization: str = ""
+
+
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+# In the order the console's form shows them: where the engine runs, its memory, the model's
+# format, its LoRA slots, its scheduling and its port.
+FIELDS: tuple[EngineField, ...] = (
+    EngineField(
+        "isolation_mode", "GPU isolation", "choice", "shared",
+        choices=(("dedicated", "Dedicated GPUs"), ("shared", "Shared GPU"),
+                 ("mig", "MIG slice"), ("mps", "MPS")),
+        help_text="How an instance shares its GPUs: whole GPUs of its own, a share of a GPU's "
+                  "memory, a MIG device, or an MPS share of a GPU's compute.",
+    ),
+    EngineField(
+        "mps_thread_percentage", "MPS thread percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)",
+        "int", None, unit="percent", minimum=1, maximum=100,
+        help_text="MPS isolation only: the share of the GPU's compute the engine may use.",
+    ),
+    EngineField(
+        "gpu_memory_utilization", "GPU memory utilization (--gpu-memory-utilization)", "float",
+        0.9, flag="--gpu-memory-utilization", unit="fraction", minimum=0.01, maximum=1.0,
+        help_text="The fraction of GPU memory the engine may use. On GPU nodes the placer sets "
+                  "it from the memory plan.",
+    ),
+    EngineField(
+        "tensor_parallel_size", "Tensor parallel size (--tensor-parallel-size)", "int", 1,
+        flag="--tensor-parallel-size", unit="count", minimum=1, maximum=16, memory=True,
+        help_text="GPUs one instance spans (tensor parallel groups).",
+    ),
+    EngineField(
+        "max_num_seqs", "Max sequences per batch (--max-num-seqs)", "int", 64,
+        flag="--max-num-seqs", unit="count", minimum=1, maximum=4096, memory=True,
+        help_text="Maximum number of sequences processed in one iteration.",
+    ),
+    EngineField(
+        "max_model_len", "Context length (--max-model-len)", "int", None,
+        flag="--max-model-len", unit="tokens", minimum=16, memory=True,
+        help_text="Empty: the model's max positions.",
+    ),
+    EngineField(
+        "max_num_batched_tokens", "Max batched tokens (--max-num-batched-tokens)", "int", None,
+        flag="--max-num-batched-tokens", unit="tokens", minimum=16, memory=True,
+        help_text="Maximum number of tokens processed in one iteration. Empty: vLLM's default.",
+    ),
+    EngineField(
+        "enable_prefix_caching", "Prefix caching (--enable-prefix-caching)", "bool", True,
+        flag="--enable-prefix-caching",
+        help_text="Reuse the KV cache of a prompt prefix already computed.",
+    ),
+    EngineField(
+        "dtype", "Data type (--dtype)", "choice", "auto", flag="--dtype",
+        choices=(("auto", "auto"), ("float32", "float32"), ("float16", "float16"),
+                 ("bfloat16", "bfloat16")),
+        memory=True,
+        help_text="Data type of the weights and activations. auto: the base model's setting.",
+    ),
+    EngineField(
+        "quantization", "Quantization (--quantization)", "choice", "", flag="--quantization",
+        choices=(("", "none"), ("awq", "AWQ"), ("gptq", "GPTQ"), ("fp8", "FP8"),
+                 ("bitsandbytes", "bitsandbytes")),
+        memory=True,
+        help_text="Method used to quantize the weights. Empty: the base model's setting.",
+    ),
+    EngineField(
+        "kv_cache_dtype", "KV cache data type (--kv-cache-dtype)", "choice", "auto",
+        flag="--kv-cache-dtype", choices=tuple((v, v) for v in KV_CACHE_DTYPES), memory=True,
+        vllm_default="auto",
+        help_text="Data type of the KV cache. auto: the model's data type; fp8 (= fp8_e4m3) "
+                  "and fp8_e5m2 hold twice the tokens of a 16-bit cache.",
+    ),
+    EngineField(
+        "max_loras", "Max LoRA adapters per batch (--max-loras)", "int", 4,
+        flag="--max-loras", unit="count", minimum=1, maximum=64, memory=True,
+        help_text="LoRA slots: adapters one batch may use at once (their memory is reserved).",
+    ),
+    EngineField(
+        "max_lora_rank", "Max LoRA rank (--max-lora-rank)", "int", 16, flag="--max-lora-rank",
+        minimum=LORA_RANKS[0], maximum=LORA_RANKS[-1], allowed=LORA_RANKS, memory=True,
+        help_text=f"The largest adapter rank a slot holds: {', '.join(map(str, LORA_RANKS))}.",
+    ),
+    EngineField(
+        "scheduling_policy", "Scheduling policy (--scheduling-policy)", "choice", "fcfs",
+        flag="--scheduling-policy", vllm_default="fcfs",
+        choices=(("fcfs", "First come, first served"),
+                 ("priority", "Priority (from the tenant's tier)")),
+        help_text="Which waiting request the engine serves first.",
+    ),
+    EngineField(
+        "base_port", "Base port", "int", None, minimum=1024, maximum=65000,
+        help_text="Fixed engine port for replica 0 (replica n: base_port + n). Empty: any free.",
+    ),
+)
+
+FIELD: Mapping[str, EngineField] = {f.name: f for f in FIELDS}
+ENGINE_FIELDS: tuple[str, ...] = tuple(FIELD)
+MEMORY_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.memory)
+
+
+def with_defaults(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Every engine setting of `values`, a missing one at its declared default (a revision
+    recorded before that setting was declared ran at the default)."""
+    return {f.name: values.get(f.name, f.default) for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine settings one instance runs with, resolved against its base model.
+
+    Its attributes are the declared fields, in the same order (checked when this module is
+    imported); `dtype`, `quantization` and `max_model_len` hold what the engine is given, never
+    "auto" or empty where the model says more.
+    """
+
+    isolation_mode: str
+    mps_thread_percentage: int | None
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    max_num_seqs: int
+    max_model_len: int | None
+    max_num_batched_tokens: int | None
+    enable_prefix_caching: bool
+    dtype: str
+    quantization: str | None
+    kv_cache_dtype: str
+    max_loras: int
+    max_lora_rank: int
+    scheduling_policy: str
+    base_port: int | None
+
+    @classmethod
+    def resolve(cls, values: Mapping[str, Any], model: ModelDefaults) -> EngineSpec:
+        """The settings `values` (a revision's spec, a deployment's fields) on `model`: the
+        deployment's dtype, else the model's; its quantization, else the model's (None: none);
+        its context length, else the model's max positions (None: unknown)."""
+        given = with_defaults(values)
+        if given["dtype"] == "auto":
+            given["dtype"] = model.dtype or "auto"
+        given["quantization"] = given["quantization"] or model.quantization or None
+        given["max_model_len"] = given["max_model_len"] or model.max_position_embeddings or None
+        return cls(**given)
+
+    def arguments(self, **overrides: Value) -> list[str]:
+        """vLLM's flags for these settings, in declaration order. `overrides` replace values
+        for this one engine (the fraction of memory the placer gave it, ...); a value of None
+        leaves its flag out."""
+        argv: list[str] = []
+        for field in FIELDS:
+            if field.flag is None:
+                continue
+            value = overrides[field.name] if field.name in overrides else getattr(self,
+                                                                                  field.name)
+            if value is None or (field.vllm_default is not None and value == field.vllm_default):
+                continue
+            if isinstance(value, bool):
+                argv.append(field.flag if value else f"--no-{field.flag.removeprefix('--')}")
+            elif isinstance(value, float):
+                argv += [field.flag, f"{value:g}"]
+            else:
+                argv += [field.flag, str(value)]
+        return argv
+
+    def as_dict(self) -> dict[str, Value]:
+        return {f.name: getattr(self, f.name) for f in FIELDS}
+
+
+if tuple(f.name for f in fields(EngineSpec)) != ENGINE_FIELDS:
+    raise TypeError("EngineSpec's attributes must be the declared FIELDS, in their order")
+
+
+__all__ = ["ENGINE_FIELDS", "FIELD", "FIELDS", "KV_CACHE_DTYPES", "LORA_RANKS", "MEMORY_FIELDS",
+           "EngineField", "EngineSpec", "InlineModel", "ModelDefaults", "Unit", "with_defaults"]
