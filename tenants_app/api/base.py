@@ -74,7 +74,7 @@ class ValidatedModelSerializer(serializers.ModelSerializer[_M]):
         self.validate_relations(candidate, attrs)
         return attrs
 
-    def validate_relations(self, candidate: models.Model, attrs: dict[str, Any]) -> None:
+    def validate_relations(self, candidate: _M, attrs: dict[str, Any]) -> None:
         """Hook for checks that need the many-to-many values."""
 
 
