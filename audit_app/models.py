@@ -15,11 +15,11 @@ from django.db import models
 from audit_app.context import Source
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import AnonymousUser, User
 
 
 class AuditLogQuerySet(models.QuerySet["AuditLog"]):
-    def for_user(self, user: AbstractBaseUser) -> AuditLogQuerySet:
+    def for_user(self, user: User | AnonymousUser) -> AuditLogQuerySet:
         """Staff see everything; tenant owners and admins see their tenant's entries (the
         tenants' own rule, `Tenant.objects.managed_by()`, read through the foreign key)."""
         if not user.is_authenticated:

@@ -12,9 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import dj_database_url
+import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
 from console.env import env_bool, env_choice, env_float, env_int, env_list, env_str
+
+# The pages name their model and form in type arguments (`ListView[Tenant]`), which django-stubs
+# reads; this lets Python accept them on Django's generic views and forms (it adds only
+# `__class_getitem__`).
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("CONSOLE_VAR_DIR", str(BASE_DIR / "var")))

@@ -234,8 +234,8 @@ BREAKAGES = (
     Breakage(
         "a-page-without-a-scope",
         "ui_app/console/views.py",
-        "class TenantListView(StaffPage, ListView):\n",
-        "class TenantListView(ListView):\n",
+        "class TenantListView(StaffPage, ListView[Tenant]):\n",
+        "class TenantListView(ListView[Tenant]):\n",
         ("tests/unit/test_url_scoping.py",),
     ),
 )

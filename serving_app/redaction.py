@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tenants_app.models import Tenant
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import AnonymousUser, User
     from django.http import HttpRequest
 
 PATH_PLACEHOLDER = "[path]"
@@ -29,7 +29,7 @@ _PATH = re.compile(r"""(?<![^\s'"=(\[,])~?/[^\s'"()\[\],;]+""")
 PATH_FIELDS = frozenset({"path", "log_path"})
 
 
-def is_platform_admin(user: AbstractBaseUser | None) -> bool:
+def is_platform_admin(user: User | AnonymousUser | None) -> bool:
     return bool(user is not None and user.is_authenticated and user.is_staff)
 
 
@@ -60,5 +60,6 @@ def visible_tenant_ids(request: HttpRequest) -> frozenset[int]:
         cached = frozenset(
             Tenant.objects.for_user(request.user).values_list("pk", flat=True)
         )
-        request._visible_tenant_ids = cached
+        # Kept on the request itself, as Django keeps the request's user.
+        vars(request)["_visible_tenant_ids"] = cached
     return cached

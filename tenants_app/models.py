@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import secrets
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -25,7 +25,10 @@ from audit_app import recording
 from tenants_app.signals import api_keys_revoked
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    # request.user's types (AUTH_USER_MODEL is Django's own User).
+    from django.contrib.auth.models import AnonymousUser, User
+
+_M = TypeVar("_M", bound=models.Model)
 
 RESERVED_SLUGS = {"admin", "api", "v1", "static", "portal", "console", "new", "invitations"}
 
@@ -53,8 +56,8 @@ class PriorityTier(models.IntegerChoices):
     LOW = 3, "Low"
 
 
-class TenantQuerySet(models.QuerySet):
-    def for_user(self, user: AbstractBaseUser) -> TenantQuerySet:
+class TenantQuerySet(models.QuerySet["Tenant"]):
+    def for_user(self, user: User | AnonymousUser) -> Self:
         """Tenants the user may see: all for platform admins, else those they belong to."""
         if not user.is_authenticated:
             return self.none()
@@ -62,10 +65,10 @@ class TenantQuerySet(models.QuerySet):
             return self.all()
         return self.filter(memberships__user=user).distinct()
 
-    def for_tenant(self, tenant: Tenant) -> TenantQuerySet:
+    def for_tenant(self, tenant: Tenant) -> Self:
         return self.filter(pk=tenant.pk)
 
-    def managed_by(self, user: AbstractBaseUser) -> TenantQuerySet:
+    def managed_by(self, user: User | AnonymousUser) -> Self:
         """Tenants whose members, keys and adapters the user may change."""
         if not user.is_authenticated:
             return self.none()
@@ -92,19 +95,19 @@ def prefix_cache_salt(secret: str, client_salt: str | None = None) -> str:
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
-class SignedInQuerySet(models.QuerySet):
+class SignedInQuerySet(models.QuerySet[_M]):
     """Platform rows every signed-in user may read (base models): scoped like tenant data, so
     the API reads them the same way."""
 
-    def for_user(self, user: AbstractBaseUser) -> SignedInQuerySet:
+    def for_user(self, user: User | AnonymousUser) -> Self:
         return self.all() if user.is_authenticated else self.none()
 
 
-class StaffOnlyQuerySet(models.QuerySet):
+class StaffOnlyQuerySet(models.QuerySet[_M]):
     """Platform rows only platform admins read (nodes, GPUs, sharing groups): for anyone else
     `for_user()` is empty, whatever permission an endpoint forgot."""
 
-    def for_user(self, user: AbstractBaseUser) -> StaffOnlyQuerySet:
+    def for_user(self, user: User | AnonymousUser) -> Self:
         return self.all() if user.is_authenticated and user.is_staff else self.none()
 
 
@@ -134,7 +137,7 @@ class PrefixCacheGroup(models.Model):
 MAX_FAIR_SHARE_WEIGHT = 1000
 
 
-def _positive(null_ok: bool = True, **kwargs) -> models.PositiveIntegerField:
+def _positive(null_ok: bool = True, **kwargs: Any) -> models.PositiveIntegerField[Any, Any]:
     return models.PositiveIntegerField(
         null=null_ok, blank=null_ok, validators=[MinValueValidator(1)], **kwargs
     )
@@ -259,7 +262,7 @@ class Tenant(models.Model):
         group = self.prefix_cache_group
         return group.cache_secret if group is not None else self.cache_secret
 
-    def role_of(self, user: AbstractBaseUser) -> str | None:
+    def role_of(self, user: User | AnonymousUser) -> str | None:
         """The user's role in this tenant, 'platform' for staff, None for outsiders."""
         if not user.is_authenticated:
             return None
@@ -268,17 +271,17 @@ class Tenant(models.Model):
         membership = self.memberships.filter(user=user).only("role").first()
         return membership.role if membership else None
 
-    def user_can_manage(self, user: AbstractBaseUser) -> bool:
+    def user_can_manage(self, user: User | AnonymousUser) -> bool:
         return self.role_of(user) in ("platform", *MANAGER_ROLES)
 
 
-class TenantOwnedQuerySet(models.QuerySet):
+class TenantOwnedQuerySet(models.QuerySet[_M]):
     """Scoping shared by every model with a `tenant` foreign key."""
 
-    def for_tenant(self, tenant: Tenant) -> TenantOwnedQuerySet:
+    def for_tenant(self, tenant: Tenant) -> Self:
         return self.filter(tenant=tenant)
 
-    def for_user(self, user: AbstractBaseUser) -> TenantOwnedQuerySet:
+    def for_user(self, user: User | AnonymousUser) -> Self:
         if not user.is_authenticated:
             return self.none()
         if user.is_staff:
@@ -286,14 +289,14 @@ class TenantOwnedQuerySet(models.QuerySet):
         return self.filter(tenant__memberships__user=user).distinct()
 
 
-class MembershipQuerySet(TenantOwnedQuerySet):
-    def check_owner_grant(self, actor: AbstractBaseUser, tenant: Tenant,
+class MembershipQuerySet(TenantOwnedQuerySet["Membership"]):
+    def check_owner_grant(self, actor: User | AnonymousUser, tenant: Tenant,
                           role: str | None) -> None:
         """Only an owner (or a platform admin) makes, demotes, removes or invites an owner."""
         if role == Role.OWNER and tenant.role_of(actor) not in ("platform", Role.OWNER):
             raise PermissionDenied("Only an owner can make someone an owner.")
 
-    def check_change(self, actor: AbstractBaseUser, membership: Membership,
+    def check_change(self, actor: User | AnonymousUser, membership: Membership,
                      role: str | None = None) -> None:
         """May `actor` change `membership` to `role` (or remove it, when `role` is None)? An
         owner's membership is changed only by an owner."""
@@ -349,7 +352,7 @@ class Membership(models.Model):
         if self.role == Role.OWNER and self._is_last_owner():
             raise ValidationError("A tenant must keep at least one owner; add another owner first.")
 
-    def change_role(self, role: str, *, by: AbstractBaseUser) -> dict[str, list]:
+    def change_role(self, role: str, *, by: User | AnonymousUser) -> dict[str, list[str]]:
         """Give the member `role` as `by` (PermissionDenied: only an owner touches owners;
         ValidationError: the tenant keeps an owner). Returns the change."""
         Membership.objects.check_change(by, self, role)
@@ -361,7 +364,7 @@ class Membership(models.Model):
             self.save(update_fields=["role"])
         return {"role": [before, role]}
 
-    def remove(self, *, by: AbstractBaseUser) -> None:
+    def remove(self, *, by: User | AnonymousUser) -> None:
         """Remove the member as `by`, under the same rules as `change_role()`."""
         Membership.objects.check_change(by, self)
         with transaction.atomic():
@@ -379,8 +382,8 @@ def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-class ApiKeyQuerySet(TenantOwnedQuerySet):
-    def create_key(self, **fields) -> tuple[ApiKey, str]:
+class ApiKeyQuerySet(TenantOwnedQuerySet["ApiKey"]):
+    def create_key(self, **fields: Any) -> tuple[ApiKey, str]:
         """Create a key and return it with its secret, which is never stored or shown again."""
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = self.model(
@@ -412,7 +415,8 @@ class ApiKeyQuerySet(TenantOwnedQuerySet):
         return revoked
 
     # Not on the manager: `ApiKey.objects.revoke()` would revoke every key; say `.filter(...)`.
-    revoke.queryset_only = True
+    # Django reads this mark off the function, which the stubs type as a plain callable.
+    revoke.queryset_only = True  # type: ignore[attr-defined]
 
     def for_secret(self, secret: str) -> ApiKey | None:
         """The usable key with this secret: not revoked, not expired, its tenant active."""
@@ -445,6 +449,10 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = ApiKeyQuerySet.as_manager()
+
+    #: The secret of a key just created (`create_key()`), kept on the instance for the one
+    #: response that shows it; never stored.
+    new_secret: str | None = None
 
     class Meta:
         ordering = ["tenant__slug", "-created_at"]
@@ -493,7 +501,7 @@ def invitation_lifetime() -> timedelta:
     return timedelta(days=getattr(settings, "INVITATION_EXPIRY_DAYS", 7))
 
 
-def find_invitee(username_or_email: str) -> AbstractBaseUser | None:
+def find_invitee(username_or_email: str) -> User | None:
     """The active user a manager's text names: a username, or the one user with that email.
 
     The caller never tells the manager which it was, or whether there was one: an invitation to
@@ -508,17 +516,17 @@ def find_invitee(username_or_email: str) -> AbstractBaseUser | None:
     return user
 
 
-class InvitationQuerySet(TenantOwnedQuerySet):
+class InvitationQuerySet(TenantOwnedQuerySet["Invitation"]):
     """A tenant's invitations are read like its memberships (`for_user`); only owners and admins
     create or revoke them. The invitee reads theirs through `addressed_to()`."""
 
-    def addressed_to(self, user: AbstractBaseUser) -> InvitationQuerySet:
+    def addressed_to(self, user: User | AnonymousUser) -> Self:
         """Open invitations the user may accept or decline (pending, not expired)."""
         if not user.is_authenticated:
             return self.none()
         return self.filter(invitee=user).still_open()
 
-    def still_open(self) -> InvitationQuerySet:
+    def still_open(self) -> Self:
         return self.filter(status=Invitation.Status.PENDING, expires_at__gt=timezone.now())
 
     def invite(
@@ -527,7 +535,7 @@ class InvitationQuerySet(TenantOwnedQuerySet):
         tenant: Tenant,
         invited_as: str,
         role: str = Role.MEMBER,
-        invited_by: AbstractBaseUser | None = None,
+        invited_by: User | None = None,
     ) -> Invitation:
         """Invite whoever `invited_as` names; the result looks the same whether or not they
         exist. Refused (ValidationError) only for what the inviter already knows: a bad role, or
@@ -620,7 +628,7 @@ class Invitation(models.Model):
                                  {"status": [before, new_status]})
         return bool(updated)
 
-    def accept(self, user: AbstractBaseUser) -> Membership:
+    def accept(self, user: User) -> Membership:
         """Join the tenant with the invitation's role. ValidationError when the invitation is no
         longer open, or the user already belongs to the tenant."""
         if self.invitee_id != user.pk:
@@ -635,7 +643,7 @@ class Invitation(models.Model):
             except IntegrityError as exc:
                 raise ValidationError("You already belong to this tenant.") from exc
 
-    def decline(self, user: AbstractBaseUser) -> bool:
+    def decline(self, user: User) -> bool:
         if self.invitee_id != user.pk:
             raise ValidationError("This invitation is not addressed to you.")
         return self._answer(self.Status.DECLINED, (self.Status.PENDING,))

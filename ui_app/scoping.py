@@ -37,7 +37,7 @@ from django.urls import URLPattern, URLResolver, reverse_lazy
 from tenants_app.models import MANAGER_ROLES, Tenant
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import User
 
 HANDLERS = ("get", "post", "put", "patch", "delete")
 
@@ -67,6 +67,12 @@ class SignedInPage(LoginRequiredMixin):
     login_url = reverse_lazy("console:login")
     request: HttpRequest
 
+    @property
+    def user(self) -> User:
+        """The signed-in user (`dispatch()` turned anyone else away, which the stubs cannot
+        know)."""
+        return cast("User", self.request.user)
+
 
 class TenantPage(SignedInPage):
     """Resolves `slug` among the user's tenants (404 for any other) and the user's role."""
@@ -89,11 +95,6 @@ class TenantPage(SignedInPage):
         self.tenant = get_object_or_404(Tenant.objects.for_user(request.user), slug=kwargs["slug"])
         self.role = self.tenant.role_of(request.user)
         return super().dispatch(request, *args, **kwargs)
-
-    @property
-    def user(self) -> AbstractBaseUser:
-        """The signed-in user (`dispatch()` turned anyone else away)."""
-        return cast("AbstractBaseUser", self.request.user)
 
     @property
     def scope(self) -> QuerySet[Tenant]:

@@ -4,22 +4,30 @@ bad rule with the same field errors."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
+from django.db import models
 from rest_framework import serializers
 
 from alerts_app.metrics import REGISTRY
 from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
-from tenants_app.api.base import TenantSlugField, ValidatedModelSerializer
+from tenants_app.api.base import ScopedPrimaryKeyField, TenantSlugField, ValidatedModelSerializer
+from tenants_app.models import Tenant
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AnonymousUser, User
+
+_M = TypeVar("_M", bound=models.Model)
 
 
-def _request_user(serializer: serializers.Serializer) -> Any:
+def _request_user(serializer: serializers.BaseSerializer[Any]) -> User | AnonymousUser | None:
     request = serializer.context.get("request")
-    return getattr(request, "user", None)
+    user: User | AnonymousUser | None = getattr(request, "user", None)
+    return user
 
 
-class OwnedSerializer(ValidatedModelSerializer):
+class OwnedSerializer(ValidatedModelSerializer[_M]):
     """`tenant` by slug, among the caller's tenants. Platform admins may leave it empty: the row
     is then the platform's; anyone else must name a tenant they manage."""
 
@@ -27,16 +35,16 @@ class OwnedSerializer(ValidatedModelSerializer):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         user = _request_user(self)
-        tenant = attrs.get("tenant", getattr(self.instance, "tenant", None))
-        if self.instance is not None and "tenant" in attrs and attrs["tenant"] != \
-                self.instance.tenant:
+        current = getattr(self.instance, "tenant", None)
+        tenant = attrs.get("tenant", current)
+        if self.instance is not None and "tenant" in attrs and attrs["tenant"] != current:
             raise serializers.ValidationError({"tenant": "Cannot be changed; add a new one."})
         if tenant is None and user is not None and not user.is_staff:
             raise serializers.ValidationError({"tenant": "Name your tenant."})
         return super().validate(attrs)
 
 
-class AlertRuleSerializer(OwnedSerializer):
+class AlertRuleSerializer(OwnedSerializer[AlertRule]):
     description = serializers.CharField(source="describe", read_only=True)
     unit = serializers.SerializerMethodField()
 
@@ -53,14 +61,15 @@ class AlertRuleSerializer(OwnedSerializer):
         return spec.unit if spec else ""
 
 
-class TransitionSerializer(serializers.ModelSerializer):
+class TransitionSerializer(serializers.ModelSerializer[AlertTransition]):
     class Meta:
         model = AlertTransition
         fields = ["kind", "at", "value", "threshold", "values", "severity"]
 
 
-class AlertSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+class AlertSerializer(serializers.ModelSerializer[Alert]):
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True)
     rule_name = serializers.CharField(source="rule.name", read_only=True)
     severity = serializers.CharField(source="rule.severity", read_only=True)
     description = serializers.CharField(source="rule.describe", read_only=True)
@@ -81,14 +90,14 @@ class AlertSerializer(serializers.ModelSerializer):
         return list(TransitionSerializer(alert.transitions.all()[:20], many=True).data)
 
 
-def may_manage(serializer: serializers.Serializer, tenant: Any) -> bool:
+def may_manage(serializer: serializers.BaseSerializer[Any], tenant: Tenant | None) -> bool:
     user = _request_user(serializer)
     if user is None or not user.is_authenticated:
         return False
     return bool(user.is_staff or (tenant is not None and tenant.user_can_manage(user)))
 
 
-class ChannelSerializer(OwnedSerializer):
+class ChannelSerializer(OwnedSerializer[Channel]):
     """A channel; its signing secret is in the creation (and rotation) response only. Members
     and viewers of its tenant see that it exists, not where it sends: a webhook URL often
     carries a token (Slack's do), so they get the scheme and host only, and no addresses."""
@@ -115,11 +124,12 @@ class ChannelWithSecretSerializer(ChannelSerializer):
         read_only_fields = [*ChannelSerializer.Meta.read_only_fields, "secret"]
 
 
-class SilenceSerializer(OwnedSerializer):
-    rule = serializers.PrimaryKeyRelatedField(
-        queryset=AlertRule.objects.none(), required=False, allow_null=True)
-    alert = serializers.PrimaryKeyRelatedField(
-        queryset=Alert.objects.none(), required=False, allow_null=True)
+class SilenceSerializer(OwnedSerializer[Silence]):
+    # Only rules and alerts the caller may see can be named (others do not exist).
+    rule = ScopedPrimaryKeyField(queryset=AlertRule.objects.none(), required=False,
+                                 allow_null=True)
+    alert = ScopedPrimaryKeyField(queryset=Alert.objects.none(), required=False,
+                                  allow_null=True)
     created_by = serializers.CharField(source="created_by.username", read_only=True,
                                        default=None)
 
@@ -129,17 +139,8 @@ class SilenceSerializer(OwnedSerializer):
                   "created_by", "created_at"]
         read_only_fields = ["id", "created_at"]
 
-    def get_fields(self) -> dict[str, serializers.Field]:
-        # Only rules and alerts the caller may see can be named (others do not exist).
-        fields = super().get_fields()
-        user = _request_user(self)
-        if user is not None:
-            fields["rule"].queryset = AlertRule.objects.for_user(user)
-            fields["alert"].queryset = Alert.objects.for_user(user)
-        return fields
 
-
-class NotificationSerializer(serializers.ModelSerializer):
+class NotificationSerializer(serializers.ModelSerializer[Notification]):
     """One entry of a channel's delivery log (the error, which may quote the target, for the
     channel's managers only)."""
 

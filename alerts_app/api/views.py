@@ -33,7 +33,7 @@ from alerts_app.models import Alert, AlertRule, Channel, Notification, Silence
 from tenants_app.api.base import ScopedModelViewSet, ScopedReadOnlyModelViewSet
 
 
-class AlertRuleViewSet(ScopedModelViewSet):
+class AlertRuleViewSet(ScopedModelViewSet[AlertRule]):
     """Alert rules: platform rules (no tenant; platform admins) and tenants' own rules on their
     latency, time to first token, failures, 429s and budget."""
 
@@ -44,14 +44,14 @@ class AlertRuleViewSet(ScopedModelViewSet):
     ordering_fields = ["name", "created_at"]
     write_role = "manager"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[AlertRule]) -> QuerySet[AlertRule]:
         return queryset.select_related("tenant")
 
     def extra_create_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
 
-class AlertViewSet(ScopedReadOnlyModelViewSet):
+class AlertViewSet(ScopedReadOnlyModelViewSet[Alert]):
     """Alerts, one per rule and scope key, with their history. A tenant's users see the alerts
     that concern their tenant, whichever rule raised them."""
 
@@ -60,7 +60,7 @@ class AlertViewSet(ScopedReadOnlyModelViewSet):
     filterset_fields = {"state": ["exact", "in"], "tenant__slug": ["exact"], "rule": ["exact"]}
     ordering_fields = ["state_changed_at", "fired_at"]
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Alert]) -> QuerySet[Alert]:
         return queryset.select_related("rule", "tenant", "acknowledged_by").prefetch_related(
             "transitions")
 
@@ -78,7 +78,7 @@ class AlertViewSet(ScopedReadOnlyModelViewSet):
         return Response(self.get_serializer(alert).data)
 
 
-class ChannelViewSet(ScopedModelViewSet):
+class ChannelViewSet(ScopedModelViewSet[Channel]):
     """Notification channels: webhook, Slack-compatible webhook, email. The signing secret is in
     the creation response and `rotate-secret`'s only."""
 
@@ -87,7 +87,7 @@ class ChannelViewSet(ScopedModelViewSet):
     filterset_fields = {"tenant__slug": ["exact"], "kind": ["exact"]}
     write_role = "manager"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Channel]) -> QuerySet[Channel]:
         return queryset.select_related("tenant")
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -118,12 +118,16 @@ class ChannelViewSet(ScopedModelViewSet):
     @action(detail=True, methods=["get"])
     def deliveries(self, request: Request, pk: str | None = None) -> Response:
         channel = self.get_object()
-        page = self.paginate_queryset(channel.notifications.order_by("-created_at", "-pk"))
+        rows = channel.notifications.order_by("-created_at", "-pk")
+        # The paginator itself: the view's paginate_queryset() is typed for channels.
+        paginator = self.paginator
+        page = (paginator.paginate_queryset(rows, request, view=self)
+                if paginator is not None else None)
         data = NotificationSerializer(page, many=True, context={"request": request}).data
         return self.get_paginated_response(data)
 
 
-class SilenceViewSet(ScopedModelViewSet):
+class SilenceViewSet(ScopedModelViewSet[Silence]):
     """Silences: notifications of one alert, one rule's alerts, or everything of their owner are
     held back (logged as silenced) until `ends_at`."""
 
@@ -132,7 +136,7 @@ class SilenceViewSet(ScopedModelViewSet):
     filterset_fields = {"tenant__slug": ["exact"], "rule": ["exact"]}
     write_role = "manager"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Silence]) -> QuerySet[Silence]:
         return queryset.select_related("tenant", "created_by")
 
     def extra_create_fields(self) -> dict[str, Any]:
@@ -147,12 +151,12 @@ class SilenceViewSet(ScopedModelViewSet):
         return Response(self.get_serializer(silence).data)
 
 
-class NotificationViewSet(ScopedReadOnlyModelViewSet):
+class NotificationViewSet(ScopedReadOnlyModelViewSet[Notification]):
     """Every channel's delivery log, as the channel's tenant sees it."""
 
     queryset = Notification.objects.all()
     serializer_class = NotificationSerializer
     filterset_fields = {"channel": ["exact"], "state": ["exact"], "kind": ["exact"]}
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Notification]) -> QuerySet[Notification]:
         return queryset.select_related("channel")

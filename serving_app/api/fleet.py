@@ -49,7 +49,7 @@ def _django_errors(exc: DjangoValidationError) -> ValidationError:
     return ValidationError(as_serializer_error(exc))
 
 
-class DeploymentOperations(ScopedModelViewSet):
+class DeploymentOperations(ScopedModelViewSet[Deployment]):
     """Events, revisions and rollouts of one deployment (see the module docstring)."""
 
     def _deployment(self) -> Deployment:

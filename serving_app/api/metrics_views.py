@@ -25,7 +25,6 @@ from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions, serializers
-from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -148,8 +147,7 @@ class EngineHourSerializer(AdapterFilterMixin, serializers.ModelSerializer[Engin
 WINDOW = OpenApiParameter("minutes", int, description="How far back, in minutes (default 60).")
 
 
-# The mixin types `queryset` as a QuerySet, DRF's view as a QuerySet or a Manager (misc).
-class EngineMetricsView(ScopedQuerysetMixin, GenericAPIView[Any]):  # type: ignore[misc]
+class EngineMetricsView(ScopedQuerysetMixin[Any]):
     """A window of engine samples of the instances `scope()` gives for the looked-up object."""
 
     def scope(self, obj: Any) -> QuerySet[Instance]:

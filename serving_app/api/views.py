@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import django_filters
 import redis
@@ -40,7 +41,7 @@ from tenants_app.api.base import IsStaff, ScopedModelViewSet, ScopedReadOnlyMode
 from tenants_app.models import Tenant
 
 
-class BaseModelViewSet(ScopedModelViewSet):
+class BaseModelViewSet(ScopedModelViewSet[BaseModel]):
     """Base models. Everyone signed in reads them; platform admins register them."""
 
     queryset = BaseModel.objects.all()
@@ -49,7 +50,7 @@ class BaseModelViewSet(ScopedModelViewSet):
     write_role = "staff"
 
 
-class LoraAdapterViewSet(ScopedModelViewSet):
+class LoraAdapterViewSet(ScopedModelViewSet[LoraAdapter]):
     """A tenant's LoRA adapters. Owners and admins register and remove them."""
 
     queryset = LoraAdapter.objects.all()
@@ -57,7 +58,7 @@ class LoraAdapterViewSet(ScopedModelViewSet):
     filterset_fields = {"tenant__slug": ["exact"], "base_model__name": ["exact"], "name": ["exact"]}
     write_role = "manager"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[LoraAdapter]) -> QuerySet[LoraAdapter]:
         return queryset.select_related("tenant", "base_model")
 
     @extend_schema(request={"multipart/form-data": AdapterUploadSerializer},
@@ -69,7 +70,7 @@ class LoraAdapterViewSet(ScopedModelViewSet):
         name, archive). Its files go to the tenant's own storage area; see serving_app/uploads.py
         for what is accepted."""
         user = request.user
-        slug = request.data.get("tenant")
+        slug = request.data.get("tenant") if hasattr(request.data, "get") else None
         tenant = Tenant.objects.for_user(user).filter(slug=slug).first() if slug else None
         if tenant is not None and not tenant.user_can_manage(user):
             raise PermissionDenied("Your role in this tenant does not allow this change.")
@@ -87,7 +88,7 @@ class LoraAdapterViewSet(ScopedModelViewSet):
                         status=status.HTTP_201_CREATED)
 
 
-class NodeViewSet(ScopedModelViewSet):
+class NodeViewSet(ScopedModelViewSet[Node]):
     """Hosts running node agents (platform admins only). Agents register themselves.
 
     `cordon` stops new instances going to a node, `uncordon` lets them again (and ends a drain
@@ -99,10 +100,10 @@ class NodeViewSet(ScopedModelViewSet):
     permission_classes = [IsStaff]
     filterset_fields = ["name", "cordoned", "draining", "inventory_source"]
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Node]) -> QuerySet[Node]:
         return queryset.prefetch_related("gpus").order_by("name")
 
-    def _action(self, name: str, method: Callable[[Node], dict]) -> Response:
+    def _action(self, name: str, method: Callable[[Node], object]) -> Response:
         node = self.get_object()
         method(node)  # records its own audit entry
         return Response(self.get_serializer(node).data)
@@ -123,14 +124,14 @@ class NodeViewSet(ScopedModelViewSet):
         return self._action("drain", Node.drain)
 
 
-class GpuViewSet(ScopedReadOnlyModelViewSet):
+class GpuViewSet(ScopedReadOnlyModelViewSet[Gpu]):
     """GPUs as their node agents reported them (platform admins only)."""
 
     queryset = Gpu.objects.all()
     serializer_class = GpuSerializer
     permission_classes = [IsStaff]
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Gpu]) -> QuerySet[Gpu]:
         return queryset.select_related("node").order_by("node__name", "index")
     filterset_fields = {"node__name": ["exact"], "mig_mode": ["exact"]}
 
@@ -145,7 +146,11 @@ class DeploymentFilter(django_filters.FilterSet):
         model = Deployment
         fields = {"name": ["exact"], "desired_state": ["exact"], "base_model__name": ["exact"]}
 
-    def filter_tenant(self, queryset: QuerySet, name: str, value: str) -> QuerySet:
+    def filter_tenant(
+        self, queryset: QuerySet[Deployment], name: str, value: str
+    ) -> QuerySet[Deployment]:
+        if self.request is None:  # the viewset always passes its request
+            raise TypeError("DeploymentFilter needs the request")
         user = self.request.user
         tenants = Tenant.objects.for_user(user).filter(slug=value)
         return queryset.filter(tenants__in=tenants).distinct()
@@ -160,12 +165,12 @@ class DeploymentViewSet(DeploymentOperations):
     filterset_class = DeploymentFilter
     write_role = "staff"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Deployment]) -> QuerySet[Deployment]:
         return queryset.select_related("base_model", "applied_revision").prefetch_related(
             "tenants", "adapters__tenant", "instances__node"
         )
 
-    def extra_create_fields(self) -> dict:
+    def extra_create_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
     def _action(self, method: Callable[[Deployment], object]) -> Response:
@@ -215,14 +220,14 @@ class DeploymentViewSet(DeploymentOperations):
         return self._action(lambda deployment: deployment.scale_to(replicas))
 
 
-class InstanceViewSet(ScopedReadOnlyModelViewSet):
+class InstanceViewSet(ScopedReadOnlyModelViewSet[Instance]):
     """Engine processes as they run (platform admins only), with their command and log tail."""
 
     queryset = Instance.objects.all()
     serializer_class = InstanceSerializer
     permission_classes = [IsStaff]
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Instance]) -> QuerySet[Instance]:
         return queryset.select_related("deployment", "node").prefetch_related("gpus")
     filterset_fields = {"deployment__name": ["exact"], "state": ["exact"], "node__name": ["exact"]}
 
@@ -235,7 +240,7 @@ class CanReadAuditLog(permissions.BasePermission):
         return bool(user.is_staff or Tenant.objects.managed_by(user).exists())
 
 
-class AuditLogViewSet(ScopedReadOnlyModelViewSet):
+class AuditLogViewSet(ScopedReadOnlyModelViewSet[AuditLog]):
     """The audit trail: platform admins see all of it, tenant owners and admins their tenant's."""
 
     queryset = AuditLog.objects.all()
@@ -250,5 +255,5 @@ class AuditLogViewSet(ScopedReadOnlyModelViewSet):
         "via": ["exact"],
     }
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[AuditLog]) -> QuerySet[AuditLog]:
         return queryset.select_related("tenant")

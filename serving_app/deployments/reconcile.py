@@ -57,17 +57,19 @@ def reconcile_deployment(deployment_id: int) -> dict[str, int]:
 
         wanted = {a.engine_name for a in deployment.adapters.select_related("tenant")}
         for instance in instances:
-            if instance.state != State.READY or instance.node_id is None:
+            node = instance.node
+            if instance.state != State.READY or node is None:
                 continue
             errors = set(instance.adapter_errors)
             if set(instance.loaded_adapters) != wanted - errors or errors - wanted:
-                lifecycle.instance_task(lifecycle.SYNC_ADAPTERS, instance.pk, instance.node.queue)
+                lifecycle.instance_task(lifecycle.SYNC_ADAPTERS, instance.pk, node.queue)
                 counts["adapters"] += 1
     return counts
 
 
 def _node_name(instance: Instance) -> str:
-    return instance.node.name if instance.node_id is not None else ""
+    node = instance.node
+    return node.name if node is not None else ""
 
 
 # -- lost nodes ------------------------------------------------------------------------------
@@ -175,8 +177,11 @@ def _move(node: Node, instance: Instance) -> str:
             Deployment.objects.filter(pk=deployment.pk).update(placement_error=shown_error)
             return _drain_status(node, f"Waiting: no room elsewhere for {instance}: {reason}")
         [successor] = placed
+        target = successor.node
+        if target is None:  # place_replicas() gives each instance it places a node
+            raise RuntimeError(f"{successor} was placed on no node")
         Instance.objects.filter(pk=successor.pk).update(replaces=instance)
-        lifecycle.instance_task(lifecycle.START_INSTANCE, successor.pk, successor.node.queue)
+        lifecycle.instance_task(lifecycle.START_INSTANCE, successor.pk, target.queue)
         where = _node_name(successor)
         events.record(events.Kind.DRAIN_STEP,
                       f"Node {node.name} drain: moving instance #{instance.ordinal} of "

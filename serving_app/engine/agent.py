@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -353,7 +354,7 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
     next_state_check = time.monotonic() + STATE_CHECK_SECONDS
     while time.monotonic() < deadline:
         if not supervisor.is_alive(instance.pid):
-            code = supervisor.exit_code(instance.pid)
+            code = supervisor.exit_code(instance.pid) if instance.pid is not None else None
             _fail(instance, f"The engine exited during start (exit code {code}).",
                   exit_code=code, expected=[State.STARTING])
             return "failed"
@@ -376,7 +377,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                 return "ready"
             return _cancel_start(instance)
         time.sleep(0.1)
-    supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+    if instance.pid is not None:
+        supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
     _fail(instance, f"The engine did not become ready within "
                     f"{settings.ENGINE_START_TIMEOUT_SECONDS:g} s.", expected=[State.STARTING])
     return "failed"
@@ -400,8 +402,8 @@ def _write_log(path: Path, line: str) -> None:
         handle.write(f"[node agent {time.strftime('%H:%M:%S')}] {line}\n")
 
 
-def _fail(instance: Instance, reason: str, *, expected=None, exit_code: int | None = None,
-          log_path: str | None = None) -> bool:
+def _fail(instance: Instance, reason: str, *, expected: Iterable[str] | None = None,
+          exit_code: int | None = None, log_path: str | None = None) -> bool:
     clear_orphans(instance.pid)
     path = log_path or instance.log_path
     tail = supervisor.log_tail(path) if path else ""
@@ -570,7 +572,8 @@ def supervise_once(config: AgentConfig) -> None:
             continue
         failures = instance.health_failures + 1
         if failures >= threshold:
-            supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+            if instance.pid is not None:
+                supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
             _fail(instance, f"The engine failed {failures} health checks in a row.",
                   expected=[State.READY, State.UNHEALTHY])
         else:

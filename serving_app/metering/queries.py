@@ -27,7 +27,13 @@ from django.db.models.functions import Cast
 from django.utils import timezone
 
 from serving_app.models import Gpu, GpuSample
-from serving_app.models.usage import LATENCY_FIELDS, UsageHour, UsageMinute, histogram_quantile
+from serving_app.models.usage import (
+    LATENCY_FIELDS,
+    UsageHour,
+    UsageMinute,
+    UsageRollup,
+    histogram_quantile,
+)
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
 
@@ -53,7 +59,7 @@ class TimeRange:
     key: str
     label: str
     span: timedelta
-    rollup: type
+    rollup: type[UsageRollup]
     bin_seconds: int
 
     def bounds(self, now: datetime | None = None) -> tuple[datetime, datetime]:
@@ -107,7 +113,7 @@ class DateBin(Func):
 
 
 def _rollup_rows(
-    rollup: type,
+    rollup: type[UsageRollup],
     start: datetime,
     group_by: Sequence[str],
     counters: Sequence[str],

@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from django.contrib.auth.password_validation import validate_password
 from rest_framework import serializers
 
 from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
 
-User = get_user_model()
+# The user model as settings name it (Django's own User: the type hints name that class).
+UserModel = get_user_model()
 
 
-class TenantSerializer(ValidatedModelSerializer):
+class TenantSerializer(ValidatedModelSerializer[Tenant]):
     prefix_cache_group = LookupSlugField(
         slug_field="name", queryset=PrefixCacheGroup.objects.all(), allow_null=True,
         required=False, help_text="Sharing group (platform admins only). Null: shares with nobody.",
@@ -33,8 +35,9 @@ class TenantSerializer(ValidatedModelSerializer):
         return data
 
 
-class PrefixCacheGroupSerializer(ValidatedModelSerializer):
-    tenants = serializers.SlugRelatedField(slug_field="slug", many=True, read_only=True)
+class PrefixCacheGroupSerializer(ValidatedModelSerializer[PrefixCacheGroup]):
+    tenants: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
+        slug_field="slug", many=True, read_only=True)
 
     class Meta:
         model = PrefixCacheGroup
@@ -42,16 +45,16 @@ class PrefixCacheGroupSerializer(ValidatedModelSerializer):
         read_only_fields = ["id", "created_at"]
 
 
-class MembershipSerializer(ValidatedModelSerializer):
+class MembershipSerializer(ValidatedModelSerializer[Membership]):
     tenant = TenantSlugField()
-    user = LookupSlugField(slug_field="username", queryset=User.objects.all())
+    user = LookupSlugField(slug_field="username", queryset=UserModel.objects.all())
 
     class Meta:
         model = Membership
         fields = ["id", "tenant", "user", "role", "created_at"]
         read_only_fields = ["id", "created_at"]
 
-    def get_fields(self) -> dict[str, serializers.Field]:
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         fields = super().get_fields()
         request = self.context.get("request")
         if request is not None and not request.user.is_staff:
@@ -68,7 +71,7 @@ class MembershipSerializer(ValidatedModelSerializer):
         return super().validate(attrs)
 
 
-class InvitationSerializer(serializers.ModelSerializer):
+class InvitationSerializer(serializers.ModelSerializer[Invitation]):
     """An invitation as its tenant's managers see it: what they typed, never whom it found."""
 
     tenant = TenantSlugField()
@@ -89,7 +92,7 @@ class InvitationSerializer(serializers.ModelSerializer):
         return Invitation.objects.invite(**validated_data)
 
 
-class ReceivedInvitationSerializer(serializers.ModelSerializer):
+class ReceivedInvitationSerializer(serializers.ModelSerializer[Invitation]):
     """An invitation as the invited user sees it."""
 
     tenant = serializers.CharField(source="tenant.slug", read_only=True)
@@ -104,7 +107,7 @@ class ReceivedInvitationSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ApiKeySerializer(ValidatedModelSerializer):
+class ApiKeySerializer(ValidatedModelSerializer[ApiKey]):
     tenant = TenantSlugField()
     is_usable = serializers.SerializerMethodField()
 
@@ -143,20 +146,19 @@ class ApiKeySerializer(ValidatedModelSerializer):
 
     def to_representation(self, key: ApiKey) -> dict[str, Any]:
         data = super().to_representation(key)
-        secret = getattr(key, "new_secret", None)
-        if secret:
-            data["secret"] = secret
+        if key.new_secret:
+            data["secret"] = key.new_secret
         return data
 
 
-class UserSerializer(serializers.ModelSerializer):
+class UserSerializer(serializers.ModelSerializer[User]):
     password = serializers.CharField(
         write_only=True, required=False, style={"input_type": "password"}
     )
     memberships = serializers.SerializerMethodField()
 
     class Meta:
-        model = User
+        model = UserModel
         fields = [
             "id",
             "username",
@@ -171,7 +173,7 @@ class UserSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = ["id", "date_joined"]
 
-    def get_memberships(self, user) -> list[dict[str, str]]:
+    def get_memberships(self, user: User) -> list[dict[str, str]]:
         return [
             {"tenant": m.tenant.slug, "role": m.role}
             for m in user.memberships.select_related("tenant")
@@ -180,22 +182,22 @@ class UserSerializer(serializers.ModelSerializer):
     def validate_password(self, value: str) -> str:
         # Checked against the user as it will be saved: the similarity validator compares the
         # password with the username, names and email.
-        current = self.instance or User()
-        candidate = User(**{
+        current = self.instance or UserModel()
+        candidate = UserModel(**{
             name: self.initial_data.get(name, getattr(current, name))
             for name in ("username", "email", "first_name", "last_name")
         })
         validate_password(value, user=candidate)
         return value
 
-    def create(self, validated_data: dict[str, Any]):
+    def create(self, validated_data: dict[str, Any]) -> User:
         password = validated_data.pop("password", None)
-        user = User(**validated_data)
+        user = UserModel(**validated_data)
         user.set_password(password) if password else user.set_unusable_password()
         user.save()
         return user
 
-    def update(self, user, validated_data: dict[str, Any]):
+    def update(self, user: User, validated_data: dict[str, Any]) -> User:
         password = validated_data.pop("password", None)
         for name, value in validated_data.items():
             setattr(user, name, value)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers as drf_serializers
@@ -24,7 +27,7 @@ from tenants_app.api.serializers import (
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
 
 
-class TenantViewSet(ScopedModelViewSet):
+class TenantViewSet(ScopedModelViewSet[Tenant]):
     """Tenants and their limits. Members read their own tenants; platform admins manage all."""
 
     queryset = Tenant.objects.all()
@@ -34,11 +37,11 @@ class TenantViewSet(ScopedModelViewSet):
     ordering_fields = ["slug", "name", "created_at"]
     write_role = "staff"
 
-    def tenant_of(self, obj):
-        return obj if isinstance(obj, Tenant) else None
+    def tenant_of(self, obj_or_data: Any) -> Tenant | None:
+        return obj_or_data if isinstance(obj_or_data, Tenant) else None
 
 
-class MembershipViewSet(ScopedModelViewSet):
+class MembershipViewSet(ScopedModelViewSet[Membership]):
     """Who belongs to a tenant, with which role. Owners and admins change roles and remove
     members of their tenant; they add members by invitation (`/api/v1/invitations/`), and only
     platform admins add a member directly."""
@@ -48,23 +51,25 @@ class MembershipViewSet(ScopedModelViewSet):
     filterset_fields = {"tenant__slug": ["exact"], "role": ["exact"], "user__username": ["exact"]}
     write_role = "manager"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Membership]) -> QuerySet[Membership]:
         return queryset.select_related("tenant", "user")
 
-    def create(self, request: Request, *args, **kwargs) -> Response:
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         if not request.user.is_staff:
             raise PermissionDenied(
                 "Members join by invitation: POST /api/v1/invitations/ and they accept it."
             )
         return super().create(request, *args, **kwargs)
 
-    def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
+    def perform_create(self, serializer: drf_serializers.BaseSerializer[Membership]) -> None:
         data = serializer.validated_data
         Membership.objects.check_owner_grant(self.request.user, data["tenant"], data.get("role"))
         super().perform_create(serializer)
 
-    def perform_update(self, serializer: drf_serializers.BaseSerializer) -> None:
+    def perform_update(self, serializer: drf_serializers.BaseSerializer[Membership]) -> None:
         membership = serializer.instance
+        if membership is None:  # an update's serializer always holds the row (`get_object()`)
+            raise TypeError("perform_update() without the membership")
         role = serializer.validated_data.get("role", membership.role)
         membership.change_role(role, by=self.request.user)
 
@@ -72,7 +77,7 @@ class MembershipViewSet(ScopedModelViewSet):
         membership.remove(by=self.request.user)
 
 
-class InvitationViewSet(ScopedModelViewSet):
+class InvitationViewSet(ScopedModelViewSet[Invitation]):
     """Invitations to join a tenant. Owners and admins invite by username or email and revoke;
     the invited user accepts or declines through `/api/v1/my-invitations/`. The answer to an
     invitation is the same whether or not the username exists."""
@@ -83,10 +88,10 @@ class InvitationViewSet(ScopedModelViewSet):
     write_role = "manager"
     http_method_names = ["get", "post", "head", "options"]
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[Invitation]) -> QuerySet[Invitation]:
         return queryset.select_related("tenant", "invited_by")
 
-    def perform_create(self, serializer: drf_serializers.BaseSerializer) -> None:
+    def perform_create(self, serializer: drf_serializers.BaseSerializer[Invitation]) -> None:
         data = serializer.validated_data
         Membership.objects.check_owner_grant(self.request.user, data["tenant"], data.get("role"))
         self.check_write(data)
@@ -102,13 +107,13 @@ class InvitationViewSet(ScopedModelViewSet):
         return Response(self.get_serializer(invitation).data)
 
 
-class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet):
+class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet[Invitation]):
     """The signed-in user's open invitations, to accept or decline. Anyone else's is a 404."""
 
     serializer_class = ReceivedInvitationSerializer
     queryset = Invitation.objects.none()
 
-    def dangerously_get_queryset(self) -> QuerySet:
+    def dangerously_get_queryset(self) -> QuerySet[Invitation]:
         """Not the tenants' invitations (`for_user()`, what their managers see) but those
         addressed to the signed-in user, who belongs to none of those tenants yet."""
         return (
@@ -121,18 +126,18 @@ class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet):
     @action(detail=True, methods=["post"])
     def accept(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
-        membership = invitation.accept(request.user)
+        membership = invitation.accept(self.user)
         return Response(MembershipSerializer(membership, context={"request": request}).data)
 
     @extend_schema(request=None, responses=ReceivedInvitationSerializer)
     @action(detail=True, methods=["post"])
     def decline(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
-        invitation.decline(request.user)
+        invitation.decline(self.user)
         return Response(self.get_serializer(invitation).data)
 
 
-class ApiKeyViewSet(ScopedModelViewSet):
+class ApiKeyViewSet(ScopedModelViewSet[ApiKey]):
     """Gateway keys. The secret is in the creation response only; revoke to disable a key."""
 
     queryset = ApiKey.objects.all()
@@ -141,10 +146,10 @@ class ApiKeyViewSet(ScopedModelViewSet):
     ordering_fields = ["created_at", "name", "last_used_at"]
     write_role = "manager"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(self, queryset: QuerySet[ApiKey]) -> QuerySet[ApiKey]:
         return queryset.select_related("tenant")
 
-    def extra_create_fields(self) -> dict:
+    def extra_create_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
     @extend_schema(request=None, responses=ApiKeySerializer)
@@ -155,7 +160,7 @@ class ApiKeyViewSet(ScopedModelViewSet):
         return Response(self.get_serializer(key).data)
 
 
-class PrefixCacheGroupViewSet(ScopedModelViewSet):
+class PrefixCacheGroupViewSet(ScopedModelViewSet[PrefixCacheGroup]):
     """Prefix-cache sharing groups (platform admins only). A tenant joins one through its
     `prefix_cache_group` field; members share cached prompt prefixes on shared engines."""
 
@@ -164,11 +169,13 @@ class PrefixCacheGroupViewSet(ScopedModelViewSet):
     permission_classes = [IsStaff]
     lookup_field = "name"
 
-    def safely_get_queryset(self, queryset: QuerySet) -> QuerySet:
+    def safely_get_queryset(
+        self, queryset: QuerySet[PrefixCacheGroup]
+    ) -> QuerySet[PrefixCacheGroup]:
         return queryset.prefetch_related("tenants").order_by("name")
 
 
-class UserViewSet(ScopedModelViewSet):
+class UserViewSet(ScopedModelViewSet[User]):
     """Console users (platform admins only). Tenant roles are set through memberships."""
 
     queryset = get_user_model().objects.all()
@@ -176,7 +183,7 @@ class UserViewSet(ScopedModelViewSet):
     permission_classes = [IsStaff]
     filterset_fields = ["is_staff", "is_active", "username"]
 
-    def dangerously_get_queryset(self) -> QuerySet:
+    def dangerously_get_queryset(self) -> QuerySet[User]:
         """Users are not tenant data and Django's user model has no `for_user()`: every user,
         for platform admins only (`IsStaff`)."""
         return get_user_model().objects.order_by("username").prefetch_related("memberships__tenant")

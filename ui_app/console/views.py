@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.core.exceptions import ValidationError
-from django.db.models import Count, Prefetch, QuerySet
+from django.db.models import Count, Model, Prefetch, QuerySet
+from django.forms import ModelForm
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import get_object_or_404, redirect, render, resolve_url
 from django.template.loader import render_to_string
-from django.urls import reverse, reverse_lazy
+from django.urls import reverse
 from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
+from django.views.generic.base import TemplateResponseMixin
+from django.views.generic.edit import ModelFormMixin
 
 from audit_app.models import AuditLog
 from serving_app import storage
@@ -55,6 +58,9 @@ from ui_app.scoping import StaffPage
 
 LOG_TAIL_BYTES = 64 * 1024
 
+_M = TypeVar("_M", bound=Model)
+_F = TypeVar("_F", bound=ModelForm[Any])
+
 
 def is_htmx(request: HttpRequest) -> bool:
     return request.headers.get("HX-Request") == "true"
@@ -76,7 +82,7 @@ class LoginView(auth_views.LoginView):
 
 
 class LogoutView(auth_views.LogoutView):
-    next_page = reverse_lazy("console:login")
+    next_page = "console:login"  # a URL name: LogoutView resolves it
 
 
 # ----------------------------------------------------------------------------- overview
@@ -122,7 +128,7 @@ class OverviewView(StaffPage, TemplateView):
         context = super().get_context_data(**kwargs)
         allocation = service.allocation()
         nodes = list(Node.objects.annotate(gpu_count=Count("gpus")).order_by("name"))
-        gpus_by_node: dict[str, list[dict]] = {}
+        gpus_by_node: dict[str, list[dict[str, Any]]] = {}
         for row in allocation:
             gpus_by_node.setdefault(row["node"], []).append(gpu_display(row))
         cpu_load = dict(
@@ -182,7 +188,7 @@ class OverviewDeploymentsPartial(StaffPage, View):
 # ----------------------------------------------------------------------------- generic CRUD
 
 
-class ObjectCreateView(StaffPage, CreateView):
+class ObjectCreateView(StaffPage, CreateView[_M, _F]):
     template_name = "console/object_form.html"
     noun = ""
 
@@ -197,7 +203,7 @@ class ObjectCreateView(StaffPage, CreateView):
     def extra_fields(self) -> dict[str, Any]:
         return {}
 
-    def form_valid(self, form: Any) -> HttpResponse:
+    def form_valid(self, form: _F) -> HttpResponse:
         for name, value in self.extra_fields().items():
             setattr(form.instance, name, value)
         self.object = form.save()
@@ -205,16 +211,16 @@ class ObjectCreateView(StaffPage, CreateView):
         return redirect(self.get_success_url())
 
 
-class ObjectUpdateView(StaffPage, UpdateView):
+class ObjectUpdateView(StaffPage, UpdateView[_M, _F]):
     template_name = "console/object_form.html"
     noun = ""
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update(noun=self.noun, cancel_url=self.object.get_absolute_url())
+        context.update(noun=self.noun, cancel_url=resolve_url(self.object))
         return context
 
-    def form_valid(self, form: Any) -> HttpResponse:
+    def form_valid(self, form: _F) -> HttpResponse:
         self.object = form.save()
         messages.success(self.request, f"{self.noun.capitalize()} {self.object} saved.")
         return redirect(self.get_success_url())
@@ -223,7 +229,7 @@ class ObjectUpdateView(StaffPage, UpdateView):
 # ----------------------------------------------------------------------------- tenants
 
 
-class TenantListView(StaffPage, ListView):
+class TenantListView(StaffPage, ListView[Tenant]):
     template_name = "console/tenant_list.html"
 
     def get_queryset(self) -> QuerySet[Tenant]:
@@ -238,7 +244,7 @@ class TenantListView(StaffPage, ListView):
         return context
 
 
-class TenantDetailView(StaffPage, DetailView):
+class TenantDetailView(StaffPage, DetailView[Tenant]):
     template_name = "console/tenant_detail.html"
     slug_field = "slug"
     queryset = Tenant.objects.all()
@@ -263,13 +269,13 @@ class TenantDetailView(StaffPage, DetailView):
         return context
 
 
-class TenantCreateView(ObjectCreateView):
+class TenantCreateView(ObjectCreateView[Tenant, TenantForm]):
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
 
 
-class TenantUpdateView(ObjectUpdateView):
+class TenantUpdateView(ObjectUpdateView[Tenant, TenantForm]):
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
@@ -279,7 +285,7 @@ class TenantUpdateView(ObjectUpdateView):
 # ----------------------------------------------------------------------------- base models
 
 
-class BaseModelListView(StaffPage, ListView):
+class BaseModelListView(StaffPage, ListView[BaseModel]):
     template_name = "console/basemodel_list.html"
 
     def get_queryset(self) -> QuerySet[BaseModel]:
@@ -289,18 +295,18 @@ class BaseModelListView(StaffPage, ListView):
         )
 
 
-class BaseModelDetailView(StaffPage, DetailView):
+class BaseModelDetailView(StaffPage, DetailView[BaseModel]):
     template_name = "console/basemodel_detail.html"
     queryset = BaseModel.objects.all()
 
 
-class BaseModelCreateView(ObjectCreateView):
+class BaseModelCreateView(ObjectCreateView[BaseModel, BaseModelForm]):
     model = BaseModel
     form_class = BaseModelForm
     noun = "base model"
 
 
-class BaseModelUpdateView(ObjectUpdateView):
+class BaseModelUpdateView(ObjectUpdateView[BaseModel, BaseModelForm]):
     model = BaseModel
     form_class = BaseModelForm
     noun = "base model"
@@ -309,7 +315,7 @@ class BaseModelUpdateView(ObjectUpdateView):
 # ----------------------------------------------------------------------------- adapters
 
 
-class AdapterListView(StaffPage, ListView):
+class AdapterListView(StaffPage, ListView[LoraAdapter]):
     template_name = "console/adapter_list.html"
 
     def get_queryset(self) -> QuerySet[LoraAdapter]:
@@ -318,18 +324,18 @@ class AdapterListView(StaffPage, ListView):
         )
 
 
-class AdapterDetailView(StaffPage, DetailView):
+class AdapterDetailView(StaffPage, DetailView[LoraAdapter]):
     template_name = "console/adapter_detail.html"
     queryset = LoraAdapter.objects.select_related("tenant", "base_model")
 
 
-class AdapterCreateView(ObjectCreateView):
+class AdapterCreateView(ObjectCreateView[LoraAdapter, LoraAdapterForm]):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
 
 
-class AdapterUpdateView(ObjectUpdateView):
+class AdapterUpdateView(ObjectUpdateView[LoraAdapter, LoraAdapterForm]):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
@@ -338,14 +344,14 @@ class AdapterUpdateView(ObjectUpdateView):
 # ----------------------------------------------------------------------------- deployments
 
 
-class DeploymentListView(StaffPage, ListView):
+class DeploymentListView(StaffPage, ListView[Deployment]):
     template_name = "console/deployment_list.html"
 
     def get_queryset(self) -> QuerySet[Deployment]:
         return _deployments_with_instances()
 
 
-class DeploymentDetailView(StaffPage, DetailView):
+class DeploymentDetailView(StaffPage, DetailView[Deployment]):
     template_name = "console/deployment_detail.html"
 
     def get_queryset(self) -> QuerySet[Deployment]:
@@ -371,19 +377,20 @@ class DeploymentDetailView(StaffPage, DetailView):
         return context
 
 
-class DeploymentFormMixin:
+class DeploymentFormMixin(TemplateResponseMixin, ModelFormMixin[Deployment, DeploymentForm]):
+    request: HttpRequest
     template_name = "console/deployment_form.html"
     model = Deployment
     form_class = DeploymentForm
     noun = "deployment"
 
-    def get_form(self, form_class: Any = None) -> DeploymentForm:
+    def get_form(self, form_class: type[DeploymentForm] | None = None) -> DeploymentForm:
         form = super().get_form(form_class)
         form.editor = self.request.user
         return form
 
 
-class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView):
+class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView[Deployment, DeploymentForm]):
     def extra_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
@@ -393,7 +400,7 @@ class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView):
         return context
 
 
-class DeploymentUpdateView(DeploymentFormMixin, ObjectUpdateView):
+class DeploymentUpdateView(DeploymentFormMixin, ObjectUpdateView[Deployment, DeploymentForm]):
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         context["plan_url"] = reverse("console:deployment-plan-edit", args=[self.object.pk])
@@ -464,7 +471,7 @@ class DeploymentScaleView(StaffPage, View):
         deployment = get_object_or_404(Deployment, pk=pk)
         form = ScaleForm(request.POST)
         if not form.is_valid():
-            error = "; ".join(e for errs in form.errors.values() for e in errs)
+            error = "; ".join(str(e) for errs in form.errors.values() for e in errs)
             return _after_action(request, deployment, f"Not scaled: {error}", level="error")
         try:
             deployment.scale_to(form.cleaned_data["replicas"])
@@ -503,7 +510,7 @@ class DeploymentInstancesPartial(StaffPage, View):
 EVENTS_ON_NODE_PAGE = 30
 
 
-class NodeDetailView(StaffPage, DetailView):
+class NodeDetailView(StaffPage, DetailView[Node]):
     """A node: its state and heartbeat, what runs there, what the control plane did there (its
     events) and who acted on it (its audit entries), and the cordon, uncordon and drain
     actions."""
@@ -552,7 +559,7 @@ class NodeActionView(StaffPage, View):
 # ----------------------------------------------------------------------------- what-if plans
 
 
-class FleetPlanListView(StaffPage, ListView):
+class FleetPlanListView(StaffPage, ListView[FleetPlan]):
     template_name = "console/fleetplan_list.html"
 
     def get_queryset(self) -> QuerySet[FleetPlan]:
@@ -564,7 +571,7 @@ class FleetPlanListView(StaffPage, ListView):
         return context
 
 
-class FleetPlanDetailView(StaffPage, DetailView):
+class FleetPlanDetailView(StaffPage, DetailView[FleetPlan]):
     template_name = "console/fleetplan_detail.html"
 
     def get_queryset(self) -> QuerySet[FleetPlan]:
@@ -576,14 +583,14 @@ class FleetPlanDetailView(StaffPage, DetailView):
         return context
 
 
-class FleetPlanFormMixin:
+class FleetPlanFormMixin(TemplateResponseMixin, ModelFormMixin[FleetPlan, FleetPlanForm]):
     template_name = "console/fleetplan_form.html"
     model = FleetPlan
     form_class = FleetPlanForm
     noun = "what-if plan"
 
 
-class FleetPlanCreateView(FleetPlanFormMixin, ObjectCreateView):
+class FleetPlanCreateView(FleetPlanFormMixin, ObjectCreateView[FleetPlan, FleetPlanForm]):
     def extra_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
@@ -591,7 +598,7 @@ class FleetPlanCreateView(FleetPlanFormMixin, ObjectCreateView):
         return reverse("console:fleetplan-list")
 
 
-class FleetPlanUpdateView(FleetPlanFormMixin, ObjectUpdateView):
+class FleetPlanUpdateView(FleetPlanFormMixin, ObjectUpdateView[FleetPlan, FleetPlanForm]):
     def get_queryset(self) -> QuerySet[FleetPlan]:
         return FleetPlan.objects.for_user(self.request.user)
 
@@ -618,7 +625,7 @@ def log_tail(instance: Instance, limit: int = LOG_TAIL_BYTES) -> str:
     return instance.log_tail
 
 
-class InstanceDetailView(StaffPage, DetailView):
+class InstanceDetailView(StaffPage, DetailView[Instance]):
     template_name = "console/instance_detail.html"
     queryset = Instance.objects.select_related("deployment", "node").prefetch_related("gpus")
 
@@ -638,7 +645,7 @@ class InstanceLogPartial(StaffPage, View):
 # ----------------------------------------------------------------------------- audit log
 
 
-class AuditLogView(StaffPage, ListView):
+class AuditLogView(StaffPage, ListView[AuditLog]):
     template_name = "console/audit_log.html"
     paginate_by = 50
 

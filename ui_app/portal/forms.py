@@ -7,7 +7,7 @@ through `serving_app.uploads.register_upload()`, the same workflow as the API's 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.conf import settings
@@ -18,19 +18,11 @@ from serving_app.models import BaseModel, LoraAdapter
 from serving_app.uploads import allowed_base_models, register_upload
 from tenants_app.models import Tenant
 
-
-class _ConstraintsMixin:
-    """ModelForms skip constraints on fields they do not show (the tenant); check them all."""
-
-    def _post_clean(self) -> None:
-        super()._post_clean()  # type: ignore[misc]
-        try:
-            self.instance.validate_constraints()  # type: ignore[attr-defined]
-        except ValidationError as exc:
-            self._update_errors(exc)  # type: ignore[attr-defined]
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AnonymousUser, User
 
 
-class AdapterPathForm(_ConstraintsMixin, forms.ModelForm):
+class AdapterPathForm(forms.ModelForm[LoraAdapter]):
     """Register an adapter folder that is already on the node hosts (platform admins only:
     tenants never name host paths; the portal offers it to staff alone)."""
 
@@ -43,7 +35,19 @@ class AdapterPathForm(_ConstraintsMixin, forms.ModelForm):
     def __init__(self, *args: Any, tenant: Tenant, **kwargs: Any) -> None:
         kwargs.setdefault("instance", LoraAdapter(tenant=tenant))
         super().__init__(*args, **kwargs)
-        self.fields["base_model"].queryset = allowed_base_models(tenant)
+        base_model = self.fields["base_model"]
+        if not isinstance(base_model, forms.ModelChoiceField):
+            raise TypeError("base_model is a foreign key: a ModelChoiceField")
+        base_model.queryset = allowed_base_models(tenant)
+
+    def validate_unique(self) -> None:
+        """With the unique checks, the model's constraints on all fields: a ModelForm skips
+        those on fields it does not show (the tenant)."""
+        super().validate_unique()
+        try:
+            self.instance.validate_constraints()
+        except ValidationError as exc:
+            self.add_error(None, exc)
 
 
 class AdapterUploadForm(forms.Form):
@@ -53,14 +57,18 @@ class AdapterUploadForm(forms.Form):
     name = forms.SlugField(max_length=100, help_text="Public name, unique within the tenant.")
     archive = forms.FileField(help_text="A .zip of the adapter folder.")
 
-    def __init__(self, *args: Any, tenant: Tenant, user: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tenant: Tenant, user: User | AnonymousUser | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tenant = tenant
         self.user = user
-        self.fields["base_model"].queryset = allowed_base_models(tenant)
+        base_model = self.fields["base_model"]
+        if not isinstance(base_model, forms.ModelChoiceField):
+            raise TypeError("base_model is declared a ModelChoiceField")
+        base_model.queryset = allowed_base_models(tenant)
 
     def clean_name(self) -> str:
-        name = self.cleaned_data["name"]
+        name: str = self.cleaned_data["name"]
         if LoraAdapter.objects.for_tenant(self.tenant).filter(name=name).exists():
             raise ValidationError(f"This tenant already has an adapter named {name}.")
         return name

@@ -25,7 +25,10 @@ class ApiKeyForm(forms.Form):
 
     def __init__(self, *args: Any, model_names: list[str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["allowed_models"].choices = [(n, n) for n in model_names or []]
+        allowed_models = self.fields["allowed_models"]
+        if not isinstance(allowed_models, forms.ChoiceField):
+            raise TypeError("allowed_models is declared a MultipleChoiceField")
+        allowed_models.choices = [(n, n) for n in model_names or []]
 
     def key_fields(self) -> dict[str, Any]:
         days = self.cleaned_data.get("expires_in")

@@ -34,7 +34,7 @@ class PortalHomeView(SignedInPage, TemplateView):
                            .select_related("tenant", "invited_by").order_by("-created_at"))
         if len(tenants) == 1 and not invitations:
             return redirect("portal:tenant-home", slug=tenants[0].slug)
-        roles = dict(request.user.memberships.values_list("tenant_id", "role"))
+        roles = dict(self.user.memberships.values_list("tenant_id", "role"))
         return render(request, self.template_name,
                       {"choices": [(t, roles.get(t.pk, "platform")) for t in tenants],
                        "invitations": invitations})
@@ -48,11 +48,11 @@ class InvitationAnswerView(SignedInPage, View):
             Invitation.objects.addressed_to(request.user).select_related("tenant"), pk=pk
         )
         if answer == "decline":
-            invitation.decline(request.user)
+            invitation.decline(self.user)
             messages.success(request, f"Invitation to {invitation.tenant.name} declined.")
             return redirect("portal:home")
         try:
-            membership = invitation.accept(request.user)
+            membership = invitation.accept(self.user)
         except ValidationError as exc:
             messages.error(request, exc.messages[0])
             return redirect("portal:home")
@@ -77,9 +77,9 @@ class ApiKeyRevokeView(TenantPage, View):
 # ----------------------------------------------------------------------------- members
 
 
-class MembersView(TenantPage, View):
-    """The tenant's members and invitations. Owners and admins invite by username or email; the
-    page answers the same whether or not that user exists."""
+class MembersPage(TenantPage, View):
+    """The members section: the page of members and invitations, and the owner rule of every
+    change made there."""
 
     section = "members"
 
@@ -95,6 +95,11 @@ class MembersView(TenantPage, View):
     def check_owner_grant(self, role: str | None) -> None:
         Membership.objects.check_owner_grant(self.request.user, self.tenant, role)
 
+
+class MembersView(MembersPage):
+    """The tenant's members and invitations. Owners and admins invite by username or email; the
+    page answers the same whether or not that user exists."""
+
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         return self.page()
 
@@ -107,7 +112,7 @@ class MembersView(TenantPage, View):
         try:
             invitation = Invitation.objects.invite(
                 tenant=self.tenant, invited_as=form.cleaned_data["invited_as"],
-                role=form.cleaned_data["role"], invited_by=request.user,
+                role=form.cleaned_data["role"], invited_by=self.user,
             )
         except ValidationError as exc:
             for field, errors in exc.message_dict.items():
@@ -119,7 +124,7 @@ class MembersView(TenantPage, View):
         return redirect("portal:members", slug=slug)
 
 
-class InvitationRevokeView(MembersView):
+class InvitationRevokeView(MembersPage):
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         self.require_manager()
         invitation = get_object_or_404(Invitation.objects.for_tenant(self.tenant), pk=pk)
@@ -129,7 +134,7 @@ class InvitationRevokeView(MembersView):
         return redirect("portal:members", slug=slug)
 
 
-class MemberChangeView(MembersView):
+class MemberChangeView(MembersPage):
     """Change a member's role, or remove them (`action=remove`)."""
 
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:

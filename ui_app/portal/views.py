@@ -167,12 +167,14 @@ class AdaptersView(TenantPage, View):
     section = "adapters"
 
     def page(self, status: int = 200, **forms: Any) -> HttpResponse:
-        adapters = list(LoraAdapter.objects.for_tenant(self.tenant).select_related("base_model")
-                        .prefetch_related("deployments"))
         staff = is_platform_admin(self.request.user)
-        for adapter in adapters:
-            # An engine's load error may name host paths; tenant users get them redacted.
-            adapter.shown_error = adapter.last_error if staff else redact_paths(adapter.last_error)
+        # Each adapter with its error as shown: an engine's load error may name host paths,
+        # which tenant users get redacted.
+        adapters = [
+            (adapter, adapter.last_error if staff else redact_paths(adapter.last_error))
+            for adapter in LoraAdapter.objects.for_tenant(self.tenant)
+            .select_related("base_model").prefetch_related("deployments")
+        ]
         # Tenants never name host paths: registering a folder on the hosts is for platform
         # admins (who see the portal as every tenant does).
         if staff:
@@ -199,10 +201,10 @@ class AdaptersView(TenantPage, View):
             if not request.user.is_staff:
                 raise PermissionDenied("Only platform admins register adapters from a path; "
                                        "upload the adapter's files instead.")
-            form = AdapterPathForm(request.POST, tenant=self.tenant)
-            if not form.is_valid():
-                return self.page(status=400, path_form=form)
-            adapter = form.save()
+            path_form = AdapterPathForm(request.POST, tenant=self.tenant)
+            if not path_form.is_valid():
+                return self.page(status=400, path_form=path_form)
+            adapter = path_form.save()
         messages.success(request, f"Adapter {adapter.name} registered (rank {adapter.rank}, "
                                   f"{', '.join(adapter.target_modules)}).")
         return redirect("portal:adapters", slug=slug)
@@ -260,13 +262,14 @@ class PlaygroundKeyView(TenantPage, View):
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
         now = timezone.now()
+        expires_at = now + PLAYGROUND_KEY_LIFETIME
         key, secret = ApiKey.objects.create_key(
             tenant=self.tenant,
             name=f"playground {request.user.get_username()} {now:%Y-%m-%d %H:%M:%S.%f}"[:100],
-            expires_at=now + PLAYGROUND_KEY_LIFETIME,
+            expires_at=expires_at,
             created_by=request.user,
         )
         response = JsonResponse({"secret": secret, "prefix": key.prefix,
-                                 "expires_at": key.expires_at.isoformat()})
+                                 "expires_at": expires_at.isoformat()})
         response["Cache-Control"] = "no-store"
         return response
