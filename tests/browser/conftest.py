@@ -71,7 +71,6 @@ def console_server(django_db_setup, django_db_blocker) -> Iterator[str]:
     if connection.vendor != "postgresql":
         pytest.skip("the browser tests' server shares the test database: use PostgreSQL")
     redis.Redis.from_url(GATEWAY_REDIS_URL).flushdb()
-    port = _free_port()
     env = {**os.environ, "DATABASE_URL": _database_url(), "GATEWAY_REDIS_URL": GATEWAY_REDIS_URL,
            "CELERY_BROKER_URL": BROKER_URL, "CELERY_RESULT_BACKEND": BROKER_URL,
            "GATEWAY_CATALOG_REFRESH_SECONDS": "0.5", "GATEWAY_KEY_CACHE_SECONDS": "1",
@@ -79,9 +78,23 @@ def console_server(django_db_setup, django_db_blocker) -> Iterator[str]:
            "DJANGO_SETTINGS_MODULE": "tests.browser.settings"}
     (ROOT / "artifacts").mkdir(exist_ok=True)
     log = open(ROOT / "artifacts" / "browser-server.log", "wb")  # noqa: SIM115
+    url, proc = start_server("tests.browser.asgi:application", env, log,
+                             "--no-access-log", "--log-level", "warning")
+    try:
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(10)
+        log.close()
+
+
+def start_server(app: str, env: dict[str, str], log, *options: str
+                 ) -> tuple[str, subprocess.Popen]:
+    """uvicorn serving `app` on a free port, once its sign-in page answers."""
+    port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "tests.browser.asgi:application", "--host",
-         "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"],
+        [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+         *options],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -89,19 +102,13 @@ def console_server(django_db_setup, django_db_blocker) -> Iterator[str]:
     while True:
         try:
             if httpx.get(url + "/login/", timeout=2).status_code == 200:
-                break
+                return url, proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"console server did not start; see {log.name}")
+            raise RuntimeError(f"console server ({app}) did not start; see {log.name}")
         time.sleep(0.2)
-    try:
-        yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(10)
-        log.close()
 
 
 @pytest.fixture(scope="module")

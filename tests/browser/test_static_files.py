@@ -12,14 +12,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.browser.conftest import GATEWAY_REDIS_URL, ROOT, _database_url, _free_port
+from tests.browser.conftest import GATEWAY_REDIS_URL, ROOT, _database_url, start_server
 from tests.browser.conftest import sign_in as browser_sign_in
 from tests.factories import make_user
 
@@ -35,25 +33,8 @@ def production_server(tmp_path_factory, django_db_setup) -> Iterator[tuple[str, 
     subprocess.run([sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"], cwd=ROOT,
                    env=env, check=True)
     access_log = var / "access.log"
-    port = _free_port()
     with open(access_log, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
-             "--port", str(port), "--log-level", "info"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/login/", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"production-like server did not start; see {access_log}")
-        time.sleep(0.2)
+        url, proc = start_server("console.asgi:application", env, log, "--log-level", "info")
     try:
         yield url, access_log
     finally:
