@@ -182,14 +182,24 @@ class Detector:
         """Every entity in the whole text, as (start, end)."""
         return self.scan(text, 0, final=True)[0]
 
-    def scan(self, text: str, pos: int, final: bool) -> tuple[list[tuple[int, int]], int]:
+    def can_start_in(self, chunk: str) -> bool:
+        """False when no match can start anywhere in `chunk` (an ASCII chunk without any of
+        the characters a match starts with); True when one may."""
+        if self._open is None or not chunk.isascii():
+            return True
+        return not self._open.first_ascii.isdisjoint(chunk)
+
+    def scan(self, text: str, pos: int, final: bool,
+             needle: bool = True) -> tuple[list[tuple[int, int]], int]:
         """Entities whose match attempts start at `pos` or later and are decided, and the
         position of the first undecided attempt.
 
         With `final` the text is complete: every attempt is decided. Otherwise more text may
         follow `text`; an attempt is decided when it cannot reach the end (it starts more than
         `reach` characters before it, or what follows it cannot be the beginning of a match:
-        `shapes.OpenTest`) and the checks after its match have all the text they read."""
+        `shapes.OpenTest`) and the checks after its match have all the text they read.
+        `needle=False` says the prefilter's needle does not occur in text[pos:], so there is no
+        complete match to look for."""
         size = len(text)
         limit = size
         if not final:
@@ -199,7 +209,7 @@ class Detector:
                 limit = open_at
         found: list[tuple[int, int]] = []
         consumed = pos
-        for start, end in self._matches(text, pos):
+        for start, end in self._matches(text, pos) if needle else ():
             if start >= limit:
                 break
             if not final and end + self.after > size:
@@ -225,7 +235,7 @@ class Prefilter:
 
     def candidates(self, text: str) -> list[int]:
         """Indexes into `detectors` of those whose needle occurs in `text`, in order."""
-        if not self.detectors:
+        if not self.detectors or not text:
             return []
         # The stubs type Set.Match as a bool; it returns the matching indexes (or None).
         found: Any = self._set.Match(text)
@@ -352,6 +362,7 @@ class PrivateKeyDetector(Detector):
 @functools.cache
 def builtin() -> dict[str, Detector]:
     """The platform's detectors by name, in the order overlapping redactions prefer."""
+    _SUFFIXES("example.com")  # builds its suffix trie now (~30 ms), not in a request
     detectors = [
         PrivateKeyDetector(),
         Detector(

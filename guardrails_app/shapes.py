@@ -231,34 +231,30 @@ class OpenTest:
     `earliest(text, lo)` is the first position p >= lo such that text[p:] could be the
     beginning of (or all of) something the pattern consumes: it starts with a first character,
     holds only alphabet characters and agrees with the literal prefix. None when there is none,
-    so every match attempt before the end is decided."""
+    so every match attempt before the end is decided. One RE2 search:
+    `first alphabet* $`, or with a literal prefix `prefix alphabet* $ | a cut-short prefix $`."""
 
     def __init__(self, shape: Shape) -> None:
         options = re2.Options()
         options.log_errors = False
-        self._run = re2.compile(f"(?:{shape.alphabet})*$", options)
-        self._first = re2.compile(shape.first, options)
-        self._prefix = shape.prefix
-        self._prefix_re = re2.compile(re2.escape(shape.prefix), options) if shape.prefix else None
+        if shape.prefix:
+            chars = [re2.escape(ch) for ch in shape.prefix]
+            cut_short = ""
+            for ch in reversed(chars[1:-1] if len(chars) > 1 else []):
+                cut_short = f"{ch}(?:{cut_short})?" if cut_short else ch
+            cut_short = f"{chars[0]}(?:{cut_short})?" if cut_short else chars[0]
+            whole = "".join(chars)
+            source = f"(?:{whole}(?:{shape.alphabet})*|{cut_short})$"
+        else:
+            source = f"(?:{shape.first})(?:{shape.alphabet})*$"
+        self._tail = re2.compile(source, options)
+        first = re2.compile(shape.first, options)
+        # The ASCII characters a match can start with: a chunk of ASCII text with none of them
+        # starts no match (`Detector.scan` skips it without a search).
+        self.first_ascii = frozenset(chr(c) for c in range(128) if first.fullmatch(chr(c)))
 
     def earliest(self, text: str, lo: int) -> int | None:
-        end = len(text)
-        if lo >= end:
+        if lo >= len(text):
             return None
-        run = self._run.search(text, lo)
-        if run is None or run.start() >= end:
-            return None
-        start = run.start()
-        if self._prefix_re is None:
-            first = self._first.search(text, start)
-            return None if first is None else first.start()
-        found = self._prefix_re.search(text, start)
-        best = None if found is None else found.start()
-        # The prefix cut short by the end of the text: its longest piece there starts earliest.
-        for size in range(min(len(self._prefix) - 1, end - start), 0, -1):
-            if best is not None and best <= end - size:
-                break
-            if text.endswith(self._prefix[:size]):
-                best = end - size
-                break
-        return best
+        found = self._tail.search(text, lo)
+        return None if found is None else found.start()

@@ -73,7 +73,7 @@ class StreamRedactor:
         if self._closed:
             raise RuntimeError("the stream was blocked or flushed")
         self._text += chunk
-        return self._advance(final=False)
+        return self._advance(final=False, chunk=chunk)
 
     def flush(self) -> Piece:
         """The end of the answer: release everything still held."""
@@ -83,11 +83,21 @@ class StreamRedactor:
         self._closed = True
         return piece
 
-    def _advance(self, final: bool) -> Piece:
+    def _advance(self, final: bool, chunk: str = "") -> Piece:
         text, base = self._text, self._base
         end = base + len(text)
+        arrived = end - len(chunk)
+        # Which detectors' needles occur in the undecided text (from a character before it,
+        # which a needle's boundary may read): the others have no complete match to find.
+        start = min(self._pos, default=end) - base
+        needles = set(self.guard.prefilter.candidates(text[start - 1 if start else 0:]))
         for index, detector in enumerate(self.guard.detectors):
-            found, decided = detector.scan(text, self._pos[index] - base, final)
+            pos = self._pos[index]
+            if pos == arrived and not final and not detector.can_start_in(chunk):
+                # Idle, and no match can start in the new text: all of it is decided.
+                self._pos[index] = end
+                continue
+            found, decided = detector.scan(text, pos - base, final, needle=index in needles)
             self._pending += [Hit(start + base, stop + base, index) for start, stop in found]
             self._pos[index] = decided + base
         settled_to = min(self._pos, default=end)
