@@ -159,3 +159,29 @@ def test_output_stream_redacts_the_engine_and_restores_the_tenant():
     released += out.flush().text
     # The tenant's own number comes back; the engine's number and email stay redacted.
     assert released == "I'll text 13812345678 from [PHONE_2], cc [EMAIL_1]."
+
+
+ANCHORED = {
+    "word": tenant_pattern("word", r"\bkey[0-9]{2,4}\b", category="KEYNUM"),
+    "line": tenant_pattern("line", r"(?m)^ID:[0-9]{3}$", category="LINE_ID"),
+    "end": tenant_pattern("end", r"ok[0-9]?$", category="END"),
+}
+ANCHORED_GUARD = Policy.from_dict(
+    {"output": {name: "redact" for name in ANCHORED}}).compile(ANCHORED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("keyID:0123 \nok_x")), max_size=40),
+       st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=20))
+def test_tenant_patterns_with_anchors_and_word_boundaries_stream_like_the_whole(text, sizes):
+    """`\\b`, `(?m)^`/`$` and end-of-text `$` read the characters around a match: the stream
+    keeps the one before its undecided text and holds a match that ends where the text does."""
+    whole = ANCHORED_GUARD.apply(text, Direction.OUTPUT).text
+    redactor = StreamRedactor(ANCHORED_GUARD.output, Vault())
+    out, at, i = [], 0, 0
+    while at < len(text):
+        size = sizes[i % len(sizes)]
+        out.append(redactor.feed(text[at:at + size]).text)
+        at, i = at + size, i + 1
+    out.append(redactor.flush().text)
+    assert "".join(out) == whole
