@@ -121,6 +121,8 @@ class Detector:
         except ShapeError as exc:
             self.stream_refusal = f"{name}: its longest match cannot be determined ({exc})"
         else:
+            if shape.min_len == 0:
+                raise DetectorError(f"{name}: the pattern matches the empty string")
             self.max_len = shape.max_len
             if shape.max_len is None:
                 self.stream_refusal = f"{name}: its matches have no upper length bound"
@@ -176,7 +178,9 @@ class Detector:
     def _matches(self, text: str, pos: int) -> Iterator[tuple[int, int]]:
         """The pattern's matches from `pos` on, left to right, as `finditer` walks them."""
         for match in self.regex.finditer(text, pos):
-            yield match.span()
+            start, end = match.span()
+            if end > start:  # an empty match (a pattern the analysis cannot read) finds nothing
+                yield start, end
 
     def find(self, text: str) -> list[tuple[int, int]]:
         """Every entity in the whole text, as (start, end)."""
@@ -459,6 +463,14 @@ def builtin() -> dict[str, Detector]:
     return {detector.name: detector for detector in detectors}
 
 
+def category_label(category: str) -> str:
+    """A category as placeholders spell it: upper case letters, digits and underscores,
+    starting with a letter (`[PROJECT_CODE_1]`)."""
+    label = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in category.upper())
+    label = label.strip("_") or "CUSTOM"
+    return label if label[0].isalpha() else f"C_{label}"
+
+
 def tenant_pattern(
     name: str, pattern: str, *, category: str = "CUSTOM", ignore_case: bool = False
 ) -> Detector:
@@ -468,7 +480,7 @@ def tenant_pattern(
         raise DetectorError(f"{name}: the pattern is empty")
     source = f"(?i:{pattern})" if ignore_case else pattern
     return Detector(
-        name, category, source,
+        name, category_label(category), source,
         description="A tenant's pattern.",
         boundary="",
         max_len_cap=TENANT_MAX_LEN,
@@ -486,7 +498,7 @@ def deny_list(name: str, terms: Iterable[str], *, category: str = "DENYLIST") ->
     alternation = "|".join(r"\s{1,8}".join(re2.escape(part) for part in w.split(" "))
                            for w in words)
     return Detector(
-        name, category, f"(?i:{alternation})",
+        name, category_label(category), f"(?i:{alternation})",
         description="A tenant's deny-list.",
         boundary=_ALNUM + "_",
         max_len_cap=TENANT_MAX_LEN,

@@ -144,8 +144,12 @@ def test_tenant_pattern_is_re2_and_bounded_patterns_stream():
     assert f"over the {TENANT_MAX_LEN}" in (too_long.stream_refusal or "")
     with pytest.raises(DetectorError, match="not valid RE2"):
         tenant_pattern("backref", r"(a)\1")
-    with pytest.raises(DetectorError, match="empty string"):
-        tenant_pattern("empty", r"a*")
+    for empty in (r"a*", r"\bx*", r"(?:ab)?"):
+        with pytest.raises(DetectorError, match="empty string"):
+            tenant_pattern("empty", empty)
+    # Categories become placeholder labels.
+    assert tenant_pattern("p", r"P-[0-9]{3}", category="project code").category == "PROJECT_CODE"
+    assert deny_list("d", ["x"], category="9 lives").category == "C_9_LIVES"
 
 
 def test_tenant_pattern_cannot_stall_the_worker():
