@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "tenants_app",
     "serving_app",
     "gateway_app",
+    "guardrails_app",
     "alerts_app",
     "ui_app",
 ]

@@ -48,7 +48,8 @@ step "type check (mypy)"
 PYTHONPATH=. .venv/bin/mypy
 step "duplicate code (pylint duplicate-code)"
 .venv/bin/pylint --disable=all --enable=duplicate-code --score=n \
-    console ui_app audit_app tenants_app serving_app gateway_app alerts_app tests benchmarks scripts \
+    console ui_app audit_app tenants_app serving_app gateway_app guardrails_app alerts_app tests \
+    benchmarks scripts \
     manage.py
 # The fast part of the mutation check (scripts/mutation_check.py): deliberate breakages the
 # suite must catch. Run before the suite (its pytest runs go to var/mutation-logs), and only for

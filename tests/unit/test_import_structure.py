@@ -19,8 +19,8 @@ from celery import current_app
 from serving_app import lifecycle
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("console", "ui_app", "alerts_app", "audit_app", "gateway_app", "serving_app",
-            "tenants_app")
+PACKAGES = ("console", "ui_app", "alerts_app", "audit_app", "gateway_app", "guardrails_app",
+            "serving_app", "tenants_app")
 
 # (file, imported module) -> why the import is inside a function.
 ALLOWED_FUNCTION_IMPORTS: dict[tuple[str, str], str] = {}

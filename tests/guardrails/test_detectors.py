@@ -1,0 +1,183 @@
+"""Each recognizer finds valid entities and refuses look-alikes whose check digits or structure
+fail; tenants' patterns are compiled with RE2 and refused for streams when unbounded."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+
+from guardrails_app.checksums import resident_id_valid, uscc_valid
+from guardrails_app.detectors import (
+    TENANT_MAX_LEN,
+    DetectorError,
+    Prefilter,
+    analyzer,
+    builtin,
+    deny_list,
+    tenant_pattern,
+)
+from tests.guardrails.entities import (
+    VALID,
+    card,
+    grouped,
+    iban,
+    resident_id,
+    uscc,
+    wrong_last,
+)
+
+
+def found(name: str, text: str) -> list[str]:
+    return [text[s:e] for s, e in builtin()[name].find(text)]
+
+
+@pytest.mark.parametrize(("name", "value"),
+                         [(n, v) for n, values in VALID.items() for v in values])
+def test_valid_entity_is_found_whole_in_a_sentence(name, value):
+    assert found(name, f"Here: {value} (thanks)") == [value]
+    assert found(name, value) == [value]
+
+
+def test_resident_id_needs_its_mod_11_2_check_and_a_real_birth_date():
+    good = resident_id("110101", "19900307", "451")
+    assert resident_id_valid(good)
+    assert found("cn_resident_id", f"身份证号{good}。") == [good]
+    assert found("cn_resident_id", wrong_last(good, "0123456789X")) == []
+    # Correct check characters on impossible or future dates, or an unknown province.
+    assert found("cn_resident_id", resident_id("110101", "19900230", "451")) == []
+    tomorrow = datetime.date.today() + datetime.timedelta(days=1)
+    assert found("cn_resident_id", resident_id("110101", tomorrow.strftime("%Y%m%d"), "451")) == []
+    assert not resident_id_valid(resident_id("990101", "19900307", "451"))
+    # An X check character, written in either case.
+    with_x = next(resident_id("110101", "19900307", f"{n:03d}") for n in range(1000)
+                  if resident_id("110101", "19900307", f"{n:03d}").endswith("X"))
+    assert found("cn_resident_id", with_x) == [with_x]
+    assert found("cn_resident_id", with_x[:-1] + "x") == [with_x[:-1] + "x"]
+
+
+def test_unified_social_credit_code_needs_its_gb_32100_check_character():
+    good = uscc("91350100M000100Y4")
+    assert uscc_valid(good)
+    assert found("cn_uscc", f"统一社会信用代码：{good}") == [good]
+    assert found("cn_uscc", wrong_last(good, "0123456789ABCDEFGHJKLMNPQRTUWXY")) == []
+    # I, O, S, V and Z are not in the code's alphabet.
+    assert not uscc_valid(good[:8] + "I" + good[9:])
+
+
+def test_bank_card_needs_the_luhn_check():
+    for number in (card("411111111111111"), card("622202100112345678"), card("37828224631000")):
+        assert found("bank_card", number) == [number]
+        assert found("bank_card", wrong_last(number)) == []
+    assert found("bank_card", grouped(wrong_last(card("411111111111111")))) == []
+    # A grouped number followed by more digits is still found (cut back at the separator).
+    number = grouped(card("411111111111111"))
+    assert found("bank_card", f"{number} 2024") == [number]
+    # Part of a longer digit run is not a card.
+    assert found("bank_card", "9" + card("411111111111111")) == []
+
+
+def test_china_mobile_numbers_are_validated_against_the_allocated_ranges():
+    assert found("cn_mobile", "手机13812345678谢谢") == ["13812345678"]
+    assert found("cn_mobile", "tel:+8613812345678") == ["+8613812345678"]
+    assert found("cn_mobile", "14012345678") == []  # 140: not a mobile range
+    assert found("cn_mobile", "138123456789") == []  # 12 digits
+    assert found("cn_mobile", "913812345678") == []
+
+
+def test_e164_phone_numbers_must_be_valid_for_their_country():
+    assert found("phone", "call +1 415 555 2671 now") == ["+1 415 555 2671"]
+    assert found("phone", "+1 415 555 2671 2024") == ["+1 415 555 2671"]
+    assert found("phone", "+1 000 555 2671") == []  # no such area code
+    assert found("phone", "+999 1234 5678") == []  # no such country
+
+
+def test_email_domain_must_end_in_a_public_suffix():
+    assert found("email", "write to john.doe@example.com.") == ["john.doe@example.com"]
+    assert found("email", "john@example.notatld") == []
+    assert found("email", "user@localhost") == []
+
+
+def test_iban_needs_its_mod_97_check():
+    good = iban("GB", "WEST12345698765432")
+    assert good == "GB82WEST12345698765432"
+    assert found("iban", grouped(good) + " TEST") == [grouped(good)]
+    assert found("iban", good[:2] + "83" + good[4:]) == []
+
+
+def test_ip_addresses_must_parse_and_not_be_part_of_a_version_string():
+    assert found("ip_address", "host 10.0.0.1:8080") == ["10.0.0.1"]
+    assert found("ip_address", "300.1.1.1") == []
+    assert found("ip_address", "version 1.2.3.4.5") == []
+    assert found("ip_address", "::ffff:a::b and std::vector") == []
+    assert found("ip_address", "2001:db8::1") == ["2001:db8::1"]
+
+
+def test_api_keys_need_a_key_like_body():
+    assert found("api_key", "sk-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa") == []
+    assert found("api_key", "task-abcdefghij0123456789") == []  # 'sk-' inside a word
+    key = "lcsk-Qm7xT2vLp9Rk4sWb8NcY3hJd6FgZ1aE5"  # this console's own key format
+    assert found("api_key", f"my key is {key}") == [key]
+    assert found("api_key", "AKIAIOSFODNN7EXAMP1E") == ["AKIAIOSFODNN7EXAMP1E"]
+
+
+def test_private_key_block_is_covered_even_without_its_end_line():
+    """A whole 4096-bit-sized body (60 lines of 64) is one match; a key cut short too."""
+    block = VALID["private_key"][0]
+    assert found("private_key", f"key:\n{block}\nThanks.") == [block]
+    cut = block.split("-----END")[0].rstrip("\n")
+    assert found("private_key", cut + ".") == [cut]
+    body = "\n".join(["A" * 64] * 60)
+    big = f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----"
+    assert found("private_key", big) == [big]
+
+
+def test_tenant_pattern_is_re2_and_bounded_patterns_stream():
+    bounded = tenant_pattern("project_code", r"ACME-[0-9]{6}", category="PROJECT")
+    assert bounded.max_len == 11 and bounded.streamable
+    assert bounded.find("see ACME-123456.") == [(4, 15)]
+    unbounded = tenant_pattern("ticket", r"TICKET-[0-9]+")
+    assert unbounded.max_len is None
+    assert "no upper length bound" in (unbounded.stream_refusal or "")
+    too_long = tenant_pattern("blob", r"X[a-z]{1,1000}Y[a-z]{1,1000}")
+    assert f"over the {TENANT_MAX_LEN}" in (too_long.stream_refusal or "")
+    with pytest.raises(DetectorError, match="not valid RE2"):
+        tenant_pattern("backref", r"(a)\1")
+    for empty in (r"a*", r"\bx*", r"(?:ab)?"):
+        with pytest.raises(DetectorError, match="empty string"):
+            tenant_pattern("empty", empty)
+    # Categories become placeholder labels.
+    assert tenant_pattern("p", r"P-[0-9]{3}", category="project code").category == "PROJECT_CODE"
+    assert deny_list("d", ["x"], category="9 lives").category == "C_9_LIVES"
+
+
+def test_tenant_pattern_cannot_stall_the_worker():
+    evil = tenant_pattern("evil", r"(a+)+$")
+    started = time.perf_counter()
+    assert evil.find("a" * 100_000 + "!") == []
+    assert time.perf_counter() - started < 1.0
+
+
+def test_deny_list_matches_whole_words_in_any_case_and_spacing():
+    words = deny_list("codenames", ["Project Falcon", "blue-sky"])
+    text = "About PROJECT   falcon and blue-sky, not projectfalcon or blue-skyline."
+    assert [text[s:e] for s, e in words.find(text)] == ["PROJECT   falcon", "blue-sky"]
+    assert words.streamable
+
+
+def test_prefilter_skips_detectors_without_candidates():
+    detectors = list(builtin().values())
+    prefilter = Prefilter(detectors)
+    assert prefilter.candidates("A plain sentence, with punctuation; nothing else!") == []
+    names = [detectors[i].name for i in prefilter.candidates("mail me: a@b.example.com")]
+    assert names == ["email"]
+
+
+def test_presidio_analyzer_needs_no_nlp_model_and_finds_what_the_detectors_find():
+    engine = analyzer()
+    assert type(engine.nlp_engine).__name__ == "NoOpNlpEngine"
+    text = "Call 13812345678 or mail john.doe@example.com; card " + card("411111111111111")
+    results = sorted((r.start, r.end, r.entity_type) for r in engine.analyze(text, language="en"))
+    expected = sorted((s, e, d.category) for d in builtin().values() for s, e in d.find(text))
+    assert results == expected and len(results) == 3
