@@ -3,7 +3,9 @@
    - data-confirm on a form or a submit button: ask before submitting;
    - data-copy="<selector>" on a button: copy that element's text to the clipboard;
    - data-autosubmit on a select: submit its form when it changes;
-   - data-follow on a log <pre>: keep it scrolled to its end, also after htmx swaps it in. */
+   - data-follow on a log <pre>: keep it scrolled to its end, also after htmx swaps it in;
+   - data-show-when="<name>=<value>" on a form field's wrapper: show it (and send its inputs)
+     only while the form's control <name> has that value (MPS's thread percentage). */
 (function () {
   "use strict";
 
@@ -22,7 +24,23 @@
     button.textContent = "Copied";
   });
 
+  function showWhen(root) {
+    root.querySelectorAll("[data-show-when]").forEach(function (wrapper) {
+      const form = wrapper.closest("form");
+      const [name, value] = wrapper.dataset.showWhen.split("=");
+      const control = form && form.elements.namedItem(name);
+      if (!control) return;
+      const shown = control.value === value;
+      wrapper.hidden = !shown;
+      wrapper.querySelectorAll("input, select, textarea").forEach(function (input) {
+        input.disabled = !shown;
+      });
+    });
+  }
+  document.addEventListener("DOMContentLoaded", function () { showWhen(document); });
+
   document.addEventListener("change", function (event) {
+    if (event.target.form) showWhen(event.target.form);
     const select = event.target;
     if (select.matches && select.matches("select[data-autosubmit]") && select.form) {
       select.form.submit();

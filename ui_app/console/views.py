@@ -414,7 +414,7 @@ class DeploymentPlanView(StaffPage, View):
     def post(self, request: HttpRequest, pk: int | None = None) -> HttpResponse:
         instance = get_object_or_404(Deployment, pk=pk) if pk else None
         form = DeploymentForm(request.POST, instance=instance)
-        context: dict[str, Any] = {"form": form, "plan": None}
+        context: dict[str, Any] = {"plan": None, **_form_problems(form)}
         if form.is_valid():
             tenants, adapters = form.relations()
             context["plan"] = _plan_view(
@@ -426,6 +426,22 @@ class DeploymentPlanView(StaffPage, View):
         deployment = get_object_or_404(Deployment.objects.select_related("base_model"), pk=pk)
         return render(request, "console/_plan.html",
                       {"plan": _plan_view(service.dry_run(deployment)), "saved": True})
+
+
+def _form_problems(form: DeploymentForm) -> dict[str, Any]:
+    """What keeps the plan from being computed: `missing`, the labels of required fields still
+    empty (not an error: a new form starts so, and the preview posts it at once), and `errors`,
+    (label, message) of values given but refused."""
+    missing: list[str] = []
+    errors: list[tuple[str, str]] = []
+    for name, problems in form.errors.as_data().items():
+        label = str(form.fields[name].label) if name in form.fields else ""
+        for problem in problems:
+            if problem.code == "required":
+                missing.append(label)
+            else:
+                errors.extend((label, message) for message in problem.messages)
+    return {"missing": missing, "errors": errors}
 
 
 def _plan_view(plan: dict[str, Any]) -> dict[str, Any]:
