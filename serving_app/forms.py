@@ -10,9 +10,11 @@ from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator
 
 from serving_app.enginespec import FIELD, GROUPS, EngineField
 from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
+from serving_app.models.autoscalers import MAX_REPLICAS
 from serving_app.models.revisions import Rollout
 from tenants_app.models import Tenant
 
@@ -181,7 +183,19 @@ class FleetPlanForm(forms.ModelForm[FleetPlan]):
 
 
 class ScaleForm(forms.Form):
-    replicas = forms.IntegerField(min_value=0, max_value=64)
+    """A deployment's number of replicas, 0 to `maximum` (the model's 64, or the top of the
+    autoscaling range while the autoscaler is on)."""
+
+    replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS, label="Replicas")
+
+    def __init__(self, *args: Any, maximum: int = MAX_REPLICAS, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields["replicas"]
+        assert isinstance(field, forms.IntegerField)
+        field.max_value = maximum
+        field.validators = [v for v in field.validators if not isinstance(v, MaxValueValidator)]
+        field.validators.append(MaxValueValidator(maximum))
+        field.widget.attrs.update(max=str(maximum), min="0")
 
 
 class ApplyForm(forms.Form):

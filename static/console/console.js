@@ -1,6 +1,7 @@
 /* Behaviour every page shares, from data attributes instead of inline scripts or on* handlers
    (the content security policy allows scripts from our static files only):
-   - data-confirm on a form or a submit button: ask before submitting;
+   - data-confirm on a form or a submit button: ask before submitting (a scale form with
+     data-scale-current and data-scale-jump: before 0 replicas or a jump to data-scale-jump);
    - data-copy="<selector>" on a button: copy that element's text to the clipboard;
    - data-autosubmit on a select: submit its form when it changes;
    - data-follow on a log <pre>: keep it scrolled to its end, also after htmx swaps it in;
@@ -9,10 +10,26 @@
 (function () {
   "use strict";
 
+  // A scale form (data-scale-current, data-scale-jump) asks before 0 replicas or a big jump.
+  function scaleConfirmation(form) {
+    if (!form.dataset || form.dataset.scaleCurrent === undefined) return "";
+    const wanted = Number(form.elements.namedItem("replicas").value);
+    const current = Number(form.dataset.scaleCurrent);
+    const name = form.dataset.scaleName;
+    if (wanted === 0 && current !== 0) {
+      return "Scale " + name + " to 0 replicas? Every instance stops and its requests fail.";
+    }
+    if (wanted >= Number(form.dataset.scaleJump)) {
+      return "Scale " + name + " from " + current + " to " + wanted + " replicas?";
+    }
+    return "";
+  }
+
   document.addEventListener("submit", function (event) {
     const form = event.target;
     const submitter = event.submitter;
-    const message = (submitter && submitter.dataset.confirm) || form.dataset.confirm;
+    const message = (submitter && submitter.dataset.confirm) || form.dataset.confirm ||
+      scaleConfirmation(form);
     if (message && !window.confirm(message)) event.preventDefault();
   });
 

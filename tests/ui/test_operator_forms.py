@@ -7,9 +7,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from django.conf import settings
 from django.urls import reverse
 
 from serving_app.enginespec import FIELDS, GROUPS
+from serving_app.models.autoscalers import Autoscaler
+from tests.factories import make_deployment
 
 pytestmark = pytest.mark.django_db
 
@@ -69,3 +72,65 @@ def test_a_new_deployment_form_shows_no_error_before_input(login, platform_admin
     assert 'data-plan="incomplete"' in preview
     assert "errorlist" not in preview and "note error" not in preview
     assert "Name" in preview and "Base model" in preview
+
+
+def test_tenant_limits_and_quotas_are_labelled_with_their_units(login, platform_admin):
+    body = login(platform_admin).get(reverse("console:tenant-create")).content.decode()
+    for label in ("GPU memory quota (GiB)", "Adapter storage quota (MiB)",
+                  "Rate limit (requests per minute)", "Token rate limit (tokens per minute)",
+                  "Monthly token budget (tokens)", "Latency objective (ms, p95)",
+                  "Fair-share weight (1 to 1000)"):
+        assert f">{label}" in body, label
+    assert "Gpu memory quota gib" not in body and "Storage quota mb" not in body
+    assert "errorlist" not in body
+
+
+def _actions(body: str) -> str:
+    return body[body.index('id="deployment-actions"'):body.index("</div></div>",
+                                                                   body.index('id="deployment-actions"'))]
+
+
+def test_the_primary_action_follows_the_deployments_state(login, platform_admin, acme,
+                                                          base_model):
+    deployment = make_deployment(base_model, [acme.tenant])
+    client = login(platform_admin)
+    url = reverse("console:deployment-detail", args=[deployment.pk])
+    stopped = _actions(client.get(url).content.decode())
+    assert re.search(r'<button class="btn primary" type="submit">Start</button>', stopped)
+    assert ">Stop<" not in stopped and ">Restart<" not in stopped
+    response = client.post(reverse("console:deployment-action", args=[deployment.pk, "start"]))
+    assert response.status_code == 302
+    running = _actions(client.get(url).content.decode())
+    assert '<button class="btn primary" type="submit">Restart</button>' in running
+    assert '<button class="btn danger" type="submit">Stop</button>' in running
+    assert ">Start<" not in running
+    assert 'data-confirm="Stop support-bot?' in running.replace(deployment.name, "support-bot")
+
+
+def test_scale_is_a_bounded_labelled_input_that_confirms_zero_and_big_jumps(
+    login, platform_admin, acme, base_model
+):
+    deployment = make_deployment(base_model, [acme.tenant])
+    client = login(platform_admin)
+    url = reverse("console:deployment-detail", args=[deployment.pk])
+    actions = _actions(client.get(url).content.decode())
+    assert '<label for="id_replicas">Replicas</label>' in actions
+    assert 'min="0"' in actions and 'max="64"' in actions
+    assert 'data-scale-current="1"' in actions and 'data-scale-jump="5"' in actions
+    # With the autoscaler on, the bound is the top of its range, checked on the server too.
+    Autoscaler.objects.create(deployment=deployment, enabled=True, min_replicas=1,
+                              max_replicas=4)
+    actions = _actions(client.get(url).content.decode())
+    assert 'max="4"' in actions and "autoscaling range" in actions
+    client.post(reverse("console:deployment-scale", args=[deployment.pk]), {"replicas": 6})
+    deployment.refresh_from_db()
+    assert deployment.replicas == 1
+    client.post(reverse("console:deployment-scale", args=[deployment.pk]), {"replicas": 3})
+    deployment.refresh_from_db()
+    assert deployment.replicas == 3
+
+
+def test_console_js_asks_before_scaling_to_zero_or_far():
+    script = (settings.BASE_DIR / "static/console/console.js").read_text()
+    assert "dataset.scaleCurrent" in script and "wanted === 0" in script
+    assert "dataset.scaleJump" in script

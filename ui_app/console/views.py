@@ -51,6 +51,7 @@ from serving_app.models import (
     LoraAdapter,
     Node,
 )
+from serving_app.models.autoscalers import MAX_REPLICAS
 from serving_app.models.events import Event, Kind
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
@@ -359,7 +360,13 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context["scale_form"] = ScaleForm(initial={"replicas": self.object.replicas})
+        maximum, reason = _scale_bound(self.object)
+        context.update(
+            scale_form=ScaleForm(initial={"replicas": self.object.replicas}, maximum=maximum),
+            scale_max=maximum, scale_max_reason=reason,
+            # A jump past this asks first (so does 0): more than doubling, by 4 or more.
+            scale_jump=self.object.replicas + max(4, self.object.replicas),
+        )
         context["instances"] = list(self.object.instances.all())
         context["deployment"] = self.object
         # Its tenants' settings on this engine, and how its GPUs are charged to them (24 h).
@@ -375,6 +382,15 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
         context["autoscale_changes"] = self.object.events.filter(
             kind=Kind.AUTOSCALE)[:10]
         return context
+
+
+def _scale_bound(deployment: Deployment) -> tuple[int, str]:
+    """The most replicas the scale action offers, and why: the top of the autoscaling range
+    while the autoscaler is on (it would scale back down to it), else the model's limit."""
+    autoscaler = Autoscaler.objects.filter(deployment=deployment, enabled=True).first()
+    if autoscaler is not None:
+        return autoscaler.max_replicas, "the autoscaling range's maximum"
+    return MAX_REPLICAS, ""
 
 
 class DeploymentFormMixin(TemplateResponseMixin, ModelFormMixin[Deployment, DeploymentForm]):
@@ -485,7 +501,7 @@ class DeploymentActionView(StaffPage, View):
 class DeploymentScaleView(StaffPage, View):
     def post(self, request: HttpRequest, pk: int) -> HttpResponse:
         deployment = get_object_or_404(Deployment, pk=pk)
-        form = ScaleForm(request.POST)
+        form = ScaleForm(request.POST, maximum=_scale_bound(deployment)[0])
         if not form.is_valid():
             error = "; ".join(str(e) for errs in form.errors.values() for e in errs)
             return _after_action(request, deployment, f"Not scaled: {error}", level="error")
