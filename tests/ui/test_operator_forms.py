@@ -5,12 +5,15 @@ error before anything is typed."""
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.conf import settings
 from django.urls import reverse
+from django.utils import timezone
 
 from serving_app.enginespec import FIELDS, GROUPS
+from serving_app.models import Gpu, Node
 from serving_app.models.autoscalers import Autoscaler
 from tests.factories import make_deployment
 
@@ -134,3 +137,31 @@ def test_console_js_asks_before_scaling_to_zero_or_far():
     script = (settings.BASE_DIR / "static/console/console.js").read_text()
     assert "dataset.scaleCurrent" in script and "wanted === 0" in script
     assert "dataset.scaleJump" in script
+
+
+def test_nodes_page_lists_a_node_with_its_gpu_in_gib_and_its_actions(login, platform_admin,
+                                                                      acme):
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a",
+                               last_heartbeat=timezone.now() - timedelta(seconds=12))
+    Gpu.objects.create(node=node, index=0, uuid="GPU-0", name="NVIDIA H100 80GB HBM3",
+                       memory_total_bytes=80 * 2**30)
+    Node.objects.create(name="old", queue="node.old", cordoned=True)
+    client = login(platform_admin)
+    assert login(acme.owner).get(reverse("console:node-list")).status_code == 403
+    body = client.get(reverse("console:node-list")).content.decode()
+    assert f'href="{reverse("console:node-list")}" class="active">Nodes</a>' in body
+    row = body[body.index('data-node="gpu-a"'):body.index("</tr>", body.index('data-node="gpu-a"'))]
+    assert "0 · NVIDIA H100 80GB HBM3 · 80.0 GiB" in row
+    assert '<span class="badge ready">ready</span>' in row
+    assert re.search(r"data-heartbeat>1[2-9]\.\d s ago<", row)
+    for action in ("cordon", "drain"):
+        assert reverse("console:node-action", args=[node.pk, action]) in row
+    assert reverse("console:node-detail", args=[node.pk]) in row
+    old = body[body.index('data-node="old"'):]
+    assert "no heartbeat" in old and "never" in old
+    assert reverse("console:node-action", args=[Node.objects.get(name="old").pk,
+                                                "uncordon"]) in old
+    response = client.post(reverse("console:node-action", args=[node.pk, "cordon"]))
+    assert response.status_code == 302
+    node.refresh_from_db()
+    assert node.cordoned

@@ -16,12 +16,13 @@ import redis
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.core.exceptions import ValidationError
-from django.db.models import Count, Model, Prefetch, QuerySet
+from django.db.models import Count, Model, Prefetch, Q, QuerySet
 from django.forms import ModelForm
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render, resolve_url
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils import timezone
 from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
 from django.views.generic.base import TemplateResponseMixin
@@ -47,6 +48,7 @@ from serving_app.models import (
     BaseModel,
     Deployment,
     FleetPlan,
+    Gpu,
     Instance,
     LoraAdapter,
     Node,
@@ -540,6 +542,34 @@ class DeploymentInstancesPartial(StaffPage, View):
 
 
 EVENTS_ON_NODE_PAGE = 30
+UNHEALTHY_STATES = (Instance.State.UNHEALTHY, Instance.State.FAILED, Instance.State.CRASH_LOOP)
+
+
+class NodeListView(StaffPage, ListView[Node]):
+    """Every node: its state and heartbeat age, its GPUs, how many instances run there and how
+    many of them are unwell, with the cordon, uncordon and drain actions of its page."""
+
+    template_name = "console/node_list.html"
+
+    def get_queryset(self) -> QuerySet[Node]:
+        terminal = Instance.TERMINAL_STATES
+        return Node.objects.prefetch_related(
+            Prefetch("gpus", queryset=Gpu.objects.filter(parent=None).order_by("index"))
+        ).annotate(
+            n_instances=Count("instances", filter=~Q(instances__state__in=terminal)),
+            n_unhealthy=Count("instances", filter=Q(instances__state__in=UNHEALTHY_STATES)),
+        ).order_by("name")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        now = timezone.now()
+        context["rows"] = [
+            {"node": node,
+             "heartbeat_age_ms": (now - node.last_heartbeat).total_seconds() * 1000
+             if node.last_heartbeat else None}
+            for node in context["object_list"]
+        ]
+        return context
 
 
 class NodeDetailView(StaffPage, DetailView[Node]):
