@@ -12,9 +12,11 @@ from django.conf import settings
 from django.urls import reverse
 from django.utils import timezone
 
+from audit_app.models import AuditLog
 from serving_app.enginespec import FIELDS, GROUPS
 from serving_app.models import Gpu, Node
 from serving_app.models.autoscalers import Autoscaler
+from tenants_app.models import ApiKey
 from tests.factories import make_deployment
 
 pytestmark = pytest.mark.django_db
@@ -165,3 +167,21 @@ def test_nodes_page_lists_a_node_with_its_gpu_in_gib_and_its_actions(login, plat
     assert response.status_code == 302
     node.refresh_from_db()
     assert node.cordoned
+
+
+def test_audit_log_names_objects_as_people_do(login, platform_admin, acme, base_model):
+    key, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="ci-bot")
+    deployment = make_deployment(base_model, [acme.tenant])
+    deployment.start()
+    gone, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="old")
+    gone.delete()
+    body = login(platform_admin).get(reverse("console:audit-log")).content.decode()
+    objects = re.findall(r"<td data-object[^>]*>(.*?)</td>", body)
+    assert f"API key &#x27;{key}&#x27; of acme" in objects
+    assert f"Deployment &#x27;{deployment.name}&#x27;" in " ".join(objects)
+    assert f"API key &#x27;{gone}&#x27; of acme" in objects  # deleted: its repr stays
+    assert not any(o.startswith("tenants_app.") for o in objects)
+    # An entry written without a repr: the object's str() while it still exists.
+    assert AuditLog(object_type="tenants_app.ApiKey", object_id=str(key.pk),
+                    tenant=acme.tenant).object_label == f"API key '{key}' of acme"
+    assert AuditLog(object_type="nowhere.Thing", object_id="6").object_label == "nowhere.Thing #6"
