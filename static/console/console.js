@@ -37,8 +37,15 @@
     const button = event.target.closest("[data-copy]");
     if (!button) return;
     const source = document.querySelector(button.dataset.copy);
-    if (source && navigator.clipboard) navigator.clipboard.writeText(source.textContent);
-    button.textContent = "Copied";
+    if (!source || !navigator.clipboard) return;
+    const label = button.dataset.copyLabel || button.textContent;
+    button.dataset.copyLabel = label;
+    navigator.clipboard.writeText(source.textContent).then(function () {
+      button.textContent = "Copied";
+    }, function () {
+      button.textContent = "Copy failed";
+    });
+    window.setTimeout(function () { button.textContent = label; }, 1500);
   });
 
   function showWhen(root) {

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from audit_app.models import AuditLog
 from serving_app.enginespec import FIELDS, GROUPS
-from serving_app.models import Gpu, Node
+from serving_app.models import Gpu, Instance, Node
 from serving_app.models.autoscalers import Autoscaler
 from tenants_app.models import ApiKey
 from tests.factories import make_deployment
@@ -185,3 +185,24 @@ def test_audit_log_names_objects_as_people_do(login, platform_admin, acme, base_
     assert AuditLog(object_type="tenants_app.ApiKey", object_id=str(key.pk),
                     tenant=acme.tenant).object_label == f"API key '{key}' of acme"
     assert AuditLog(object_type="nowhere.Thing", object_id="6").object_label == "nowhere.Thing #6"
+
+
+def _copy_targets(body: str) -> list[str]:
+    targets = re.findall(r'data-copy="#([\w-]+)"', body)
+    for target in targets:
+        assert f'id="{target}"' in body, target
+    return targets
+
+
+def test_commands_and_snippets_have_a_copy_button_and_wrap(login, platform_admin, acme,
+                                                          base_model):
+    served = make_deployment(base_model, [acme.tenant], desired_state="running")
+    models = login(acme.member).get(reverse("portal:models", args=["acme"])).content.decode()
+    assert _copy_targets(models) == ["snippet-python", "snippet-curl", "snippet-models"]
+    instance = Instance.objects.create(deployment=served, state=Instance.State.STARTING,
+                                       command=["vllm", "serve", "/models/x" * 40])
+    page = login(platform_admin).get(
+        reverse("console:instance-detail", args=[instance.pk])).content.decode()
+    assert "instance-command" in _copy_targets(page)
+    css = (settings.BASE_DIR / "static/console/console.css").read_text()
+    assert re.search(r"pre\.code \{[^}]*white-space: pre-wrap", css)
