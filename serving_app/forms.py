@@ -63,6 +63,7 @@ class Row:
 
     field: forms.BoundField
     spec: EngineField | None = None
+    hidden: bool = False
 
     @property
     def shown_when(self) -> str:
@@ -110,7 +111,9 @@ class DeploymentForm(forms.ModelForm[Deployment]):
         for bound in self:
             spec = FIELD.get(bound.name)
             group = spec.group if spec else DEPLOYMENT_SECTIONS.get(bound.name, "")
-            rows[group].append(Row(bound, spec))
+            hidden = bool(spec and spec.shown_when
+                          and str(self[spec.shown_when[0]].value()) != spec.shown_when[1])
+            rows[group].append(Row(bound, spec, hidden))
         titles: dict[str, str] = {"": "", **dict(GROUPS)}
         return [Section(titles[group], found) for group, found in rows.items() if found]
 

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from audit_app.models import AuditLog
 from serving_app.enginespec import FIELDS, GROUPS
+from serving_app.forms import DeploymentForm
 from serving_app.models import Gpu, Instance, Node
 from serving_app.models.autoscalers import Autoscaler
 from tenants_app.models import ApiKey
@@ -63,8 +64,14 @@ def test_engine_settings_are_grouped_in_the_declared_sections(login, platform_ad
 
 def test_mps_thread_percentage_is_shown_only_for_mps(login, platform_admin):
     body = login(platform_admin).get(reverse("console:deployment-create")).content.decode()
-    assert 'data-show-when="isolation_mode=mps" data-field="mps_thread_percentage"' in body
+    # Hidden from the start (shared isolation), shown by console.js when MPS is chosen.
+    assert 'data-show-when="isolation_mode=mps" hidden data-field="mps_thread_percentage"' in body
     assert body.count("data-show-when=") == 1
+    mps = DeploymentForm(data={"isolation_mode": "mps"}).sections()
+    row = next(r for s in mps for r in s.rows if r.field.name == "mps_thread_percentage")
+    assert not row.hidden and row.shown_when == "isolation_mode=mps"
+    script = (settings.BASE_DIR / "static/console/console.js").read_text()
+    assert "data-show-when" in script and "input.disabled = !shown" in script
 
 
 def test_a_new_deployment_form_shows_no_error_before_input(login, platform_admin):
