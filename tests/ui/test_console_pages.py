@@ -30,6 +30,7 @@ PAGES = [
     ("console:deployment-create", []),
     ("console:audit-log", []),
     ("console:event-list", []),
+    ("console:node-list", []),
     ("console:dashboard", ["usage"]),
     ("console:dashboard", ["latency"]),
     ("console:dashboard", ["gpus"]),
