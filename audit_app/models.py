@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
 from django.conf import settings
 from django.db import models
 
@@ -68,3 +69,23 @@ class AuditLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.actor_label} {self.action} {self.object_type} {self.object_repr}"
+
+    @property
+    def object_label(self) -> str:
+        """The object as a person names it: "API key 'lcsk-ab… (ci-bot)' of acme", from its
+        model's verbose name and the `object_repr` written with the entry (the object's `str()`
+        while it still exists where an entry has none), with its tenant."""
+        try:
+            model: type[models.Model] | None = apps.get_model(self.object_type)
+        except (LookupError, ValueError):
+            model = None
+        noun = str(model._meta.verbose_name) if model is not None else self.object_type
+        name = self.object_repr
+        if not name and model is not None:
+            found = model._default_manager.filter(pk=self.object_id).first()
+            name = str(found) if found is not None else ""
+        label = f"{noun[:1].upper()}{noun[1:]} '{name}'" if name else f"{noun} #{self.object_id}"
+        tenant_model = AuditLog._meta.get_field("tenant").related_model
+        if self.tenant_id is not None and model is not tenant_model:
+            label += f" of {self.tenant}"
+        return label

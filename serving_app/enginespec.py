@@ -32,6 +32,16 @@ from typing import Any, Literal, Protocol
 
 Unit = Literal["bytes", "GiB", "tokens", "fraction", "count", "percent"]
 Kind = Literal["int", "float", "bool", "choice"]
+Group = Literal["model", "capacity", "lora", "isolation", "scheduling"]
+
+# The form's sections, in the order it shows them, with their titles.
+GROUPS: tuple[tuple[Group, str], ...] = (
+    ("model", "Model and data types"),
+    ("capacity", "Capacity and memory"),
+    ("lora", "LoRA adapters"),
+    ("isolation", "GPU isolation and port"),
+    ("scheduling", "Scheduling"),
+)
 Value = bool | int | float | str | None
 
 
@@ -39,8 +49,11 @@ Value = bool | int | float | str | None
 class EngineField:
     """One engine setting: how it is named, shown, bounded and passed to vLLM.
 
-    `flag` is vLLM's command-line option (None: the setting is not a flag; it changes where and
-    how the engine runs: placement, its environment, its port). The flag is left out where the
+    `label` is the setting's name in vLLM's words; `flag` is vLLM's command-line option (None:
+    the setting is not a flag; it changes where and how the engine runs: placement, its
+    environment (`env`, the variable it sets), its port). `group`: the form's section.
+    `shown_when`: (setting, value) where the setting applies only while another has that value
+    (MPS's thread percentage only with MPS isolation). The flag is left out where the
     value is None or `vllm_default` (vLLM then does the same without it). A "bool" setting is
     passed as `--flag` or `--no-flag`. `memory`: the memory planner reads it (it changes the GPU
     memory an instance needs). `allowed`: the only values vLLM accepts, beyond the range.
@@ -50,7 +63,9 @@ class EngineField:
     label: str
     kind: Kind
     default: Value
+    group: Group
     flag: str | None = None
+    env: str | None = None
     unit: Unit | None = None
     minimum: int | float | None = None
     maximum: int | float | None = None
@@ -59,6 +74,28 @@ class EngineField:
     help_text: str = ""
     memory: bool = False
     vllm_default: Value = None
+    shown_when: tuple[str, str] | None = None
+
+    @property
+    def verbose_name(self) -> str:
+        """The label with what it sets: "Max LoRA rank (--max-lora-rank)", the model field's
+        verbose name (the admin and the API show it)."""
+        setting = self.flag or self.env
+        return f"{self.label} ({setting})" if setting else self.label
+
+    @property
+    def bounds(self) -> str:
+        """The allowed values in words: "1 to 16", "at least 16", "8, 16, 32, ...", "" where
+        any value of its kind goes."""
+        if self.allowed:
+            return "one of " + ", ".join(map(str, self.allowed))
+        if self.minimum is not None and self.maximum is not None:
+            return f"{self.minimum:g} to {self.maximum:g}"
+        if self.minimum is not None:
+            return f"at least {self.minimum:g}"
+        if self.maximum is not None:
+            return f"at most {self.maximum:g}"
+        return ""
 
     @property
     def optional(self) -> bool:
@@ -101,88 +138,89 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # format, its LoRA slots, its scheduling and its port.
 FIELDS: tuple[EngineField, ...] = (
     EngineField(
-        "isolation_mode", "GPU isolation", "choice", "shared",
+        "isolation_mode", "GPU isolation", "choice", "shared", group="isolation",
         choices=(("dedicated", "Dedicated GPUs"), ("shared", "Shared GPU"),
                  ("mig", "MIG slice"), ("mps", "MPS")),
         help_text="How an instance shares its GPUs: whole GPUs of its own, a share of a GPU's "
                   "memory, a MIG device, or an MPS share of a GPU's compute.",
     ),
     EngineField(
-        "mps_thread_percentage", "MPS thread percentage (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)",
-        "int", None, unit="percent", minimum=1, maximum=100,
+        "mps_thread_percentage", "MPS thread percentage", "int", None, group="isolation",
+        env="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", unit="percent", minimum=1, maximum=100,
         help_text="MPS isolation only: the share of the GPU's compute the engine may use.",
+        shown_when=("isolation_mode", "mps"),
     ),
     EngineField(
-        "gpu_memory_utilization", "GPU memory utilization (--gpu-memory-utilization)", "float",
-        0.9, flag="--gpu-memory-utilization", unit="fraction", minimum=0.01, maximum=1.0,
+        "gpu_memory_utilization", "GPU memory utilization", "float", 0.9, group="capacity",
+        flag="--gpu-memory-utilization", unit="fraction", minimum=0.01, maximum=1.0,
         help_text="The fraction of GPU memory the engine may use. On GPU nodes the placer sets "
                   "it from the memory plan.",
     ),
     EngineField(
-        "tensor_parallel_size", "Tensor parallel size (--tensor-parallel-size)", "int", 1,
+        "tensor_parallel_size", "Tensor parallel size", "int", 1, group="capacity",
         flag="--tensor-parallel-size", unit="count", minimum=1, maximum=16, memory=True,
         help_text="GPUs one instance spans (tensor parallel groups).",
     ),
     EngineField(
-        "max_num_seqs", "Max sequences per batch (--max-num-seqs)", "int", 64,
+        "max_num_seqs", "Max sequences per batch", "int", 64, group="capacity",
         flag="--max-num-seqs", unit="count", minimum=1, maximum=4096, memory=True,
         help_text="Maximum number of sequences processed in one iteration.",
     ),
     EngineField(
-        "max_model_len", "Context length (--max-model-len)", "int", None,
+        "max_model_len", "Context length", "int", None, group="capacity",
         flag="--max-model-len", unit="tokens", minimum=16, memory=True,
         help_text="Empty: the model's max positions.",
     ),
     EngineField(
-        "max_num_batched_tokens", "Max batched tokens (--max-num-batched-tokens)", "int", None,
+        "max_num_batched_tokens", "Max batched tokens", "int", None, group="capacity",
         flag="--max-num-batched-tokens", unit="tokens", minimum=16, memory=True,
         help_text="Maximum number of tokens processed in one iteration. Empty: vLLM's default.",
     ),
     EngineField(
-        "enable_prefix_caching", "Prefix caching (--enable-prefix-caching)", "bool", True,
+        "enable_prefix_caching", "Prefix caching", "bool", True, group="scheduling",
         flag="--enable-prefix-caching",
         help_text="Reuse the KV cache of a prompt prefix already computed.",
     ),
     EngineField(
-        "dtype", "Data type (--dtype)", "choice", "auto", flag="--dtype",
+        "dtype", "Data type", "choice", "auto", group="model", flag="--dtype",
         choices=(("auto", "auto"), ("float32", "float32"), ("float16", "float16"),
                  ("bfloat16", "bfloat16")),
         memory=True,
         help_text="Data type of the weights and activations. auto: the base model's setting.",
     ),
     EngineField(
-        "quantization", "Quantization (--quantization)", "choice", "", flag="--quantization",
+        "quantization", "Quantization", "choice", "", group="model", flag="--quantization",
         choices=(("", "none"), ("awq", "AWQ"), ("gptq", "GPTQ"), ("fp8", "FP8"),
                  ("bitsandbytes", "bitsandbytes")),
         memory=True,
         help_text="Method used to quantize the weights. Empty: the base model's setting.",
     ),
     EngineField(
-        "kv_cache_dtype", "KV cache data type (--kv-cache-dtype)", "choice", "auto",
+        "kv_cache_dtype", "KV cache data type", "choice", "auto", group="model",
         flag="--kv-cache-dtype", choices=tuple((v, v) for v in KV_CACHE_DTYPES), memory=True,
         vllm_default="auto",
         help_text="Data type of the KV cache. auto: the model's data type; fp8 (= fp8_e4m3) "
                   "and fp8_e5m2 hold twice the tokens of a 16-bit cache.",
     ),
     EngineField(
-        "max_loras", "Max LoRA adapters per batch (--max-loras)", "int", 4,
+        "max_loras", "Max LoRA adapters per batch", "int", 4, group="lora",
         flag="--max-loras", unit="count", minimum=1, maximum=64, memory=True,
         help_text="LoRA slots: adapters one batch may use at once (their memory is reserved).",
     ),
     EngineField(
-        "max_lora_rank", "Max LoRA rank (--max-lora-rank)", "int", 16, flag="--max-lora-rank",
+        "max_lora_rank", "Max LoRA rank", "int", 16, group="lora", flag="--max-lora-rank",
         minimum=LORA_RANKS[0], maximum=LORA_RANKS[-1], allowed=LORA_RANKS, memory=True,
         help_text=f"The largest adapter rank a slot holds: {', '.join(map(str, LORA_RANKS))}.",
     ),
     EngineField(
-        "scheduling_policy", "Scheduling policy (--scheduling-policy)", "choice", "fcfs",
+        "scheduling_policy", "Scheduling policy", "choice", "fcfs", group="scheduling",
         flag="--scheduling-policy", vllm_default="fcfs",
         choices=(("fcfs", "First come, first served"),
                  ("priority", "Priority (from the tenant's tier)")),
         help_text="Which waiting request the engine serves first.",
     ),
     EngineField(
-        "base_port", "Base port", "int", None, minimum=1024, maximum=65000,
+        "base_port", "Base port", "int", None, group="isolation", minimum=1024, maximum=65000,
         help_text="Fixed engine port for replica 0 (replica n: base_port + n). Empty: any free.",
     ),
 )
@@ -263,5 +301,6 @@ if tuple(f.name for f in fields(EngineSpec)) != ENGINE_FIELDS:
     raise TypeError("EngineSpec's attributes must be the declared FIELDS, in their order")
 
 
-__all__ = ["ENGINE_FIELDS", "FIELD", "FIELDS", "KV_CACHE_DTYPES", "LORA_RANKS", "MEMORY_FIELDS",
-           "EngineField", "EngineSpec", "InlineModel", "ModelDefaults", "Unit", "with_defaults"]
+__all__ = ["ENGINE_FIELDS", "FIELD", "FIELDS", "GROUPS", "KV_CACHE_DTYPES", "LORA_RANKS",
+           "MEMORY_FIELDS", "EngineField", "EngineSpec", "Group", "InlineModel", "ModelDefaults",
+           "Unit", "with_defaults"]

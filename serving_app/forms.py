@@ -5,23 +5,27 @@ the Django admin reject, with the same message."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator
 
+from serving_app.enginespec import FIELD, GROUPS, EngineField
 from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
+from serving_app.models.autoscalers import MAX_REPLICAS
 from serving_app.models.revisions import Rollout
 from tenants_app.models import Tenant
 
 
-class TenantForm(forms.ModelForm):
+class TenantForm(forms.ModelForm[Tenant]):
     class Meta:
         model = Tenant
         fields = list(Tenant.EDITABLE_FIELDS)
 
 
-class BaseModelForm(forms.ModelForm):
+class BaseModelForm(forms.ModelForm[BaseModel]):
     class Meta:
         model = BaseModel
         fields = ["name", "path", "dtype", "quantization"]
@@ -29,7 +33,7 @@ class BaseModelForm(forms.ModelForm):
                               "(MODEL_ROOTS), the same on every node host."}
 
 
-class LoraAdapterForm(forms.ModelForm):
+class LoraAdapterForm(forms.ModelForm[LoraAdapter]):
     """Tenant and base model are fixed once registered (as in the API): register a new one."""
 
     class Meta:
@@ -46,10 +50,46 @@ class LoraAdapterForm(forms.ModelForm):
                 self.fields[name].help_text = "Cannot be changed; register a new adapter."
 
 
-class DeploymentForm(forms.ModelForm):
+class AdapterChoiceField(forms.ModelMultipleChoiceField[LoraAdapter]):
+    """Adapters named with their tenant, base model and rank."""
+
+    def label_from_instance(self, obj: LoraAdapter) -> str:
+        return f"{obj.tenant.slug}/{obj.name} (for {obj.base_model.name}, rank {obj.rank})"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One field of a sectioned form, with its engine-setting declaration (None: not one)."""
+
+    field: forms.BoundField
+    spec: EngineField | None = None
+    hidden: bool = False
+
+    @property
+    def shown_when(self) -> str:
+        """`setting=value` where the field applies only then (console.js hides it otherwise)."""
+        return "=".join(self.spec.shown_when) if self.spec and self.spec.shown_when else ""
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    rows: list[Row]
+
+
+# The deployment form's fields that are not engine settings, by section ("" first, untitled).
+DEPLOYMENT_SECTIONS = {"name": "", "base_model": "model", "tenants": "", "replicas": "",
+                       "adapters": "lora"}
+
+
+class DeploymentForm(forms.ModelForm[Deployment]):
+    """A deployment and its engine settings, each labelled, bounded and explained by its
+    declaration in `serving_app.enginespec` (`sections()` groups them as it says)."""
+
     class Meta:
         model = Deployment
         fields = list(Deployment.EDITABLE_FIELDS)
+        field_classes = {"adapters": AdapterChoiceField}
         widgets = {
             "tenants": forms.CheckboxSelectMultiple,
             "adapters": forms.CheckboxSelectMultiple,
@@ -57,16 +97,31 @@ class DeploymentForm(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["adapters"].queryset = LoraAdapter.objects.select_related(
-            "tenant", "base_model"
-        )
-        self.fields["adapters"].label_from_instance = (
-            lambda a: f"{a.tenant.slug}/{a.name} (for {a.base_model.name}, rank {a.rank})"
-        )
+        adapters = self.fields["adapters"]
+        assert isinstance(adapters, AdapterChoiceField)
+        adapters.queryset = LoraAdapter.objects.select_related("tenant", "base_model")
+        for name, field in self.fields.items():
+            if name in FIELD:
+                _declare(field, FIELD[name])
 
-    def _post_clean(self) -> None:
-        super()._post_clean()
-        if self.errors.get("tenants") or self.errors.get("adapters"):
+    def sections(self) -> list[Section]:
+        """The fields in the declaration's sections (`enginespec.GROUPS`), after the untitled
+        one of the deployment itself (name, base model, tenants, replicas)."""
+        rows: dict[str, list[Row]] = {"": [], **{group: [] for group, _ in GROUPS}}
+        for bound in self:
+            spec = FIELD.get(bound.name)
+            group = spec.group if spec else DEPLOYMENT_SECTIONS.get(bound.name, "")
+            hidden = bool(spec and spec.shown_when
+                          and str(self[spec.shown_when[0]].value()) != spec.shown_when[1])
+            rows[group].append(Row(bound, spec, hidden))
+        titles: dict[str, str] = {"": "", **dict(GROUPS)}
+        return [Section(titles[group], found) for group, found in rows.items() if found]
+
+    def full_clean(self) -> None:
+        """The model's own validation, then the many-to-many choices against it
+        (`Deployment.check_relations()`, which needs the cleaned instance)."""
+        super().full_clean()
+        if not self.is_bound or self.errors.get("tenants") or self.errors.get("adapters"):
             return
         if not self.instance.base_model_id:
             return
@@ -75,7 +130,7 @@ class DeploymentForm(forms.ModelForm):
                 self.cleaned_data.get("tenants", []), self.cleaned_data.get("adapters", [])
             )
         except ValidationError as exc:
-            self._update_errors(exc)
+            self.add_error(None, exc)
 
     # Who saves (the view sets it): recorded on a new revision of the engine settings.
     editor: Any = None
@@ -95,6 +150,18 @@ class DeploymentForm(forms.ModelForm):
         )
 
 
+def _declare(field: forms.Field, spec: EngineField) -> None:
+    """The form field of an engine setting as declared: its short label (the flag is shown
+    beside it), its bounds on the input itself so a browser steps and checks them."""
+    field.label = spec.label
+    if spec.minimum is not None:
+        field.widget.attrs["min"] = f"{spec.minimum:g}"
+    if spec.maximum is not None:
+        field.widget.attrs["max"] = f"{spec.maximum:g}"
+    if spec.kind == "float":
+        field.widget.attrs["step"] = "0.01"
+
+
 class IndentedJSONField(forms.JSONField):
     """JSON shown indented, so a plan's deployments can be read and edited in a text area."""
 
@@ -104,7 +171,7 @@ class IndentedJSONField(forms.JSONField):
         return json.dumps(value, ensure_ascii=False, indent=2, cls=self.encoder)
 
 
-class FleetPlanForm(forms.ModelForm):
+class FleetPlanForm(forms.ModelForm[FleetPlan]):
     """A what-if plan; the model's `clean()` checks the fleet and the deployments."""
 
     class Meta:
@@ -119,7 +186,19 @@ class FleetPlanForm(forms.ModelForm):
 
 
 class ScaleForm(forms.Form):
-    replicas = forms.IntegerField(min_value=0, max_value=64)
+    """A deployment's number of replicas, 0 to `maximum` (the model's 64, or the top of the
+    autoscaling range while the autoscaler is on)."""
+
+    replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS, label="Replicas")
+
+    def __init__(self, *args: Any, maximum: int = MAX_REPLICAS, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields["replicas"]
+        assert isinstance(field, forms.IntegerField)
+        field.max_value = maximum
+        field.validators = [v for v in field.validators if not isinstance(v, MaxValueValidator)]
+        field.validators.append(MaxValueValidator(maximum))
+        field.widget.attrs.update(max=str(maximum), min="0")
 
 
 class ApplyForm(forms.Form):

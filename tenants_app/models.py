@@ -156,15 +156,26 @@ class Tenant(models.Model):
     priority_tier = models.PositiveSmallIntegerField(
         choices=PriorityTier.choices, default=PriorityTier.NORMAL
     )
-    requests_per_minute = _positive(help_text="Empty: unlimited.")
-    tokens_per_minute = _positive(help_text="Prompt plus completion tokens. Empty: unlimited.")
-    max_concurrent_requests = _positive(help_text="Empty: unlimited.")
+    requests_per_minute = _positive(
+        verbose_name="Rate limit (requests per minute)", help_text="Empty: unlimited.")
+    tokens_per_minute = _positive(
+        verbose_name="Token rate limit (tokens per minute)",
+        help_text="Prompt plus completion tokens. Empty: unlimited.")
+    max_concurrent_requests = _positive(
+        verbose_name="Concurrent requests (at most)", help_text="Empty: unlimited.")
     monthly_token_budget = models.PositiveBigIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Empty: unlimited."
+        "Monthly token budget (tokens)", null=True, blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Prompt plus completion tokens per calendar month (UTC). Empty: unlimited.",
     )
-    max_tokens_per_request = _positive(help_text="Cap on a request's max_tokens. Empty: none.")
-    max_prompt_tokens = _positive(help_text="Longest prompt accepted. Empty: no limit.")
+    max_tokens_per_request = _positive(
+        verbose_name="Max tokens per request (tokens)",
+        help_text="Cap on a request's max_tokens. Empty: none.")
+    max_prompt_tokens = _positive(
+        verbose_name="Max prompt length (tokens)",
+        help_text="Longest prompt accepted. Empty: no limit.")
     gpu_memory_quota_gib = models.DecimalField(
+        "GPU memory quota (GiB)",
         max_digits=8,
         decimal_places=2,
         null=True,
@@ -172,9 +183,12 @@ class Tenant(models.Model):
         validators=[MinValueValidator(0)],
         help_text="GPU memory this tenant's deployments may reserve. Empty: unlimited.",
     )
-    latency_objective_ms = _positive(help_text="p95 latency objective, drawn on dashboards.")
+    latency_objective_ms = _positive(
+        verbose_name="Latency objective (ms, p95)",
+        help_text="p95 latency objective, drawn on dashboards.")
     # blank: a form or admin post that leaves the field out keeps the weight (1 when new).
     fair_share_weight = models.PositiveSmallIntegerField(
+        "Fair-share weight (1 to 1000)",
         default=1,
         blank=True,
         validators=[MinValueValidator(1), MaxValueValidator(MAX_FAIR_SHARE_WEIGHT)],
@@ -195,6 +209,7 @@ class Tenant(models.Model):
     # Never shown: whoever knew it could compute this tenant's salts.
     cache_secret = models.CharField(max_length=64, default=new_cache_secret, editable=False)
     storage_quota_mb = models.PositiveIntegerField(
+        "Adapter storage quota (MiB)",
         null=True,
         blank=True,
         help_text="Disk its uploaded adapters may take, in MiB. Empty: TENANT_STORAGE_QUOTA_MB.",

@@ -58,7 +58,7 @@ def engine_field(name: str) -> dict[str, Any]:
     (serving_app.enginespec): its label, help text, default, range and choices; it may be left
     empty where its default is None or ""."""
     declared = FIELD[name]
-    out: dict[str, Any] = {"verbose_name": declared.label, "help_text": declared.help_text}
+    out: dict[str, Any] = {"verbose_name": declared.verbose_name, "help_text": declared.help_text}
     validators = [*([MinValueValidator(declared.minimum)] if declared.minimum is not None else []),
                   *([MaxValueValidator(declared.maximum)] if declared.maximum is not None else [])]
     if validators:

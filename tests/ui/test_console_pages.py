@@ -30,6 +30,7 @@ PAGES = [
     ("console:deployment-create", []),
     ("console:audit-log", []),
     ("console:event-list", []),
+    ("console:node-list", []),
     ("console:dashboard", ["usage"]),
     ("console:dashboard", ["latency"]),
     ("console:dashboard", ["gpus"]),
@@ -172,11 +173,15 @@ def test_plan_preview_shows_memory_and_placement_without_saving(
     assert not Deployment.objects.exists()
 
 
-def test_plan_preview_of_an_invalid_form_lists_its_errors(login, platform_admin, base_model):
+def test_plan_preview_of_an_invalid_form_lists_its_errors(login, platform_admin, acme,
+                                                          base_model):
     response = login(platform_admin).post(
-        reverse("console:deployment-plan-new"), _deployment_post(base_model, [])
+        reverse("console:deployment-plan-new"),
+        _deployment_post(base_model, [acme.tenant], max_num_seqs=0),
     )
-    assert 'data-plan="invalid"' in response.content.decode()
+    body = response.content.decode()
+    assert 'data-plan="invalid"' in body
+    assert "<strong>Max sequences per batch</strong>: Ensure this value is greater than" in body
 
 
 def test_create_then_start_scale_restart_stop_a_deployment(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 from pathlib import Path
 
@@ -107,8 +108,12 @@ def test_user_in_one_tenant_goes_straight_to_it(login, acme):
 
 def test_admin_creates_key_and_sees_secret_once(login, acme, served):
     client = login(acme.admin)
-    response = client.post(reverse("portal:keys", args=["acme"]),
-                           {"name": "ci", "allowed_models": ["llama-mini"], "expires_in": "7"})
+    created = client.post(reverse("portal:keys", args=["acme"]),
+                          {"name": "ci", "allowed_models": ["llama-mini"], "expires_in": "7"})
+    # Post/redirect/get: a reload of the page shown does not create another key.
+    assert created.status_code == 302
+    assert created["Location"] == reverse("portal:keys", args=["acme"])
+    response = client.get(created["Location"])
     assert response.status_code == 200 and response["Cache-Control"] == "no-store"
     secret = response.context["secret"]
     key = ApiKey.objects.get(name="ci")
@@ -117,6 +122,8 @@ def test_admin_creates_key_and_sees_secret_once(login, acme, served):
     assert secret in response.content.decode()
     again = client.get(reverse("portal:keys", args=["acme"])).content.decode()
     assert secret not in again and key.prefix in again
+    assert ApiKey.objects.count() == 1
+    assert not any(secret in str(value) for value in client.session.values())
     assert AuditLog.objects.get(action="create", object_type="tenants_app.ApiKey").via == "portal"
 
 
@@ -148,6 +155,12 @@ def test_playground_key_is_short_lived(login, acme):
     data = json.loads(response.content)
     key = ApiKey.objects.for_secret(data["secret"])
     assert key is not None and key.tenant == acme.tenant and key.expires_at is not None
+    # Named to the minute as people read it (no microseconds); a second one gets a number.
+    assert re.fullmatch(r"playground \S+ \d{4}-\d\d-\d\d \d\d:\d\d", key.name)
+    again = json.loads(login(acme.owner).post(
+        reverse("portal:playground-key", args=["acme"])).content)
+    second = ApiKey.objects.for_secret(again["secret"])
+    assert second is not None and second.name != key.name
 
 
 def test_models_page_has_sdk_and_curl_snippets_for_this_origin(login, acme, served):

@@ -96,7 +96,7 @@ def test_each_setting_reaches_the_form_the_api_and_the_model(field):
         assert [v for v, _ in form_field.choices if v != ""] == [
             v for v in field.values if v != ""]
     api_field = DeploymentSerializer().fields[field.name]
-    assert (api_field.label, api_field.help_text) == (field.label, field.help_text)
+    assert (api_field.label, api_field.help_text) == (field.verbose_name, field.help_text)
     assert not api_field.read_only
     model_field = Deployment._meta.get_field(field.name)
     if field.minimum is not None:

@@ -64,6 +64,7 @@ urlpatterns = [
          name="deployment-events"),
     path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # nodes
+    path("nodes/", views.NodeListView.as_view(), name="node-list"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
             views.NodeActionView.as_view(), name="node-action"),

@@ -16,12 +16,13 @@ import redis
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.core.exceptions import ValidationError
-from django.db.models import Count, Model, Prefetch, QuerySet
+from django.db.models import Count, Model, Prefetch, Q, QuerySet
 from django.forms import ModelForm
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render, resolve_url
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils import timezone
 from django.views import View
 from django.views.generic import CreateView, DetailView, ListView, TemplateView, UpdateView
 from django.views.generic.base import TemplateResponseMixin
@@ -47,10 +48,12 @@ from serving_app.models import (
     BaseModel,
     Deployment,
     FleetPlan,
+    Gpu,
     Instance,
     LoraAdapter,
     Node,
 )
+from serving_app.models.autoscalers import MAX_REPLICAS
 from serving_app.models.events import Event, Kind
 from serving_app.placement.inventory import GIB
 from tenants_app.models import Tenant
@@ -359,7 +362,13 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context["scale_form"] = ScaleForm(initial={"replicas": self.object.replicas})
+        maximum, reason = _scale_bound(self.object)
+        context.update(
+            scale_form=ScaleForm(initial={"replicas": self.object.replicas}, maximum=maximum),
+            scale_max=maximum, scale_max_reason=reason,
+            # A jump past this asks first (so does 0): more than doubling, by 4 or more.
+            scale_jump=self.object.replicas + max(4, self.object.replicas),
+        )
         context["instances"] = list(self.object.instances.all())
         context["deployment"] = self.object
         # Its tenants' settings on this engine, and how its GPUs are charged to them (24 h).
@@ -375,6 +384,15 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
         context["autoscale_changes"] = self.object.events.filter(
             kind=Kind.AUTOSCALE)[:10]
         return context
+
+
+def _scale_bound(deployment: Deployment) -> tuple[int, str]:
+    """The most replicas the scale action offers, and why: the top of the autoscaling range
+    while the autoscaler is on (it would scale back down to it), else the model's limit."""
+    autoscaler = Autoscaler.objects.filter(deployment=deployment, enabled=True).first()
+    if autoscaler is not None:
+        return autoscaler.max_replicas, "the autoscaling range's maximum"
+    return MAX_REPLICAS, ""
 
 
 class DeploymentFormMixin(TemplateResponseMixin, ModelFormMixin[Deployment, DeploymentForm]):
@@ -414,7 +432,7 @@ class DeploymentPlanView(StaffPage, View):
     def post(self, request: HttpRequest, pk: int | None = None) -> HttpResponse:
         instance = get_object_or_404(Deployment, pk=pk) if pk else None
         form = DeploymentForm(request.POST, instance=instance)
-        context: dict[str, Any] = {"form": form, "plan": None}
+        context: dict[str, Any] = {"plan": None, **_form_problems(form)}
         if form.is_valid():
             tenants, adapters = form.relations()
             context["plan"] = _plan_view(
@@ -426,6 +444,22 @@ class DeploymentPlanView(StaffPage, View):
         deployment = get_object_or_404(Deployment.objects.select_related("base_model"), pk=pk)
         return render(request, "console/_plan.html",
                       {"plan": _plan_view(service.dry_run(deployment)), "saved": True})
+
+
+def _form_problems(form: DeploymentForm) -> dict[str, Any]:
+    """What keeps the plan from being computed: `missing`, the labels of required fields still
+    empty (not an error: a new form starts so, and the preview posts it at once), and `errors`,
+    (label, message) of values given but refused."""
+    missing: list[str] = []
+    errors: list[tuple[str, str]] = []
+    for name, problems in form.errors.as_data().items():
+        label = str(form.fields[name].label) if name in form.fields else ""
+        for problem in problems:
+            if problem.code == "required":
+                missing.append(label)
+            else:
+                errors.extend((label, message) for message in problem.messages)
+    return {"missing": missing, "errors": errors}
 
 
 def _plan_view(plan: dict[str, Any]) -> dict[str, Any]:
@@ -469,7 +503,7 @@ class DeploymentActionView(StaffPage, View):
 class DeploymentScaleView(StaffPage, View):
     def post(self, request: HttpRequest, pk: int) -> HttpResponse:
         deployment = get_object_or_404(Deployment, pk=pk)
-        form = ScaleForm(request.POST)
+        form = ScaleForm(request.POST, maximum=_scale_bound(deployment)[0])
         if not form.is_valid():
             error = "; ".join(str(e) for errs in form.errors.values() for e in errs)
             return _after_action(request, deployment, f"Not scaled: {error}", level="error")
@@ -508,6 +542,34 @@ class DeploymentInstancesPartial(StaffPage, View):
 
 
 EVENTS_ON_NODE_PAGE = 30
+UNHEALTHY_STATES = (Instance.State.UNHEALTHY, Instance.State.FAILED, Instance.State.CRASH_LOOP)
+
+
+class NodeListView(StaffPage, ListView[Node]):
+    """Every node: its state and heartbeat age, its GPUs, how many instances run there and how
+    many of them are unwell, with the cordon, uncordon and drain actions of its page."""
+
+    template_name = "console/node_list.html"
+
+    def get_queryset(self) -> QuerySet[Node]:
+        terminal = Instance.TERMINAL_STATES
+        return Node.objects.prefetch_related(
+            Prefetch("gpus", queryset=Gpu.objects.filter(parent=None).order_by("index"))
+        ).annotate(
+            n_instances=Count("instances", filter=~Q(instances__state__in=terminal)),
+            n_unhealthy=Count("instances", filter=Q(instances__state__in=UNHEALTHY_STATES)),
+        ).order_by("name")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        now = timezone.now()
+        context["rows"] = [
+            {"node": node,
+             "heartbeat_age_ms": (now - node.last_heartbeat).total_seconds() * 1000
+             if node.last_heartbeat else None}
+            for node in context["object_list"]
+        ]
+        return context
 
 
 class NodeDetailView(StaffPage, DetailView[Node]):

@@ -124,6 +124,9 @@ class TenantDashboardDataView(TenantPage, View):
 # ----------------------------------------------------------------------------- API keys
 
 
+NEW_KEY_SESSION_KEY = "portal.new_api_key"
+
+
 class ApiKeysView(TenantPage, View):
     """List keys; create one (its secret is in this one response only); revoke."""
 
@@ -137,7 +140,16 @@ class ApiKeysView(TenantPage, View):
         return [entry["name"] for entry in catalog(self.tenant)]
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
-        return self.keys_page(ApiKeyForm(model_names=self.model_names()))
+        # A key just created: its secret waits in the session for this one page, then is gone.
+        created = request.session.pop(NEW_KEY_SESSION_KEY, None)
+        extra: dict[str, Any] = {}
+        if created and created.get("tenant") == self.tenant.pk:
+            extra = {"new_key": ApiKey.objects.for_tenant(self.tenant)
+                     .filter(pk=created["key"]).first(), "secret": created["secret"]}
+        response = self.keys_page(ApiKeyForm(model_names=self.model_names()), **extra)
+        if extra:
+            response["Cache-Control"] = "no-store"
+        return response
 
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
@@ -153,11 +165,11 @@ class ApiKeysView(TenantPage, View):
                 for error in errors:
                     form.add_error(field if field in form.fields else None, error)
             return self.keys_page(form, status=400)
-        # Rendered, not redirected: the secret must not travel through the session.
-        response = self.keys_page(ApiKeyForm(model_names=self.model_names()), new_key=key,
-                                  secret=secret)
-        response["Cache-Control"] = "no-store"
-        return response
+        # Post/redirect/get, so that a reload does not create another key: the secret is
+        # kept in the session only until the page after the redirect shows it once.
+        request.session[NEW_KEY_SESSION_KEY] = {"tenant": self.tenant.pk, "key": key.pk,
+                                                "secret": secret}
+        return redirect("portal:keys", slug=self.tenant.slug)
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -263,9 +275,15 @@ class PlaygroundKeyView(TenantPage, View):
         self.require_manager()
         now = timezone.now()
         expires_at = now + PLAYGROUND_KEY_LIFETIME
+        name = f"playground {request.user.get_username()} {now:%Y-%m-%d %H:%M}"[:90]
+        taken = set(ApiKey.objects.for_tenant(self.tenant).filter(name__startswith=name)
+                    .values_list("name", flat=True))
+        # Named to the minute, as people read it; a second key in that minute gets a number.
+        name = next(n for n in (name, *(f"{name} ({i})" for i in range(2, 1000)))
+                    if n not in taken)
         key, secret = ApiKey.objects.create_key(
             tenant=self.tenant,
-            name=f"playground {request.user.get_username()} {now:%Y-%m-%d %H:%M:%S.%f}"[:100],
+            name=name,
             expires_at=expires_at,
             created_by=request.user,
         )
