@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from django.contrib.sessions.models import Session
 from django.urls import reverse
 
 from audit_app.models import AuditLog
@@ -112,7 +113,7 @@ def test_admin_creates_key_and_sees_secret_once(login, acme, served):
                           {"name": "ci", "allowed_models": ["llama-mini"], "expires_in": "7"})
     # Post/redirect/get: a reload of the page shown does not create another key.
     assert created.status_code == 302
-    assert created["Location"] == reverse("portal:keys", args=["acme"])
+    assert created["Location"].startswith(reverse("portal:keys", args=["acme"]) + "?created=")
     response = client.get(created["Location"])
     assert response.status_code == 200 and response["Cache-Control"] == "no-store"
     secret = response.context["secret"]
@@ -122,9 +123,21 @@ def test_admin_creates_key_and_sees_secret_once(login, acme, served):
     assert secret in response.content.decode()
     again = client.get(reverse("portal:keys", args=["acme"])).content.decode()
     assert secret not in again and key.prefix in again
+    # The redirect's link shows the secret once only, and to nobody else.
+    assert secret not in client.get(created["Location"]).content.decode()
     assert ApiKey.objects.count() == 1
     assert not any(secret in str(value) for value in client.session.values())
     assert AuditLog.objects.get(action="create", object_type="tenants_app.ApiKey").via == "portal"
+
+
+def test_a_new_keys_secret_is_shown_to_its_creator_only_and_never_stored(login, acme, served):
+    created = login(acme.admin).post(reverse("portal:keys", args=["acme"]),
+                                     {"name": "ci", "allowed_models": ["llama-mini"]})
+    other = login(acme.owner).get(created["Location"])
+    assert other.status_code == 200 and "secret" not in other.context
+    # Not in the session table either (the one-time entry lives in Redis, read once).
+    key = ApiKey.objects.get(name="ci")
+    assert not any(key.prefix in str(s.get_decoded()) for s in Session.objects.all())
 
 
 def test_duplicate_key_name_is_refused_with_the_models_message(login, acme):

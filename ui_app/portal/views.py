@@ -9,10 +9,14 @@ in tenants_app. The portal's URLs are `ui_app.portal.urls`.
 
 from __future__ import annotations
 
+import json
+import secrets
 from datetime import timedelta
+from functools import lru_cache
 from typing import Any
 
 import redis
+from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Count
@@ -124,7 +128,19 @@ class TenantDashboardDataView(TenantPage, View):
 # ----------------------------------------------------------------------------- API keys
 
 
-NEW_KEY_SESSION_KEY = "portal.new_api_key"
+# A key just created reaches the page after the redirect through a one-time Redis entry that
+# lives NEW_KEY_SECONDS at most and is read once (GETDEL), bound to the tenant and the user: the
+# secret is never written to the session table or any other row.
+NEW_KEY_SECONDS = 120
+
+
+@lru_cache(maxsize=4)
+def _handoff(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+
+def _new_key_entry(token: str) -> str:
+    return f"portal:new-key:{token}"
 
 
 class ApiKeysView(TenantPage, View):
@@ -140,16 +156,27 @@ class ApiKeysView(TenantPage, View):
         return [entry["name"] for entry in catalog(self.tenant)]
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
-        # A key just created: its secret waits in the session for this one page, then is gone.
-        created = request.session.pop(NEW_KEY_SESSION_KEY, None)
-        extra: dict[str, Any] = {}
-        if created and created.get("tenant") == self.tenant.pk:
-            extra = {"new_key": ApiKey.objects.for_tenant(self.tenant)
-                     .filter(pk=created["key"]).first(), "secret": created["secret"]}
+        extra = self.created_key(request.GET.get("created", ""))
         response = self.keys_page(ApiKeyForm(model_names=self.model_names()), **extra)
         if extra:
             response["Cache-Control"] = "no-store"
         return response
+
+    def created_key(self, token: str) -> dict[str, Any]:
+        """The key the redirect names, with its secret, once (nothing when it was read
+        already, expired, or is another tenant's or user's)."""
+        if not token:
+            return {}
+        try:
+            raw = _handoff(settings.REDIS_URL).getdel(_new_key_entry(token))
+        except redis.RedisError:
+            return {}
+        created = json.loads(raw) if raw else None
+        if (not created or created["tenant"] != self.tenant.pk
+                or created["user"] != self.request.user.pk):
+            return {}
+        return {"new_key": ApiKey.objects.for_tenant(self.tenant).filter(pk=created["key"])
+                .first(), "secret": created["secret"]}
 
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         self.require_manager()
@@ -165,11 +192,21 @@ class ApiKeysView(TenantPage, View):
                 for error in errors:
                     form.add_error(field if field in form.fields else None, error)
             return self.keys_page(form, status=400)
-        # Post/redirect/get, so that a reload does not create another key: the secret is
-        # kept in the session only until the page after the redirect shows it once.
-        request.session[NEW_KEY_SESSION_KEY] = {"tenant": self.tenant.pk, "key": key.pk,
-                                                "secret": secret}
-        return redirect("portal:keys", slug=self.tenant.slug)
+        # Post/redirect/get, so that a reload does not create another key; the secret waits in
+        # a one-time Redis entry for the page after the redirect. Without Redis the secret is
+        # shown in this response instead (a reload would then ask to send the form again).
+        token = secrets.token_urlsafe(16)
+        entry = {"tenant": self.tenant.pk, "user": request.user.pk, "key": key.pk,
+                 "secret": secret}
+        try:
+            _handoff(settings.REDIS_URL).set(_new_key_entry(token), json.dumps(entry),
+                                             ex=NEW_KEY_SECONDS)
+        except redis.RedisError:
+            response = self.keys_page(ApiKeyForm(model_names=self.model_names()), new_key=key,
+                                      secret=secret)
+            response["Cache-Control"] = "no-store"
+            return response
+        return redirect(f"{reverse('portal:keys', args=[self.tenant.slug])}?created={token}")
 
 
 # ----------------------------------------------------------------------------- adapters
