@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db.models import QuerySet
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail
 from rest_framework.serializers import as_serializer_error
@@ -32,6 +33,9 @@ from serving_app.uploads import allowed_base_models
 from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AnonymousUser, User
+
 ARCH_FIELDS = list(BaseModel.ARCHITECTURE_FIELDS)
 
 
@@ -51,7 +55,7 @@ class ViewerMixin:
         return visible_tenant_ids(request) if request is not None else frozenset()
 
 
-class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer):
+class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
     class Meta:
         model = BaseModel
         fields = ["id", "name", "path", "dtype", "quantization", *ARCH_FIELDS, "created_at"]
@@ -65,7 +69,7 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer):
         return data
 
 
-class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer):
+class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer[LoraAdapter]):
     tenant = TenantSlugField()
     base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
 
@@ -134,7 +138,7 @@ def _generic_host_path(detail: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class AdapterUploadSerializer(serializers.Serializer):
+class AdapterUploadSerializer(serializers.Serializer[Any]):
     """A zipped adapter folder for one of the caller's tenants (how tenants register adapters:
     they never name a host path)."""
 
@@ -164,8 +168,9 @@ class AdapterUploadSerializer(serializers.Serializer):
         return attrs
 
 
-class GpuSerializer(serializers.ModelSerializer):
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+class GpuSerializer(serializers.ModelSerializer[Gpu]):
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
 
     class Meta:
         model = Gpu
@@ -182,7 +187,7 @@ class GpuSerializer(serializers.ModelSerializer):
         ]
 
 
-class NodeSerializer(ValidatedModelSerializer):
+class NodeSerializer(ValidatedModelSerializer[Node]):
     state = serializers.CharField(read_only=True)
     gpus = GpuSerializer(many=True, read_only=True)
 
@@ -209,9 +214,11 @@ class NodeSerializer(ValidatedModelSerializer):
                             "drain_status", "created_at"]
 
 
-class InstanceSerializer(serializers.ModelSerializer):
-    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+class InstanceSerializer(serializers.ModelSerializer[Instance]):
+    deployment: serializers.SlugRelatedField[Deployment] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
 
     class Meta:
         model = Instance
@@ -242,8 +249,9 @@ class InstanceSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class InstanceBriefSerializer(serializers.ModelSerializer):
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+class InstanceBriefSerializer(serializers.ModelSerializer[Instance]):
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
 
     class Meta:
         model = Instance
@@ -251,24 +259,25 @@ class InstanceBriefSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class AdapterChoiceField(serializers.PrimaryKeyRelatedField):
+class AdapterChoiceField(serializers.PrimaryKeyRelatedField[LoraAdapter]):
     """Adapters of the tenants the caller may see."""
 
-    def get_queryset(self):
+    def get_queryset(self) -> QuerySet[LoraAdapter]:
         request = self.context.get("request")
         if request is None:
             return LoraAdapter.objects.none()
         return LoraAdapter.objects.for_user(request.user).select_related("tenant")
 
 
-class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
+class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
     base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
     tenants = TenantSlugField(many=True)
     adapters = AdapterChoiceField(many=True, required=False)
     instances = InstanceBriefSerializer(many=True, read_only=True)
-    applied_revision = serializers.SlugRelatedField(
-        slug_field="number", read_only=True,
-        help_text="The revision of the engine settings the instances run.")
+    applied_revision: serializers.SlugRelatedField[DeploymentRevision] = (
+        serializers.SlugRelatedField(
+            slug_field="number", read_only=True,
+            help_text="The revision of the engine settings the instances run."))
     pending_revision = serializers.SerializerMethodField(
         help_text="The newest revision when it is not applied yet (an edit waiting), else null.")
     out_of_date = serializers.SerializerMethodField(
@@ -307,8 +316,9 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
     def get_out_of_date(self, deployment: Deployment) -> int:
         return len(deployment.out_of_date())
 
-    def _editor(self) -> Any:
-        return getattr(self.context.get("request"), "user", None)
+    def _editor(self) -> User | AnonymousUser | None:
+        editor: User | AnonymousUser | None = getattr(self.context.get("request"), "user", None)
+        return editor
 
     def create(self, validated_data: dict[str, Any]) -> Deployment:
         tenants = validated_data.pop("tenants", [])
@@ -354,11 +364,11 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer):
         return data
 
 
-class ScaleSerializer(serializers.Serializer):
+class ScaleSerializer(serializers.Serializer[Any]):
     replicas = serializers.IntegerField(min_value=0, max_value=64)
 
 
-class TenantShareSerializer(serializers.Serializer):
+class TenantShareSerializer(serializers.Serializer[dict[str, Any]]):
     """One tenant's flow control on a deployment over the window
     (`serving_app.deployments.sharing`)."""
 
@@ -377,7 +387,7 @@ class TenantShareSerializer(serializers.Serializer):
     backlogged = serializers.BooleanField()
 
 
-class FlowReportSerializer(serializers.Serializer):
+class FlowReportSerializer(serializers.Serializer[dict[str, Any]]):
     deployment_id = serializers.IntegerField()
     flow_control = serializers.BooleanField()
     window_minutes = serializers.IntegerField()
@@ -390,7 +400,7 @@ class FlowReportSerializer(serializers.Serializer):
     )
 
 
-class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):
+class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer[AuditLog]):
     tenant = LookupSlugField(slug_field="slug", queryset=Tenant.objects.all())
 
     class Meta:
@@ -420,10 +430,11 @@ class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer):
 
 
 # -- revisions, rollouts, events --------------------------------------------------------------
-class RevisionSerializer(serializers.ModelSerializer):
+class RevisionSerializer(serializers.ModelSerializer[DeploymentRevision]):
     """A revision of the engine settings, with what it changed from the one before."""
 
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by: serializers.SlugRelatedField[User] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True)
     changes = serializers.SerializerMethodField()
     applied = serializers.SerializerMethodField()
     instances = serializers.SerializerMethodField()
@@ -445,10 +456,13 @@ class RevisionSerializer(serializers.ModelSerializer):
         return revision.instances.exclude(state=Instance.State.STOPPED).count()
 
 
-class RolloutSerializer(serializers.ModelSerializer):
-    from_revision = serializers.SlugRelatedField(slug_field="number", read_only=True)
-    to_revision = serializers.SlugRelatedField(slug_field="number", read_only=True)
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+class RolloutSerializer(serializers.ModelSerializer[Rollout]):
+    from_revision: serializers.SlugRelatedField[DeploymentRevision] = (
+        serializers.SlugRelatedField(slug_field="number", read_only=True))
+    to_revision: serializers.SlugRelatedField[DeploymentRevision] = (
+        serializers.SlugRelatedField(slug_field="number", read_only=True))
+    created_by: serializers.SlugRelatedField[User] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True)
 
     class Meta:
         model = Rollout
@@ -459,7 +473,7 @@ class RolloutSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ApplySerializer(serializers.Serializer):
+class ApplySerializer(serializers.Serializer[Any]):
     """What to apply and how: the newest revision unless `revision` names another."""
 
     revision = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False,
@@ -472,11 +486,13 @@ class ApplySerializer(serializers.Serializer):
                                                 default=Rollout.DEFAULT_KEEP_OLD_SECONDS)
 
 
-class EventSerializer(ViewerMixin, serializers.ModelSerializer):
+class EventSerializer(ViewerMixin, serializers.ModelSerializer[Event]):
     """An event; tenant users read it without its data, instance and node, paths redacted."""
 
-    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    deployment: serializers.SlugRelatedField[Deployment] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
 
     class Meta:
         model = Event

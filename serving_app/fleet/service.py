@@ -216,7 +216,8 @@ def load_cluster(
     Each instance's reservation is charged to its deployment's tenants: by the entitled split,
     or with ``period`` by the split measured over it (``accounting``).
     """
-    exclude_id = getattr(exclude_deployment, "pk", exclude_deployment)
+    exclude_id = (exclude_deployment.pk if isinstance(exclude_deployment, Deployment)
+                  else exclude_deployment)
     nodes = list(Node.objects.annotate(gpu_count=Count("gpus")).order_by("name"))
     by_name: dict[str, Node] = {n.name: n for n in nodes}
     gpu_rows = list(Gpu.objects.filter(node__in=nodes).order_by("node_id", "index", "pk"))
@@ -591,7 +592,7 @@ def _current(deployment: Deployment) -> list[dict[str, Any]]:
             "instance": i.pk,
             "replica": i.ordinal,
             "state": i.state,
-            "node": i.node.name if i.node_id else None,
+            "node": i.node.name if i.node is not None else None,
             "gpus": [g.pk for g in i.gpus.all()],
             "gpu_memory_fraction": i.gpu_memory_fraction,
         }

@@ -11,7 +11,7 @@ import shlex
 import shutil
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -43,7 +43,12 @@ from tenants_app.models import SignedInQuerySet, StaffOnlyQuerySet, Tenant, Tena
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+    # request.user's types (AUTH_USER_MODEL is Django's own User).
+    from django.contrib.auth.models import AnonymousUser, User
+
+
+# What an operator action changed, {field: [before, after]}: the audit entry's changes.
+Changes = dict[str, list[Any]]
 
 
 def _path_error(exc: ModelFilesError) -> ValidationError:
@@ -149,7 +154,7 @@ class BaseModel(models.Model):
         return self.torch_dtype if self.dtype == "auto" else self.dtype
 
 
-class LoraAdapterQuerySet(TenantOwnedQuerySet):
+class LoraAdapterQuerySet(TenantOwnedQuerySet["LoraAdapter"]):
     def storage_used(self, tenant: Tenant) -> int:
         """Bytes the tenant's adapters take (size_bytes, read from their files when
         registered): what the portal shows against the tenant's storage quota."""
@@ -264,7 +269,7 @@ class LoraAdapter(models.Model):
         lifecycle.adapter_files_released()
 
 
-class AdapterFileRemovalQuerySet(models.QuerySet):
+class AdapterFileRemovalQuerySet(models.QuerySet["AdapterFileRemoval"]):
     def remove_released(self) -> int:
         """Remove the files of deleted adapters that no engine has any more; how many went.
 
@@ -414,17 +419,17 @@ class Node(models.Model):
 
     # -- operator actions. Each records its audit entry (a conditional update sends no signal)
     # and returns the change made ({field: [before, after]}, empty when nothing changed).
-    def cordon(self) -> dict[str, list]:
+    def cordon(self) -> Changes:
         """No new instances on this node; what runs here goes on running."""
         return self._change("cordon", cordoned=True)
 
-    def uncordon(self) -> dict[str, list]:
+    def uncordon(self) -> Changes:
         """Take new instances again; a drain in progress stops after the move under way."""
         changes = self._change("uncordon", cordoned=False, draining=False, drain_status="")
         lifecycle.nodes_changed()  # placements that waited for room may fit now
         return changes
 
-    def drain(self) -> dict[str, list]:
+    def drain(self) -> Changes:
         """Cordon the node and move every instance off it, one at a time: the reconciler starts
         a replacement elsewhere, waits until it is ready, then stops the old one. Refused when
         no other node could take anything."""
@@ -444,7 +449,7 @@ class Node(models.Model):
         lifecycle.nodes_changed()
         return changes
 
-    def _change(self, action: str, **values: object) -> dict[str, list]:
+    def _change(self, action: str, **values: object) -> Changes:
         with transaction.atomic():
             current = Node.objects.select_for_update().get(pk=self.pk)
             changes = {name: [getattr(current, name), value] for name, value in values.items()
@@ -507,7 +512,7 @@ class Gpu(models.Model):
         return f"{self.node_id and self.node.name} GPU {self.index} ({self.name})"
 
     def clean(self) -> None:
-        if self.parent_id and self.parent.node_id != self.node_id:
+        if self.parent is not None and self.parent.node_id != self.node_id:
             raise ValidationError({"parent": "A MIG device belongs to a GPU on the same node."})
 
 
@@ -617,8 +622,8 @@ class FleetPlan(models.Model):
         return problems
 
 
-class DeploymentQuerySet(models.QuerySet):
-    def for_user(self, user: AbstractBaseUser) -> DeploymentQuerySet:
+class DeploymentQuerySet(models.QuerySet["Deployment"]):
+    def for_user(self, user: User | AnonymousUser) -> Self:
         """Deployments the user may see: all for staff, else those open to their tenants."""
         if not user.is_authenticated:
             return self.none()
@@ -626,7 +631,7 @@ class DeploymentQuerySet(models.QuerySet):
             return self.all()
         return self.filter(tenants__memberships__user=user).distinct()
 
-    def for_tenant(self, tenant: Tenant) -> DeploymentQuerySet:
+    def for_tenant(self, tenant: Tenant) -> Self:
         return self.filter(tenants=tenant)
 
 
@@ -849,7 +854,7 @@ class Deployment(models.Model):
                 if latest is not None and i.revision_id != latest.pk]
 
     def record_revision(
-        self, by: AbstractBaseUser | AnonymousUser | None = None
+        self, by: User | AnonymousUser | None = None
     ) -> DeploymentRevision | None:
         """Record the engine settings as a new revision if they differ from the newest one.
         Nothing runs (no instance, no rollout): it is applied at once, since there is nothing to
@@ -883,7 +888,7 @@ class Deployment(models.Model):
               strategy: str = Rollout.Strategy.ROLLING, *, max_surge: int = 1,
               max_unavailable: int = 0,
               keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
-              by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+              by: User | AnonymousUser | None = None) -> Rollout:
         """Set `revision` (default: the newest) as the target and roll it out with `strategy`;
         the reconciler carries the rollout out. With nothing running it is applied at once (a
         rollout that succeeded immediately). Raises ValidationError when it cannot start.
@@ -901,7 +906,7 @@ class Deployment(models.Model):
     def _start_rollout(self, revision: DeploymentRevision | None, strategy: str, *,
                        max_surge: int = 1, max_unavailable: int = 0,
                        keep_old_seconds: int = Rollout.DEFAULT_KEEP_OLD_SECONDS,
-                       by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+                       by: User | AnonymousUser | None = None) -> Rollout:
         with transaction.atomic():
             locked = Deployment.objects.select_for_update(no_key=True).get(pk=self.pk)
             revision = revision or locked.latest_revision
@@ -951,7 +956,7 @@ class Deployment(models.Model):
         self.refresh_from_db(fields=["applied_revision"])
         return rollout
 
-    def rollback(self, by: AbstractBaseUser | AnonymousUser | None = None) -> Rollout:
+    def rollback(self, by: User | AnonymousUser | None = None) -> Rollout:
         """Return to the revision applied before: an active rollout is aborted (a blue-green one
         that switched switches back at once); otherwise the revision the last finished rollout
         started from is applied again, rolling. Leaves the "rollback" audit entry."""
@@ -980,17 +985,17 @@ class Deployment(models.Model):
     # audit entry (their conditional updates send no signal). They return the change made
     # ({field: [before, after]}, empty when nothing changed). A request that changes nothing (a
     # start of a running deployment) is still recorded: someone asked for it.
-    def start(self) -> dict[str, list]:
+    def start(self) -> Changes:
         """Ask for the deployment to run."""
         return self._change_desired_state("start", self.DesiredState.RUNNING)
 
-    def stop(self, *, reconcile: bool = True) -> dict[str, list]:
+    def stop(self, *, reconcile: bool = True) -> Changes:
         """Ask for every instance of the deployment to stop, each draining first
         (`reconcile=False`: the caller stops the engines itself, as `manage.py stop_engines`
         does)."""
         return self._change_desired_state("stop", self.DesiredState.STOPPED, reconcile)
 
-    def restart(self) -> dict[str, list]:
+    def restart(self) -> Changes:
         """Replace every instance (a new generation, of the applied revision) and ask for the
         deployment to run. The reconciler replaces them one by one, each new instance ready
         before an old one drains, as in a rolling rollout."""
@@ -1001,7 +1006,7 @@ class Deployment(models.Model):
                 desired_state=self.DesiredState.RUNNING, updated_at=timezone.now(),
             )
             self.refresh_from_db(fields=["generation", "desired_state", "updated_at"])
-            changes: dict[str, list] = {"generation": [locked.generation, self.generation]}
+            changes: Changes = {"generation": [locked.generation, self.generation]}
             if locked.desired_state != self.desired_state:
                 changes["desired_state"] = [locked.desired_state, self.desired_state]
             recording.record("restart", self, changes)
@@ -1011,7 +1016,7 @@ class Deployment(models.Model):
             lifecycle.deployment_changed(self.pk)
         return changes
 
-    def scale_to(self, replicas: int) -> dict[str, list]:
+    def scale_to(self, replicas: int) -> Changes:
         """Ask for `replicas` instances (0 to 64)."""
         if not 0 <= replicas <= 64:
             raise ValidationError({"replicas": "Must be between 0 and 64."})
@@ -1032,7 +1037,7 @@ class Deployment(models.Model):
 
     def save_settings(self, tenants: Iterable[Tenant] | None = None,
                       adapters: Iterable[LoraAdapter] | None = None,
-                      by: AbstractBaseUser | AnonymousUser | None = None) -> None:
+                      by: User | AnonymousUser | None = None) -> None:
         """Save edited settings (and the tenants and adapters when given; None leaves them to a
         caller that sets them in the same transaction, as the Django admin does), then ask the
         reconciler to converge. Changed engine settings become a pending revision
@@ -1056,7 +1061,7 @@ class Deployment(models.Model):
                 lifecycle.deployment_changed(self.pk)
 
     def _change_desired_state(self, action: str, state: str,
-                              reconcile: bool = True) -> dict[str, list]:
+                              reconcile: bool = True) -> Changes:
         with transaction.atomic():
             before = self._locked().desired_state
             changed = self._set_desired_state(state)
@@ -1092,19 +1097,19 @@ def new_instance_secret() -> str:
     return secrets.token_hex(24)
 
 
-class InstanceQuerySet(models.QuerySet):
-    def for_user(self, user: AbstractBaseUser) -> InstanceQuerySet:
+class InstanceQuerySet(models.QuerySet["Instance"]):
+    def for_user(self, user: User | AnonymousUser) -> Self:
         if not user.is_authenticated:
             return self.none()
         if user.is_staff:
             return self.all()
         return self.filter(deployment__tenants__memberships__user=user).distinct()
 
-    def for_tenant(self, tenant: Tenant) -> InstanceQuerySet:
+    def for_tenant(self, tenant: Tenant) -> Self:
         """Instances of the deployments that serve the tenant."""
         return self.filter(deployment__tenants=tenant).distinct()
 
-    def active(self) -> InstanceQuerySet:
+    def active(self) -> Self:
         return self.exclude(state__in=Instance.TERMINAL_STATES)
 
 
@@ -1196,7 +1201,7 @@ class Instance(models.Model):
         whatever was edited since."""
         return self.deployment.engine_spec(self.revision)
 
-    def transition(self, expected: Iterable[str], new: str, **fields) -> bool:
+    def transition(self, expected: Iterable[str], new: str, **fields: Any) -> bool:
         """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""
         now = timezone.now()
         expected = list(expected)
@@ -1235,12 +1240,13 @@ class Instance(models.Model):
 
     @property
     def base_url(self) -> str:
-        address = self.node.address if self.node_id else "127.0.0.1"
+        address = self.node.address if self.node is not None else "127.0.0.1"
         return f"http://{address}:{self.port}"
 
 
 # Usage metering models and engine metric samples live in their own modules (written by the
 # gateway, and by node agents and the control worker); importing them here registers them.
-from serving_app.models.autoscalers import Autoscaler  # noqa: E402,F401
-from serving_app.models.engine_metrics import EngineHour, EngineSample  # noqa: E402,F401
+from serving_app.models.autoscalers import Autoscaler as Autoscaler  # noqa: E402
+from serving_app.models.engine_metrics import EngineHour as EngineHour  # noqa: E402
+from serving_app.models.engine_metrics import EngineSample as EngineSample  # noqa: E402
 from serving_app.models.usage import *  # noqa: E402,F401,F403
