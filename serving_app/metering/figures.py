@@ -89,9 +89,13 @@ def _layout(title: str, yaxis: str, **extra: Any) -> dict[str, Any]:
 
 
 def _empty(fig: Figure, has_data: bool, text: str = "No requests in this range") -> Figure:
+    """Without data: the reason in the middle, and no axes (a bare 0 to 4 scale reads as data)."""
     if not has_data:
         fig.add_annotation(text=text, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
                            font={"size": 14, "color": GREY})
+        for axis in ("xaxis", "yaxis"):
+            fig.layout.setdefault(axis, {})["visible"] = False
+        fig.layout["showlegend"] = False
     return fig
 
 
@@ -118,7 +122,8 @@ def add_series(fig: Figure, x: list[str], y: list[float | None], name: str, colo
         line["dash"] = dash
     size = 7 if isolated(y) else 4
     fig.add_scatter(x=x, y=y, name=name, mode="lines+markers", line=line,
-                    marker={"color": colour, "size": size}, connectgaps=False, **extra)
+                    marker={"color": colour, "size": size}, connectgaps=False,
+                    cliponaxis=False, **extra)
 
 
 def scale_to_data(layout: dict[str, Any], values: Iterable[float | None], *,
