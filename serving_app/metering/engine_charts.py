@@ -21,7 +21,15 @@ from typing import Any
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from serving_app.metering.figures import Figure, _empty, _layout, colour_for, times
+from serving_app.metering.figures import (
+    Figure,
+    _empty,
+    _layout,
+    add_series,
+    colour_for,
+    scale_to_data,
+    times,
+)
 from serving_app.models import Deployment, Instance
 from serving_app.models.engine_metrics import (
     COUNTERS,
@@ -248,10 +256,8 @@ def scope_of(deployment: Deployment | None = None,
 
 
 def _line(fig: Figure, x: list[str], y: list[float | None], name: str, colour: str,
-          **extra: Any) -> None:
-    line = {"color": colour, "width": 2, **extra.pop("line", {})}
-    fig.add_scatter(x=x, y=y, name=name, mode="lines+markers", marker={"size": 3},
-                    line=line, connectgaps=False, **extra)
+          dash: str | None = None, **extra: Any) -> None:
+    add_series(fig, x, y, name, colour, dash=dash, **extra)
 
 
 def queue_figure(s: EngineSeries) -> dict[str, Any]:
@@ -260,8 +266,8 @@ def queue_figure(s: EngineSeries) -> dict[str, Any]:
     for n, inst in enumerate(s.instances):
         colour = colour_for(n)
         _line(fig, x, inst.running, f"{inst.label} running", colour, legendgroup=inst.label)
-        _line(fig, x, inst.waiting, f"{inst.label} waiting", colour, legendgroup=inst.label,
-              line={"dash": "dot"})
+        _line(fig, x, inst.waiting, f"{inst.label} waiting", colour, "dot",
+              legendgroup=inst.label)
     return _empty(fig, s.has_data, NO_SAMPLES).to_plotly_json()
 
 
@@ -279,12 +285,13 @@ def latency_figure(s: EngineSeries) -> dict[str, Any]:
     x = times(s.bins)
     fig = Figure(_layout("Time to first token and inter-token latency", "ms"))
     for name, values, colour, dash in (
-        ("TTFT p50", s.ttft_p50_ms, "#10b981", "solid"),
-        ("TTFT p95", s.ttft_p95_ms, "#f59e0b", "solid"),
+        ("TTFT p50", s.ttft_p50_ms, "#10b981", None),
+        ("TTFT p95", s.ttft_p95_ms, "#f59e0b", None),
         ("ITL p50", s.itl_p50_ms, "#10b981", "dot"),
         ("ITL p95", s.itl_p95_ms, "#f59e0b", "dot"),
     ):
-        _line(fig, x, values, name, colour, line={"dash": dash})
+        _line(fig, x, values, name, colour, dash)
+    scale_to_data(fig.layout, (*s.ttft_p95_ms, *s.itl_p95_ms, *s.ttft_p50_ms, *s.itl_p50_ms))
     has_data = any(v is not None for v in (*s.ttft_p50_ms, *s.itl_p50_ms))
     return _empty(fig, has_data, "No requests in this range").to_plotly_json()
 

@@ -18,7 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 from serving_app.metering.queries import GpuSeries, LatencySeries, Series
-from serving_app.placement.inventory import GIB
+from serving_app.units import GIB, format_gib
 from tenants_app.models import Tenant
 
 PALETTE = (
@@ -51,6 +51,9 @@ class Figure:
 
     def add_annotation(self, **annotation: Any) -> None:
         self.layout.setdefault("annotations", []).append(annotation)
+
+    def add_shape(self, **shape: Any) -> None:
+        self.layout.setdefault("shapes", []).append(shape)
 
     def to_plotly_json(self) -> dict[str, Any]:
         return {"data": self.data, "layout": self.layout}
@@ -86,14 +89,77 @@ def _layout(title: str, yaxis: str, **extra: Any) -> dict[str, Any]:
 
 
 def _empty(fig: Figure, has_data: bool, text: str = "No requests in this range") -> Figure:
+    """Without data: the reason in the middle, and no axes (a bare 0 to 4 scale reads as data)."""
     if not has_data:
         fig.add_annotation(text=text, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5,
                            font={"size": 14, "color": GREY})
+        for axis in ("xaxis", "yaxis"):
+            fig.layout.setdefault(axis, {})["visible"] = False
+        fig.layout["showlegend"] = False
     return fig
 
 
 def _plain(fig: Figure) -> dict[str, Any]:
     return fig.to_plotly_json()
+
+
+def isolated(values: list[float | None]) -> bool:
+    """Whether some value has no value beside it: a line draws nothing for such a point."""
+    last = len(values) - 1
+    return any(
+        v is not None and (i == 0 or values[i - 1] is None) and (i == last or values[i + 1] is None)
+        for i, v in enumerate(values)
+    )
+
+
+def add_series(fig: Figure, x: list[str], y: list[float | None], name: str, colour: str,
+               *, width: float = 2, dash: str | None = None, **extra: Any) -> None:
+    """A time series as every chart draws one: a line with a marker on every point, so a bin
+    with data between bins without any still shows (a lone point draws no line); larger
+    markers where the series is sparse. Gaps stay gaps (no line across a bin without data)."""
+    line: dict[str, Any] = {"color": colour, "width": width}
+    if dash:
+        line["dash"] = dash
+    size = 7 if isolated(y) else 4
+    fig.add_scatter(x=x, y=y, name=name, mode="lines+markers", line=line,
+                    marker={"color": colour, "size": size}, connectgaps=False,
+                    cliponaxis=False, **extra)
+
+
+def scale_to_data(layout: dict[str, Any], values: Iterable[float | None], *,
+                  references: Iterable[float] = (), headroom: float = 1.15) -> float | None:
+    """Set the y-axis to [0, the largest value plus headroom], so that reference lines (which
+    plotly counts in its autorange) do not stretch it; a reference up to three times the data's top
+    is kept in view, a higher one is named at the top edge (`reference_line`). Returns the
+    top, or None without data (then plotly's autorange stays)."""
+    top = max((v for v in values if v is not None), default=None)
+    if top is None or top <= 0:
+        return None
+    near = [r for r in references if r <= 3 * top]
+    top = max([top, *near]) * headroom
+    layout["yaxis"]["range"] = [0, top]
+    layout["yaxis"].pop("rangemode", None)
+    return top
+
+
+def reference_line(fig: Figure, value: float, label: str, colour: str,
+                   top: float | None) -> None:
+    """A horizontal reference (an objective, a total) across the whole chart, as a shape: it
+    does not stretch the y-axis. Above the data's range it is named at the top edge instead."""
+    if top is not None and value > top:
+        annotations = fig.layout.setdefault("annotations", [])
+        above = next((a for a in annotations if a.get("name") == "above"), None)
+        if above is None:
+            fig.add_annotation(name="above", text=f"{label} above ↑", showarrow=False,
+                               xref="paper", yref="paper", x=1, y=1, xanchor="right",
+                               yanchor="bottom", font={"size": 11, "color": GREY})
+        else:
+            above["text"] = f"{above['text'][:-len(' above ↑')]}, {label} above ↑"
+        return
+    fig.add_shape(type="line", xref="paper", x0=0, x1=1, yref="y", y0=value, y1=value,
+                  line={"color": colour, "width": 1.5, "dash": "dash"}, layer="below",
+                  label={"text": label, "textposition": "end", "yanchor": "bottom",
+                         "font": {"size": 11, "color": colour}})
 
 
 # ----------------------------------------------------------------------------- usage
@@ -139,79 +205,85 @@ def tokens_figure(series: Series, tenants: dict[int, Tenant]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- latency
 
 
+def _objectives(tenants: Iterable[Tenant]) -> list[float]:
+    return [t.latency_objective_ms for t in tenants if t.latency_objective_ms]
+
+
 def _objective_lines(
-    fig: Figure, bins: list[str], tenants: Iterable[Tenant], colours: dict[int, str]
+    fig: Figure, tenants: Iterable[Tenant], colours: dict[int, str], top: float | None
 ) -> None:
-    if not bins:
-        return
     for tenant in tenants:
         if tenant.latency_objective_ms:
-            fig.add_scatter(
-                x=[bins[0], bins[-1]], y=[tenant.latency_objective_ms] * 2, mode="lines",
-                name=f"{tenant.slug} objective ({tenant.latency_objective_ms} ms)",
-                line={"color": colours[tenant.pk], "dash": "dash", "width": 1.5},
-                hoverinfo="skip",
-            )
+            reference_line(fig, tenant.latency_objective_ms,
+                           f"{tenant.slug} objective ({tenant.latency_objective_ms:,} ms)",
+                           colours[tenant.pk], top)
 
 
 def percentiles_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dict[str, Any]:
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
-    fig = _figure(layout=_layout("Total latency, all selected traffic", "ms"))
+    layout = _layout("Total latency, all selected traffic", "ms")
+    fig = _figure(layout=layout)
     has_data = any(p.requests for p in series.overall)
     styles = (("p50", "#10b981"), ("p95", "#f59e0b"), ("p99", "#ef4444"))
     for name, colour in styles:
-        fig.add_scatter(x=x, y=[getattr(p, name) for p in series.overall],
-                        name=name, mode="lines+markers", line={"color": colour, "width": 2},
-                        marker={"size": 4}, connectgaps=False)
-    shown = [t for t in tenants.values() if t.pk in series.by_tenant]
-    _objective_lines(fig, x, sorted(shown, key=lambda t: t.slug), colours)
+        add_series(fig, x, [getattr(p, name) for p in series.overall], name, colour)
+    shown = sorted((t for t in tenants.values() if t.pk in series.by_tenant),
+                   key=lambda t: t.slug)
+    top = scale_to_data(layout, (p.p99 for p in series.overall), references=_objectives(shown))
+    _objective_lines(fig, shown, colours, top)
     return _plain(_empty(fig, has_data))
 
 
 def p95_by_tenant_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dict[str, Any]:
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
-    fig = _figure(layout=_layout("p95 latency per tenant, against its objective", "ms"))
+    layout = _layout("p95 latency per tenant, against its objective", "ms")
+    fig = _figure(layout=layout)
     shown = sorted((t for t in tenants.values() if t.pk in series.by_tenant), key=lambda t: t.slug)
     for tenant in shown:
-        points = series.by_tenant[tenant.pk]
-        fig.add_scatter(x=x, y=[p.p95 for p in points], name=f"{tenant.slug} p95",
-                        mode="lines+markers", marker={"size": 4},
-                        line={"color": colours[tenant.pk], "width": 2})
-    _objective_lines(fig, x, shown, colours)
+        add_series(fig, x, [p.p95 for p in series.by_tenant[tenant.pk]], f"{tenant.slug} p95",
+                   colours[tenant.pk])
+    top = scale_to_data(layout, (p.p95 for t in shown for p in series.by_tenant[t.pk]),
+                        references=_objectives(shown))
+    _objective_lines(fig, shown, colours, top)
     return _plain(_empty(fig, bool(shown)))
 
 
 def ttft_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dict[str, Any]:
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
-    fig = _figure(layout=_layout("Time to first token (mean of streamed requests)", "ms"))
+    layout = _layout("Time to first token (mean of streamed requests)", "ms")
+    fig = _figure(layout=layout)
     shown = sorted((t for t in tenants.values() if t.pk in series.by_tenant), key=lambda t: t.slug)
     has_data = False
     for tenant in shown:
         values = [p.ttft_mean for p in series.by_tenant[tenant.pk]]
         has_data = has_data or any(v is not None for v in values)
-        fig.add_scatter(x=x, y=values, name=tenant.slug, mode="lines+markers",
-                        marker={"size": 4}, line={"color": colours[tenant.pk], "width": 2})
+        add_series(fig, x, values, tenant.slug, colours[tenant.pk])
+    scale_to_data(layout, (p.ttft_mean for t in shown for p in series.by_tenant[t.pk]))
     return _plain(_empty(fig, has_data, "No streamed requests in this range"))
 
 
 def queue_wait_figure(series: dict[str, list[tuple[int, float | None]]]) -> dict[str, Any]:
     """The mean wait per minute in the gateway's flow-control queue, one line per label (a
     tenant on a deployment; a model on the portal)."""
-    fig = _figure(layout=_layout("Wait in the gateway's queue (mean per minute)", "ms"))
+    layout = _layout("Wait in the gateway's queue (mean per minute)", "ms")
+    fig = _figure(layout=layout)
     has_data = False
     for index, (label, points) in enumerate(sorted(series.items())):
         values = [v for _, v in points]
         has_data = has_data or any(v is not None for v in values)
-        fig.add_scatter(x=times(datetime.fromtimestamp(at, UTC) for at, _ in points), y=values,
-                        name=label, mode="lines+markers", marker={"size": 4},
-                        line={"color": colour_for(index), "width": 2})
+        add_series(fig, times(datetime.fromtimestamp(at, UTC) for at, _ in points), values,
+                   label, colour_for(index))
+    scale_to_data(layout, (v for points in series.values() for _, v in points))
     return _plain(_empty(fig, has_data, "No request went through a flow-control queue"))
 
 
 def error_rates_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dict[str, Any]:
+    """Per tenant, the share of its requests that failed (status >= 400, 429 included) and that
+    were refused with 429, per bin. A bin without requests has no point; every other bin has a
+    marker, so one bin with errors between clean ones shows."""
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
     layout = _layout("Error and 429 rates", "share of requests")
@@ -221,12 +293,18 @@ def error_rates_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dic
     for tenant in shown:
         points = series.by_tenant[tenant.pk]
         colour = colours[tenant.pk]
-        fig.add_scatter(x=x, y=[p.error_rate for p in points],
-                        name=f"{tenant.slug} errors", legendgroup=tenant.slug, mode="lines",
-                        line={"color": colour, "width": 2})
-        fig.add_scatter(x=x, y=[p.rate_limited_rate for p in points],
-                        name=f"{tenant.slug} 429", legendgroup=tenant.slug, mode="lines",
-                        line={"color": colour, "width": 1.5, "dash": "dot"})
+        add_series(fig, x, [p.error_rate for p in points], f"{tenant.slug} errors", colour,
+                   legendgroup=tenant.slug,
+                   customdata=[p.requests for p in points],
+                   hovertemplate="%{y:.1%} of %{customdata:,} requests")
+        add_series(fig, x, [p.rate_limited_rate for p in points], f"{tenant.slug} 429", colour,
+                   width=1.5, dash="dot", legendgroup=tenant.slug)
+    rates = [v for t in shown for p in series.by_tenant[t.pk]
+             for v in (p.error_rate, p.rate_limited_rate)]
+    if not any(rates):
+        layout["yaxis"]["range"] = [0, 0.05]  # no errors: a flat line at 0, not in mid-chart
+    elif scale_to_data(layout, rates):
+        layout["yaxis"]["range"][1] = min(layout["yaxis"]["range"][1], 1.05)
     return _plain(_empty(fig, bool(shown)))
 
 
@@ -235,6 +313,12 @@ def error_rates_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dic
 
 def _gpu_label(row: dict[str, Any]) -> str:
     return f"{row['node']} · GPU {row['index']}"
+
+
+def _gib_hover(values: list[float], name: str) -> dict[str, Any]:
+    """Hover text of GiB bars written by `serving_app.units`, as the tables and planner read."""
+    return {"customdata": [format_gib(v * GIB) for v in values],
+            "hovertemplate": f"%{{customdata}} {name}<extra></extra>"}
 
 
 def allocation_figure(rows: list[dict[str, Any]], by: str = "deployment",
@@ -258,7 +342,7 @@ def allocation_figure(rows: list[dict[str, Any]], by: str = "deployment",
             owners.setdefault(name, [0.0] * len(rows))[i] += part["reserved_bytes"] / GIB
     for n, (name, values) in enumerate(sorted(owners.items())):
         fig.add_bar(y=labels, x=values, name=name, orientation="h",
-                    marker={"color": colour_for(n)})
+                    marker={"color": colour_for(n)}, **_gib_hover(values, name))
     # `reserved_bytes` counts memory held by processes the console did not place (or a whole
     # GPU its node stopped reporting); draw that apart from the console's own reservations.
     owned = [sum(p["reserved_bytes"] for p in r["by_deployment"]) for r in rows]
@@ -267,15 +351,17 @@ def allocation_figure(rows: list[dict[str, Any]], by: str = "deployment",
             rows, owned, strict=True)
     ]
     fig.add_bar(y=labels, x=[o / GIB for o in other], name="other processes",
-                orientation="h", marker={"color": "#cbd5e1"})
+                orientation="h", marker={"color": "#cbd5e1"},
+                **_gib_hover([o / GIB for o in other], "other processes"))
     free = [
         max(r["memory_total_bytes"] - o - u, 0) / GIB
         for r, o, u in zip(rows, owned, other, strict=True)
     ]
     fig.add_bar(y=labels, x=free, name="unreserved", orientation="h",
                 marker={"color": "rgba(148,163,184,0.15)", "line": {"color": GREY, "width": 1}},
-                customdata=[r["memory_total_bytes"] / GIB for r in rows],
-                hovertemplate="%{x:.1f} GiB unreserved of %{customdata:.1f} GiB<extra></extra>")
+                customdata=[[format_gib(f * GIB), format_gib(r["memory_total_bytes"])]
+                            for f, r in zip(free, rows, strict=True)],
+                hovertemplate="%{customdata[0]} unreserved of %{customdata[1]}<extra></extra>")
     return _plain(_empty(fig, bool(rows), "No GPUs registered (CPU engines only)"))
 
 
@@ -284,26 +370,31 @@ def gpu_utilization_figure(series: list[GpuSeries]) -> dict[str, Any]:
     layout["yaxis"]["range"] = [0, 100]
     fig = _figure(layout=layout)
     for n, s in enumerate(series):
-        x = times(s.bins)
-        fig.add_scatter(x=x, y=s.utilization, name=f"{s.gpu.node.name} · GPU {s.gpu.index}",
-                        mode="lines", line={"color": colour_for(n), "width": 2})
+        add_series(fig, times(s.bins), s.utilization, f"{s.gpu.node.name} · GPU {s.gpu.index}",
+                   colour_for(n))
     has_data = any(v is not None for s in series for v in s.utilization)
     return _plain(_empty(fig, has_data, "No GPU samples in this range"))
 
 
 def gpu_memory_figure(series: list[GpuSeries]) -> dict[str, Any]:
-    fig = _figure(layout=_layout("GPU memory used", "GiB"))
+    """Memory used per GPU (GiB, as the planner counts: `serving_app.units`), each GPU's total
+    a reference line."""
+    layout = _layout("GPU memory used", "GiB")
+    fig = _figure(layout=layout)
     for n, s in enumerate(series):
-        x = times(s.bins)
-        colour = colour_for(n)
         label = f"{s.gpu.node.name} · GPU {s.gpu.index}"
-        fig.add_scatter(x=x, y=s.memory_used_gib, name=label, legendgroup=label,
-                        mode="lines", line={"color": colour, "width": 2})
-        if x:
-            total = s.gpu.memory_total_bytes / GIB
-            fig.add_scatter(x=[x[0], x[-1]], y=[total, total], legendgroup=label,
-                            name=f"{label} total", mode="lines", hoverinfo="skip",
-                            line={"color": colour, "width": 1, "dash": "dash"})
+        add_series(fig, times(s.bins), s.memory_used_gib, label, colour_for(n),
+                   customdata=[format_gib(v * GIB) if v is not None else None
+                               for v in s.memory_used_gib],
+                   hovertemplate="%{customdata}")
+    totals = [s.gpu.memory_total_bytes / GIB for s in series if s.gpu.memory_total_bytes]
+    top = scale_to_data(layout, (v for s in series for v in s.memory_used_gib),
+                        references=totals, headroom=1.08)
+    for n, s in enumerate(series):
+        if s.gpu.memory_total_bytes:
+            reference_line(fig, s.gpu.memory_total_bytes / GIB,
+                           f"{s.gpu.node.name} · GPU {s.gpu.index}: "
+                           f"{format_gib(s.gpu.memory_total_bytes)}", colour_for(n), top)
     has_data = any(v is not None for s in series for v in s.memory_used_gib)
     return _plain(_empty(fig, has_data, "No GPU samples in this range"))
 

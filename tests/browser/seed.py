@@ -8,14 +8,37 @@ import math
 import random
 from collections import defaultdict
 from datetime import timedelta
+from pathlib import Path
 
 from django.utils import timezone
 
 from serving_app.models import Deployment, Gpu, GpuSample, Instance, Node
 from serving_app.models.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
+from tests.factories import make_adapter, make_deployment, make_tenant
 
 GIB = 2**30
 MODELS = ("llama-mini", "support-style")
+
+
+def dashboard_scene(base_model, root: Path) -> list:
+    """Three tenants (objectives, budgets), a shared deployment with an adapter and one of its
+    own, a day of minute rollups and a month of hourly ones, two GPUs with samples."""
+    tenants = [
+        make_tenant("support", name="Customer Service", latency_objective_ms=900,
+                    monthly_token_budget=400_000_000, tokens_per_minute=2_000_000),
+        make_tenant("codegen", name="Code Assistant", latency_objective_ms=1500,
+                    monthly_token_budget=150_000_000, tokens_per_minute=2_000_000),
+        make_tenant("content", name="Content Generation", latency_objective_ms=2500),
+    ]
+    adapter = make_adapter(tenants[0], base_model, root / "a", name="support-style")
+    deployments = [
+        make_deployment(base_model, tenants[:2], name="shared-chat", adapters=[adapter],
+                        desired_state="running"),
+        make_deployment(base_model, [tenants[2]], name="content-writer", desired_state="running"),
+    ]
+    seed_usage(tenants)
+    seed_gpus(deployments)
+    return tenants
 
 
 def _counters(rng: random.Random, requests: int, typical_ms: float) -> dict:

@@ -14,9 +14,9 @@ from playwright.sync_api import expect
 from serving_app.models import BaseModel, Deployment, Instance, Node
 from tenants_app.models import Role
 from tests.browser.conftest import shot, sign_in
-from tests.browser.seed import seed_gpus, seed_usage
+from tests.browser.seed import dashboard_scene
 from tests.engines import MODELS
-from tests.factories import add_member, make_adapter, make_deployment, make_tenant, make_user
+from tests.factories import add_member, make_deployment, make_tenant, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -76,22 +76,7 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
 
 
 def _dashboard_scene(base_model, tmp_path):
-    tenants = [
-        make_tenant("support", name="Customer Service", latency_objective_ms=900,
-                    monthly_token_budget=400_000_000, tokens_per_minute=2_000_000),
-        make_tenant("codegen", name="Code Assistant", latency_objective_ms=1500,
-                    monthly_token_budget=150_000_000, tokens_per_minute=2_000_000),
-        make_tenant("content", name="Content Generation", latency_objective_ms=2500),
-    ]
-    adapter = make_adapter(tenants[0], base_model, tmp_path / "a", name="support-style")
-    deployments = [
-        make_deployment(base_model, tenants[:2], name="shared-chat", adapters=[adapter],
-                        desired_state="running"),
-        make_deployment(base_model, [tenants[2]], name="content-writer", desired_state="running"),
-    ]
-    seed_usage(tenants)
-    seed_gpus(deployments)
-    return tenants
+    return dashboard_scene(base_model, tmp_path)
 
 
 @pytest.mark.parametrize(("name", "charts"), [

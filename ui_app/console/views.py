@@ -749,11 +749,11 @@ def dashboard_payload(
 ) -> HttpResponse:
     """The JSON a dashboard page polls: plotly figures plus its tables as HTML, for `tenants`
     (an already-scoped queryset: everyone for the console, the one tenant for its portal)."""
-    trange = queries.get_range(request.GET.get("range"))
+    trange = queries.get_range(request.GET.get("range"), tenants)
     if name == "usage":
         panel = panels.usage_panel(trange, tenants)
     elif name == "latency":
-        panel = panels.latency_panel(trange, tenants, request.GET.get("model") or None,
+        panel = panels.latency_panel(trange, tenants, selected_model(request, tenants),
                                      portal=portal)
     else:
         panel = panels.gpu_panel(trange, selected_plan(request))
@@ -764,23 +764,45 @@ def dashboard_payload(
     return HttpResponse(body, content_type="application/json")
 
 
+def selected_model(request: HttpRequest, tenants: QuerySet[Tenant]) -> str | None:
+    """`?model=`, when it is one of the filter's entries (`queries.model_names`); else all."""
+    model = request.GET.get("model") or None
+    return model if model in queries.model_names(tenants) else None
+
+
+def dashboard_context(
+    request: HttpRequest, name: str, tenants: QuerySet[Tenant], data_url: str
+) -> dict[str, Any]:
+    """What a dashboard page shows around its charts, the console's and the portal's: the
+    ranges (none asked for: the smallest holding the latest usage), the model filter (latency),
+    the charts; the GPU page without GPUs draws none and says why."""
+    trange = queries.get_range(request.GET.get("range"), tenants)
+    charts = CHARTS[name]
+    gpus = name != "gpus" or Gpu.objects.exists()
+    if not gpus:
+        charts = []
+    return {
+        "name": name,
+        "ranges": queries.RANGES.values(),
+        "range": trange,
+        "data_url": data_url,
+        "models": queries.model_names(tenants) if name == "latency" else [],
+        "model": (selected_model(request, tenants) or "") if name == "latency" else "",
+        "charts": charts,
+        "no_gpus": not gpus,
+    }
+
+
 class DashboardView(StaffPage, TemplateView):
     template_name = "console/dashboard.html"
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         name = self.kwargs["name"]
-        trange = queries.get_range(self.request.GET.get("range"))
         context.update(
-            name=name,
             title=DASHBOARDS[name][0],
-            ranges=queries.RANGES.values(),
-            range=trange,
-            data_url=reverse("console:dashboard-data", args=[name]),
-            models=queries.models_in_range(trange, Tenant.objects.for_user(self.request.user))
-            if name == "latency" else [],
-            model=self.request.GET.get("model", ""),
-            charts=CHARTS[name],
+            **dashboard_context(self.request, name, Tenant.objects.for_user(self.request.user),
+                                reverse("console:dashboard-data", args=[name])),
         )
         if name == "gpus":
             # A what-if plan beside the live allocation (platform admins only, as plans are).

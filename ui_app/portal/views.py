@@ -32,7 +32,7 @@ from serving_app.metering import queries
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin, redact_paths
 from tenants_app.models import ApiKey, Tenant
-from ui_app.console.views import CHARTS, dashboard_payload
+from ui_app.console.views import dashboard_context, dashboard_payload
 from ui_app.portal.forms import AdapterPathForm, AdapterUploadForm
 from ui_app.portal.tenant_forms import ApiKeyForm
 from ui_app.scoping import TenantPage
@@ -104,17 +104,11 @@ class TenantDashboardView(TenantPage, View):
 
     def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
         self.section = name
-        trange = queries.get_range(request.GET.get("range"))
         return self.render(
             "portal/dashboard.html",
-            name=name,
             title=PORTAL_DASHBOARDS[name],
-            ranges=queries.RANGES.values(),
-            range=trange,
-            data_url=reverse("portal:dashboard-data", args=[slug, name]),
-            models=queries.models_in_range(trange, self.scope) if name == "latency" else [],
-            model=request.GET.get("model", ""),
-            charts=CHARTS[name],
+            **dashboard_context(request, name, self.scope,
+                                reverse("portal:dashboard-data", args=[slug, name])),
         )
 
 
