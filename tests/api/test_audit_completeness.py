@@ -47,6 +47,7 @@ from alerts_app.models import (
 )
 from audit_app import recording
 from audit_app.models import AuditLog
+from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
 from serving_app.models import (
     AdapterFileRemoval,
     Autoscaler,
@@ -217,7 +218,33 @@ def _usage(model: Any) -> Callable[[World], models.Model]:
     return make
 
 
+def _key(w: World) -> ApiKey:
+    return ApiKey.objects.create_key(tenant=w.acme.tenant, name=f"k{w.n()}")[0]
+
+
+def _floor(w: World) -> FloorPolicy:
+    return FloorPolicy.objects.order_by("pk").first() or FloorPolicy.objects.create()
+
+
 ADMIN_CASES: dict[str, AdminCase] = {
+    "guardrails_app.FloorPolicy": AdminCase(
+        make=_floor, add=lambda w: {"input": "{}", "output": "{}"},
+        change=lambda w: {"input": '{"api_key": "block"}'}, changed=("input",)),
+    "guardrails_app.TenantPolicy": AdminCase(
+        make=lambda w: TenantPolicy.objects.create(tenant=make_tenant()),
+        add=lambda w: {"tenant": str(make_tenant().pk), "input": "{}", "output": "{}"},
+        change=lambda w: {"input": '{"email": "redact"}'}, changed=("input",)),
+    "guardrails_app.KeyPolicy": AdminCase(
+        make=lambda w: KeyPolicy.objects.create(api_key=_key(w)),
+        add=lambda w: {"api_key": str(_key(w).pk), "input": "{}", "output": "{}"},
+        change=lambda w: {"input": '{"email": "block"}'}, changed=("input",)),
+    "guardrails_app.TenantPattern": AdminCase(
+        make=lambda w: TenantPattern.objects.create(tenant=w.acme.tenant, name=f"p{w.n()}",
+                                                    pattern="TCK-[0-9]{4}"),
+        add=lambda w: {"tenant": str(w.acme.tenant.pk), "name": f"p{w.n()}",
+                       "kind": "pattern", "pattern": "X-[0-9]{2}", "terms": "[]",
+                       "category": "CUSTOM"},
+        change=lambda w: {"category": "TICKET"}, changed=("category",)),
     "auth.Group": AdminCase(
         make=lambda w: Group.objects.create(name=f"group{w.n()}"),
         add=lambda w: {"name": f"group{w.n()}"},
