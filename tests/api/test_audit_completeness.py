@@ -643,6 +643,17 @@ RESOURCES = [
              lambda w: {"tenant": "acme", "reason": "load test",
                         "ends_at": (timezone.now() + timedelta(hours=1)).isoformat()},
              lambda w: {"reason": "a longer load test"}),
+    Resource("guardrail-floor", FloorPolicy, _staff, lambda w: {"input": {"api_key": "block"}},
+             lambda w: {"restore": False}),
+    Resource("tenant-guardrails", TenantPolicy, _owner,
+             lambda w: {"tenant": "acme", "input": {"email": "redact"}},
+             lambda w: {"output": {"email": "redact:mask"}}),
+    Resource("key-guardrails", KeyPolicy, _owner,
+             lambda w: {"api_key": _key(w).pk, "input": {"email": "block"}},
+             lambda w: {"restore": False}),
+    Resource("guardrail-patterns", TenantPattern, _owner,
+             lambda w: {"tenant": "acme", "name": f"p{w.n()}", "pattern": "TCK-[0-9]{4}"},
+             lambda w: {"category": "TICKET"}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),
@@ -782,6 +793,16 @@ def _sign_out(everywhere: bool):
     return run
 
 
+def _guardrail_bench(w: World) -> list[Expect]:
+    """The policy test bench runs detectors on pasted text: it writes nothing."""
+    policy = TenantPolicy.objects.create(tenant=w.acme.tenant, input={"email": "redact"})
+    before = AuditLog.objects.count()
+    call(w.acme.admin, "post", f"/api/v1/tenant-guardrails/{policy.pk}/test/",
+         {"text": "mail a@example.com"})
+    assert AuditLog.objects.count() == before
+    return []
+
+
 API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     **{
         f"{r.prefix.replace('-', '_')}_{op}": partial(r.run, op=op)
@@ -814,6 +835,7 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "alert_channels_test_create": _channel_action("test", "test"),
     "alert_channels_rotate_secret_create": _channel_action("rotate-secret", "update"),
     "alert_silences_end_create": _end_silence,
+    "tenant_guardrails_test_create": _guardrail_bench,
     "auth_token_create": _sign_in,
     "auth_logout_create": _sign_out(everywhere=False),
     "auth_logout_all_create": _sign_out(everywhere=True),
