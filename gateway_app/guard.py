@@ -60,7 +60,13 @@ class RequestGuard:
             if isinstance(prompt, str):
                 body["prompt"] = self._input(prompt)
             elif isinstance(prompt, list):
-                body["prompt"] = [self._input(p) if isinstance(p, str) else p for p in prompt]
+                if not all(isinstance(p, str) for p in prompt):
+                    # Token ids cannot be checked: they would pass the input rules unseen.
+                    raise GatewayError(
+                        400, "This key's guardrail policy checks prompts as text; send the "
+                        "prompt as text rather than token ids.", code="guardrail_needs_text",
+                        param="prompt")
+                body["prompt"] = [self._input(p) for p in prompt]
 
     def _input(self, text: str) -> str:
         result = self.guard.apply(text, Direction.INPUT, self.vault)

@@ -11,7 +11,7 @@ from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantP
 
 
 @admin.register(FloorPolicy)
-class FloorPolicyAdmin(admin.ModelAdmin):
+class FloorPolicyAdmin(admin.ModelAdmin[FloorPolicy]):
     list_display = ["__str__", "input", "output", "restore", "updated_at"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -19,21 +19,21 @@ class FloorPolicyAdmin(admin.ModelAdmin):
 
 
 @admin.register(TenantPolicy)
-class TenantPolicyAdmin(admin.ModelAdmin):
+class TenantPolicyAdmin(admin.ModelAdmin[TenantPolicy]):
     list_display = ["tenant", "input", "output", "restore", "updated_at"]
     search_fields = ["tenant__slug"]
     autocomplete_fields = ["tenant"]
 
 
 @admin.register(KeyPolicy)
-class KeyPolicyAdmin(admin.ModelAdmin):
+class KeyPolicyAdmin(admin.ModelAdmin[KeyPolicy]):
     list_display = ["api_key", "tenant", "input", "output", "restore", "updated_at"]
     list_filter = ["tenant"]
     raw_id_fields = ["api_key"]
 
 
 @admin.register(TenantPattern)
-class TenantPatternAdmin(admin.ModelAdmin):
+class TenantPatternAdmin(admin.ModelAdmin[TenantPattern]):
     list_display = ["name", "tenant", "kind", "category", "ignore_case", "updated_at"]
     list_filter = ["kind", "tenant"]
     search_fields = ["name", "tenant__slug"]

@@ -111,3 +111,13 @@ def test_a_policy_that_cannot_stream_refuses_stream_true():
     with pytest.raises(GatewayError) as caught:
         g.check_stream()
     assert caught.value.code == "guardrail_stream_refused"
+
+
+def test_token_id_prompts_cannot_pass_the_input_rules_unseen():
+    g = guard(input={"cn_mobile": "block"})
+    with pytest.raises(GatewayError) as caught:
+        g.input("completions", {"prompt": [1, 2, 3]})
+    assert caught.value.code == "guardrail_needs_text"
+    body = {"prompt": [1, 2, 3]}
+    guard(output={"cn_mobile": "redact"}).input("completions", body)  # no input rules
+    assert body == {"prompt": [1, 2, 3]}
