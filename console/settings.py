@@ -390,7 +390,9 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     # Health checks poll engines several times a second: one INFO line each is noise.
-    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
+    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"},
+                # Presidio logs each recognizer it loads, in every process that imports it.
+                "presidio-analyzer": {"level": "WARNING"}},
 }
 
 # --- Security ---

@@ -10,6 +10,7 @@ from rest_framework.routers import APIRootView, DefaultRouter
 
 from alerts_app import exporter
 from alerts_app.api import views as alert_views
+from guardrails_app.api import views as guardrail_views
 from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
@@ -52,6 +53,10 @@ router.register("alert-deliveries", alert_views.NotificationViewSet)
 router.register("fleet-plans", FleetPlanViewSet)
 router.register("autoscalers", AutoscalerViewSet)
 router.register("events", fleet_views.EventViewSet)
+router.register("guardrail-floor", guardrail_views.FloorPolicyViewSet)
+router.register("tenant-guardrails", guardrail_views.TenantPolicyViewSet)
+router.register("key-guardrails", guardrail_views.KeyPolicyViewSet)
+router.register("guardrail-patterns", guardrail_views.TenantPatternViewSet)
 
 urlpatterns = [
     path("healthz", public(console_views.healthz, "the liveness probe (says only 'ok')"),

@@ -22,6 +22,7 @@ from gateway_app.catalog import KeyEntry, Route, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.errors import GatewayError
 from gateway_app.flow import Slot
+from gateway_app.guard import RequestGuard
 from gateway_app.http1 import UpstreamBroken
 from gateway_app.metering import Meter, RedisUnavailable, Ticket
 from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
@@ -70,9 +71,10 @@ class Context:
     slot: Slot | None = None  # flow control
     complete: bool = False  # the last byte of the response is being sent
     rate_headers: dict[str, str] = field(default_factory=dict)
+    guard: RequestGuard | None = None  # the key's guardrails, if it has any
 
     def event(self) -> dict[str, Any]:
-        return {
+        event: dict[str, Any] = {
             "id": self.request_id,
             "at": self.arrived,
             "tenant": self.tenant.id if self.tenant else None,
@@ -91,6 +93,10 @@ class Context:
             "ttft_ms": self.ttft_ms,
             "latency_ms": round((time.perf_counter() - self.started) * 1000.0, 3),
         }
+        if self.guard is not None and self.guard.counts:
+            # What guardrails did: counts per direction, action and category, never the text.
+            event["guardrails"] = dict(self.guard.counts)
+        return event
 
 
 class GatewayApp:
@@ -290,6 +296,14 @@ class GatewayApp:
             route = self._catalog(key, tenant).get(parsed.model)
         if route is None:
             raise errors.model_not_found(parsed.model)
+        entry = self.cache.snapshot.guard_for(tenant.id, key.id)
+        if entry is not None:
+            # Before admission and before any engine call (the tokenizer's included): a blocked
+            # prompt answers 400 here, a redacted one goes on with placeholders.
+            ctx.guard = RequestGuard(entry)
+            if parsed.stream:
+                ctx.guard.check_stream()
+            ctx.guard.input(ctx.endpoint, parsed.body)
         candidates = self.router.candidates(self.cache.snapshot, route)
         if not candidates and await self.cache.refresh_if_older():
             route = self._catalog(key, tenant).get(parsed.model) or route
@@ -548,6 +562,8 @@ class GatewayApp:
                 usage = read_usage(raw)
                 if usage:
                     ctx.prompt_tokens, ctx.completion_tokens = usage
+                if ctx.guard is not None and ctx.guard.rewrites_output:
+                    raw = ctx.guard.output_body(ctx.endpoint, raw)
                 if engine_model != route.public_name:
                     raw = raw.replace(
                         f'"model":"{engine_model}"'.encode(),
@@ -567,7 +583,10 @@ class GatewayApp:
             return
 
         ctx.status = 200
-        relay = StreamRelay(send, not parsed.wants_usage, engine_model, route.public_name)
+        rewrite = (ctx.guard.stream(ctx.endpoint)
+                   if ctx.guard is not None and ctx.guard.rewrites_output else None)
+        relay = StreamRelay(send, not parsed.wants_usage, engine_model, route.public_name,
+                            rewrite)
         await send({
             "type": "http.response.start",
             "status": 200,

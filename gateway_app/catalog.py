@@ -11,17 +11,32 @@ they answer exactly like unknown models.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from django.db import connection
 
+from guardrails_app.models import (
+    FloorPolicy,
+    KeyPolicy,
+    TenantPattern,
+    TenantPolicy,
+    resolve,
+    tenant_detectors,
+)
+from guardrails_app.policy import Direction, Guard, Policy, PolicyError
 from serving_app.deployments.catalog import served_models
 from serving_app.enginespec import EngineSpec
 from serving_app.models import Autoscaler, Deployment, Instance
 from serving_app.models.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,15 @@ class KeyEntry:
     fresh_until: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class GuardEntry:
+    """A key's (or its tenant's) effective guardrail policy, compiled, and the tenant's salt for
+    hashed redactions. Immutable and shared between requests."""
+
+    guard: Guard
+    salt: bytes = field(repr=False)
+
+
 @dataclass(slots=True)
 class Snapshot:
     tenants: dict[int, TenantEntry] = field(default_factory=dict)
@@ -110,6 +134,17 @@ class Snapshot:
     # Deployments an autoscaler may have scaled to zero: a request for them wakes them.
     wakeable: frozenset[int] = frozenset()
     loaded_at: float = 0.0
+    # Guardrails: a tenant's effective policy, and a key's where the key narrows it. A tenant
+    # in neither has no guardrails (the default), and its requests skip them entirely.
+    guards: dict[int, GuardEntry] = field(default_factory=dict)
+    key_guards: dict[int, GuardEntry] = field(default_factory=dict)
+
+    def guard_for(self, tenant_id: int, key_id: int | None) -> GuardEntry | None:
+        if self.key_guards and key_id is not None:
+            entry = self.key_guards.get(key_id)
+            if entry is not None:
+                return entry
+        return self.guards.get(tenant_id) if self.guards else None
 
 
 def load_snapshot() -> Snapshot:
@@ -187,13 +222,68 @@ def _load_snapshot() -> Snapshot:
     wakeable = frozenset(Autoscaler.objects.filter(
         enabled=True, min_replicas=0, deployment_id__in=dispatch_budgets,
     ).values_list("deployment_id", flat=True))
+    guards, key_guards = _load_guards(tenants)
     return Snapshot(
         tenants=tenants,
         routes=routes,
         instances={k: tuple(v) for k, v in instances.items()},
         wakeable=wakeable,
         loaded_at=time.monotonic(),
+        guards=guards,
+        key_guards=key_guards,
     )
+
+
+def _load_guards(tenants: dict[int, TenantEntry]
+                 ) -> tuple[dict[int, GuardEntry], dict[int, GuardEntry]]:
+    """Each tenant's and each narrowing key's effective policy (floor, tenant, key), compiled
+    with the tenant's patterns. Policies with no rule at all are left out."""
+    floor = FloorPolicy.current()
+    policies = {row.tenant_id: row.policy() for row in TenantPolicy.objects.all()}
+    narrowing = [(row.api_key_id, row.tenant_id, row.policy())
+                 for row in KeyPolicy.objects.all()]
+    patterns: dict[int, list[TenantPattern]] = {}
+    for pattern in TenantPattern.objects.all():
+        patterns.setdefault(pattern.tenant_id, []).append(pattern)
+    guards: dict[int, GuardEntry] = {}
+    key_guards: dict[int, GuardEntry] = {}
+    for tenant_id, tenant in tenants.items():
+        policy = resolve(floor, policies.get(tenant_id))
+        if policy.input or policy.output:
+            guards[tenant_id] = _entry(policy, patterns.get(tenant_id, ()), tenant)
+    for key_id, tenant_id, key_policy in narrowing:
+        tenant_entry = tenants.get(tenant_id)
+        if tenant_entry is None:
+            continue
+        policy = resolve(floor, policies.get(tenant_id), key_policy)
+        key_guards[key_id] = _entry(policy, patterns.get(tenant_id, ()), tenant_entry)
+    return guards, key_guards
+
+
+def _entry(policy: Policy, patterns: Sequence[TenantPattern], tenant: TenantEntry) -> GuardEntry:
+    shapes = tuple((p.name, p.kind, p.pattern, json.dumps(p.terms), p.category, p.ignore_case)
+                   for p in patterns)
+    salt = hashlib.sha256(b"guardrails:" + tenant.cache_secret.encode()).digest()
+    return GuardEntry(_compiled(json.dumps(policy.to_dict(), sort_keys=True), shapes), salt)
+
+
+@lru_cache(maxsize=4096)
+def _compiled(policy_json: str, shapes: tuple[tuple[str, str, str, str, str, bool], ...]
+              ) -> Guard:
+    """A compiled guard, reused between refreshes while the policy and patterns stay alike.
+    Rules naming a detector that no longer exists (a pattern deleted) are dropped."""
+    policy = Policy.from_dict(json.loads(policy_json))
+    rows = [TenantPattern(name=n, kind=k, pattern=p, terms=json.loads(t), category=c,
+                          ignore_case=i) for n, k, p, t, c, i in shapes]
+    detectors = tenant_detectors(rows)
+    try:
+        return policy.compile(detectors)
+    except PolicyError as exc:
+        log.warning("guardrail policy %r names unknown detectors, dropped: %s", policy.name, exc)
+        known = {d.value: {n: str(r) for n, r in policy.rules(d).items() if n in detectors}
+                 for d in Direction}
+        return Policy.from_dict({**known, "name": policy.name,
+                                 "restore": policy.restore}).compile(detectors)
 
 
 @lru_cache(maxsize=65536)

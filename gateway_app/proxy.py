@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 import types
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from gateway_app.config import GatewayConfig
@@ -90,7 +90,8 @@ class StreamRelay:
     engine's model name (an adapter's tenant-qualified name) is replaced by the public one the
     client used, and the event that carries `usage` (the gateway always asks for it:
     `include_usage`) is the only one parsed; it is dropped, or its `usage` removed, when the
-    client did not ask for usage.
+    client did not ask for usage. Under a guardrail policy, `rewrite` (`guard.StreamGuard`)
+    redacts each whole event's text first.
 
     Backpressure: the write is the ASGI server's `send`, run to completion on the spot when it
     can write at once. When it cannot (the client reads slowly and the server's buffer is full),
@@ -102,9 +103,10 @@ class StreamRelay:
     message, or with the error that broke the stream.
     """
 
-    def __init__(self, send: Any, strip_usage: bool, engine_model: str, public_model: str
-                 ) -> None:
+    def __init__(self, send: Any, strip_usage: bool, engine_model: str, public_model: str,
+                 rewrite: Callable[[bytes], bytes] | None = None) -> None:
         self.send = send
+        self._rewrite = rewrite  # guardrails' output redaction of whole events, if any
         self.strip_usage = strip_usage
         self.pending = b""
         self.usage: tuple[int, int] | None = None
@@ -144,6 +146,8 @@ class StreamRelay:
                 self.pending = data
                 return b""
             complete, self.pending = data[: cut + 2], data[cut + 2 :]
+        if self._rewrite is not None:
+            complete = self._rewrite(complete)
         if b'"usage":{' in complete or b'"usage": {' in complete:
             complete = self._take_usage(complete)
         if self._rename:

@@ -69,5 +69,11 @@ def connect_receivers() -> None:
         post_delete.connect(
             _catalog_changed, sender=f"serving_app.{model}", dispatch_uid=f"gw-{model}-deleted"
         )
+    # Guardrail policies and patterns are compiled with the catalog.
+    for model in ("FloorPolicy", "TenantPolicy", "KeyPolicy", "TenantPattern"):
+        post_save.connect(_catalog_changed, sender=f"guardrails_app.{model}",
+                          dispatch_uid=f"gw-guard-{model}-saved")
+        post_delete.connect(_catalog_changed, sender=f"guardrails_app.{model}",
+                            dispatch_uid=f"gw-guard-{model}-deleted")
     m2m_changed.connect(_m2m_changed, dispatch_uid="gw-catalog-m2m")
     instance_routing_changed.connect(_catalog_changed, dispatch_uid="gw-instance-routing")

@@ -111,7 +111,16 @@ def _event_row(event: dict[str, Any]) -> UsageEvent:
         reserved_tokens=max(0, int(event.get("reserved") or 0)),
         ttft_ms=event.get("ttft_ms"),
         latency_ms=float(event.get("latency_ms") or 0.0),
+        guardrails=_guardrail_counts(event.get("guardrails")),
     )
+
+
+def _guardrail_counts(value: Any) -> dict[str, int]:
+    """The event's guardrail counts, keeping only `direction:action:CATEGORY` -> count."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k)[:80]: int(v) for k, v in value.items()
+            if isinstance(v, int) and str(k).count(":") == 2}
 
 
 def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:

@@ -2,8 +2,15 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+from audit_app.registry import track
+
 
 class GuardrailsAppConfig(AppConfig):
     name = "guardrails_app"
     verbose_name = "Guardrails"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Policies and patterns are changed by people and API clients: every change is audited.
+        for name in ("FloorPolicy", "TenantPolicy", "KeyPolicy", "TenantPattern"):
+            track(self.get_model(name), ignore=["updated_at"])

@@ -145,6 +145,11 @@ class UsageEvent(models.Model):
     )
     ttft_ms = models.FloatField(null=True, blank=True, help_text="Time to first token (streams).")
     latency_ms = models.FloatField(default=0.0)
+    guardrails = models.JSONField(
+        default=dict, blank=True,
+        help_text='What guardrails did: counts per "direction:action:CATEGORY" '
+                  '(e.g. "input:redact:PHONE": 2); never the matched text.',
+    )
 
     objects = UsageQuerySet.as_manager()
 

@@ -47,6 +47,7 @@ from alerts_app.models import (
 )
 from audit_app import recording
 from audit_app.models import AuditLog
+from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
 from serving_app.models import (
     AdapterFileRemoval,
     Autoscaler,
@@ -217,7 +218,33 @@ def _usage(model: Any) -> Callable[[World], models.Model]:
     return make
 
 
+def _key(w: World) -> ApiKey:
+    return ApiKey.objects.create_key(tenant=w.acme.tenant, name=f"k{w.n()}")[0]
+
+
+def _floor(w: World) -> FloorPolicy:
+    return FloorPolicy.objects.order_by("pk").first() or FloorPolicy.objects.create()
+
+
 ADMIN_CASES: dict[str, AdminCase] = {
+    "guardrails_app.FloorPolicy": AdminCase(
+        make=_floor, add=lambda w: {"input": "{}", "output": "{}"},
+        change=lambda w: {"input": '{"api_key": "block"}'}, changed=("input",)),
+    "guardrails_app.TenantPolicy": AdminCase(
+        make=lambda w: TenantPolicy.objects.create(tenant=make_tenant()),
+        add=lambda w: {"tenant": str(make_tenant().pk), "input": "{}", "output": "{}"},
+        change=lambda w: {"input": '{"email": "redact"}'}, changed=("input",)),
+    "guardrails_app.KeyPolicy": AdminCase(
+        make=lambda w: KeyPolicy.objects.create(api_key=_key(w)),
+        add=lambda w: {"api_key": str(_key(w).pk), "input": "{}", "output": "{}"},
+        change=lambda w: {"input": '{"email": "block"}'}, changed=("input",)),
+    "guardrails_app.TenantPattern": AdminCase(
+        make=lambda w: TenantPattern.objects.create(tenant=w.acme.tenant, name=f"p{w.n()}",
+                                                    pattern="TCK-[0-9]{4}"),
+        add=lambda w: {"tenant": str(w.acme.tenant.pk), "name": f"p{w.n()}",
+                       "kind": "pattern", "pattern": "X-[0-9]{2}", "terms": "[]",
+                       "category": "CUSTOM"},
+        change=lambda w: {"category": "TICKET"}, changed=("category",)),
     "auth.Group": AdminCase(
         make=lambda w: Group.objects.create(name=f"group{w.n()}"),
         add=lambda w: {"name": f"group{w.n()}"},
@@ -616,6 +643,17 @@ RESOURCES = [
              lambda w: {"tenant": "acme", "reason": "load test",
                         "ends_at": (timezone.now() + timedelta(hours=1)).isoformat()},
              lambda w: {"reason": "a longer load test"}),
+    Resource("guardrail-floor", FloorPolicy, _staff, lambda w: {"input": {"api_key": "block"}},
+             lambda w: {"restore": False}),
+    Resource("tenant-guardrails", TenantPolicy, _owner,
+             lambda w: {"tenant": "acme", "input": {"email": "redact"}},
+             lambda w: {"output": {"email": "redact:mask"}}),
+    Resource("key-guardrails", KeyPolicy, _owner,
+             lambda w: {"api_key": _key(w).pk, "input": {"email": "block"}},
+             lambda w: {"restore": False}),
+    Resource("guardrail-patterns", TenantPattern, _owner,
+             lambda w: {"tenant": "acme", "name": f"p{w.n()}", "pattern": "TCK-[0-9]{4}"},
+             lambda w: {"category": "TICKET"}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),
@@ -755,6 +793,16 @@ def _sign_out(everywhere: bool):
     return run
 
 
+def _guardrail_bench(w: World) -> list[Expect]:
+    """The policy test bench runs detectors on pasted text: it writes nothing."""
+    policy = TenantPolicy.objects.create(tenant=w.acme.tenant, input={"email": "redact"})
+    before = AuditLog.objects.count()
+    call(w.acme.admin, "post", f"/api/v1/tenant-guardrails/{policy.pk}/test/",
+         {"text": "mail a@example.com"})
+    assert AuditLog.objects.count() == before
+    return []
+
+
 API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     **{
         f"{r.prefix.replace('-', '_')}_{op}": partial(r.run, op=op)
@@ -787,6 +835,7 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "alert_channels_test_create": _channel_action("test", "test"),
     "alert_channels_rotate_secret_create": _channel_action("rotate-secret", "update"),
     "alert_silences_end_create": _end_silence,
+    "tenant_guardrails_test_create": _guardrail_bench,
     "auth_token_create": _sign_in,
     "auth_logout_create": _sign_out(everywhere=False),
     "auth_logout_all_create": _sign_out(everywhere=True),

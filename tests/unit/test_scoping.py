@@ -11,6 +11,7 @@ from django.utils import timezone
 from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
 from audit_app.models import AuditLog
 from console.urls import router
+from guardrails_app.models import KeyPolicy, TenantPattern, TenantPolicy
 from serving_app.metering import panels, queries
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.models.usage import (
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.django_db
 
 TENANT_OWNED = {Tenant, Membership, ApiKey, Invitation, LoraAdapter, Deployment, Instance,
                 AuditLog, UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal,
-                AlertRule, Alert, AlertTransition, Channel, Silence, Notification}
+                AlertRule, Alert, AlertTransition, Channel, Silence, Notification,
+                TenantPolicy, KeyPolicy, TenantPattern}
 
 
 def test_every_tenant_owned_model_is_listed_here():
@@ -37,7 +39,8 @@ def test_every_tenant_owned_model_is_listed_here():
     the scoping tests below cover it."""
     found = set()
     for model in apps.get_models():
-        if model._meta.app_label not in ("serving_app", "tenants_app", "alerts_app"):
+        if model._meta.app_label not in ("serving_app", "tenants_app", "alerts_app",
+                                          "guardrails_app"):
             continue
         names = {f.name for f in model._meta.get_fields() if not f.auto_created}
         if model is Tenant or names & {"tenant", "tenants"}:

@@ -1,0 +1,238 @@
+"""Guardrails on the `/v1/` path (docs/guardrails.md): a request's input checked and redacted
+before admission, its answer redacted (and the input's placeholders restored) before the client
+sees it, streamed or not.
+
+The key's effective policy is compiled when the catalog is read (`catalog.GuardEntry`), never
+per request; a request without a policy never reaches this module. Per request there is one
+`RequestGuard` with one `Vault`. What it did is counted per direction, action and category for
+the usage event (`counts`); the matched text is never recorded, logged or answered.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from gateway_app.catalog import GuardEntry
+from gateway_app.errors import GatewayError
+from guardrails_app.policy import Direction, Finding, Result, Vault
+from guardrails_app.streaming import OutputStream
+
+
+class RequestGuard:
+    """One request's guardrails: its vault and what they did."""
+
+    def __init__(self, entry: GuardEntry) -> None:
+        self.entry = entry
+        self.guard = entry.guard
+        self.vault = Vault(salt=entry.salt)
+        self.counts: Counter[str] = Counter()
+
+    # -- input ---------------------------------------------------------------------------------
+    def check_stream(self) -> None:
+        """A policy whose output cannot be decided on a stream refuses `stream: true`."""
+        reason = self.guard.output.stream_refusal
+        if reason is not None:
+            raise GatewayError(
+                400, f"This key's guardrail policy cannot be applied to a stream ({reason}); "
+                "send the request without `stream`.", code="guardrail_stream_refused",
+                param="stream")
+
+    def input(self, endpoint: str, body: dict[str, Any]) -> None:
+        """Check and redact the request's text in place; a `block` finding raises the 400."""
+        if not self.guard.input.detectors:
+            return
+        if endpoint == "chat.completions":
+            for message in body.get("messages") or ():
+                if not isinstance(message, dict):
+                    continue
+                content = message.get("content")
+                if isinstance(content, str):
+                    message["content"] = self._input(content)
+                elif isinstance(content, list):
+                    for part in content:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            part["text"] = self._input(part["text"])
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                body["prompt"] = self._input(prompt)
+            elif isinstance(prompt, list):
+                if not all(isinstance(p, str) for p in prompt):
+                    # Token ids cannot be checked: they would pass the input rules unseen.
+                    raise GatewayError(
+                        400, "This key's guardrail policy checks prompts as text; send the "
+                        "prompt as text rather than token ids.", code="guardrail_needs_text",
+                        param="prompt")
+                body["prompt"] = [self._input(p) for p in prompt]
+
+    def _input(self, text: str) -> str:
+        result = self.guard.apply(text, Direction.INPUT, self.vault)
+        self.count(Direction.INPUT, result.findings)
+        if result.blocked is not None:
+            raise blocked(result)
+        return result.text
+
+    # -- output --------------------------------------------------------------------------------
+    @property
+    def rewrites_output(self) -> bool:
+        return bool(self.guard.output.detectors) or (
+            self.guard.policy.restore and bool(self.vault.mapping))
+
+    def output_body(self, endpoint: str, raw: bytes) -> bytes:
+        """A whole answer: each choice's text redacted with the output rules, then the input's
+        placeholders restored. A blocked choice ends with `finish_reason: content_filter` and
+        no text."""
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return raw
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list):
+            return raw
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            holder, field = _text_of(endpoint, choice, "message")
+            if holder is None:
+                continue
+            result = self.guard.apply(holder[field], Direction.OUTPUT, self.vault)
+            self.count(Direction.OUTPUT, result.findings)
+            if result.blocked is not None:
+                holder[field] = ""
+                choice["finish_reason"] = "content_filter"
+            else:
+                holder[field] = (result.restore(result.text) if self.guard.policy.restore
+                                 else result.text)
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    def stream(self, endpoint: str) -> StreamGuard:
+        return StreamGuard(self, endpoint)
+
+    def count(self, direction: Direction, findings: Iterable[Finding]) -> None:
+        for f in findings:
+            self.counts[f"{direction}:{f.action}:{f.category}"] += 1
+
+
+def blocked(result: Result) -> GatewayError:
+    error = result.error()["error"]
+    return GatewayError(400, error["message"], code=error["code"], error_type=error["type"])
+
+
+def _text_of(endpoint: str, choice: dict[str, Any], key: str
+             ) -> tuple[dict[str, Any] | None, str]:
+    """The dict holding a choice's text and its field: `message`/`delta`.content for chat,
+    `text` for completions."""
+    if endpoint == "chat.completions":
+        inner = choice.get(key)
+        if isinstance(inner, dict) and isinstance(inner.get("content"), str):
+            return inner, "content"
+        return None, "content"
+    if isinstance(choice.get("text"), str):
+        return choice, "text"
+    return None, "text"
+
+
+class StreamGuard:
+    """Rewrites a stream's whole SSE events (`proxy.StreamRelay`'s `rewrite`): each choice's
+    text goes through its own `OutputStream`; what a choice holds back is sent with its
+    `finish_reason` event, or in an event of its own before `[DONE]`."""
+
+    def __init__(self, request: RequestGuard, endpoint: str) -> None:
+        self.request = request
+        self.endpoint = endpoint
+        self.streams: dict[int, OutputStream] = {}
+        self.stopped: set[int] = set()  # choices blocked or finished
+        self._template: dict[str, Any] | None = None
+
+    def __call__(self, complete: bytes) -> bytes:
+        out: list[bytes] = []
+        for event in complete.split(b"\n\n"):
+            if not event:
+                continue
+            if event.startswith(b"data: [DONE]"):
+                out.append(self._flush_all())
+                out.append(event + b"\n\n")
+            elif event.startswith(b"data: {"):
+                out.append(self._event(event))
+            else:
+                out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def _stream(self, index: int) -> OutputStream:
+        stream = self.streams.get(index)
+        if stream is None:
+            stream = self.streams[index] = OutputStream(self.request.guard, self.request.vault)
+        return stream
+
+    def _event(self, event: bytes) -> bytes:
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return event + b"\n\n"
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not choices:
+            return event + b"\n\n"
+        if self._template is None:
+            self._template = {k: v for k, v in data.items() if k not in ("choices", "usage")}
+        kept = []
+        for choice in choices:
+            index = int(choice.get("index") or 0)
+            if index in self.stopped:
+                continue
+            holder, field = _text_of(self.endpoint, choice, "delta")
+            text = holder[field] if holder is not None else ""
+            stream = self._stream(index)
+            piece = stream.feed(text)
+            findings = list(piece.findings)
+            released = piece.text
+            if piece.blocked is None and choice.get("finish_reason") is not None:
+                last = stream.flush()
+                findings += last.findings
+                released += last.text
+                piece = last
+                self.stopped.add(index)
+            self.request.count(Direction.OUTPUT, findings)
+            if piece.blocked is not None:
+                self.stopped.add(index)
+                choice["finish_reason"] = "content_filter"
+            if holder is not None:
+                holder[field] = released
+            elif released:
+                self._set_text(choice, released)
+            kept.append(choice)
+        data["choices"] = kept
+        if not kept and "usage" not in data:
+            return b""
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+    def _set_text(self, choice: dict[str, Any], text: str) -> None:
+        if self.endpoint == "chat.completions":
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                delta = choice["delta"] = {}
+            delta["content"] = text
+        else:
+            choice["text"] = text
+
+    def _flush_all(self) -> bytes:
+        """What choices without a `finish_reason` event still hold, before `[DONE]`."""
+        out = []
+        for index, stream in sorted(self.streams.items()):
+            if index in self.stopped:
+                continue
+            self.stopped.add(index)
+            piece = stream.flush()
+            self.request.count(Direction.OUTPUT, piece.findings)
+            if not piece.text and piece.blocked is None:
+                continue
+            choice: dict[str, Any] = {"index": index}
+            if piece.blocked is not None:
+                choice["finish_reason"] = "content_filter"
+            else:
+                self._set_text(choice, piece.text)
+            data = {**(self._template or {}), "choices": [choice]}
+            out.append(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
+        return b"".join(out)

@@ -1,0 +1,116 @@
+"""Guardrail endpoints: the platform floor (platform admins), a tenant's policy, its patterns
+and its keys' narrowings (the tenant's owners and admins write; members read), and the policy
+test bench (`POST .../tenant-guardrails/{id}/test/`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from guardrails_app.api.serializers import (
+    BenchResultSerializer,
+    BenchSerializer,
+    FloorPolicySerializer,
+    KeyPolicySerializer,
+    TenantPatternSerializer,
+    TenantPolicySerializer,
+)
+from guardrails_app.models import (
+    FloorPolicy,
+    KeyPolicy,
+    TenantPattern,
+    TenantPolicy,
+    resolve,
+    tenant_detectors,
+)
+from guardrails_app.policy import Direction, Vault
+from tenants_app.api.base import IsStaff, ScopedModelViewSet
+from tenants_app.models import Tenant
+
+
+class FloorPolicyViewSet(ScopedModelViewSet[FloorPolicy]):
+    """The platform's guardrail floor (one row; platform admins only). Every tenant's policy
+    may only tighten it."""
+
+    queryset = FloorPolicy.objects.all()
+    serializer_class = FloorPolicySerializer
+    permission_classes = [IsStaff]
+
+
+class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):
+    """A tenant's guardrail policy: stricter than the floor only (a weakening is a 400 naming
+    the detector)."""
+
+    queryset = TenantPolicy.objects.all()
+    serializer_class = TenantPolicySerializer
+    filterset_fields = {"tenant__slug": ["exact"]}
+    write_role = "manager"
+
+    def safely_get_queryset(self, queryset: QuerySet[TenantPolicy]) -> QuerySet[TenantPolicy]:
+        return queryset.select_related("tenant")
+
+    def check_write(self, target: Any) -> None:
+        if self.action == "test":  # the bench changes nothing: every member may use it
+            return
+        super().check_write(target)
+
+    @extend_schema(request=BenchSerializer, responses=BenchResultSerializer)
+    @action(detail=True, methods=["post"])
+    def test(self, request: Request, pk: str | None = None) -> Response:
+        """Run the tenant's effective policy (floor and tenant) on pasted text with the real
+        detectors: what it would block or redact. Findings are offsets, never values."""
+        policy_row = self.get_object()
+        bench = BenchSerializer(data=request.data)
+        bench.is_valid(raise_exception=True)
+        return Response(run_bench(policy_row.tenant, bench.validated_data["text"],
+                                  Direction(bench.validated_data["direction"])))
+
+
+def run_bench(tenant: Tenant, text: str, direction: Direction) -> dict[str, Any]:
+    row = TenantPolicy.objects.filter(tenant=tenant).first()
+    policy = resolve(FloorPolicy.current(), row.policy() if row is not None else None)
+    guard = policy.compile(tenant_detectors(TenantPattern.objects.filter(tenant=tenant)))
+    result = guard.apply(text, direction, Vault(salt=b"guardrails-test-bench-salt"))
+    return {
+        "blocked": result.blocked,
+        "text": result.text,
+        "findings": [{**asdict(f), "action": str(f.action)} for f in result.findings],
+        "counts": result.counts(),
+        "error": result.error() if result.blocked else None,
+    }
+
+
+class KeyPolicyViewSet(ScopedModelViewSet[KeyPolicy]):
+    """An API key's narrowing of its tenant's guardrail policy (stricter still)."""
+
+    queryset = KeyPolicy.objects.all()
+    serializer_class = KeyPolicySerializer
+    filterset_fields = {"tenant__slug": ["exact"], "api_key": ["exact"]}
+    write_role = "manager"
+
+    def safely_get_queryset(self, queryset: QuerySet[KeyPolicy]) -> QuerySet[KeyPolicy]:
+        return queryset.select_related("tenant", "api_key")
+
+    def tenant_of(self, obj_or_data: Any) -> Tenant | None:
+        if isinstance(obj_or_data, dict):
+            key = obj_or_data.get("api_key")
+            return key.tenant if key is not None else None
+        return getattr(obj_or_data, "tenant", None)
+
+
+class TenantPatternViewSet(ScopedModelViewSet[TenantPattern]):
+    """A tenant's own detectors: RE2 patterns and deny-lists its policy can name."""
+
+    queryset = TenantPattern.objects.all()
+    serializer_class = TenantPatternSerializer
+    filterset_fields = {"tenant__slug": ["exact"]}
+    write_role = "manager"
+
+    def safely_get_queryset(self, queryset: QuerySet[TenantPattern]) -> QuerySet[TenantPattern]:
+        return queryset.select_related("tenant")

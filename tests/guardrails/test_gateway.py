@@ -1,0 +1,127 @@
+"""Guardrails through the real gateway and the real CPU vLLM engine.
+
+The tiny model's answers are gibberish, so what reaches the engine and what comes back is
+read through the completions API's `echo` (the engine returns the prompt it received before its
+answer): with `restore` off the echo shows the placeholders the engine saw; with it on, the
+tenant's values are back; an output rule on a deny-list term in the prompt redacts the echo,
+streamed and not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
+from serving_app.models.usage import UsageEvent
+from tests.gateway.conftest import drain_usage, wait_until
+from tests.guardrails.entities import resident_id
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
+
+MOBILE = "13812345678"
+RESIDENT_ID = resident_id("110101", "19900307", "451")
+
+
+def post(gateway, secret: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(gateway.url + path, json=body, timeout=60,
+                      headers={"authorization": f"Bearer {secret}"})
+
+
+def guarded(gateway, world, probe: dict, path: str = "/v1/completions") -> httpx.Response:
+    """Wait until the gateway has the policy just saved (catalog refresh), then send `probe`."""
+    last: list[httpx.Response] = []
+
+    def ready() -> bool:
+        last[:] = [post(gateway, world.acme_secret, probe, path)]
+        return last[0].status_code != 200 or "[" in last[0].text or "*" in last[0].text
+
+    wait_until(ready, 20, "the policy reaches the gateway")
+    return last[0]
+
+
+def completion(prompt: str, **extra) -> dict:
+    return {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "echo": True,
+            "temperature": 0, **extra}
+
+
+def test_a_prompt_with_a_mobile_number_and_a_resident_id_is_blocked_naming_the_category(
+        gateway, world):
+    TenantPolicy.objects.create(tenant=world.acme,
+                                input={"cn_mobile": "block", "cn_resident_id": "block"})
+    prompt = f"Call me on {MOBILE}, my ID is {RESIDENT_ID}."
+    body = {"model": "tiny-llama", "max_tokens": 2,
+            "messages": [{"role": "user", "content": prompt}]}
+    resp = guarded(gateway, world, body, "/v1/chat/completions")
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["code"] == "guardrail_blocked"
+    assert "PHONE" in error["message"]
+    assert MOBILE not in resp.text and RESIDENT_ID not in resp.text
+    request_id = resp.headers["x-request-id"]
+    drain_usage()
+    event = UsageEvent.objects.get(request_id=request_id)
+    # Refused before admission and before any engine: no instance, no tokens.
+    assert event.instance_id is None and event.prompt_tokens == 0
+    assert event.error_code == "guardrail_blocked"
+    assert event.guardrails == {"input:block:PHONE": 1}
+    row = json.dumps([getattr(event, f.attname) for f in UsageEvent._meta.fields], default=str)
+    assert MOBILE not in row and RESIDENT_ID not in row
+    # Another tenant without a policy is not blocked.
+    other = post(gateway, world.globex_secret, body, "/v1/chat/completions")
+    assert other.status_code == 200
+
+
+def test_the_engine_receives_placeholders_and_the_answer_gets_the_values_back(gateway, world):
+    policy = TenantPolicy.objects.create(
+        tenant=world.acme, input={"cn_mobile": "redact", "cn_resident_id": "redact"},
+        restore=False)
+    prompt = f"Call me on {MOBILE}, my ID is {RESIDENT_ID}."
+    resp = guarded(gateway, world, completion(prompt))
+    assert resp.status_code == 200, resp.text
+    text = resp.json()["choices"][0]["text"]
+    assert text.startswith("Call me on [PHONE_1], my ID is [ID_NUMBER_1].")
+    assert MOBILE not in text and RESIDENT_ID not in text
+
+    policy.restore = True
+    policy.save()
+    wait_until(lambda: post(gateway, world.acme_secret, completion(prompt)).json()["choices"][0]
+               ["text"].startswith(prompt), 20, "restore reaches the gateway")
+    drain_usage()
+    counted = [e.guardrails for e in UsageEvent.objects.filter(tenant=world.acme)]
+    assert {"input:redact:PHONE": 1, "input:redact:ID_NUMBER": 1} in counted
+
+
+def test_output_redaction_of_whole_and_streamed_answers(gateway, world):
+    TenantPattern.objects.create(tenant=world.acme, name="fruit", kind="deny_list",
+                                 terms=["banana split"], category="fruit")
+    TenantPolicy.objects.create(tenant=world.acme, output={"fruit": "redact"})
+    prompt = "I would like a banana split today, please."
+    resp = guarded(gateway, world, completion(prompt))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"].startswith("I would like a [FRUIT_1] today")
+
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=60,
+                      json=completion(prompt, stream=True, max_tokens=8),
+                      headers={"authorization": f"Bearer {world.acme_secret}"}) as streamed:
+        assert streamed.status_code == 200
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]
+                   if json.loads(line[6:]).get("choices"))
+    assert text.startswith("I would like a [FRUIT_1] today")
+    assert "banana" not in text
+
+
+def test_a_key_narrowing_applies_to_that_key_only(gateway, world):
+    FloorPolicy.objects.create(input={"api_key": "block"})
+    KeyPolicy.objects.create(api_key=world.acme_key, input={"cn_mobile": "block"})
+    resp = guarded(gateway, world, completion(f"Call {MOBILE}"))
+    assert resp.status_code == 400 and "PHONE" in resp.json()["error"]["message"]
+    secret = "sk-proj-a1B2c3D4e5F6g7H8i9J0kLmN"
+    blocked = post(gateway, world.globex_secret, completion(f"my key is {secret}"))
+    assert blocked.status_code == 400 and "SECRET" in blocked.json()["error"]["message"]
+    assert secret not in blocked.text
+    assert post(gateway, world.globex_secret, completion(f"Call {MOBILE}")).status_code == 200
