@@ -268,6 +268,22 @@ SPECTACULAR_SETTINGS = {
          "description": (
              "PostgreSQL, Redis and the usage writer, as the console sees them."
          )},
+        {"name": "guardrail-floor",
+         "description": (
+             "The platform's guardrail floor: the detectors every tenant gets (platform admins)."
+         )},
+        {"name": "tenant-guardrails",
+         "description": (
+             "A tenant's guardrail policy (stricter than the floor only) and its test bench."
+         )},
+        {"name": "key-guardrails",
+         "description": (
+             "An API key's narrowing of its tenant's guardrail policy (stricter only)."
+         )},
+        {"name": "guardrail-patterns",
+         "description": (
+             "A tenant's own patterns and deny-lists for its guardrail policy."
+         )},
         {"name": "alert-rules",
          "description": (
              "Alert rules: a metric, a scope, a threshold and a window."
