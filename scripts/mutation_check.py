@@ -21,12 +21,19 @@ Exit status 0 when every breakage was caught. pytest's output for each run goes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import queue
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,18 +267,89 @@ def scratch_copy(dest: Path) -> None:
         (dest / linked).symlink_to(ROOT / linked)
 
 
-def run_tests(copy: Path, tests: tuple[str, ...], log_name: str) -> int:
-    env = {**os.environ, "PYTHONPATH": str(copy)}
-    url = env.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    server, name = url.rsplit("/", 1)
-    env["DATABASE_URL"] = f"{server}/{name}_mutation"
-    LOGS.mkdir(parents=True, exist_ok=True)
-    with (LOGS / f"{log_name}.log").open("wb") as log:
-        return subprocess.run(
-            [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", *tests, "-x", "-q",
-             "-p", "no:cacheprovider", "--reuse-db"],
-            cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT,
-        ).returncode
+def test_files(tests: tuple[str, ...]) -> tuple[str, ...]:
+    """The files of some node ids (`path::test` or a whole `path`), each once."""
+    return tuple(dict.fromkeys(t.split("::", 1)[0] for t in tests))
+
+
+class Worker:
+    """One scratch copy of the tree with a database and a redis-server of its own, so that
+    workers run breakages side by side without sharing any state: worker 0 uses
+    `test_<name>_mutation` as before, worker k `test_<name>_mutation<k>`; each redis-server is
+    a private one on a free loopback port (no persistence), stopped when the check ends."""
+
+    def __init__(self, index: int, folder: Path) -> None:
+        self.index = index
+        self.copy = folder / f"copy{index}"
+        self.copy.mkdir()
+        scratch_copy(self.copy)
+        port = free_port()
+        self.redis = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(folder)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        wait_for_port(port, self.redis)
+        env = {**os.environ, "PYTHONPATH": str(self.copy)}
+        url = env.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+        server, name = url.rsplit("/", 1)
+        env["DATABASE_URL"] = f"{server}/{name}_mutation{index or ''}"
+        redis_url = f"redis://127.0.0.1:{port}"
+        env.update(REDIS_URL=f"{redis_url}/0", GATEWAY_REDIS_URL=f"{redis_url}/0",
+                   GATEWAY_TEST_REDIS_URL=f"{redis_url}/1",
+                   TEST_CELERY_BROKER_URL=f"{redis_url}/2")
+        for follows_redis_url in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+            env.pop(follows_redis_url, None)
+        self.env = env
+
+    def run_tests(self, tests: tuple[str, ...], log_name: str, *extra: str) -> int:
+        LOGS.mkdir(parents=True, exist_ok=True)
+        with (LOGS / f"{log_name}.log").open("wb") as log:
+            return subprocess.run(
+                [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", *tests, "-q",
+                 "-p", "no:cacheprovider", "--reuse-db", *extra],
+                cwd=self.copy, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            ).returncode
+
+    def broken(self, b: Breakage, tests: tuple[str, ...], *extra: str) -> int:
+        """Run `tests` with breakage `b` applied to this worker's copy (undone after)."""
+        target = self.copy / b.path
+        original = target.read_text()
+        target.write_text(original.replace(b.old, b.new))
+        try:
+            return self.run_tests(tests, b.name, *extra)
+        finally:
+            target.write_text(original)
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.redis.pid, signal.SIGKILL)
+        self.redis.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not listen on {port} within {timeout:.0f} s")
+
+
+def catchers(worker: Worker, b: Breakage) -> list[str]:
+    """`--which`: run the whole files of `b`'s tests with `b` applied and list the tests that
+    fail (choose a breakage's node ids among them)."""
+    worker.broken(b, test_files(b.tests), "-rf")
+    log = (LOGS / f"{b.name}.log").read_text(errors="replace")
+    return [line.split()[1] for line in log.splitlines() if line.startswith("FAILED ")]
 
 
 def main() -> int:
@@ -279,6 +357,13 @@ def main() -> int:
     parser.add_argument("--fast", action="store_true", help="skip breakages that need an engine")
     parser.add_argument("--only", action="append", default=[], help="run only this breakage")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--whole-files", action="store_true",
+                        help="run each breakage's whole test files, not only its node ids")
+    parser.add_argument("--which", action="store_true",
+                        help="list the tests of each chosen breakage's files that fail under it")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="breakages run side by side, each worker with its own copy, "
+                             "database and redis-server (default: 2, or 1 on one core)")
     args = parser.parse_args()
 
     chosen = [b for b in BREAKAGES
@@ -301,30 +386,68 @@ def main() -> int:
         print("\n".join(problems))
         return 2
 
+    def tests_of(b: Breakage) -> tuple[str, ...]:
+        return test_files(b.tests) if args.whole_files else b.tests
+
+    jobs = max(1, min(args.jobs, len(chosen)))
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
-        copy = Path(tmp)
-        scratch_copy(copy)
-        tests = tuple(dict.fromkeys(t for b in chosen for t in b.tests))
-        started = time.monotonic()
-        if run_tests(copy, tests, "unbroken") != 0:
-            print(f"the unbroken tests fail: see {LOGS / 'unbroken.log'}")
-            return 1
-        print(f"[mutation] unbroken: {len(tests)} test files pass "
-              f"({time.monotonic() - started:.0f} s)")
-        survived = []
-        for b in chosen:
-            target = copy / b.path
-            original = target.read_text()
-            target.write_text(original.replace(b.old, b.new))
-            started = time.monotonic()
-            try:
-                code = run_tests(copy, b.tests, b.name)
-            finally:
-                target.write_text(original)
+        workers: list[Worker] = []
+        try:
+            for index in range(jobs):
+                workers.append(Worker(index, Path(tmp)))
+            if args.which:
+                for b in chosen:
+                    print(f"{b.name}:")
+                    for node in catchers(workers[0], b):
+                        print(f"    {node}")
+                return 0
+            return check(workers, chosen, tests_of)
+        finally:
+            for worker in workers:
+                worker.close()
+
+
+def check(workers: list[Worker], chosen: list[Breakage],
+          tests_of: Callable[[Breakage], tuple[str, ...]]) -> int:
+    # The unbroken run: every breakage's tests once, split among the workers (which also creates
+    # each worker's database); all must pass before a failure under a breakage counts.
+    tests = list(dict.fromkeys(t for b in chosen for t in tests_of(b)))
+    shares = [tuple(tests[i::len(workers)]) for i in range(len(workers))]
+    started = time.monotonic()
+    names = [f"unbroken{w.index or ''}" for w in workers]
+    with ThreadPoolExecutor(len(workers)) as pool:
+        codes = list(pool.map(lambda w, share, name: w.run_tests(share, name, "-x") if share else 0,
+                              workers, shares, names))
+    failed = [str(LOGS / f"{name}.log") for name, code in zip(names, codes, strict=True) if code]
+    if failed:
+        print(f"the unbroken tests fail: see {', '.join(failed)}")
+        return 1
+    print(f"[mutation] unbroken: {len(tests)} tests pass "
+          f"({time.monotonic() - started:.0f} s, {len(workers)} workers)")
+
+    # The breakages, each in the first free worker.
+    free: queue.Queue[Worker] = queue.Queue()
+    for worker in workers:
+        free.put(worker)
+    lock = threading.Lock()
+    survived: list[str] = []
+
+    def run(b: Breakage) -> None:
+        worker = free.get()
+        try:
+            began = time.monotonic()
+            code = worker.broken(b, tests_of(b), "-x")
             verdict = {0: "SURVIVED", 1: "caught"}.get(code, f"error (pytest exit {code})")
-            print(f"[mutation] {b.name:36} {verdict:10} {time.monotonic() - started:5.0f} s")
-            if code != 1:
-                survived.append(b.name)
+            with lock:
+                print(f"[mutation] {b.name:36} {verdict:10} {time.monotonic() - began:5.0f} s",
+                      flush=True)
+                if code != 1:
+                    survived.append(b.name)
+        finally:
+            free.put(worker)
+
+    with ThreadPoolExecutor(len(workers)) as pool:
+        list(pool.map(run, chosen))
     if survived:
         print(f"[mutation] not caught: {', '.join(survived)} (logs in {LOGS})")
         return 1

@@ -21,12 +21,44 @@ step() {
     echo "[test] $1"
 }
 
+# Steps that need nothing from each other run side by side (the machine has 2 cores, and a pip
+# install or mypy uses one): `overlap NAME CMD...` starts CMD in the background, its output to a
+# log; `join NAME` waits for it, prints that output and its own wall time (from its start to its
+# end, which overlapped the steps printed meanwhile), and fails the run if it failed.
+declare -A overlap_pid overlap_log
+overlap_dir="$(mktemp -d)"
+overlap_count=0
+# On any exit, what still runs in the background is stopped (each in a session of its own).
+trap 'for pid in "${overlap_pid[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+      rm -rf "$overlap_dir"' EXIT
+overlap() {
+    local name="$1"; shift
+    local log="${overlap_dir}/$((overlap_count += 1))"
+    echo "[test] ${name} (started, beside the next steps)"
+    setsid bash -c 'began=$(date +%s); name="$1"; log="$2"; shift 2
+        "$@" >"$log" 2>&1; rc=$?
+        echo "[test] ${name}: $(($(date +%s) - began)) s (beside other steps)" >>"$log"
+        exit $rc' overlap "$name" "$log" "$@" &
+    overlap_pid[$name]=$!
+    overlap_log[$name]=$log
+}
+join() {
+    local rc=0
+    wait "${overlap_pid[$1]}" || rc=$?
+    cat "${overlap_log[$1]}"
+    unset "overlap_pid[$1]"
+    if [[ $rc -ne 0 ]]; then
+        echo "[test] ${1} failed (exit ${rc})"
+        exit $rc
+    fi
+}
+
 step "services"
 bash scripts/services.sh
+# The engine environment (a 3.5 GB pip install) is needed by pytest only: built meanwhile.
+overlap "engine environment and tiny models" bash scripts/setup_engine.sh
 step "console environment"
 bash scripts/setup_console.sh
-step "engine environment and tiny models"
-bash scripts/setup_engine.sh
 
 if [[ ! -x /usr/bin/chromium ]]; then
     echo "[test] installing chromium for the browser tests"
@@ -44,13 +76,15 @@ step "migrations complete"
 # The structure checks, configured in pyproject.toml (docs/architecture.md explains the layers).
 step "import contracts (lint-imports)"
 PYTHONPATH=. .venv/bin/lint-imports --no-cache
-step "type check (mypy)"
-PYTHONPATH=. .venv/bin/mypy
-step "duplicate code (pylint duplicate-code)"
-.venv/bin/pylint --disable=all --enable=duplicate-code --score=n \
+step "type check (mypy) beside duplicate code (pylint duplicate-code)"
+overlap "type check (mypy)" env PYTHONPATH=. .venv/bin/mypy
+overlap "duplicate code (pylint duplicate-code)" \
+    .venv/bin/pylint --disable=all --enable=duplicate-code --score=n \
     console ui_app audit_app tenants_app serving_app gateway_app guardrails_app alerts_app tests \
     benchmarks scripts \
     manage.py
+join "type check (mypy)"
+join "duplicate code (pylint duplicate-code)"
 # The fast part of the mutation check (scripts/mutation_check.py): deliberate breakages the
 # suite must catch. Run before the suite (its pytest runs go to var/mutation-logs), and only for
 # the whole suite, not when test paths are given.
@@ -60,6 +94,8 @@ if [[ $paths_given -eq 0 ]]; then
     step "mutation check (fast breakages)"
     .venv/bin/python scripts/mutation_check.py --fast
 fi
+step "waiting for the engine environment"
+join "engine environment and tiny models"
 step "pytest"
 echo "[test] everything before pytest: ${SECONDS} s"
 set +e
