@@ -5,14 +5,22 @@ meant to catch each one fail.
     .venv/bin/python scripts/mutation_check.py --fast     # only those caught without an engine
     .venv/bin/python scripts/mutation_check.py --list
     .venv/bin/python scripts/mutation_check.py --only sigterm-leader-only
+    .venv/bin/python scripts/mutation_check.py --which --only no-orphan-cleanup  # what catches it
 
 Each breakage names a file, the exact text it replaces (which must still be in the file: a
 breakage whose text moved fails the check, so the list is kept up to date with the code) and the
-tests that must notice. The scratch copy is the working tree's files (tracked and untracked, not
-ignored) with `var/` and `.venv` linked in; the tests run there against a database of their own
-(`test_<name>_mutation` beside DATABASE_URL's `<name>`, kept between runs, so that checkouts
-using databases of their own never share it). Before any breakage, the same tests run once on the
-unbroken copy and must pass, so a "caught" breakage is never a test that fails anyway.
+tests that must notice: node ids (`path::test`), the tests of the file that fail under that
+breakage (`--which` lists them), not the whole file, so that each run is a few seconds; a renamed
+test fails the check (pytest finds no such test), so the list follows the tests too.
+`--whole-files` runs each breakage's whole test files instead.
+
+The scratch copies are the working tree's files (tracked and untracked, not ignored) with `var/`
+and `.venv` linked in. Breakages run side by side (`--jobs`, 2 by default), each worker in a copy
+of its own, against a database of its own (`test_<name>_mutation`, `..._mutation1`, beside
+DATABASE_URL's `<name>`, kept between runs, so that checkouts using databases of their own never
+share one) and a redis-server of its own (a private one on a free port), so that no two runs
+share any state. Before any breakage, the same tests run once on the unbroken copies and must
+pass, so a "caught" breakage is never a test that fails anyway.
 
 Exit status 0 when every breakage was caught. pytest's output for each run goes to
 `var/mutation-logs/<name>.log`, not to the terminal.
@@ -57,35 +65,38 @@ BREAKAGES = (
         "serving_app/engine/supervisor.py",
         "        _signal(newcomers, signal.SIGTERM)\n",
         "        _signal([m for m in newcomers if m.pid == pid], signal.SIGTERM)\n",
-        ("tests/unit/test_process_groups.py",),
+        ("tests/unit/test_process_groups.py::test_stop_leaves_no_process_of_the_engine_session",),
     ),
     Breakage(
         "sigkill-leader-only",
         "serving_app/engine/supervisor.py",
         "        _signal(members, signal.SIGKILL)\n",
         "        _signal([m for m in members if m.pid == pid], signal.SIGKILL)\n",
-        ("tests/unit/test_process_groups.py",),
+        ("tests/unit/test_process_groups.py::test_an_engine_that_ignores_sigterm_is_killed_after_the_grace_period",),
     ),
     Breakage(
         "no-sigkill-escalation",
         "serving_app/engine/supervisor.py",
         "        _signal(members, signal.SIGKILL)\n",
         "        pass\n",
-        ("tests/unit/test_process_groups.py",),
+        ("tests/unit/test_process_groups.py::test_stopping_an_engine_that_ignores_sigterm_kills_it",),
     ),
     Breakage(
         "no-orphan-cleanup",
         "serving_app/engine/agent.py",
         "        supervisor.stop(pid, grace_seconds=ORPHAN_GRACE_SECONDS)\n",
         "        pass\n",
-        ("tests/unit/test_process_groups.py",),
+        (
+            "tests/unit/test_process_groups.py::test_supervision_clears_the_children_of_an_engine_whose_leader_was_killed",
+            "tests/unit/test_process_groups.py::test_stopping_an_instance_whose_leader_was_killed_clears_its_orphans",
+        ),
     ),
     Breakage(
         "no-spare-lora-slot",
         "serving_app/engine/launch.py",
         "max_loras = max(max_loras, len(adapters) + 1)",
         "max_loras = max_loras",
-        ("tests/unit/test_lora_slots.py",),
+        ("tests/unit/test_lora_slots.py::test_cpu_engine_has_a_slot_more_than_its_adapters",),
     ),
     Breakage(
         "portal-panel-all-tenants",
@@ -94,56 +105,62 @@ BREAKAGES = (
         "    rows = queries.latency_table(trange, tenants)\n",
         "    series = queries.latency_series(trange, tenants.model.objects.all(), model)\n"
         "    rows = queries.latency_table(trange, tenants.model.objects.all())\n",
-        ("tests/ui/test_portal.py",),
+        ("tests/ui/test_portal.py::test_portal_latency_dashboard_shows_only_this_tenants_figures_and_rows",),
     ),
     Breakage(
         "gateway-any-tenant-any-deployment",
         "serving_app/deployments/catalog.py",
         "        served = {t.pk for t in dep.tenants.all()}\n",
         "        served = {t.pk for d in running for t in d.tenants.all()}\n",
-        ("tests/gateway/test_catalog.py",),
+        ("tests/gateway/test_catalog.py::test_a_deployment_serving_one_tenant_is_absent_from_the_others_catalog",),
     ),
     Breakage(
         "revoke-no-invalidation",
         "tenants_app/models.py",
         "                api_keys_revoked.send(sender=ApiKey, keys=keys)\n",
         "                pass\n",
-        ("tests/api/test_key_invalidation.py",),
+        ("tests/api/test_key_invalidation.py::test_api_revoke_publishes_the_key_as_unusable",),
     ),
     Breakage(
         "admission-no-tpm-check",
         "gateway_app/admission.py",
         "  if used + need > tpm then",
         "  if false then",
-        ("tests/gateway/test_units.py",),
+        ("tests/gateway/test_units.py::test_token_window_reserves_then_settles_to_the_real_count",),
     ),
     Breakage(
         "flow-control-ignores-the-budget",
         "gateway_app/flow.py",
         "      if (in_budget or r < extra) and (best_n == nil or n < best_n) then",
         "      if (best_n == nil or n < best_n) then",
-        ("tests/gateway/test_flow_units.py",),
+        ("tests/gateway/test_flow_units.py::test_requests_beyond_the_budget_wait_and_get_the_freed_slot",),
     ),
     Breakage(
         "flow-control-largest-counter-first",
         "gateway_app/flow.py",
         "    local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')",
         "    local top = redis.call('ZRANGE', P .. ':b:' .. band, -1, -1, 'WITHSCORES')",
-        ("tests/gateway/test_flow_units.py",),
+        ("tests/gateway/test_flow_units.py::test_equal_backlogged_tenants_alternate_however_many_each_sends",),
     ),
     Breakage(
         "for-user-no-tenant-filter",
         "tenants_app/models.py",
         "        return self.filter(tenant__memberships__user=user).distinct()",
         "        return self.all()",
-        ("tests/api/test_api_keys.py", "tests/api/test_serving_api.py"),
+        (
+            "tests/api/test_api_keys.py::test_another_tenants_key_is_a_404",
+            "tests/api/test_serving_api.py::TestAdapters::test_members_cannot_register_and_others_cannot_see",
+        ),
     ),
     Breakage(
         "webhook-private-targets-allowed",
         "alerts_app/targets.py",
         "    if not allow_private:\n        for address in addresses:\n",
         "    if False:\n        for address in addresses:\n",
-        ("tests/alerts/test_delivery.py",),
+        (
+            "tests/alerts/test_delivery.py::test_a_tenant_webhook_whose_name_resolves_to_loopback_is_refused_when_sent",
+            "tests/alerts/test_delivery.py::test_private_loopback_and_link_local_addresses_are_not_reachable",
+        ),
     ),
     Breakage(
         "notification-claimed-twice",
@@ -151,42 +168,42 @@ BREAKAGES = (
         "        pk=notification_id, state=State.PENDING, next_attempt_at__lte=now + "
         "timedelta(seconds=1),\n",
         "        pk=notification_id,\n",
-        ("tests/alerts/test_delivery.py",),
+        ("tests/alerts/test_delivery.py::test_a_notification_delivered_twice_is_sent_once",),
     ),
     Breakage(
         "alert-without-hysteresis",
         "alerts_app/evaluate.py",
         "        if compare(rule.comparison, reading.value, rule.recovery_for(threshold)):\n",
         "        if False:\n",
-        ("tests/alerts/test_evaluation.py",),
+        ("tests/alerts/test_evaluation.py::test_gpu_rule_goes_pending_fires_after_for_holds_in_the_band_and_resolves",),
     ),
     Breakage(
         "alert-fires-before-for",
         "alerts_app/evaluate.py",
         "        if (now - pending_since).total_seconds() + 1e-6 >= rule.for_seconds:\n",
         "        if True:\n",
-        ("tests/alerts/test_evaluation.py",),
+        ("tests/alerts/test_evaluation.py::test_gpu_rule_goes_pending_fires_after_for_holds_in_the_band_and_resolves",),
     ),
     Breakage(
         "shared-deployment-charged-to-one-tenant",
         "serving_app/fleet/service.py",
         "                    shares=pairs.get(dep.pk, ()),\n",
         "                    shares=(),\n",
-        ("tests/placement_db/test_gpu_accounting.py",),
+        ("tests/placement_db/test_gpu_accounting.py::test_an_idle_shared_deployment_is_charged_by_weight",),
     ),
     Breakage(
         "plans-open-to-tenant-users",
         "serving_app/api/fleetplans.py",
         "    permission_classes = [IsStaff]\n",
         "",
-        ("tests/placement_db/test_fleet_plans.py",),
+        ("tests/placement_db/test_fleet_plans.py::test_tenants_see_no_plan",),
     ),
     Breakage(
         "runtime-load-into-spare-slot",
         "serving_app/engine/agent.py",
         "        if capacity is not None and len(loaded) >= capacity:\n",
         "        if False:\n",
-        ("tests/unit/test_adapter_slots.py",),
+        ("tests/unit/test_adapter_slots.py::test_a_runtime_load_that_would_fill_the_spare_slot_is_refused",),
     ),
     Breakage(
         "engine-runtime-load-into-spare-slot",
@@ -201,14 +218,14 @@ BREAKAGES = (
         "serving_app/deployments/draining.py",
         "        if left == 0 and elapsed >= grace:\n",
         "        if elapsed >= grace:\n",
-        ("tests/unit/test_rollout.py",),
+        ("tests/unit/test_rollout.py::test_a_drain_waits_for_the_requests_in_flight",),
     ),
     Breakage(
         "rolling-drains-below-the-replicas",
         "serving_app/deployments/rollout.py",
         "    to_drain = max(0, min(len(old_ready), ready - floor))\n",
         "    to_drain = len(old_ready)\n",
-        ("tests/unit/test_rollout.py",),
+        ("tests/unit/test_rollout.py::test_rolling_with_spare_capacity_keeps_every_replica_ready",),
     ),
     # No "SIGTERM to the leader only" against the real engine: measured on 2026-12-03, vLLM's
     # API server stops its EngineCore itself on SIGTERM within the grace period, so the real
@@ -229,21 +246,21 @@ BREAKAGES = (
         "            return Decision(min(ups), recommendation, reason)\n",
         "        if recommendation > current:\n"
         "            return Decision(recommendation, recommendation, reason)\n",
-        ("tests/unit/test_autoscaling.py",),
+        ("tests/unit/test_autoscaling.py::test_a_short_spike_does_not_scale_and_the_max_caps_the_count",),
     ),
     Breakage(
         "autoscale-blind-to-the-gateway-queue",
         "serving_app/deployments/autoscaling.py",
         "    total = sum(reading.values) + (reading.queued or 0)\n",
         "    total = sum(reading.values)\n",
-        ("tests/unit/test_autoscaling.py",),
+        ("tests/unit/test_autoscaling.py::test_requests_waiting_in_the_gateways_queue_count_as_waiting",),
     ),
     Breakage(
         "a-page-without-a-scope",
         "ui_app/console/views.py",
         "class TenantListView(StaffPage, ListView[Tenant]):\n",
         "class TenantListView(ListView[Tenant]):\n",
-        ("tests/unit/test_url_scoping.py",),
+        ("tests/unit/test_url_scoping.py::test_every_url_is_staff_only_tenant_scoped_or_declared_public",),
     ),
 )
 
