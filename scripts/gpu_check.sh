@@ -13,14 +13,14 @@
 # the CUDA torch, `pip install --target SITE vllm==... -r requirements` and PYTHONPATH=SITE.
 # The database is SQLite in WAL mode under var/ unless DATABASE_URL says otherwise; Redis is
 # started from REDIS_SERVER (default redis-server on PATH) unless one answers on REDIS_URL.
-# Results go to OUT (default var/gpu-runs): one JSON per scenario and its engines' logs.
+# Results go to GPU_RUNS_DIR (default var/gpu-runs): one JSON per scenario and its engines' logs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT="$PWD"
 PY="${PYTHON:-python3}"
-OUT="${OUT:-$ROOT/var/gpu-runs}"
+RUNS="${GPU_RUNS_DIR:-$ROOT/var/gpu-runs}"
 LOGS="$ROOT/var/gpu-logs"
-mkdir -p "$LOGS" "$OUT" "$ROOT/var"
+mkdir -p "$LOGS" "$RUNS" "$ROOT/var"
 export DEBUG="${DEBUG:-true}"
 export DATABASE_URL="${DATABASE_URL:-sqlite:///$ROOT/var/gpu-console.sqlite3}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
@@ -71,7 +71,7 @@ prepare)
     "$PY" manage.py gpu_check prepare
     ;;
 run)
-    "$PY" manage.py gpu_check run "${2:-all}" --out "$OUT"
+    "$PY" manage.py gpu_check run "${2:-all}" --out "$RUNS"
     ;;
 status)
     "$PY" manage.py shell -v0 -c "

@@ -69,6 +69,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 TENANTS = ("gpu-support", "gpu-code", "gpu-content")
 PLANNER_SHAPES = ("llama3-8b-shape", "qwen25-7b-shape", "llama2-7b-shape")
+# Sequences of 4,096 tokens each keeps in its KV cache: the three fit one H200 together
+# (Llama-2's 32 KV heads take 4 times the KV bytes per token of Llama-3's 8).
+PLANNER_SEQS = {"llama3-8b-shape": 32, "qwen25-7b-shape": 64, "llama2-7b-shape": 16}
 
 
 def _log(message: str) -> None:
@@ -351,7 +354,7 @@ class Command(BaseCommand):
         for name in PLANNER_SHAPES:
             deployments.append(self.deployment(
                 f"plan-{name}", name, isolation_mode="shared", max_model_len=4096,
-                max_num_seqs=64, max_loras=1, max_lora_rank=16))
+                max_num_seqs=PLANNER_SEQS[name], max_loras=1, max_lora_rank=16))
         plans = {d.name: service.dry_run(d) for d in deployments}
         checks.figure("dry_runs", plans)
         for deployment in deployments:
@@ -363,6 +366,13 @@ class Command(BaseCommand):
                      {n: [i["state"] for i in r] for n, r in states.items()})
         during = self.nvml()
         checks.figure("nvml_during", during)
+        (checks.out / "nvml-snapshot.json").write_text(
+            json.dumps(inventory.read_nvml(), indent=1, default=str))
+        first = Instance.objects.active().filter(deployment=deployments[0]).first()
+        if first is not None and first.port:
+            metrics = httpx.get(f"http://127.0.0.1:{first.port}/metrics", timeout=10,
+                                headers={"Authorization": f"Bearer {first.secret}"})
+            (checks.out / "engine-metrics.txt").write_text(metrics.text)
         comparison = []
         for deployment in deployments:
             plan = plans[deployment.name]
