@@ -32,6 +32,10 @@ export NODE_ENGINE_PYTHONPATH="${NODE_ENGINE_PYTHONPATH:-${PYTHONPATH:-}}"
 # by default, hence the allow-list entry).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export ENGINE_ENV_ALLOW="${ENGINE_ENV_ALLOW:-NVSHMEM_*}"
+# The console's own processes never need a GPU: with none visible, no CUDA context (about
+# 610 MiB each, seen on an H200) is made by a library that probes for one. NVML, which the
+# agent reads, ignores this; each engine gets its own devices from its launch spec.
+export CUDA_VISIBLE_DEVICES="${CONSOLE_CUDA_VISIBLE_DEVICES-}"
 PORT="${PORT:-8000}"
 
 say() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }

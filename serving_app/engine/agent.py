@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,7 +218,7 @@ class StartError(Exception):
 def _preflight(instance: Instance) -> None:
     deployment = instance.deployment
     try:
-        read_model(deployment.base_model.path)
+        read_model(deployment.base_model.path, dummy=deployment.base_model.capacity_test)
     except ModelFilesError as exc:
         raise StartError(f"Base model {deployment.base_model.name}: {exc}") from exc
 
@@ -362,42 +362,96 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         adapters=adapters, python=config.engine_python,
         pythonpath=config.engine_pythonpath, cpu_cores=cpu_cores(instance.node, gpus),
     )
+    sizing = GpuSizing(gpus)
     try:
-        launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
-    except OSError as exc:
-        _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
-        return "failed"
-    # What is recorded is shown to operators: the command and environment without the secret.
-    recorded = Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
-        pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env,
-        cpu_cores=spec.cpu_cores, startup={},
-    )
-    instance.pid = launched.pid
-    instance.log_path = launched.log_path
-    if not recorded:
-        # Stopped (or its node declared lost) while it was being launched: a stop that came
-        # before the pid was recorded could not find this engine, so it goes now.
-        return _cancel_start(instance)
-    events.record(events.Kind.STARTING,
-                  f"Instance #{instance.ordinal} (revision {revision}) starting its engine.",
-                  instance=instance, data={"pid": launched.pid, "port": port,
-                                           "revision": revision})
-    ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors)
+        if not sizing.acquire(instance):
+            return _cancel_start(instance)
+        try:
+            launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
+        except OSError as exc:
+            _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
+            return "failed"
+        # What is recorded is shown to operators: the command and environment without the
+        # secret. The start counts from the launch (not from a wait for the GPU).
+        launched_at = timezone.now()
+        recorded = Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+            pid=launched.pid, log_path=launched.log_path, command=spec.argv,
+            environment=spec.env, cpu_cores=spec.cpu_cores, startup={}, started_at=launched_at,
+        )
+        instance.pid = launched.pid
+        instance.log_path = launched.log_path
+        instance.started_at = launched_at
+        instance.startup = {}
+        if not recorded:
+            # Stopped (or its node declared lost) while it was being launched: a stop that came
+            # before the pid was recorded could not find this engine, so it goes now.
+            return _cancel_start(instance)
+        events.record(events.Kind.STARTING,
+                      f"Instance #{instance.ordinal} (revision {revision}) starting its engine.",
+                      instance=instance, data={"pid": launched.pid, "port": port,
+                                               "revision": revision})
+        ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors,
+                                 on_memory_sized=sizing.release)
+    finally:
+        sizing.release()
     if ready == "ready":
         # Given on the command line and the engine came up: they loaded.
         LoraAdapter.objects.filter(pk__in=[a.pk for a in adapters]).update(last_error="")
     return ready
 
 
+# -- one engine sizing its memory per GPU at a time ---------------------------------------------
+_sizing_locks: dict[str, threading.Lock] = {}
+_sizing_locks_guard = threading.Lock()
+
+
+class GpuSizing:
+    """Hold the GPUs of a starting engine until it has sized its KV cache.
+
+    vLLM sizes its KV cache from what it measures while profiling: the GPU memory its own
+    process added, whoever else allocates meanwhile. Three engines started at once on one H200
+    measured each other's allocations: one logged "Available KV cache memory: -14.42 GiB" and
+    exited, another failed too (docs/gpu.md, "Sharing a GPU"). So on a whole GPU (a MIG device
+    has memory of its own) one engine of this agent at a time goes from launch to its KV cache
+    allocated (`startup.memory_sized()`); the next one waits, its instance showing why."""
+
+    def __init__(self, gpus: Iterable[Gpu]) -> None:
+        uuids = sorted({g.uuid for g in gpus if g.parent_id is None})
+        with _sizing_locks_guard:
+            self.locks = [_sizing_locks.setdefault(u, threading.Lock()) for u in uuids]
+        self.held: list[threading.Lock] = []
+
+    def acquire(self, instance: Instance) -> bool:
+        """Wait for the GPUs; False when the instance stopped starting meanwhile."""
+        for lock in self.locks:
+            queued = False
+            while not lock.acquire(timeout=STATE_CHECK_SECONDS):
+                if not queued:
+                    queued = True
+                    Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                        startup=startup.StartupProgress(phase="queued").to_dict())
+                if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
+                    self.release()
+                    return False
+            self.held.append(lock)
+        return True
+
+    def release(self) -> None:
+        while self.held:
+            self.held.pop().release()
+
+
 def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
-                     adapter_errors: dict[str, str] | None = None) -> str:
+                     adapter_errors: dict[str, str] | None = None,
+                     on_memory_sized: Callable[[], None] | None = None) -> str:
     """Poll /health until ready, the process exits, or the start stops making progress.
 
     A CUDA engine takes minutes to start (weights, torch.compile, CUDA graphs, kernel JIT): its
     start fails when its log has said nothing new for ENGINE_START_TIMEOUT_SECONDS, or when it
     has lasted ENGINE_START_MAX_SECONDS in all, whichever comes first; while it logs progress it
     is left to finish. Its phase and the figures it logs are recorded on the instance
-    (`startup`, `serving_app.engine.startup`)."""
+    (`startup`, `serving_app.engine.startup`); `on_memory_sized` is called once the engine has
+    allocated its KV cache (or its start ends)."""
     client = EngineClient(instance.base_url, instance.secret)
     started = instance.started_at or timezone.now()
     elapsed = (timezone.now() - started).total_seconds()
@@ -425,6 +479,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                 if progress.feed(lines, seconds):
                     Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
                         startup={**progress.to_dict(), "updated": timezone.now().isoformat()})
+                if on_memory_sized is not None and progress.memory_sized():
+                    on_memory_sized()
         if time.monotonic() >= next_state_check:
             next_state_check = time.monotonic() + STATE_CHECK_SECONDS
             if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():

@@ -19,6 +19,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ BINARY = "nvidia-cuda-mps-control"
 # Where NVIDIA's container toolkit and driver packages put it, beside PATH.
 SEARCH_PATH = "/usr/local/nvidia/bin:/usr/bin:/usr/local/bin:/usr/sbin"
 TIMEOUT_SECONDS = 10.0
+_START_LOCK = threading.Lock()
 
 
 class MpsError(RuntimeError):
@@ -46,10 +48,17 @@ def directories() -> dict[str, str]:
             "CUDA_MPS_LOG_DIRECTORY": str(settings.MPS_LOG_DIRECTORY)}
 
 
+def _environment() -> dict[str, str]:
+    """The daemon's environment: the agent's, pointed at the node's folders, with every GPU
+    visible (a console process runs with CUDA_VISIBLE_DEVICES empty; the daemon then finds no
+    device and exits with status 100, as seen on an H200)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return {**env, **directories()}
+
+
 def _control(command: str, control: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([control], input=f"{command}\n", capture_output=True, text=True,
-                          timeout=TIMEOUT_SECONDS, env={**os.environ, **directories()},
-                          check=False)
+                          timeout=TIMEOUT_SECONDS, env=_environment(), check=False)
 
 
 def _log_tail(lines: int = 5) -> str:
@@ -81,7 +90,16 @@ def status() -> dict[str, object]:
 
 
 def ensure_running() -> dict[str, object]:
-    """Start the daemon unless it answers already; its status. `MpsError` when none can run."""
+    """Start the daemon unless it answers already; its status. `MpsError` when none can run.
+
+    One start at a time in this agent; a daemon that another start brought up meanwhile
+    ("An instance of this daemon is already running", seen on an H200 when two `mps` engines
+    started together) is the daemon we want."""
+    with _START_LOCK:
+        return _ensure_running()
+
+
+def _ensure_running() -> dict[str, object]:
     current = status()
     if current.get("running"):
         return current
@@ -93,13 +111,13 @@ def ensure_running() -> dict[str, object]:
         Path(folder).mkdir(parents=True, exist_ok=True)
     try:
         started = subprocess.run([control, "-d"], capture_output=True, text=True,
-                                 timeout=TIMEOUT_SECONDS, env={**os.environ, **directories()},
-                                 check=False)
+                                 timeout=TIMEOUT_SECONDS, env=_environment(), check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise MpsError(f"The MPS control daemon could not be started: {exc}") from exc
-    if started.returncode != 0:
+    said = (started.stderr or started.stdout).strip()
+    if started.returncode != 0 and "already running" not in said:
         raise MpsError(f"The MPS control daemon did not start (exit {started.returncode}): "
-                       f"{(started.stderr or started.stdout).strip()[-300:] or _log_tail()}")
+                       f"{said[-300:] or _log_tail()}")
     deadline = time.monotonic() + TIMEOUT_SECONDS
     while time.monotonic() < deadline:
         current = status()

@@ -24,7 +24,8 @@ from typing import Any
 
 # (phase, label, pattern): in the order vLLM goes through them.
 PHASES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
-    ("loading", "Loading weights", re.compile(r"Starting to load model")),
+    ("loading", "Loading weights",
+     re.compile(r"Starting to load model|Loading model from scratch|Loading weights took")),
     ("compiling", "Compiling (torch.compile)",
      re.compile(r"Dynamo bytecode transform time|Compiling a graph for|torch\.compile took"
                 r"|Directly load the compiled graph")),
@@ -34,11 +35,12 @@ PHASES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
     ("warming", "Warming up (kernel JIT)",
      re.compile(r"Graph capturing finished|init engine \(profile, create kv cache|Warming up")),
     ("serving", "Starting the API server",
-     re.compile(r"Starting vLLM API server|Started server process|Available routes are")),
+     re.compile(r"Starting vLLM (?:API )?server|Started server process|Available routes are")),
 )
 LABELS = {name: label for name, label, _ in PHASES}
 LABELS["launching"] = "Launching the process"
-ORDER = ["launching", *(name for name, _, _ in PHASES)]
+LABELS["queued"] = "Waiting for another engine on its GPU to size its KV cache"
+ORDER = ["queued", "launching", *(name for name, _, _ in PHASES)]
 
 _NUMBER = r"([\d,]+(?:\.\d+)?)"
 # figure -> pattern whose first group is the number (GiB, tokens or seconds).
@@ -91,6 +93,12 @@ class StartupProgress:
                     self.figures[figure] = _number(match.group(1))
                     changed = True
         return changed
+
+    def memory_sized(self) -> bool:
+        """Whether the engine has allocated its KV cache: from then on what it measured can no
+        longer be disturbed by another engine starting on the same GPU."""
+        return "kv_cache_tokens" in self.figures or ORDER.index(self.phase) > ORDER.index(
+            "profiling")
 
     @property
     def label(self) -> str:
