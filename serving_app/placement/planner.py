@@ -64,7 +64,8 @@ QUANT_BYTES_PER_PARAM: dict[str, float] = {
 }
 
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
-VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the OpenAI server's default on most GPUs
+VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM 0.26 on an H200: "Chunked prefill is enabled with
+# max_num_batched_tokens=8192"
 VLLM_DEFAULT_BLOCK_SIZE = 16  # GPU default; the CPU backend uses 128
 
 
@@ -190,10 +191,16 @@ class EngineSettings:
 class PlannerConstants:
     """The reserve's fixed terms; override to calibrate against a measured engine."""
 
-    runtime_overhead_bytes: int = 1 * GIB
-    cuda_graph_bytes: int = 512 * MIB
+    # Fitted to two engines on an H200 (Llama-3-8B and Llama-2-7B shapes, vLLM 0.26), which
+    # then predicted a Qwen2.5-7B shape's KV capacity within 0.6% (docs/gpu.md, "Planner";
+    # `placement.calibration`): non-torch memory as logged (0.22 GiB), CUDA graphs the rest of
+    # the fitted constant, activations 3.125 bytes per batched token per unit of MLP width per
+    # byte of dtype (the gate/up projection's output dominates the peak).
+    runtime_overhead_bytes: int = 225 * MIB
+    cuda_graph_bytes: int = 315 * MIB
     nccl_bytes: int = 256 * MIB
-    activation_factor: float = 24.0
+    activation_factor: float = 0.0  # per unit of hidden size (the earlier form; 24 until 2026-12)
+    intermediate_factor: float = 3.125
 
 
 DEFAULT_CONSTANTS = PlannerConstants()
@@ -423,7 +430,9 @@ def plan_memory(
     kv_cache = kv_tokens * kv_per_token
 
     act_bytes = dtype_bytes(dtype)
-    activations = int(batched * model.hidden_size * constants.activation_factor * act_bytes)
+    activations = int(batched * act_bytes * (
+        model.hidden_size * constants.activation_factor
+        + model.resolved_intermediate_size * constants.intermediate_factor))
     activations += engine.max_num_seqs * model.vocab_size * 4
     runtime = constants.runtime_overhead_bytes
     if not engine.enforce_eager:
