@@ -238,6 +238,22 @@ BREAKAGES = (
         "class TenantListView(ListView[Tenant]):\n",
         ("tests/unit/test_url_scoping.py",),
     ),
+    Breakage(
+        "compiling-engine-restarted-as-unhealthy",
+        "serving_app/engine/agent.py",
+        "                silent_deadline = time.monotonic() + quiet_limit\n",
+        "                silent_deadline = silent_deadline  # progress ignored\n",
+        ("tests/gpu/test_start_on_gpu.py::"
+         "test_a_start_that_keeps_logging_outlives_the_silence_timeout",),
+    ),
+    Breakage(
+        "mps-engine-started-without-its-daemon",
+        "serving_app/engine/agent.py",
+        "            _ensure_mps(instance.node)\n",
+        "            pass  # no daemon checked\n",
+        ("tests/gpu/test_mps.py::"
+         "test_without_a_daemon_an_mps_engine_is_refused_with_the_reason_and_never_launched",),
+    ),
 )
 
 

@@ -42,6 +42,7 @@ State = Instance.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
 LOG_TAIL_SECONDS = 5.0
 STATE_CHECK_SECONDS = 1.0  # how often a start re-reads whether its instance is still starting
+LOG_READ_SECONDS = 0.25  # how often a start reads its engine's new log lines
 ORPHAN_GRACE_SECONDS = 2.0  # an EngineCore without its API server serves nothing: no long wait
 
 
@@ -462,7 +463,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
     follower = startup.LogFollower.from_last_launch(instance.log_path) if instance.log_path \
         else None
     progress = startup.StartupProgress.from_dict(instance.startup)
-    next_state_check = next_log_read = time.monotonic() + STATE_CHECK_SECONDS
+    next_state_check = time.monotonic() + STATE_CHECK_SECONDS
+    next_log_read = time.monotonic()
     while time.monotonic() < min(hard_deadline, silent_deadline):
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid) if instance.pid is not None else None
@@ -470,7 +472,7 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                   exit_code=code, expected=[State.STARTING])
             return "failed"
         if follower is not None and time.monotonic() >= next_log_read:
-            next_log_read = time.monotonic() + STATE_CHECK_SECONDS
+            next_log_read = time.monotonic() + LOG_READ_SECONDS
             lines = follower.new_lines()
             if lines:
                 # Any new line is progress: the start goes on while the engine logs.
@@ -504,6 +506,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                 return "ready"
             return _cancel_start(instance)
         time.sleep(0.1)
+    if follower is not None:  # what it logged last, for the reason
+        progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
     if instance.pid is not None:
         supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
     if time.monotonic() >= hard_deadline:

@@ -12,7 +12,7 @@ the same engines, what is left of the requested memory once the KV cache is take
 reserve: activations plus a constant (non-torch memory, CUDA graphs). `fit()` solves for the two
 constants of the planner's reserve from two engines (activation bytes per batched token and
 per unit of MLP width, and the constant); `predict_kv_tokens()` then predicts a third engine's
-KV capacity from its plan alone, which `tests/placement/test_calibration.py` checks against the
+KV capacity from its plan alone, which `tests/gpu/test_calibration.py` checks against the
 H200 run in docs/gpu-runs (within 2%).
 
 Plain Python, no Django.
@@ -68,8 +68,9 @@ class EngineMemory:
     def reserve_bytes(self, plan: MemoryPlan) -> float:
         """What the engine kept beside the planned weights, LoRA slots and its KV cache."""
         requested = self.requested_gib * GIB
+        logits = plan.engine.max_num_seqs * plan.model.vocab_size * 4  # the planner adds these
         return requested - self.kv_cache_bytes(plan.kv_bytes_per_token) - plan.weight_bytes \
-            - plan.lora_bytes
+            - plan.lora_bytes - logits
 
 
 def _activation_unit(plan: MemoryPlan) -> float:

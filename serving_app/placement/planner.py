@@ -18,12 +18,15 @@ The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``
    module: ``rank x (in + out) x B(dtype)``; q: hidden -> heads x head_dim, k and v: hidden ->
    kv_heads x head_dim, o: heads x head_dim -> hidden; with MLP targets also gate and up:
    hidden -> intermediate, down: intermediate -> hidden. Per GPU: / TP.
-4. **Runtime reserve.** A fixed ``runtime_overhead_bytes`` (default 1 GiB: the CUDA context and
-   allocator slack; a PyTorch process on the H200 read for the fixture held 610 MiB more than its
-   tensor) plus ``cuda_graph_bytes`` (default 0.5 GiB, 0 with ``enforce_eager``) plus, with TP > 1,
-   ``nccl_bytes`` (default 0.25 GiB); plus activations of one forward pass at the token budget,
-   ``max_num_batched_tokens x hidden_size x activation_factor (24) x B(dtype)``, plus fp32 logits
-   for sampling, ``max_num_seqs x vocab_size x 4``.
+4. **Runtime reserve.** ``runtime_overhead_bytes`` (225 MiB: the non-torch memory vLLM 0.26
+   logged on an H200) plus ``cuda_graph_bytes`` (315 MiB, 0 with ``enforce_eager``) plus, with
+   TP > 1, ``nccl_bytes`` (256 MiB); plus activations of one forward pass at the token budget,
+   ``max_num_batched_tokens x B(dtype) x (hidden_size x activation_factor + intermediate_size x
+   intermediate_factor)`` (0 and 3.125: the MLP's gate/up output dominates the peak), plus fp32
+   logits for sampling, ``max_num_seqs x vocab_size x 4``. The constants were fitted to two
+   engines on an H200 and predicted a third's KV capacity within 0.6%
+   (``placement.calibration``, docs/gpu.md "Planner"); until 2026-12 they were 1 GiB, 0.5 GiB and
+   ``hidden x 24`` at 2,048 batched tokens.
 
 vLLM's ``gpu_memory_utilization`` is the share of the GPU's *total* memory the instance may use
 for all of the above, so the fraction to give it is ``needed / total``, rounded up to 0.01.
