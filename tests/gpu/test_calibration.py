@@ -79,7 +79,8 @@ def test_constants_fitted_on_two_shapes_predict_the_third_within_two_percent(cal
 def test_the_planners_defaults_are_the_fit_on_llama3_and_llama2():
     constants = fit([(plan(name), logged(name)) for name in ("llama3-8b-shape",
                                                              "llama2-7b-shape")])
-    assert constants.intermediate_factor == DEFAULT_CONSTANTS.intermediate_factor
+    # The defaults are the fit, rounded (3.123 -> 3.125; the constant to whole MiB).
+    assert abs(constants.intermediate_factor - DEFAULT_CONSTANTS.intermediate_factor) < 0.005
     together = DEFAULT_CONSTANTS.runtime_overhead_bytes + DEFAULT_CONSTANTS.cuda_graph_bytes
     assert abs(constants.runtime_overhead_bytes - together) < 8 * 1024**2
     for name in PLANNER_SEQS:  # and so the defaults predict all three within 2%
