@@ -125,7 +125,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = VAR_DIR / "staticfiles"
+# Images collect the static files at build time outside VAR_DIR (a volume at run time).
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(VAR_DIR / "staticfiles")))
 # `collectstatic` (scripts/demo.sh; docs/operations.md for production) writes every file under a
 # content-hashed name with gzip and brotli copies beside it; whitenoise serves those with a
 # year's immutable caching, so a browser fetches plotly.js once, compressed. (With DEBUG on the
