@@ -1,7 +1,7 @@
 """deploy/compose.yaml is a valid Compose file (deploy/schemas/compose.schema.json: the part of
 the Compose specification it uses, strict: podman-compose 1.0 has no `config`, and its
-`--dry-run up` still creates volumes and networks) and refers only to what exists: images' commands, settings, secrets' files'
-names, services it depends on, the shipped redis.conf."""
+`--dry-run up` still creates volumes and networks) and refers only to what exists: the image's
+commands, settings, secrets, services it depends on, the shipped redis.conf."""
 
 from __future__ import annotations
 
