@@ -238,6 +238,12 @@ SPECTACULAR_SETTINGS = {
          "description": (
              "GPU hosts running a node agent: cordon, uncordon, drain."
          )},
+        {"name": "node-join-tokens",
+         "description": (
+             "Joining a host: one-time, expiring join tokens made for a node name (shown once, "
+             "stored hashed), and the exchange a joining host makes with one for its node's "
+             "settings (`POST /api/v1/node-join/`)."
+         )},
         {"name": "gpus",
          "description": (
              "GPUs as the node agents read them through NVML, with their recent samples."
@@ -373,6 +379,12 @@ NODE_INVENTORY_SECONDS = env_float(
 # A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
 # its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
 NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
+# Joining a host from the Nodes page (docs/install.md, "Joining a GPU host"): how long a join
+# token is open, and the database and Redis URLs handed to a joining node (default: the
+# console's own DATABASE_URL and REDIS_URL, which must then be reachable from the node).
+NODE_JOIN_TOKEN_TTL_MINUTES = env_int("NODE_JOIN_TOKEN_TTL_MINUTES", 60, minimum=1)
+NODE_JOIN_DATABASE_URL = env_str("NODE_JOIN_DATABASE_URL", env_str("DATABASE_URL", ""))
+NODE_JOIN_REDIS_URL = env_str("NODE_JOIN_REDIS_URL", REDIS_URL)
 # How long an instance being stopped keeps running for the requests in flight on it, after it
 # left routing (serving_app/deployments/draining.py); then it is stopped whatever still runs.
 DRAIN_TIMEOUT_SECONDS = env_float("DRAIN_TIMEOUT_SECONDS", 120.0, minimum=0.0)
