@@ -33,7 +33,7 @@ def verify(tmp_path: Path, name: str, text: str) -> subprocess.CompletedProcess[
 
 def service(name: str) -> configparser.SectionProxy:
     parser = configparser.ConfigParser(interpolation=None, strict=False)
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.optionxform = str
     parser.read_string((UNITS / name).read_text())
     return parser["Service"]
 
