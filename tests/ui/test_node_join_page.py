@@ -58,3 +58,40 @@ def test_tenant_users_cannot_add_nodes(login, acme, platform_admin):
     assert client.post(f"/nodes/join-tokens/{row.pk}/revoke/").status_code == 403
     row.refresh_from_db()
     assert NodeJoinToken.objects.count() == 1 and row.state == "open"
+
+
+def test_removing_a_node_that_runs_instances_drains_it_first(login, platform_admin, base_model,
+                                                            acme):
+    from django.utils import timezone
+
+    from serving_app.models import Instance
+    from tests.factories import make_deployment
+
+    busy = Node.objects.create(name="gpu-a", queue="node.gpu-a", last_heartbeat=timezone.now())
+    Node.objects.create(name="gpu-b", queue="node.gpu-b", last_heartbeat=timezone.now())
+    deployment = make_deployment(base_model, [acme.tenant], name="chat")
+    Instance.objects.create(deployment=deployment, node=busy, state=Instance.State.READY)
+    response = login(platform_admin).post(f"/nodes/{busy.pk}/remove/", follow=True)
+    busy.refresh_from_db()
+    assert (busy.draining, busy.cordoned) == (True, True)
+    assert "remove it once it runs none" in response.content.decode()
+
+
+def test_removing_an_empty_node_deletes_it_and_revokes_its_open_tokens(login, platform_admin):
+    from audit_app.models import AuditLog
+
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    stale, _ = NodeJoinToken.issue("gpu-a", platform_admin)
+    response = login(platform_admin).post(f"/nodes/{node.pk}/remove/", follow=True)
+    assert not Node.objects.filter(name="gpu-a").exists()
+    stale.refresh_from_db()
+    assert stale.state == "revoked"
+    assert "llm-console-agent@gpu-a" in response.content.decode()
+    assert AuditLog.objects.filter(object_type="serving_app.Node", object_id=str(node.pk),
+                                   action="delete", actor=platform_admin).exists()
+
+
+def test_tenant_users_cannot_remove_nodes(login, acme):
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    assert login(acme.owner).post(f"/nodes/{node.pk}/remove/").status_code == 403
+    assert Node.objects.filter(pk=node.pk).exists()

@@ -1,6 +1,6 @@
 """Adding a node from the Nodes page: a one-time join token for a node name, shown once with the
 command that joins the new host (`scripts/join_node.sh`), and the recent tokens with their state
-(revoke an open one). The API's counterpart is `serving_app.api.joins`."""
+(revoke an open one); removing a node. The API's counterpart is `serving_app.api.joins`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Any
 from django import forms
 from django.conf import settings
 from django.contrib import messages
+from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views import View
 
 from serving_app.api.joins import MAX_TTL_MINUTES, join_command, joinable_problem, name_problem
-from serving_app.models import NodeJoinToken
+from serving_app.models import Node, NodeJoinToken
 from ui_app.scoping import StaffPage
 
 RECENT_TOKENS = 20
@@ -73,3 +74,32 @@ class RevokeJoinTokenView(StaffPage, View):
         else:
             messages.error(request, f"Not revoked: {token} is {token.state}.")
         return redirect("console:node-add")
+
+
+class RemoveNodeView(StaffPage, View):
+    """Remove a node: one that still runs instances is drained first (remove it again once it
+    runs none); an empty one is deleted, with its open join tokens revoked. Its credentials are
+    the installation's shared ones (docs/security.md, "What a node is trusted with"): the
+    message says to stop its agent and when to rotate them."""
+
+    def post(self, request: HttpRequest, pk: int) -> HttpResponse:
+        node = get_object_or_404(Node, pk=pk)
+        running = node.instances.active().count()
+        if running:
+            try:
+                node.drain()  # records its own audit entry
+            except ValidationError as exc:
+                messages.error(request, f"Not removed: {' '.join(exc.messages)}")
+            else:
+                messages.warning(request, f"{node.name} still runs {running} instance(s): it is "
+                                          "draining now; remove it once it runs none.")
+            return redirect("console:node-detail", pk=node.pk)
+        name = node.name
+        for token in NodeJoinToken.objects.filter(node_name=name, used_at=None, revoked_at=None):
+            token.revoke()
+        node.delete()  # audited (the node's delete entry)
+        messages.success(request, (
+            f"Removed {name}. Stop its agent on the host (systemctl disable --now "
+            f"llm-console-agent@{name}); its database and Redis credentials are the "
+            "installation's: rotate them if the host is no longer trusted."))
+        return redirect("console:node-list")

@@ -66,6 +66,7 @@ urlpatterns = [
     # nodes
     path("nodes/", views.NodeListView.as_view(), name="node-list"),
     path("nodes/add/", joins.AddNodeView.as_view(), name="node-add"),
+    path("nodes/<int:pk>/remove/", joins.RemoveNodeView.as_view(), name="node-remove"),
     path("nodes/join-tokens/<int:pk>/revoke/", joins.RevokeJoinTokenView.as_view(),
          name="node-join-token-revoke"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
