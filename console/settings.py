@@ -125,7 +125,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = VAR_DIR / "staticfiles"
+# Images collect the static files at build time outside VAR_DIR (a volume at run time).
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(VAR_DIR / "staticfiles")))
 # `collectstatic` (scripts/demo.sh; docs/operations.md for production) writes every file under a
 # content-hashed name with gzip and brotli copies beside it; whitenoise serves those with a
 # year's immutable caching, so a browser fetches plotly.js once, compressed. (With DEBUG on the
@@ -236,6 +237,12 @@ SPECTACULAR_SETTINGS = {
         {"name": "nodes",
          "description": (
              "GPU hosts running a node agent: cordon, uncordon, drain."
+         )},
+        {"name": "node-join-tokens",
+         "description": (
+             "Joining a host: one-time, expiring join tokens made for a node name (shown once, "
+             "stored hashed), and the exchange a joining host makes with one for its node's "
+             "settings (`POST /api/v1/node-join/`)."
          )},
         {"name": "gpus",
          "description": (
@@ -379,6 +386,12 @@ NODE_INVENTORY_SECONDS = env_float(
 # A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
 # its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
 NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
+# Joining a host from the Nodes page (docs/install.md, "Joining a GPU host"): how long a join
+# token is open, and the database and Redis URLs handed to a joining node (default: the
+# console's own DATABASE_URL and REDIS_URL, which must then be reachable from the node).
+NODE_JOIN_TOKEN_TTL_MINUTES = env_int("NODE_JOIN_TOKEN_TTL_MINUTES", 60, minimum=1)
+NODE_JOIN_DATABASE_URL = env_str("NODE_JOIN_DATABASE_URL", env_str("DATABASE_URL", ""))
+NODE_JOIN_REDIS_URL = env_str("NODE_JOIN_REDIS_URL", REDIS_URL)
 # How long an instance being stopped keeps running for the requests in flight on it, after it
 # left routing (serving_app/deployments/draining.py); then it is stopped whatever still runs.
 DRAIN_TIMEOUT_SECONDS = env_float("DRAIN_TIMEOUT_SECONDS", 120.0, minimum=0.0)

@@ -26,6 +26,7 @@ from serving_app.models import (
     Instance,
     LoraAdapter,
     Node,
+    NodeJoinToken,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -401,3 +402,31 @@ class EventAdmin(ReadOnlyAdmin):
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+@admin.register(NodeJoinToken)
+class NodeJoinTokenAdmin(admin.ModelAdmin):
+    """Join tokens: made on the Nodes page or through the API (where the token is shown once),
+    never here; the admin lists them and revokes the open ones."""
+
+    list_display = ("prefix", "node_name", "state", "created_by", "created_at", "expires_at",
+                    "used_at", "used_from")
+    list_filter = ("node_name",)
+    readonly_fields = ("node_name", "prefix", "created_by", "created_at", "expires_at",
+                       "used_at", "used_from", "revoked_at", "node")
+    exclude = ("token_hash",)
+    actions = ["revoke_tokens"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.action(description="Revoke the selected open tokens")
+    def revoke_tokens(self, request, queryset) -> None:
+        revoked = sum(token.revoke() for token in queryset)
+        messages.success(request, f"{revoked} token(s) revoked.")

@@ -36,6 +36,7 @@ class ServingAppConfig(AppConfig):
             "recommendations", "last_scaled_at", "last_decision", "last_evaluated_at",
         ])
         track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"])
+        track(self.get_model("NodeJoinToken"), secret=["token_hash"])
         track(self.get_model("Gpu"), ignore=[
             "memory_used_bytes", "utilization_percent", "temperature_c", "power_w", "processes",
         ])

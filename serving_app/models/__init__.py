@@ -1312,4 +1312,5 @@ class Instance(models.Model):
 from serving_app.models.autoscalers import Autoscaler as Autoscaler  # noqa: E402
 from serving_app.models.engine_metrics import EngineHour as EngineHour  # noqa: E402
 from serving_app.models.engine_metrics import EngineSample as EngineSample  # noqa: E402
+from serving_app.models.joins import NodeJoinToken as NodeJoinToken  # noqa: E402
 from serving_app.models.usage import *  # noqa: E402,F401,F403

@@ -61,6 +61,7 @@ from serving_app.models import (
     Instance,
     LoraAdapter,
     Node,
+    NodeJoinToken,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -305,6 +306,9 @@ ADMIN_CASES: dict[str, AdminCase] = {
         change=lambda w: {"cordoned": "on"}, changed=("cordoned",),
         actions={"cordon_nodes": "cordon", "uncordon_nodes": "uncordon",
                  "drain_nodes": "drain"}),
+    "serving_app.NodeJoinToken": AdminCase(
+        make=lambda w: NodeJoinToken.issue(f"new-host{w.n()}", w.staff)[0],
+        actions={"revoke_tokens": "revoke"}),
     "serving_app.Gpu": AdminCase(
         make=_gpu,
         add=lambda w: {"node": str(_node(w).pk), "index": "1", "uuid": f"GPU-{w.n()}",
@@ -706,6 +710,27 @@ def _node_action(name: str):
     return run
 
 
+def _issue_join_token(w: World) -> list[Expect]:
+    data = call(w.staff, "post", "/api/v1/node-join-tokens/", {"node_name": f"new{w.n()}"})
+    return [Expect(w.staff, "create", NodeJoinToken, data["id"])]
+
+
+def _revoke_join_token(w: World) -> list[Expect]:
+    token, _ = NodeJoinToken.issue(f"new{w.n()}", w.staff)
+    call(w.staff, "post", f"/api/v1/node-join-tokens/{token.pk}/revoke/")
+    return [Expect(w.staff, "revoke", NodeJoinToken, token.pk)]
+
+
+def _join(w: World) -> list[Expect]:
+    """A host joins with its token alone: the entries name no user."""
+    name = f"joined{w.n()}"
+    token, secret = NodeJoinToken.issue(name, w.staff)
+    data = call(None, "post", "/api/v1/node-join/",
+                {"token": secret, "name": name, "address": "10.0.0.9"}, client=APIClient())
+    node = Node.objects.get(name=data["node"])
+    return [Expect(None, "join", NodeJoinToken, token.pk), Expect(None, "create", Node, node.pk)]
+
+
 def _invite(w: World) -> list[Expect]:
     data = call(w.acme.owner, "post", "/api/v1/invitations/",
                 {"tenant": "acme", "invited_as": f"friend{w.n()}@example.com"})
@@ -827,6 +852,9 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "deployments_rollout_abort_create": _rollout_api("rollout/abort", _rolling_out, Rollout,
                                                         "abort"),
     **{f"nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
+    "node_join_tokens_create": _issue_join_token,
+    "node_join_tokens_revoke_create": _revoke_join_token,
+    "node_join_create": _join,
     "invitations_create": _invite,
     "invitations_revoke_create": _revoke_invitation,
     "my_invitations_accept_create": _answer("accept"),

@@ -6,8 +6,8 @@ from django.urls import path, re_path
 
 from ui_app.console import autoscaling as autoscaling_views
 from ui_app.console import fleet as fleet_views
+from ui_app.console import joins, views
 from ui_app.console import metrics as metrics_views
-from ui_app.console import views
 from ui_app.scoping import public
 
 app_name = "console"
@@ -65,6 +65,10 @@ urlpatterns = [
     path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # nodes
     path("nodes/", views.NodeListView.as_view(), name="node-list"),
+    path("nodes/add/", joins.AddNodeView.as_view(), name="node-add"),
+    path("nodes/<int:pk>/remove/", joins.RemoveNodeView.as_view(), name="node-remove"),
+    path("nodes/join-tokens/<int:pk>/revoke/", joins.RevokeJoinTokenView.as_view(),
+         name="node-join-token-revoke"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
             views.NodeActionView.as_view(), name="node-action"),
