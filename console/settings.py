@@ -233,6 +233,18 @@ SPECTACULAR_SETTINGS = {
              "Instances: the engine processes that run a deployment, with their state, node, GPUs "
              "and logs."
          )},
+        {"name": "artifacts",
+         "description": (
+             "Content-addressed model and adapter files: immutable versions (a manifest of "
+             "files with sizes and SHA-256 digests), which nodes hold them, and how a version "
+             "comes in: an upload in chunks, a node's folder, an S3 bucket, a Hugging Face "
+             "repository."
+         )},
+        {"name": "artifact-imports",
+         "description": (
+             "Uploads and imports of artifact versions: state, progress and error; an upload "
+             "takes its files' bytes here in resumable chunks."
+         )},
         {"name": "nodes",
          "description": (
              "GPU hosts running a node agent: cordon, uncordon, drain."
@@ -398,6 +410,20 @@ ADAPTER_UPLOAD_MAX_BYTES = env_int("ADAPTER_UPLOAD_MAX_MB", 256, minimum=1) * 10
 ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = (
     env_int("ADAPTER_UPLOAD_MAX_UNPACKED_MB", 512, minimum=1) * 1024 * 1024
 )
+
+# Content-addressed artifacts (docs/artifacts.md): the console keeps every model and adapter file
+# once by its SHA-256 under ARTIFACT_STORE_ROOT; each node agent fetches what its instances need
+# from the console (NODE_CONSOLE_URL) into its own cache (NODE_CACHE_DIR, at most
+# NODE_CACHE_QUOTA_MB), no shared filesystem needed. A chunk of an upload is at most
+# ARTIFACT_UPLOAD_CHUNK_MB; a file of it at most ARTIFACT_UPLOAD_MAX_FILE_MB.
+ARTIFACT_STORE_ROOT = Path(env_str("ARTIFACT_STORE_ROOT", str(VAR_DIR / "artifacts")))
+ARTIFACT_UPLOAD_CHUNK_BYTES = env_int("ARTIFACT_UPLOAD_CHUNK_MB", 64, minimum=1) * 1024 * 1024
+ARTIFACT_UPLOAD_MAX_FILE_BYTES = (
+    env_int("ARTIFACT_UPLOAD_MAX_FILE_MB", 200 * 1024, minimum=1) * 1024 * 1024
+)
+NODE_CONSOLE_URL = env_str("NODE_CONSOLE_URL", "http://127.0.0.1:8000")
+NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
+NODE_CACHE_QUOTA_BYTES = env_int("NODE_CACHE_QUOTA_MB", 100 * 1024, minimum=1) * 1024 * 1024
 
 LOGGING = {
     "version": 1,

@@ -26,13 +26,15 @@ REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
 ROLL_UP_ENGINE_SAMPLES = "serving.roll_up_engine_samples"  # scheduled by beat
 AUTOSCALE = "serving.autoscale"  # scheduled by beat
 WAKE_DEPLOYMENT = "serving.wake_deployment"
+IMPORT_ARTIFACT = "serving.import_artifact"  # S3 and Hugging Face imports (control queue)
+IMPORT_NODE_FOLDER = "serving.import_node_folder"  # on the node's own queue
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
 # Registered by `alerts_app.tasks` (evaluation scheduled by beat).
 EVALUATE_ALERTS = "alerts.evaluate"
 DELIVER_NOTIFICATION = "alerts.deliver_notification"
-NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
+NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS, IMPORT_NODE_FOLDER)
 
 
 def enqueue(name: str, *args: Any, queue: str = CONTROL_QUEUE,

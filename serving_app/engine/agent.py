@@ -24,6 +24,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from serving_app import lifecycle, storage
+from serving_app.artifacts import staging
 from serving_app.engine import scrape, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
@@ -191,6 +192,27 @@ class StartError(Exception):
     """A reason an engine cannot be started, shown on the instance."""
 
 
+def _stage_artifacts(instance: Instance, config: AgentConfig) -> None:
+    """Fetch the instance's model files into this node's cache (verified) before its start;
+    the engine is given the cache folder (serving_app/artifacts/staging.py)."""
+    try:
+        staging.stage_instance(instance, staging.NodeCacheConfig.from_environment(config.name))
+    except staging.StagingError as exc:
+        raise StartError(f"Staging {exc}") from exc
+
+
+def _adapter_folder(adapter: LoraAdapter, node_name: str | None) -> Path:
+    """The folder to give the engine: the adapter's version in this node's cache, or (legacy)
+    its host path, checked."""
+    if adapter.artifact_version_id and node_name:
+        try:
+            return staging.adapter_folder(
+                adapter, staging.NodeCacheConfig.from_environment(node_name))
+        except staging.StagingError as exc:
+            raise ModelFilesError(f"Staging {exc}") from exc
+    return adapter.check_path()
+
+
 def _preflight(instance: Instance) -> None:
     deployment = instance.deployment
     try:
@@ -200,7 +222,7 @@ def _preflight(instance: Instance) -> None:
 
 
 def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
-                    max_lora_rank: int) -> tuple[str, str] | None:
+                    max_lora_rank: int, node_name: str | None = None) -> tuple[str, str] | None:
     """Why the engines of `deployment` started with `max_lora_rank` must not be given `adapter`
     now, or None if they may.
 
@@ -215,7 +237,7 @@ def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
         message = f"It is an adapter for {adapter.base_model}, not {deployment.base_model}."
         return message, message
     try:
-        folder = adapter.check_path()
+        folder = _adapter_folder(adapter, node_name)
         info = read_adapter(str(folder))
     except ValidationError as exc:
         detail = "; ".join(exc.messages)
@@ -246,7 +268,8 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
     good: list[LoraAdapter] = []
     errors: dict[str, str] = {}
     for adapter in deployment.adapters.select_related("tenant", "base_model"):
-        problem = adapter_problem(adapter, deployment, max_lora_rank)
+        problem = adapter_problem(adapter, deployment, max_lora_rank,
+                                  instance.node.name if instance.node else None)
         if problem is None:
             good.append(adapter)
             continue
@@ -305,6 +328,7 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     log_path = _log_path(instance)
     revision = instance.revision.number if instance.revision else None
     try:
+        _stage_artifacts(instance, config)
         _preflight(instance)
         port = _claim_port(instance, config)
     except StartError as exc:
@@ -522,7 +546,8 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             outcome[name] = "refused"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
-        problem = adapter_problem(adapter, instance.deployment, max_lora_rank)
+        problem = adapter_problem(adapter, instance.deployment, max_lora_rank,
+                                  instance.node.name)
         if problem is not None:
             message = f"Not loaded into {instance}: {problem[0]}"
             errors[name] = message
