@@ -15,12 +15,18 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import Protocol
 
 from django.conf import settings
 
 CHUNK = 1024 * 1024
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class Readable(Protocol):
+    """What a file, an HTTP request body or an S3 object's body offer: read(n)."""
+
+    def read(self, size: int, /) -> bytes: ...
 
 
 class BlobError(ValueError):
@@ -109,7 +115,7 @@ class BlobStore:
         temp.mkdir(parents=True, exist_ok=True)
         return temp / uuid.uuid4().hex
 
-    def put_stream(self, source: IO[bytes], expected: str | None = None,
+    def put_stream(self, source: Readable, expected: str | None = None,
                    max_bytes: int | None = None) -> tuple[str, int]:
         """Store what `source` holds; (digest, size). With `expected`, a different digest is
         refused (BlobError) and nothing is stored."""

@@ -3,6 +3,7 @@ folder, S3 or Hugging Face, and the node agents' blob endpoint (docs/artifacts.m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -42,9 +43,9 @@ from tenants_app.api.base import (
 )
 
 
-# -- serializers -------------------------------------------------------------------------------
+# -- serializers ----------------------------------------------------------------------------------
 class CacheEntrySerializer(serializers.ModelSerializer[NodeCacheEntry]):
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    node = serializers.SlugRelatedField[Node](slug_field="name", read_only=True)
     eta_seconds = serializers.FloatField(read_only=True, allow_null=True)
 
     class Meta:
@@ -75,7 +76,7 @@ class VersionSerializer(serializers.ModelSerializer[ArtifactVersion]):
 
 
 class ImportSerializer(serializers.ModelSerializer[ArtifactImport]):
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    node = serializers.SlugRelatedField[Node](slug_field="name", read_only=True)
     version = serializers.IntegerField(source="version.number", read_only=True, default=None)
     files = serializers.SerializerMethodField()
     percent = serializers.FloatField(read_only=True)
@@ -117,7 +118,9 @@ class UploadSerializer(serializers.Serializer[Any]):
 
 
 class ImportRequestSerializer(serializers.Serializer[Any]):
-    source = serializers.ChoiceField(choices=["s3", "huggingface", "node_folder"])
+    # The API's name for it; DRF's Field.source attribute is shadowed only on the class.
+    source = serializers.ChoiceField(  # type: ignore[assignment]
+        choices=["s3", "huggingface", "node_folder"])
     bucket = serializers.CharField(required=False, max_length=200)
     prefix = serializers.CharField(required=False, allow_blank=True, max_length=500)
     endpoint_url = serializers.URLField(required=False, allow_blank=True)
@@ -130,8 +133,8 @@ class ImportRequestSerializer(serializers.Serializer[Any]):
     endpoint = serializers.URLField(required=False, allow_blank=True)
     token = serializers.CharField(required=False, allow_blank=True, max_length=200,
                                   write_only=True)
-    node = serializers.SlugRelatedField(slug_field="name", queryset=Node.objects.all(),
-                                        required=False)
+    node = serializers.SlugRelatedField[Node](slug_field="name", queryset=Node.objects.all(),
+                                              required=False)
     folder = serializers.CharField(required=False, max_length=500)
 
     REQUIRED = {"s3": ["bucket"], "huggingface": ["repo_id"], "node_folder": ["node", "folder"]}
@@ -150,11 +153,11 @@ class ChunkParser(BaseParser):
     media_type = "application/octet-stream"
 
     def parse(self, stream: Any, media_type: str | None = None,
-              parser_context: dict[str, Any] | None = None) -> Any:
+              parser_context: Mapping[str, Any] | None = None) -> Any:
         return stream
 
 
-# -- viewsets ------------------------------------------------------------------------------------
+# -- viewsets -------------------------------------------------------------------------------------
 class ArtifactViewSet(ScopedModelViewSet[Artifact]):
     """Artifacts: a base model's (platform admins) or a tenant's adapter's (its owners and
     admins) files as immutable versions. Bring a version in with `uploads` (then send the
@@ -178,7 +181,8 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
         artifact = self._writable()
         serializer = UploadSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        files = _django_errors(sources.announced_files, request.data.get("files"))
+        files = _django_errors(sources.announced_files,
+                               [dict(f) for f in serializer.validated_data["files"]])
         record = sources.start_upload(artifact, files, request.user)
         return Response(ImportSerializer(record).data, status=status.HTTP_201_CREATED)
 
@@ -288,7 +292,7 @@ def _django_errors(function: Any, *args: Any) -> Any:
         raise ValidationError(as_serializer_error(exc)) from exc
 
 
-# -- the node agents' blob endpoint ----------------------------------------------------------------
+# -- the node agents' blob endpoint ---------------------------------------------------------------
 @csrf_exempt
 def node_blob(request: HttpRequest, sha256: str) -> HttpResponseBase:
     """A blob for a node agent, authenticated per node (`Authorization: Node <name>:<token>`).
@@ -323,24 +327,23 @@ def node_blob(request: HttpRequest, sha256: str) -> HttpResponseBase:
         except ValueError:
             return JsonResponse({"detail": "One range, bytes=<first>-[<last>]."}, status=400)
         if first >= size or first > last:
-            response = HttpResponse(status=416)
-            response["Content-Range"] = f"bytes */{size}"
-            return response
+            refused = HttpResponse(status=416)
+            refused["Content-Range"] = f"bytes */{size}"
+            return refused
     if not requested:
         whole = FileResponse(path.open("rb"), content_type="application/octet-stream")
         whole["Accept-Ranges"] = "bytes"
         return whole
-    handle = path.open("rb")
-    handle.seek(first)
-
     def body(remaining: int = last - first + 1) -> Any:
-        with handle:
+        with path.open("rb") as handle:
+            handle.seek(first)
             while remaining > 0 and (chunk := handle.read(min(blobstore.CHUNK, remaining))):
                 remaining -= len(chunk)
                 yield chunk
 
-    response = StreamingHttpResponse(body() if request.method == "GET" else iter(()),
-                                     status=206, content_type="application/octet-stream")
+    response: HttpResponseBase = StreamingHttpResponse(
+        body() if request.method == "GET" else iter(()), status=206,
+        content_type="application/octet-stream")
     response["Content-Range"] = f"bytes {first}-{last}/{size}"
     response["Content-Length"] = str(last - first + 1)
     response["Accept-Ranges"] = "bytes"

@@ -66,11 +66,11 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
         queryset=ArtifactVersion.objects.none(), required=False, allow_null=True,
         help_text="The id of the artifact version holding the model's files (else, legacy, "
                   "a path on every node).")
-    source = serializers.CharField(source="source_label", read_only=True)
+    served_from = serializers.CharField(source="source_label", read_only=True)
 
     class Meta:
         model = BaseModel
-        fields = ["id", "name", "path", "artifact_version", "source", "dtype", "quantization",
+        fields = ["id", "name", "path", "artifact_version", "served_from", "dtype", "quantization",
                   *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
         derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()
@@ -88,7 +88,7 @@ class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer[LoraAdapter]):
     artifact_version = ScopedPrimaryKeyField(
         queryset=ArtifactVersion.objects.none(), required=False, allow_null=True,
         help_text="The id of the artifact version (of this tenant) holding the adapter's files.")
-    source = serializers.CharField(source="source_label", read_only=True)
+    served_from = serializers.CharField(source="source_label", read_only=True)
 
     class Meta:
         model = LoraAdapter
@@ -99,7 +99,7 @@ class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer[LoraAdapter]):
             "name",
             "path",
             "artifact_version",
-            "source",
+            "served_from",
             "rank",
             "target_modules",
             "size_bytes",

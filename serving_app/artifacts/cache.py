@@ -127,7 +127,7 @@ class NodeCache:
                 partial.unlink()  # longer than the file can be: start again
             counted = [partial.stat().st_size if partial.is_file() else 0]
 
-            def step(count: int) -> None:
+            def step(count: int, counted: list[int] = counted) -> None:
                 counted[0] += count
                 progress(counted[0])
 

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -83,7 +83,7 @@ def finish(record: ArtifactImport, version: ArtifactVersion) -> None:
     record.state, record.version = ArtifactImport.State.DONE, version
 
 
-# -- uploads in chunks ---------------------------------------------------------------------------
+# -- uploads in chunks ----------------------------------------------------------------------------
 def announced_files(raw: object) -> list[FileEntry]:
     """An upload's announced files ([{path, size, sha256}]), checked: field errors on "files"."""
     if not isinstance(raw, list) or not raw:
@@ -155,7 +155,7 @@ class ChunkError(ValidationError):
         self.received = received
 
 
-def receive_chunk(record: ArtifactImport, digest: str, offset: int, body: IO[bytes],
+def receive_chunk(record: ArtifactImport, digest: str, offset: int, body: blobstore.Readable,
                   length: int) -> int:
     """Append one chunk of the file with `digest` at `offset` (which must be what was received
     so far: a resumed upload asks `upload_status()` first); the bytes received after it. The
@@ -215,7 +215,7 @@ def complete_upload(record: ArtifactImport) -> ArtifactVersion:
     return version
 
 
-# -- a folder on a node ------------------------------------------------------------------------
+# -- a folder on a node ---------------------------------------------------------------------------
 def request_node_import(artifact: Artifact, node: Node, folder: str,
                         user: Any = None) -> ArtifactImport:
     """Ask the node's agent to import a folder on its host (it hashes the files and sends
@@ -230,7 +230,7 @@ def request_node_import(artifact: Artifact, node: Node, folder: str,
     return record
 
 
-# -- S3 and Hugging Face ---------------------------------------------------------------------------
+# -- S3 and Hugging Face --------------------------------------------------------------------------
 def request_remote_import(artifact: Artifact, source: str, detail: dict[str, Any],
                           user: Any = None) -> ArtifactImport:
     record = ArtifactImport.objects.create(
@@ -248,8 +248,11 @@ def run_import(import_id: int) -> str:
         return "missing" if record is None else "done"
     ArtifactImport.objects.filter(pk=record.pk).update(state=ArtifactImport.State.RUNNING,
                                                        error="")
-    runner = {ArtifactVersion.Source.S3: import_s3,
-              ArtifactVersion.Source.HUGGINGFACE: import_huggingface}.get(record.source)
+    runners: dict[str, Callable[[ArtifactImport], ArtifactVersion]] = {
+        ArtifactVersion.Source.S3: import_s3,
+        ArtifactVersion.Source.HUGGINGFACE: import_huggingface,
+    }
+    runner = runners.get(record.source)
     if runner is None:
         record.fail(f"{record.source} imports are not run here.")
         return "failed"

@@ -90,7 +90,7 @@ def console_fetcher(config: NodeCacheConfig) -> Fetcher:
     return fetch.http_fetcher(config.console_url, config.node, node_token(config.node))
 
 
-# -- what the node's instances use ------------------------------------------------------------------
+# -- what the node's instances use ----------------------------------------------------------------
 def versions_in_use(node_name: str) -> set[str]:
     """Digests of the versions the node's live instances run: their pinned model version and
     their deployments' adapters'. Eviction keeps these."""
@@ -198,7 +198,7 @@ def authenticate(header: str) -> Node | None:
     return node
 
 
-# -- a folder of this node's host -------------------------------------------------------------------
+# -- a folder of this node's host -----------------------------------------------------------------
 def import_node_folder(import_id: int, config: NodeCacheConfig) -> str:
     """Hash the files of the import's folder on this host, send the console those it lacks,
     and make the version."""

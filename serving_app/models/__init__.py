@@ -31,9 +31,10 @@ from serving_app.modelfiles import (
     read_model,
 )
 from serving_app.models import events
-from serving_app.models.artifacts import Artifact, ArtifactVersion
+from serving_app.models.artifacts import Artifact as Artifact
 from serving_app.models.artifacts import ArtifactFile as ArtifactFile
 from serving_app.models.artifacts import ArtifactImport as ArtifactImport
+from serving_app.models.artifacts import ArtifactVersion as ArtifactVersion
 from serving_app.models.artifacts import Blob as Blob
 from serving_app.models.artifacts import NodeCacheEntry as NodeCacheEntry
 from serving_app.models.revisions import (

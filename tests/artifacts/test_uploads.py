@@ -62,7 +62,7 @@ def test_a_model_uploaded_in_chunks_resumes_and_becomes_a_version(
     model = client.post("/api/v1/base-models/", {"name": "llama-up",
                                                  "artifact_version": version.pk}, format="json")
     assert model.status_code == 201, model.content
-    assert model.data["hidden_size"] == 128 and model.data["source"] == "llama-up v1"
+    assert model.data["hidden_size"] == 128 and model.data["served_from"] == "llama-up v1"
 
 
 def test_a_file_whose_bytes_do_not_match_its_digest_is_discarded(
