@@ -318,6 +318,11 @@ SPECTACULAR_SETTINGS = {
     # One name per choice set where several models' fields share a name ("state", "kind").
     "ENUM_NAME_OVERRIDES": {
         "InstanceStateEnum": "serving_app.models.Instance.State",
+        "ArtifactSourceEnum": "serving_app.models.artifacts.ArtifactVersion.Source",
+        "ImportStateEnum": "serving_app.models.artifacts.ArtifactImport.State",
+        "CacheEntryStateEnum": "serving_app.models.artifacts.NodeCacheEntry.State",
+        "ImportRequestSourceEnum": [("s3", "S3 bucket"), ("huggingface", "Hugging Face "
+                                    "repository"), ("node_folder", "Folder on a node")],
         "AlertStateEnum": "alerts_app.models.Alert.State",
         "NotificationStateEnum": "alerts_app.models.Notification.State",
         "ChannelKindEnum": "alerts_app.models.Channel.Kind",

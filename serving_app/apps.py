@@ -45,8 +45,9 @@ class ServingAppConfig(AppConfig):
             "the node agents (control-plane transitions); a person only deletes one"))
         control_plane = "written by the control plane, never by a person (read only everywhere)"
         track(self.get_model("Artifact"))
+        # Its progress is no change of its own; its completion (the version it made) is.
         track(self.get_model("ArtifactImport"), ignore=[
-            "state", "bytes_total", "bytes_done", "error", "version", "updated_at"])
+            "state", "bytes_total", "bytes_done", "error", "updated_at"])
         exclude(self.get_model("ArtifactVersion"),
                 "made by its import (audited) when its files are complete; immutable")
         exclude(self.get_model("ArtifactFile"), "part of its version, made with it")

@@ -20,7 +20,7 @@ from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -38,6 +38,7 @@ from serving_app.models import (
 )
 from tenants_app.api.base import (
     ScopedModelViewSet,
+    ScopedReadOnlyModelViewSet,
     TenantSlugField,
     ValidatedModelSerializer,
 )
@@ -120,7 +121,8 @@ class UploadSerializer(serializers.Serializer[Any]):
 class ImportRequestSerializer(serializers.Serializer[Any]):
     # The API's name for it; DRF's Field.source attribute is shadowed only on the class.
     source = serializers.ChoiceField(  # type: ignore[assignment]
-        choices=["s3", "huggingface", "node_folder"])
+        choices=[("s3", "S3 bucket"), ("huggingface", "Hugging Face repository"),
+                 ("node_folder", "Folder on a node")])
     bucket = serializers.CharField(required=False, max_length=200)
     prefix = serializers.CharField(required=False, allow_blank=True, max_length=500)
     endpoint_url = serializers.URLField(required=False, allow_blank=True)
@@ -213,25 +215,25 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
         return artifact
 
 
-class ArtifactImportViewSet(ScopedModelViewSet[ArtifactImport]):
+class ArtifactImportViewSet(ScopedReadOnlyModelViewSet[ArtifactImport]):
     """Imports and uploads of artifact versions: state, progress, error; an upload takes its
-    files' bytes here, in chunks, and resumes where the console says it stands."""
+    files' bytes here, in chunks, and resumes where the console says it stands. Its artifact's
+    writers (platform admins; a tenant's owners and admins for its adapters) send them."""
 
     queryset = ArtifactImport.objects.all()
     serializer_class = ImportSerializer
     filterset_fields = ["state", "source", "artifact"]
-    write_role = "manager"
-    http_method_names = ["get", "put", "post", "head", "options"]
 
     def safely_get_queryset(self, queryset: QuerySet[ArtifactImport]
                             ) -> QuerySet[ArtifactImport]:
-        return queryset.select_related("artifact__tenant", "node")
+        return queryset.select_related("artifact__tenant", "node", "version")
 
-    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        self.permission_denied(request, "Start an upload with POST /artifacts/{id}/uploads/.")
-
-    def update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        self.permission_denied(request, "An import is changed only by its chunks.")
+    def _writable(self) -> ArtifactImport:
+        record = self.get_object()
+        user, tenant = self.request.user, record.artifact.tenant
+        if not user.is_staff and (tenant is None or not tenant.user_can_manage(user)):
+            raise PermissionDenied("Your role in this tenant does not allow this change.")
+        return record
 
     @extend_schema(request={"application/octet-stream": bytes}, responses=ImportSerializer)
     @action(detail=True, methods=["put"], url_path=r"blobs/(?P<sha256>[0-9a-f]{64})",
@@ -240,8 +242,7 @@ class ArtifactImportViewSet(ScopedModelViewSet[ArtifactImport]):
         """One chunk of a file's bytes, `Content-Range: bytes <first>-<last>/<size>` (or the
         whole file without it). A chunk that does not start where the upload stands is refused
         (409) with the bytes received, where to resume."""
-        record = self.get_object()
-        self.check_write(record)
+        record = self._writable()
         length = int(request.META.get("CONTENT_LENGTH") or 0)
         offset = _range_start(request.META.get("HTTP_CONTENT_RANGE", ""))
         try:
@@ -259,8 +260,7 @@ class ArtifactImportViewSet(ScopedModelViewSet[ArtifactImport]):
     def complete(self, request: Request, pk: str | None = None) -> Response:
         """Make the version once every file is received (the latest version when it holds
         exactly these files)."""
-        record = self.get_object()
-        self.check_write(record)
+        record = self._writable()
         _django_errors(sources.complete_upload, record)
         record.refresh_from_db()
         return Response(ImportSerializer(record).data)

@@ -77,10 +77,11 @@ def import_console_folder(artifact: Artifact, folder: Path,
 
 
 def finish(record: ArtifactImport, version: ArtifactVersion) -> None:
-    ArtifactImport.objects.filter(pk=record.pk).update(
-        state=ArtifactImport.State.DONE, version=version, error="",
-        bytes_done=F("bytes_total"), updated_at=timezone.now())
-    record.state, record.version = ArtifactImport.State.DONE, version
+    """The import made `version`: saved (not updated), so that its audit entry records it."""
+    record.refresh_from_db(fields=["bytes_total"])
+    record.state, record.version, record.error = ArtifactImport.State.DONE, version, ""
+    record.bytes_done = record.bytes_total
+    record.save(update_fields=["state", "version", "error", "bytes_done", "updated_at"])
 
 
 # -- uploads in chunks ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Each test's own blob store and node caches, under its tmp_path."""
+"""Artifacts and the models and adapters made from them (each test has its own blob store and
+node caches: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,6 @@ import pytest
 from serving_app.artifacts import sources
 from serving_app.models import Artifact, ArtifactVersion, BaseModel, LoraAdapter
 from tests.factories import make_adapter_dir, make_model_dir
-
-
-@pytest.fixture(autouse=True)
-def _artifact_store(settings, tmp_path):
-    settings.ARTIFACT_STORE_ROOT = tmp_path / "artifact-store"
 
 
 def sha256(data: bytes) -> str:
