@@ -402,8 +402,9 @@ USAGE_TEN_SECOND_RETENTION_HOURS = env_float(
 
 # Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
 # path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
-# admins register base models and adapters from folders under MODEL_ROOTS. Both must be the same
-# paths on the console and on every node host (a shared filesystem on more than one host).
+# admins register base models and adapters from folders under MODEL_ROOTS. Models and adapters
+# registered from these folders (legacy) need the same paths on every node host; those from
+# artifact versions (below) reach every node through its own cache.
 TENANT_STORAGE_ROOT = Path(env_str("TENANT_STORAGE_ROOT", str(VAR_DIR / "tenant-storage")))
 MODEL_ROOTS = [Path(p) for p in env_list("MODEL_ROOTS", [str(BASE_DIR / "var" / "models")])]
 # What each tenant's adapters may take on disk, in MiB (a tenant's own setting overrides it).
