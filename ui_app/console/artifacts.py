@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, Prefetch, QuerySet, Sum
 from django.views.generic import DetailView, ListView
 
@@ -17,6 +18,7 @@ from ui_app.scoping import StaffPage
 
 class ArtifactListView(StaffPage, ListView[Artifact]):
     template_name = "console/artifact_list.html"
+    extra_context = {"chunk_bytes": settings.ARTIFACT_UPLOAD_CHUNK_BYTES}
 
     def get_queryset(self) -> QuerySet[Artifact]:
         return Artifact.objects.select_related("tenant").annotate(
@@ -40,6 +42,7 @@ class ArtifactDetailView(StaffPage, DetailView[Artifact]):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
+        context["chunk_bytes"] = settings.ARTIFACT_UPLOAD_CHUNK_BYTES
         context["failed_imports"] = [i for i in self.object.imports.all()
                                      if i.state == ArtifactImport.State.FAILED]
         return context
