@@ -173,6 +173,37 @@ class BlobStore:
         return folder
 
 
+class RangeError(ValueError):
+    """A Range header this server does not serve (more than one range, not bytes)."""
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """The (first, last) bytes a `Range: bytes=<first>-[<last>]` header asks of a file of
+    `size` bytes; None when it starts past the end (answer 416). One range only."""
+    unit, _, spec = header.partition("=")
+    start_text, _, end_text = spec.partition("-")
+    try:
+        if unit.strip() != "bytes" or "," in spec:
+            raise ValueError
+        first = int(start_text)
+        last = min(int(end_text), size - 1) if end_text else size - 1
+    except ValueError as exc:
+        raise RangeError("One range, bytes=<first>-[<last>].") from exc
+    if first >= size or first > last or first < 0:
+        return None
+    return first, last
+
+
+def read_range(path: Path, first: int, last: int) -> Iterator[bytes]:
+    """The bytes first..last (inclusive) of a file, in chunks."""
+    remaining = last - first + 1
+    with path.open("rb") as handle:
+        handle.seek(first)
+        while remaining > 0 and (chunk := handle.read(min(CHUNK, remaining))):
+            remaining -= len(chunk)
+            yield chunk
+
+
 def link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)

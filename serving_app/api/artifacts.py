@@ -298,7 +298,8 @@ def node_blob(request: HttpRequest, sha256: str) -> HttpResponseBase:
     """A blob for a node agent, authenticated per node (`Authorization: Node <name>:<token>`).
 
     GET (and HEAD) serve it, with a single `Range: bytes=<first>-[<last>]` for a resumed fetch
-    (Django's FileResponse serves no ranges; this is the one place that needs them). A node gets
+    (Django's FileResponse serves no ranges; `blobstore.parse_range()` is shared with the
+    agents' peer server). A node gets
     an adapter's file only while it serves the adapter's tenant (`staging.may_fetch()`). PUT
     stores a file a node sends for its folder import (`X-Import: <id>`), checked against its
     digest."""
@@ -314,36 +315,23 @@ def node_blob(request: HttpRequest, sha256: str) -> HttpResponseBase:
         return JsonResponse({"detail": "No such blob for this node."}, status=404)
     path = store.path(sha256)
     size = path.stat().st_size
-    first, last = 0, size - 1
     requested = request.headers.get("Range", "")
-    if requested:
-        try:
-            unit, _, spec = requested.partition("=")
-            start_text, _, end_text = spec.partition("-")
-            first = int(start_text)
-            last = min(int(end_text), size - 1) if end_text else size - 1
-            if unit != "bytes" or "," in spec:
-                raise ValueError
-        except ValueError:
-            return JsonResponse({"detail": "One range, bytes=<first>-[<last>]."}, status=400)
-        if first >= size or first > last:
-            refused = HttpResponse(status=416)
-            refused["Content-Range"] = f"bytes */{size}"
-            return refused
     if not requested:
         whole = FileResponse(path.open("rb"), content_type="application/octet-stream")
         whole["Accept-Ranges"] = "bytes"
         return whole
-    def body(remaining: int = last - first + 1) -> Any:
-        with path.open("rb") as handle:
-            handle.seek(first)
-            while remaining > 0 and (chunk := handle.read(min(blobstore.CHUNK, remaining))):
-                remaining -= len(chunk)
-                yield chunk
-
+    try:
+        wanted = blobstore.parse_range(requested, size)
+    except blobstore.RangeError as exc:
+        return JsonResponse({"detail": str(exc)}, status=400)
+    if wanted is None:
+        refused = HttpResponse(status=416)
+        refused["Content-Range"] = f"bytes */{size}"
+        return refused
+    first, last = wanted
+    body = blobstore.read_range(path, first, last) if request.method == "GET" else iter(())
     response: HttpResponseBase = StreamingHttpResponse(
-        body() if request.method == "GET" else iter(()), status=206,
-        content_type="application/octet-stream")
+        body, status=206, content_type="application/octet-stream")
     response["Content-Range"] = f"bytes {first}-{last}/{size}"
     response["Content-Length"] = str(last - first + 1)
     response["Accept-Ranges"] = "bytes"

@@ -16,6 +16,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from django.utils import timezone
 from serving_app import blobstore
 from serving_app.artifacts import fetch, sources
 from serving_app.artifacts.cache import CacheError, Fetcher, NodeCache
+from serving_app.blobstore import FileEntry
 from serving_app.models import (
     ArtifactImport,
     ArtifactVersion,
@@ -86,8 +88,36 @@ def node_token(node_name: str) -> str:
     return token
 
 
-def console_fetcher(config: NodeCacheConfig) -> Fetcher:
-    return fetch.http_fetcher(config.console_url, config.node, node_token(config.node))
+# -- where files come from: peers that hold them, then the console ---------------------------
+def peers_holding(config: NodeCacheConfig, digest: str) -> list[str]:
+    """The peer servers of other live nodes whose caches hold a version with this file."""
+    return list(Node.objects.filter(
+        cache_entries__state=NodeCacheEntry.State.READY,
+        cache_entries__version__files__blob_id=digest, lost_at__isnull=True,
+    ).exclude(name=config.node).exclude(cache_url="").values_list("cache_url", flat=True)
+        .distinct())
+
+
+def peer_then_console(config: NodeCacheConfig) -> Fetcher:
+    """A fetcher trying the peers that hold a file, then the console. Only a file's first try
+    goes to peers: a try after a wrong or cut file goes to the console."""
+    token = node_token(config.node)
+    console = fetch.http_fetcher(config.console_url, config.node, token)
+    tried: set[str] = set()
+
+    def fetch_one(entry: FileEntry, partial: Path, progress: Callable[[int], None]) -> None:
+        if entry.sha256 not in tried:
+            tried.add(entry.sha256)
+            for url in peers_holding(config, entry.sha256):
+                try:
+                    fetch.http_fetcher(url, config.node, token, timeout=10.0)(
+                        entry, partial, progress)
+                    return
+                except fetch.FetchError:
+                    continue  # gone, refused, or cut short: the next one resumes
+        console(entry, partial, progress)
+
+    return fetch_one
 
 
 # -- what the node's instances use ----------------------------------------------------------------
@@ -131,7 +161,7 @@ def stage_version(version: ArtifactVersion, config: NodeCacheConfig, *,
                 "bytes_per_second": round(rate), "eta_seconds": eta and round(eta, 1)})
 
     try:
-        folder = cache.ensure(version.digest, files, fetcher or console_fetcher(config),
+        folder = cache.ensure(version.digest, files, fetcher or peer_then_console(config),
                               in_use=versions_in_use(config.node), progress=progress)
     except (CacheError, fetch.FetchError, OSError, blobstore.BlobError) as exc:
         message = f"{version}: {exc}"

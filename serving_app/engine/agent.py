@@ -24,7 +24,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from serving_app import lifecycle, storage
-from serving_app.artifacts import staging
+from serving_app.artifacts import peer, staging
 from serving_app.engine import scrape, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
@@ -693,7 +693,18 @@ def start_agent() -> AgentLoop | None:
     log.info("node agent %s on %s: %s", config.name, socket.gethostname(), counts)
     _loop = AgentLoop(config)
     _loop.start()
+    _serve_cache_to_peers(config)
     return _loop
+
+
+def _serve_cache_to_peers(config: AgentConfig) -> None:
+    """With NODE_PEER_PORT set, other nodes fetch the files of this node's cache from it
+    (serving_app/artifacts/peer.py) before asking the console."""
+    port = os.environ.get("NODE_PEER_PORT")
+    if port and port.isdigit():
+        peer.PeerServer(staging.NodeCacheConfig.from_environment(config.name),
+                        host=os.environ.get("NODE_PEER_HOST", config.address), port=int(port),
+                        advertise=config.address).start()
 
 
 def stop_agent() -> None:

@@ -472,6 +472,9 @@ class Node(models.Model):
     cache_path = models.CharField(max_length=500, blank=True, default="", editable=False)
     cache_quota_bytes = models.PositiveBigIntegerField(default=0, editable=False)
     cache_used_bytes = models.PositiveBigIntegerField(default=0, editable=False)
+    cache_url = models.CharField(
+        max_length=200, blank=True, default="", editable=False,
+        help_text="Where other nodes fetch the files of its cache (its agent's peer server).")
     fetch_token_hash = models.CharField(
         max_length=64, blank=True, default="", editable=False,
         help_text="SHA-256 of the token this node's agent fetches artifacts with.")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving_app.artifacts import fetch, staging
+from serving_app.artifacts import fetch, peer, staging
 from serving_app.blobstore import FileEntry, manifest_digest, manifest_of
 from serving_app.engine import agent
 from serving_app.models import (
@@ -137,3 +137,46 @@ def test_the_agent_starts_no_engine_when_the_files_cannot_be_fetched(
     assert outcome == "failed" and instance.pid is None
     assert instance.last_error.startswith("Staging llama-mini v1: ")
     assert instance.staging["error"].startswith("llama-mini v1: ")
+
+
+def test_a_node_fetches_from_a_peer_that_holds_the_files(
+        live_server, node_config, artifact_model, acme, tmp_path):
+    """node-a fetched the model from the console and serves its cache; node-b, whose console
+    address leads nowhere, gets every file from node-a, verified."""
+    first = node_config("node-a")
+    place(make_deployment(artifact_model, [acme.tenant]), "node-a")
+    staging.stage_version(artifact_model.artifact_version, first)
+    server = peer.PeerServer(first).start()
+    try:
+        second = node_config("node-b")
+        second.console_url = "http://127.0.0.1:9"  # nothing listens there
+        folder = staging.stage_version(artifact_model.artifact_version, second)
+        version = artifact_model.artifact_version
+        assert manifest_digest(manifest_of(folder)) == version.digest
+        assert sorted(server.served) == sorted(f.blob_id for f in version.files.all())
+        # A node without the peer's token gets nothing from it.
+        digest = version.files.first().blob_id
+        assert httpx.get(f"{server.url}{fetch.BLOB_PATH}{digest}").status_code == 401
+    finally:
+        server.stop()
+
+
+def test_a_peer_serves_a_tenants_adapter_only_to_a_node_serving_the_tenant(
+        live_server, node_config, artifact_model, acme, globex, tmp_path):
+    adapter = adapter_from_artifact(acme.tenant, artifact_model, tmp_path)
+    holder = node_config("node-a")
+    place(make_deployment(artifact_model, [acme.tenant], adapters=[adapter]), "node-a")
+    staging.adapter_folder(adapter, holder)
+    server = peer.PeerServer(holder).start()
+    try:
+        other = node_config("node-c")
+        place(make_deployment(artifact_model, [globex.tenant]), "node-c")
+        digest = adapter.artifact_version.files.first().blob_id
+        headers = fetch.auth_header("node-c", staging.node_token("node-c"))
+        assert httpx.get(f"{server.url}{fetch.BLOB_PATH}{digest}",
+                         headers=headers).status_code == 404
+        with pytest.raises(staging.StagingError, match="HTTP 404"):
+            staging.adapter_folder(adapter, other)  # nor from the console
+        assert server.served == []
+    finally:
+        server.stop()
