@@ -30,9 +30,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from dashboard_bench import database_url, ensure_database, setup_django  # noqa: E402
+from benchmarks.dashboard_bench import database_url, ensure_database, setup_django  # noqa: E402
 
 
 def free_port() -> int:
