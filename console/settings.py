@@ -361,7 +361,14 @@ ENGINE_PORT_RANGE = (
     env_int("ENGINE_PORT_MAX", 18999, minimum=1024),
 )
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engine-logs")))
+# A start fails when its log has been silent this long (a CUDA engine logs its compile, CUDA
+# graph and KV cache steps as it goes; kernel JIT was seen silent for about 70 s on an H200)...
 ENGINE_START_TIMEOUT_SECONDS = env_float("ENGINE_START_TIMEOUT_SECONDS", 180.0, minimum=1.0)
+# ...or when it has lasted this long in all, progress or not.
+ENGINE_START_MAX_SECONDS = env_float("ENGINE_START_MAX_SECONDS", 1800.0, minimum=1.0)
+# The MPS control daemon's folders on a node (serving_app/engine/mps.py).
+MPS_PIPE_DIRECTORY = Path(env_str("MPS_PIPE_DIRECTORY", str(VAR_DIR / "mps" / "pipe")))
+MPS_LOG_DIRECTORY = Path(env_str("MPS_LOG_DIRECTORY", str(VAR_DIR / "mps" / "log")))
 ENGINE_STOP_GRACE_SECONDS = env_float("ENGINE_STOP_GRACE_SECONDS", 15.0, minimum=0.0)
 ENGINE_CPU_KVCACHE_GIB = env_int("ENGINE_CPU_KVCACHE_GIB", 1, minimum=1)
 # Extra variables an engine inherits from its node agent (names, or prefixes ending in "*"),

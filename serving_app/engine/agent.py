@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from serving_app import lifecycle, storage
 from serving_app.artifacts import peer, staging
-from serving_app.engine import scrape, supervisor
+from serving_app.engine import environment, mps, scrape, startup, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.fleet.sync import store_inventory
@@ -52,6 +52,8 @@ class AgentConfig:
     address: str
     engine_env: str
     gpus: str  # declared inventory ("" = none: a CPU host), or "nvml"
+    engine_python: str = ""  # the engines' interpreter ("" = <engine_env>/bin/python)
+    engine_pythonpath: str = ""  # folders put first on the engines' PYTHONPATH
 
     @property
     def queue(self) -> str:
@@ -67,6 +69,8 @@ class AgentConfig:
             address=os.environ.get("NODE_ADDRESS", "127.0.0.1"),
             engine_env=os.environ.get("NODE_ENGINE_ENV", settings.ENGINE_VENV),
             gpus=os.environ.get("NODE_GPUS", ""),
+            engine_python=os.environ.get("NODE_ENGINE_PYTHON", ""),
+            engine_pythonpath=os.environ.get("NODE_ENGINE_PYTHONPATH", ""),
         )
 
 
@@ -76,14 +80,23 @@ def current_config() -> AgentConfig | None:
 
 # -- registration, inventory, heartbeat ---------------------------------------------------------
 def register(config: AgentConfig) -> Node:
+    python = environment.interpreter(config.engine_env, config.engine_python)
     node, _ = Node.objects.update_or_create(
         name=config.name,
         defaults={
             "queue": config.queue, "address": config.address, "engine_env": config.engine_env,
+            "engine_python": python, "engine_pythonpath": config.engine_pythonpath,
             "agent_pid": os.getpid(), "last_heartbeat": timezone.now(),
         },
     )
     report_inventory(node, config)
+    versions = environment.probe(python, config.engine_pythonpath)
+    if config.gpus == "nvml":
+        versions.update(_driver_versions())
+    Node.objects.filter(pk=node.pk).update(engine_versions=versions)
+    node.engine_versions = versions
+    if versions.get("error"):
+        log.warning("node %s: engine interpreter %s: %s", node.name, python, versions["error"])
     log.info("node agent %s registered (queue %s, pid %s)", node.name, node.queue, os.getpid())
     return node
 
@@ -100,6 +113,17 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
         gpus = inventory.declared_inventory(config.gpus, host=config.name)
         source = Node.InventorySource.DECLARED
     store_inventory(node, gpus, source)
+
+
+def _driver_versions() -> dict[str, object]:
+    """The NVIDIA driver's and its CUDA's versions, through NVML."""
+    try:
+        snapshot = inventory.read_nvml()
+    except inventory.NvmlUnavailable as exc:
+        return {"driver_error": str(exc)}
+    cuda = snapshot.get("cuda_driver_version")
+    return {"driver": snapshot.get("driver_version"),
+            "driver_cuda": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else cuda}
 
 
 def heartbeat(config: AgentConfig) -> None:
@@ -281,6 +305,23 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
     return good, errors
 
 
+def cpu_cores(node: Node | None, gpus: list[Gpu]) -> list[int]:
+    """The cores an engine on `gpus` is pinned to: the node's CPU binding when set (a CPU list,
+    or "off" for none), else the cores nearest its GPUs (NVML's CPU affinity; a MIG device's
+    is its parent GPU's). None for a CPU engine without a binding."""
+    binding = node.cpu_binding if node is not None else ""
+    if binding == "off":
+        return []
+    if binding:
+        return inventory.parse_cpulist(binding)
+    cores: set[int] = set()
+    for gpu in gpus:
+        text = gpu.cpu_affinity or (gpu.parent.cpu_affinity if gpu.parent is not None else "")
+        if text:
+            cores.update(inventory.parse_cpulist(text))
+    return sorted(cores)
+
+
 def _log_path(instance: Instance) -> Path:
     return settings.ENGINE_LOG_DIR / f"{instance.deployment.name}-{instance.pk}.log"
 
@@ -330,6 +371,8 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     try:
         _stage_artifacts(instance, config)
         _preflight(instance)
+        if instance.engine_spec().isolation_mode == Deployment.Isolation.MPS:
+            _ensure_mps(instance.node)
         port = _claim_port(instance, config)
     except StartError as exc:
         _write_log(log_path, f"not started: {exc}")
@@ -337,9 +380,11 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         return "failed"
     adapters, adapter_errors = usable_adapters(instance, log_path)
     # The settings of the instance's own revision, whatever was edited since.
+    gpus = list(instance.gpus.all())
     spec = build_launch_spec(
-        instance, engine_env=config.engine_env, host=config.address,
-        gpus=list(instance.gpus.all()), adapters=adapters,
+        instance, engine_env=config.engine_env, host=config.address, gpus=gpus,
+        adapters=adapters, python=config.engine_python,
+        pythonpath=config.engine_pythonpath, cpu_cores=cpu_cores(instance.node, gpus),
     )
     try:
         launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
@@ -348,7 +393,8 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         return "failed"
     # What is recorded is shown to operators: the command and environment without the secret.
     recorded = Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
-        pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
+        pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env,
+        cpu_cores=spec.cpu_cores, startup={},
     )
     instance.pid = launched.pid
     instance.log_path = launched.log_path
@@ -369,19 +415,40 @@ def _start(instance: Instance, config: AgentConfig) -> str:
 
 def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                      adapter_errors: dict[str, str] | None = None) -> str:
-    """Poll /health until ready, the process exits, or the start timeout passes."""
+    """Poll /health until ready, the process exits, or the start stops making progress.
+
+    A CUDA engine takes minutes to start (weights, torch.compile, CUDA graphs, kernel JIT): its
+    start fails when its log has said nothing new for ENGINE_START_TIMEOUT_SECONDS, or when it
+    has lasted ENGINE_START_MAX_SECONDS in all, whichever comes first; while it logs progress it
+    is left to finish. Its phase and the figures it logs are recorded on the instance
+    (`startup`, `serving_app.engine.startup`)."""
     client = EngineClient(instance.base_url, instance.secret)
     started = instance.started_at or timezone.now()
-    deadline = time.monotonic() + max(
-        1.0, settings.ENGINE_START_TIMEOUT_SECONDS - (timezone.now() - started).total_seconds()
-    )
-    next_state_check = time.monotonic() + STATE_CHECK_SECONDS
-    while time.monotonic() < deadline:
+    elapsed = (timezone.now() - started).total_seconds()
+    now = time.monotonic()
+    hard_deadline = now + max(1.0, settings.ENGINE_START_MAX_SECONDS - elapsed)
+    quiet_limit = settings.ENGINE_START_TIMEOUT_SECONDS
+    silent_deadline = now + max(1.0, quiet_limit - elapsed)
+    follower = startup.LogFollower.from_last_launch(instance.log_path) if instance.log_path \
+        else None
+    progress = startup.StartupProgress.from_dict(instance.startup)
+    next_state_check = next_log_read = time.monotonic() + STATE_CHECK_SECONDS
+    while time.monotonic() < min(hard_deadline, silent_deadline):
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid) if instance.pid is not None else None
             _fail(instance, f"The engine exited during start (exit code {code}).",
                   exit_code=code, expected=[State.STARTING])
             return "failed"
+        if follower is not None and time.monotonic() >= next_log_read:
+            next_log_read = time.monotonic() + STATE_CHECK_SECONDS
+            lines = follower.new_lines()
+            if lines:
+                # Any new line is progress: the start goes on while the engine logs.
+                silent_deadline = time.monotonic() + quiet_limit
+                seconds = (timezone.now() - started).total_seconds()
+                if progress.feed(lines, seconds):
+                    Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                        startup={**progress.to_dict(), "updated": timezone.now().isoformat()})
         if time.monotonic() >= next_state_check:
             next_state_check = time.monotonic() + STATE_CHECK_SECONDS
             if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
@@ -389,22 +456,33 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
         if client.healthy(timeout=2.0):
             if adapters is None:
                 adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            if follower is not None:
+                progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
             if instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
                                    loaded_adapters=adapters,
-                                   adapter_errors=adapter_errors or {}, health_failures=0):
+                                   adapter_errors=adapter_errors or {}, health_failures=0,
+                                   startup={**progress.to_dict(), "ready": True}):
                 log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
                 seconds = (timezone.now() - started).total_seconds()
                 events.record(events.Kind.READY,
                               f"Instance #{instance.ordinal} ready after {seconds:.0f} s.",
-                              instance=instance, data={"seconds": round(seconds, 1)})
+                              instance=instance, data={"seconds": round(seconds, 1),
+                                                       "figures": progress.figures})
                 _refresh_log_tail(instance)
                 return "ready"
             return _cancel_start(instance)
         time.sleep(0.1)
     if instance.pid is not None:
         supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
-    _fail(instance, f"The engine did not become ready within "
-                    f"{settings.ENGINE_START_TIMEOUT_SECONDS:g} s.", expected=[State.STARTING])
+    if time.monotonic() >= hard_deadline:
+        reason = (f"The engine did not become ready within "
+                  f"{settings.ENGINE_START_MAX_SECONDS:g} s (ENGINE_START_MAX_SECONDS); its "
+                  f"start had reached: {progress.label.lower()}.")
+    else:
+        reason = (f"The engine did not become ready within {quiet_limit:g} s of its last log "
+                  f"line (ENGINE_START_TIMEOUT_SECONDS); its start had reached: "
+                  f"{progress.label.lower()}.")
+    _fail(instance, reason, expected=[State.STARTING])
     return "failed"
 
 
@@ -487,7 +565,33 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
         events.record(events.Kind.STOPPED, f"Instance #{instance.ordinal} stopped ({how}).",
                       instance=instance)
     log.info("%s stopped (%s)", instance, how)
+    if instance.node is not None and instance.engine_spec().isolation_mode == \
+            Deployment.Isolation.MPS:
+        _stop_mps_if_unused(instance.node)
     return how
+
+
+# -- the node's MPS daemon -------------------------------------------------------------------
+def _ensure_mps(node: Node | None) -> None:
+    """The MPS daemon an `mps` engine needs, started if it is not running; a `StartError` with
+    the reason where none can run (the engine is then never started unisolated)."""
+    try:
+        state = mps.ensure_running()
+    except mps.MpsError as exc:
+        if node is not None:
+            Node.objects.filter(pk=node.pk).update(mps={**mps.status(), "error": str(exc)})
+        raise StartError(str(exc)) from exc
+    if node is not None:
+        Node.objects.filter(pk=node.pk).update(mps=state)
+
+
+def _stop_mps_if_unused(node: Node) -> None:
+    """Stop the node's MPS daemon once no `mps` engine of the node runs or starts."""
+    still = [i for i in Instance.objects.filter(node=node, state__in=(*RUNNING_STATES,
+                                                                      State.PENDING))
+             if i.engine_spec().isolation_mode == Deployment.Isolation.MPS]
+    if not still:
+        Node.objects.filter(pk=node.pk).update(mps=mps.stop())
 
 
 # -- runtime adapters ----------------------------------------------------------------------

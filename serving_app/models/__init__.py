@@ -45,6 +45,7 @@ from serving_app.models.revisions import (
     spec_of,
 )
 from serving_app.placement import fleetspec
+from serving_app.placement.inventory import cpulist_text, parse_cpulist
 from tenants_app.models import SignedInQuerySet, StaffOnlyQuerySet, Tenant, TenantOwnedQuerySet
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def version_files(version: ArtifactVersion) -> list[blobstore.FileEntry]:
     return [blobstore.FileEntry(f.path, f.size, f.blob_id) for f in version.files.all()]
 
 
+
 def artifact_folder(version: ArtifactVersion) -> Path:
     """A folder on the console with the version's files, for reading its config and headers."""
     return blobstore.version_folder(version.digest, version_files(version))
@@ -104,8 +106,16 @@ class BaseModel(models.Model):
     way, from a folder that sits at the same local path on every node host.
 
     The architecture fields are read from the files' config.json and safetensors headers
-    when the model is registered or its files change; they are never typed in.
+    when the model is registered or its files change; they are never typed in. A capacity-test
+    model (`load_format` "dummy") is a folder with a `config.json` and a tokenizer alone: its
+    engines run with random weights of the real shape (vLLM's `--load-format dummy`), so a
+    platform team can test placement, memory and throughput before the weights arrive; its
+    weight size is the parameter count its configuration gives (`modelfiles.config_parameters`).
     """
+
+    class LoadFormat(models.TextChoices):
+        AUTO = "auto", "Weights from the folder"
+        DUMMY = "dummy", "Capacity test: random weights"
 
     name = models.SlugField(max_length=100, unique=True, help_text="Public model name.")
     path = models.CharField(
@@ -120,6 +130,12 @@ class BaseModel(models.Model):
     dtype = models.CharField(max_length=16, choices=FIELD["dtype"].choices, default="auto")
     quantization = models.CharField(
         max_length=16, choices=FIELD["quantization"].choices, default="", blank=True
+    )
+    load_format = models.CharField(
+        max_length=8, choices=LoadFormat.choices, default=LoadFormat.AUTO,
+        help_text="Capacity test: the folder needs only config.json and a tokenizer; engines "
+                  "start with random weights of the model's shape (vLLM --load-format dummy). "
+                  "Its answers are noise: for placement, memory and throughput tests only.",
     )
     architecture = models.CharField(max_length=100, editable=False, default="")
     num_layers = models.PositiveIntegerField(editable=False, default=0)
@@ -174,7 +190,7 @@ class BaseModel(models.Model):
                 raise storage.host_path_error(f"{resolved} holds the files of the adapter "
                                               f"{adapter}.")
         try:
-            arch = read_model(str(resolved))
+            arch = read_model(str(resolved), dummy=self.load_format == self.LoadFormat.DUMMY)
         except ModelFilesError as exc:
             raise _path_error(exc) from exc
         self.path = str(resolved)  # what was checked is what the engines load
@@ -188,12 +204,18 @@ class BaseModel(models.Model):
             raise ValidationError({"artifact_version": f"{version} holds an adapter's files, "
                                                        "not a base model's."})
         try:
-            arch = read_model(str(artifact_folder(version)))
+            arch = read_model(str(artifact_folder(version)),
+                              dummy=self.load_format == self.LoadFormat.DUMMY)
         except ModelFilesError as exc:
             raise ValidationError({"artifact_version": str(exc)}) from exc
         self.path = ""
         for name, value in vars(arch).items():
             setattr(self, name, value)
+
+    @property
+    def capacity_test(self) -> bool:
+        """Random weights of the model's shape: answers are noise (shown wherever it is)."""
+        return self.load_format == self.LoadFormat.DUMMY
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -448,6 +470,31 @@ class Node(models.Model):
         max_length=100, default="127.0.0.1", help_text="Where the gateway reaches its engines."
     )
     engine_env = models.CharField(max_length=500, blank=True, help_text="Engine virtualenv path.")
+    engine_python = models.CharField(
+        max_length=500, blank=True, default="",
+        help_text="The engines' Python interpreter (NODE_ENGINE_PYTHON; blank: the engine "
+                  "virtualenv's bin/python), e.g. the host's own python3 with torch.",
+    )
+    engine_pythonpath = models.CharField(
+        max_length=2000, blank=True, default="",
+        help_text="Folders put first on the engines' PYTHONPATH (NODE_ENGINE_PYTHONPATH), e.g. "
+                  "a pip --target folder holding vLLM.",
+    )
+    engine_versions = models.JSONField(
+        default=dict, blank=True, editable=False,
+        help_text="What the engine interpreter reported when the agent registered: Python, "
+                  "vLLM, torch, CUDA and driver versions, or the error.",
+    )
+    cpu_binding = models.CharField(
+        max_length=200, blank=True, default="",
+        help_text="How engines are pinned to CPU cores: blank pins each engine to the cores "
+                  "nearest its GPUs (NVML's CPU affinity), 'off' pins nothing, a CPU list such "
+                  "as 0-7,16-23 pins every engine of the node there.",
+    )
+    mps = models.JSONField(
+        default=dict, blank=True, editable=False,
+        help_text="The node's MPS control daemon, as its agent last saw it.",
+    )
     inventory_source = models.CharField(
         max_length=16, choices=InventorySource.choices, default=InventorySource.DECLARED
     )
@@ -497,6 +544,11 @@ class Node(models.Model):
     def clean(self) -> None:
         if self.queue and not self.queue.startswith("node."):
             raise ValidationError({"queue": "A node agent's queue is named node.<host>."})
+        if self.cpu_binding not in ("", "off"):
+            try:
+                self.cpu_binding = cpulist_text(parse_cpulist(self.cpu_binding))
+            except ValueError as exc:
+                raise ValidationError({"cpu_binding": str(exc)}) from exc
 
     @property
     def is_lost(self) -> bool:
@@ -591,6 +643,10 @@ class Gpu(models.Model):
     temperature_c = models.FloatField(null=True, blank=True)
     power_w = models.FloatField(null=True, blank=True)
     processes = models.JSONField(default=list, blank=True)
+    cpu_affinity = models.CharField(
+        max_length=500, blank=True, default="",
+        help_text="The CPU cores nearest the GPU (NVML), as a CPU list.",
+    )
     declared = models.BooleanField(default=False, help_text="From configuration, not NVML.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -765,6 +821,7 @@ class Deployment(models.Model):
     max_model_len = models.PositiveIntegerField(**engine_field("max_model_len"))
     max_num_batched_tokens = models.PositiveIntegerField(**engine_field("max_num_batched_tokens"))
     enable_prefix_caching = models.BooleanField(**engine_field("enable_prefix_caching"))
+    enforce_eager = models.BooleanField(**engine_field("enforce_eager"))
     dtype = models.CharField(max_length=16, **engine_field("dtype"))
     quantization = models.CharField(max_length=16, **engine_field("quantization"))
     kv_cache_dtype = models.CharField(max_length=16, **engine_field("kv_cache_dtype"))
@@ -1277,6 +1334,14 @@ class Instance(models.Model):
         default=dict, blank=True, help_text="Adapters that failed to load here: name -> error."
     )
     next_restart_at = models.DateTimeField(null=True, blank=True)
+    startup = models.JSONField(
+        default=dict, blank=True,
+        help_text="How far the engine's start has got, read from its log: the phase (loading "
+                  "weights, compiling, capturing CUDA graphs...) and the figures it logged.",
+    )
+    cpu_cores = models.CharField(
+        max_length=500, blank=True, default="", help_text="The CPU cores its engine is pinned to."
+    )
     started_at = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)
     state_changed_at = models.DateTimeField(default=timezone.now)

@@ -181,9 +181,9 @@ class EngineSettings:
         are preallocated when ``adapters`` are attached or ``max_loras`` is set (launch then
         passes ``--enable-lora``)."""
         memory: dict[str, Any] = {name: getattr(engine, name) for name in MEMORY_FIELDS}
+        memory["enforce_eager"] = memory.get("enforce_eager") or enforce_eager
         return cls(**memory, enable_lora=adapters or engine.max_loras > 0,
-                   lora_target_mlp=lora_target_mlp, target_kv_tokens=target_kv_tokens,
-                   enforce_eager=enforce_eager)
+                   lora_target_mlp=lora_target_mlp, target_kv_tokens=target_kv_tokens)
 
 
 @dataclass(frozen=True)

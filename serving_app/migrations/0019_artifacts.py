@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('serving_app', '0017_usageevent_guardrails'),
+        ('serving_app', '0018_gpu_engine_environment'),
         ('tenants_app', '0007_tenant_limit_labels'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
