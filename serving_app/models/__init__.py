@@ -20,6 +20,7 @@ from django.db import models, transaction
 from django.urls import reverse
 from django.utils import timezone
 
+from audit_app import context as audit_context
 from audit_app import recording
 from serving_app import blobstore, lifecycle, signals, storage
 from serving_app.enginespec import ENGINE_FIELDS, FIELD, FIELDS, EngineSpec, with_defaults
@@ -165,6 +166,20 @@ class BaseModel(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Saved with another version of its files, each deployment of the model records a
+        revision that pins it: pending where engines run (apply it to roll it out; a
+        rollback returns to the files before), applied at once where nothing runs."""
+        adding = self._state.adding
+        before = None if adding else BaseModel.objects.filter(pk=self.pk).values_list(
+            "artifact_version_id", flat=True).first()
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            if not adding and before != self.artifact_version_id:
+                for deployment in self.deployments.all():
+                    deployment.base_model = self
+                    deployment.record_revision(audit_context.current().actor)
 
     def get_absolute_url(self) -> str:
         """Its page in the console (also the admin's "view on site")."""
@@ -882,7 +897,8 @@ class Deployment(models.Model):
             super().save(*args, **kwargs)
             if adding and self.applied_revision_id is None:
                 first = DeploymentRevision.objects.create(
-                    deployment=self, number=1, spec=spec_of(self), created_by=self.created_by)
+                    deployment=self, number=1, spec=spec_of(self), created_by=self.created_by,
+                    model_version_id=self.base_model.artifact_version_id)
                 Deployment.objects.filter(pk=self.pk).update(applied_revision=first)
                 self.applied_revision = first
 
@@ -1014,13 +1030,20 @@ class Deployment(models.Model):
         roll out. Otherwise it is pending until applied. Returns the new revision, if any."""
         latest = self.latest_revision
         spec = spec_of(self)
-        if latest is not None and with_defaults(latest.spec) == spec:
+        model_version = self.base_model.artifact_version if self.base_model_id else None
+        same_files = latest is not None and latest.model_version_id == (
+            model_version.pk if model_version else None)
+        if latest is not None and with_defaults(latest.spec) == spec and same_files:
             return None
         number = (latest.number if latest else 0) + 1
         revision = DeploymentRevision.objects.create(
-            deployment=self, number=number, spec=spec,
+            deployment=self, number=number, spec=spec, model_version=model_version,
             created_by=by if by is not None and by.is_authenticated else None)
         changes = describe(diff(latest.spec if latest else None, spec))
+        if latest is not None and not same_files:
+            files = f"model files {latest.model_version or 'legacy path'} → " \
+                    f"{model_version or 'legacy path'}"
+            changes = files if changes == describe([]) else f"{files}; {changes}"
         running = self.instances.exclude(state=Instance.State.STOPPED).exists()
         stopped = Deployment.objects.filter(pk=self.pk,
                                             desired_state=self.DesiredState.STOPPED).exists()
@@ -1359,9 +1382,12 @@ class Instance(models.Model):
         # An instance created without a revision runs its deployment's applied one.
         if self._state.adding and self.revision_id is None and self.deployment_id:
             self.revision_id = self.deployment.applied_revision_id
-        # ...and pins the version of its base model's files it will run.
+        # ...and pins the version of its base model's files it will run: its revision's.
         if self._state.adding and self.model_version_id is None and self.deployment_id:
-            self.model_version_id = self.deployment.base_model.artifact_version_id
+            revision = self.revision if self.revision_id else None
+            self.model_version_id = (revision.model_version_id if revision is not None
+                                     and revision.model_version_id else
+                                     self.deployment.base_model.artifact_version_id)
         super().save(*args, **kwargs)
 
     def get_absolute_url(self) -> str:
