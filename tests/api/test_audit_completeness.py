@@ -54,8 +54,10 @@ from serving_app.models import (
     AdapterFileRemoval,
     Artifact,
     ArtifactImport,
+    ArtifactVersion,
     Autoscaler,
     BaseModel,
+    Blob,
     Deployment,
     EngineHour,
     EngineSample,
@@ -65,6 +67,7 @@ from serving_app.models import (
     Instance,
     LoraAdapter,
     Node,
+    NodeCacheEntry,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -396,6 +399,15 @@ ADMIN_CASES: dict[str, AdminCase] = {
             channel=Channel.objects.create(name=f"hook{w.n()}", kind="webhook",
                                            url="https://example.com/hook"), kind="test")),
     "alerts_app.EvaluationState": AdminCase(make=lambda w: EvaluationState.objects.create()),
+    "serving_app.Artifact": AdminCase(make=lambda w: _adapter_artifact(w)),
+    "serving_app.ArtifactVersion": AdminCase(make=lambda w: _received_version(w)),
+    "serving_app.ArtifactImport": AdminCase(make=lambda w: _received_upload(w)),
+    "serving_app.ArtifactFile": AdminCase(make=lambda w: _received_version(w).files.get()),
+    "serving_app.Blob": AdminCase(make=lambda w: Blob.objects.create(
+        sha256=hashlib.sha256(str(w.n()).encode()).hexdigest(), size=1)),
+    "serving_app.NodeCacheEntry": AdminCase(make=lambda w: NodeCacheEntry.objects.create(
+        node=Node.objects.create(name=f"n{w.n()}", queue=f"node.n{w.n()}"),
+        version=_received_version(w))),
     "serving_app.AdapterFileRemoval": AdminCase(
         make=lambda w: AdapterFileRemoval.objects.create(engine_name="x", path="/nowhere")),
     "audit_app.AuditLog": AdminCase(
@@ -809,6 +821,10 @@ def _received_upload(w: World) -> ArtifactImport:
     sources.receive_chunk(record, ONE_FILE_ANNOUNCED[0]["sha256"], 0, io.BytesIO(ONE_FILE),
                           len(ONE_FILE))
     return record
+
+
+def _received_version(w: World) -> ArtifactVersion:
+    return sources.complete_upload(_received_upload(w))
 
 
 def _artifact_complete(w: World) -> list[Expect]:
