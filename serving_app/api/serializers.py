@@ -258,6 +258,8 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
             "log_tail",
             "command",
             "environment",
+            "model_version",
+            "staging",
             "loaded_adapters",
             "next_restart_at",
             "started_at",

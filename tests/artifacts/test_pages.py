@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from django.test import Client
 
-from serving_app.models import Artifact, ArtifactImport, Node, NodeCacheEntry
+from serving_app.models import Artifact, ArtifactImport, Instance, Node, NodeCacheEntry
+from tests.factories import make_deployment
 
 
 def signed_in(user) -> Client:
@@ -42,3 +43,27 @@ def test_the_list_says_why_it_is_empty(platform_admin):
     page = signed_in(platform_admin).get("/artifacts/").content.decode()
     assert "No artifacts yet" in page
     assert not Artifact.objects.exists()
+
+
+def test_instance_and_node_pages_show_staging_and_the_cache(platform_admin, acme,
+                                                            artifact_model):
+    version = artifact_model.artifact_version
+    node = Node.objects.create(name="gpu-3", queue="node.gpu-3", cache_path="/srv/cache",
+                               cache_quota_bytes=2**30, cache_used_bytes=3 * 2**20)
+    NodeCacheEntry.objects.create(node=node, version=version, state="failed",
+                                  error="llama-mini v1: HTTP 404")
+    deployment = make_deployment(artifact_model, [acme.tenant])
+    fetching = Instance.objects.create(deployment=deployment, node=node, staging={
+        "artifact": "llama-mini v1", "bytes_done": 2**20, "bytes_total": 4 * 2**20,
+        "bytes_per_second": 2**19, "eta_seconds": 6.0})
+    failed = Instance.objects.create(deployment=deployment, node=node, ordinal=1, staging={
+        "artifact": "llama-mini v1", "error": "llama-mini v1: the node's cache quota is full"})
+    client = signed_in(platform_admin)
+    page = client.get(f"/instances/{fetching.pk}/").content.decode()
+    assert "1.0 MiB of 4.0 MiB at 512.0 KiB/s, about 6 s left" in page
+    assert "llama-mini v1" in page
+    assert "the node&#x27;s cache quota is full" in client.get(
+        f"/instances/{failed.pk}/").content.decode()
+    node_page = client.get(f"/nodes/{node.pk}/").content.decode()
+    assert "/srv/cache" in node_page and "3.0 MiB of 1.0 GiB" in node_page
+    assert "llama-mini v1: HTTP 404" in node_page
