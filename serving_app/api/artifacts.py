@@ -37,6 +37,7 @@ from serving_app.models import (
     NodeCacheEntry,
 )
 from tenants_app.api.base import (
+    LookupSlugField,
     ScopedModelViewSet,
     ScopedReadOnlyModelViewSet,
     TenantSlugField,
@@ -135,8 +136,8 @@ class ImportRequestSerializer(serializers.Serializer[Any]):
     endpoint = serializers.URLField(required=False, allow_blank=True)
     token = serializers.CharField(required=False, allow_blank=True, max_length=200,
                                   write_only=True)
-    node = serializers.SlugRelatedField[Node](slug_field="name", queryset=Node.objects.all(),
-                                              required=False)
+    node = LookupSlugField[Node](slug_field="name", queryset=Node.objects.all(),
+                                 required=False)
     folder = serializers.CharField(required=False, max_length=500)
 
     REQUIRED = {"s3": ["bucket"], "huggingface": ["repo_id"], "node_folder": ["node", "folder"]}
@@ -243,7 +244,10 @@ class ArtifactImportViewSet(ScopedReadOnlyModelViewSet[ArtifactImport]):
         whole file without it). A chunk that does not start where the upload stands is refused
         (409) with the bytes received, where to resume."""
         record = self._writable()
-        length = int(request.META.get("CONTENT_LENGTH") or 0)
+        declared = str(request.META.get("CONTENT_LENGTH") or "0")
+        if not declared.isdigit():
+            raise ValidationError({"Content-Length": "A chunk's size in bytes."})
+        length = int(declared)
         offset = _range_start(request.META.get("HTTP_CONTENT_RANGE", ""))
         try:
             sources.receive_chunk(record, sha256, offset, request.stream or _Empty(), length)
