@@ -34,7 +34,7 @@ PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
 # Registered by `alerts_app.tasks` (evaluation scheduled by beat).
 EVALUATE_ALERTS = "alerts.evaluate"
 DELIVER_NOTIFICATION = "alerts.deliver_notification"
-NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS, IMPORT_NODE_FOLDER)
+NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
 
 
 def enqueue(name: str, *args: Any, queue: str = CONTROL_QUEUE,
@@ -69,6 +69,17 @@ def instance_task(name: str, instance_id: int, node_queue: str) -> None:
     if name not in NODE_TASKS:
         raise ValueError(f"{name} is not a node agent task")
     enqueue(name, instance_id, queue=node_queue)
+
+
+def node_folder_import(import_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` to import a folder of its host as an artifact
+    version, once the change that called this commits."""
+    enqueue(IMPORT_NODE_FOLDER, import_id, queue=node_queue)
+
+
+def artifact_import(import_id: int) -> None:
+    """Run an S3 or Hugging Face import on the control worker once the change commits."""
+    enqueue(IMPORT_ARTIFACT, import_id)
 
 
 def adapter_files_released() -> None:

@@ -227,7 +227,7 @@ def request_node_import(artifact: Artifact, node: Node, folder: str,
         artifact=artifact, source=ArtifactVersion.Source.NODE_FOLDER, node=node,
         detail={"folder": folder},
         created_by=user if getattr(user, "is_authenticated", False) else None)
-    lifecycle.enqueue(lifecycle.IMPORT_NODE_FOLDER, record.pk, queue=node.queue)
+    lifecycle.node_folder_import(record.pk, node.queue)
     return record
 
 
@@ -237,7 +237,7 @@ def request_remote_import(artifact: Artifact, source: str, detail: dict[str, Any
     record = ArtifactImport.objects.create(
         artifact=artifact, source=source, detail=detail,
         created_by=user if getattr(user, "is_authenticated", False) else None)
-    lifecycle.enqueue(lifecycle.IMPORT_ARTIFACT, record.pk)
+    lifecycle.artifact_import(record.pk)
     return record
 
 
