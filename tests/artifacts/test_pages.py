@@ -67,3 +67,12 @@ def test_instance_and_node_pages_show_staging_and_the_cache(platform_admin, acme
     node_page = client.get(f"/nodes/{node.pk}/").content.decode()
     assert "/srv/cache" in node_page and "3.0 MiB of 1.0 GiB" in node_page
     assert "llama-mini v1: HTTP 404" in node_page
+
+
+def test_a_deployments_instances_show_a_fetch_in_progress(platform_admin, acme, artifact_model):
+    deployment = make_deployment(artifact_model, [acme.tenant])
+    Instance.objects.create(deployment=deployment, state="starting", staging={
+        "artifact": "llama-mini v1", "bytes_done": 2**20, "bytes_total": 4 * 2**20,
+        "bytes_per_second": 2**19, "eta_seconds": 6.0})
+    page = signed_in(platform_admin).get(f"/deployments/{deployment.pk}/instances/")
+    assert "fetching llama-mini v1: 1.0 MiB of 4.0 MiB, about 6 s left" in page.content.decode()
