@@ -94,6 +94,12 @@ def import_node_folder(import_id: int) -> str:
     return staging.import_node_folder(import_id, staging.NodeCacheConfig.from_environment(name))
 
 
+@shared_task(name=lifecycle.STAGE_VERSION, **RETRY)
+def stage_version(version_id: int) -> str:
+    name = os.environ.get("NODE_NAME", "")
+    return staging.prestage(version_id, staging.NodeCacheConfig.from_environment(name))
+
+
 @worker_ready.connect
 def _start_node_agent(sender: Any = None, **kwargs: Any) -> None:
     """A worker started with NODE_NAME is that host's node agent."""

@@ -26,7 +26,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
-from serving_app import blobstore
+from serving_app import blobstore, lifecycle
 from serving_app.artifacts import sources, staging
 from serving_app.blobstore import BlobError
 from serving_app.models import (
@@ -150,6 +150,12 @@ class ImportRequestSerializer(serializers.Serializer[Any]):
         return attrs
 
 
+class StageSerializer(serializers.Serializer[Any]):
+    node = LookupSlugField[Node](slug_field="name", queryset=Node.objects.all())
+    version = serializers.IntegerField(
+        min_value=1, required=False, help_text="The version's number (default: the latest).")
+
+
 class ChunkParser(BaseParser):
     """A chunk's raw bytes (application/octet-stream), left unread for the view to stream."""
 
@@ -209,6 +215,26 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
         else:
             record = sources.request_remote_import(artifact, source, data, request.user)
         return Response(ImportSerializer(record).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=StageSerializer, responses={202: CacheEntrySerializer})
+    @action(detail=True, methods=["post"], serializer_class=StageSerializer)
+    def stage(self, request: Request, pk: str | None = None) -> Response:
+        """Have a node fetch a version into its cache now, before an instance needs it
+        (platform admins): its progress is the version's node entry."""
+        artifact = self._writable()
+        if not request.user.is_staff:
+            self.permission_denied(request, "Only platform admins place files on nodes.")
+        serializer = StageSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        node, number = serializer.validated_data["node"], serializer.validated_data.get("version")
+        version = (artifact.versions.filter(number=number).first() if number
+                   else artifact.latest())
+        if version is None:
+            raise ValidationError({"version": "This artifact has no such version."})
+        entry, _ = NodeCacheEntry.objects.get_or_create(
+            node=node, version=version, defaults={"bytes_total": version.total_bytes})
+        lifecycle.stage_version(version.pk, node.queue)
+        return Response(CacheEntrySerializer(entry).data, status=status.HTTP_202_ACCEPTED)
 
     def _writable(self) -> Artifact:
         artifact = self.get_object()

@@ -178,6 +178,19 @@ def stage_version(version: ArtifactVersion, config: NodeCacheConfig, *,
     return folder
 
 
+def prestage(version_id: int, config: NodeCacheConfig) -> str:
+    """Fetch a version into this node's cache before any instance needs it (an operator's
+    request, `POST /api/v1/artifacts/{id}/stage/`); the node's cache entry shows how it goes."""
+    version = ArtifactVersion.objects.filter(pk=version_id).first()
+    if version is None or not Node.objects.filter(name=config.node).exists():
+        return "missing"
+    try:
+        stage_version(version, config)
+    except StagingError as exc:
+        return f"failed: {exc}"
+    return "ready"
+
+
 def record_cache(config: NodeCacheConfig, cache: NodeCache) -> None:
     """Say on the node what its cache holds: its folder, quota, use; drop entries evicted."""
     held = {digest for digest, _ in cache.versions()}

@@ -917,7 +917,9 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
 # Write methods that change nothing, and why.
 NOT_A_CHANGE = {"plan_create": "a dry run: the plan of an unsaved deployment body",
                 "artifact_imports_blobs_update": "bytes of a file being uploaded: the upload's "
-                                                 "start and its completion are its entries"}
+                                                 "start and its completion are its entries",
+                "artifacts_stage_create": "asks a node to fetch files into its cache: what the "
+                                          "cache holds is its agent's record"}
 
 
 def write_operations() -> list[tuple[str, str, str]]:
@@ -951,6 +953,13 @@ def test_no_api_write_reaches_metering():
                          ids=[f"{m} {p}" for _, m, p in WRITES])
 def test_every_api_write_leaves_its_entry(operation, method, path, world):
     before = AuditLog.objects.filter(via="api").count()
+    if operation == "artifacts_stage_create":
+        version = _received_version(world)
+        Node.objects.create(name="stage-node", queue="node.stage-node")
+        call(world.staff, "post", f"/api/v1/artifacts/{version.artifact_id}/stage/",
+             {"node": "stage-node"})
+        assert AuditLog.objects.filter(via="api").count() == before
+        return
     if operation == "artifact_imports_blobs_update":
         _artifact_chunk(world)
         assert AuditLog.objects.filter(via="api").count() == before

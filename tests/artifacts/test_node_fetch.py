@@ -180,3 +180,17 @@ def test_a_peer_serves_a_tenants_adapter_only_to_a_node_serving_the_tenant(
         assert server.served == []
     finally:
         server.stop()
+
+
+def test_an_operator_prestages_a_version_on_a_node_before_any_instance(
+        live_server, node_config, artifact_model, platform_admin, client_for):
+    config = node_config("node-p")
+    version = artifact_model.artifact_version
+    reply = client_for(platform_admin).post(
+        f"/api/v1/artifacts/{version.artifact_id}/stage/", {"node": "node-p"}, format="json")
+    assert reply.status_code == 202 and reply.data["state"] == "fetching"
+    # What the node's agent runs for the queued task:
+    assert staging.prestage(version.pk, config) == "ready"
+    assert NodeCacheEntry.objects.get(node__name="node-p", version=version).state == "ready"
+    assert staging.versions_in_use("node-p") == set()  # held, though no instance uses it
+    assert version.digest in {d for d, _ in config.cache().versions()}

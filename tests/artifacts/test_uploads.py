@@ -146,3 +146,14 @@ def test_a_legacy_path_model_keeps_working_and_says_so(base_model):
     assert base_model.artifact_version is None and base_model.path
     assert base_model.source_label == "Path on every node (legacy)"
     assert BaseModel.objects.get(pk=base_model.pk).path == base_model.path
+
+
+def test_staging_on_a_node_is_for_platform_admins_and_names_a_real_node(
+        platform_admin, acme, client_for, artifact_model):
+    url = f"/api/v1/artifacts/{artifact_model.artifact_version.artifact_id}/stage/"
+    assert client_for(platform_admin).post(url, {"node": "nowhere"},
+                                           format="json").status_code == 400
+    assert client_for(platform_admin).post(url, {"node": "x\x00"},
+                                           format="json").status_code == 400
+    assert client_for(acme.owner).post(url, {"node": "nowhere"},
+                                       format="json").status_code in (403, 404)
