@@ -234,6 +234,18 @@ SPECTACULAR_SETTINGS = {
              "Instances: the engine processes that run a deployment, with their state, node, GPUs "
              "and logs."
          )},
+        {"name": "artifacts",
+         "description": (
+             "Content-addressed model and adapter files: immutable versions (a manifest of "
+             "files with sizes and SHA-256 digests), which nodes hold them, and how a version "
+             "comes in: an upload in chunks, a node's folder, an S3 bucket, a Hugging Face "
+             "repository."
+         )},
+        {"name": "artifact-imports",
+         "description": (
+             "Uploads and imports of artifact versions: state, progress and error; an upload "
+             "takes its files' bytes here in resumable chunks."
+         )},
         {"name": "nodes",
          "description": (
              "GPU hosts running a node agent: cordon, uncordon, drain."
@@ -313,6 +325,11 @@ SPECTACULAR_SETTINGS = {
     # One name per choice set where several models' fields share a name ("state", "kind").
     "ENUM_NAME_OVERRIDES": {
         "InstanceStateEnum": "serving_app.models.Instance.State",
+        "ArtifactSourceEnum": "serving_app.models.artifacts.ArtifactVersion.Source",
+        "ImportStateEnum": "serving_app.models.artifacts.ArtifactImport.State",
+        "CacheEntryStateEnum": "serving_app.models.artifacts.NodeCacheEntry.State",
+        "ImportRequestSourceEnum": [("s3", "S3 bucket"), ("huggingface", "Hugging Face "
+                                    "repository"), ("node_folder", "Folder on a node")],
         "AlertStateEnum": "alerts_app.models.Alert.State",
         "NotificationStateEnum": "alerts_app.models.Notification.State",
         "ChannelKindEnum": "alerts_app.models.Channel.Kind",
@@ -405,8 +422,9 @@ USAGE_TEN_SECOND_RETENTION_HOURS = env_float(
 
 # Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
 # path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
-# admins register base models and adapters from folders under MODEL_ROOTS. Both must be the same
-# paths on the console and on every node host (a shared filesystem on more than one host).
+# admins register base models and adapters from folders under MODEL_ROOTS. Models and adapters
+# registered from these folders (legacy) need the same paths on every node host; those from
+# artifact versions (below) reach every node through its own cache.
 TENANT_STORAGE_ROOT = Path(env_str("TENANT_STORAGE_ROOT", str(VAR_DIR / "tenant-storage")))
 MODEL_ROOTS = [Path(p) for p in env_list("MODEL_ROOTS", [str(BASE_DIR / "var" / "models")])]
 # What each tenant's adapters may take on disk, in MiB (a tenant's own setting overrides it).
@@ -418,6 +436,20 @@ ADAPTER_UPLOAD_MAX_BYTES = env_int("ADAPTER_UPLOAD_MAX_MB", 256, minimum=1) * 10
 ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = (
     env_int("ADAPTER_UPLOAD_MAX_UNPACKED_MB", 512, minimum=1) * 1024 * 1024
 )
+
+# Content-addressed artifacts (docs/artifacts.md): the console keeps every model and adapter file
+# once by its SHA-256 under ARTIFACT_STORE_ROOT; each node agent fetches what its instances need
+# from the console (NODE_CONSOLE_URL) into its own cache (NODE_CACHE_DIR, at most
+# NODE_CACHE_QUOTA_MB), no shared filesystem needed. A chunk of an upload is at most
+# ARTIFACT_UPLOAD_CHUNK_MB; a file of it at most ARTIFACT_UPLOAD_MAX_FILE_MB.
+ARTIFACT_STORE_ROOT = Path(env_str("ARTIFACT_STORE_ROOT", str(VAR_DIR / "artifacts")))
+ARTIFACT_UPLOAD_CHUNK_BYTES = env_int("ARTIFACT_UPLOAD_CHUNK_MB", 64, minimum=1) * 1024 * 1024
+ARTIFACT_UPLOAD_MAX_FILE_BYTES = (
+    env_int("ARTIFACT_UPLOAD_MAX_FILE_MB", 200 * 1024, minimum=1) * 1024 * 1024
+)
+NODE_CONSOLE_URL = env_str("NODE_CONSOLE_URL", "http://127.0.0.1:8000")
+NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
+NODE_CACHE_QUOTA_BYTES = env_int("NODE_CACHE_QUOTA_MB", 100 * 1024, minimum=1) * 1024 * 1024
 
 LOGGING = {
     "version": 1,

@@ -53,6 +53,20 @@ BREAKAGES = (
         ("tests/api/test_node_join.py",),
     ),
     Breakage(
+        "cache-hands-out-unverified-files",
+        "serving_app/artifacts/cache.py",
+        "                    sha256_of(blob) == entry.sha256:\n",
+        "                    True:\n",
+        ("tests/artifacts/test_cache.py",),
+    ),
+    Breakage(
+        "any-node-fetches-any-adapter",
+        "serving_app/artifacts/staging.py",
+        "    served = Q(files__version__artifact__tenant__deployments__instances__in=live)\n",
+        "    served = Q(files__isnull=False)\n",
+        ("tests/artifacts/test_node_fetch.py",),
+    ),
+    Breakage(
         "sigterm-leader-only",
         "serving_app/engine/supervisor.py",
         "        _signal(newcomers, signal.SIGTERM)\n",

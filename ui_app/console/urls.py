@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
+from ui_app.console import artifacts as artifact_views
 from ui_app.console import autoscaling as autoscaling_views
 from ui_app.console import fleet as fleet_views
 from ui_app.console import joins, views
@@ -24,6 +25,10 @@ urlpatterns = [
     path("tenants/new/", views.TenantCreateView.as_view(), name="tenant-create"),
     path("tenants/<slug:slug>/", views.TenantDetailView.as_view(), name="tenant-detail"),
     path("tenants/<slug:slug>/edit/", views.TenantUpdateView.as_view(), name="tenant-edit"),
+    # artifacts: the files of base models and adapters
+    path("artifacts/", artifact_views.ArtifactListView.as_view(), name="artifact-list"),
+    path("artifacts/<int:pk>/", artifact_views.ArtifactDetailView.as_view(),
+         name="artifact-detail"),
     # base models
     path("models/", views.BaseModelListView.as_view(), name="basemodel-list"),
     path("models/new/", views.BaseModelCreateView.as_view(), name="basemodel-create"),
