@@ -58,7 +58,8 @@ class ServingAppConfig(AppConfig):
         exclude(self.get_model("GpuSample"), f"GPU readings, {control_plane}")
         exclude(self.get_model("AdapterFileRemoval"),
                 f"files of deleted adapters waiting for removal, {control_plane}")
-        for name in ("UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal"):
+        for name in ("UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",
+                     "GuardrailMinute", "GuardrailHour", "GuardrailTotal"):
             exclude(self.get_model(name), f"metering, {control_plane}")
         for name in ("EngineSample", "EngineHour"):
             exclude(self.get_model(name), f"engine metric samples, {control_plane}")

@@ -233,7 +233,7 @@ def test_every_page_works_under_the_content_security_policy(page, admin, base_mo
         f"/adapters/{adapter.pk}/", f"/adapters/{adapter.pk}/edit/", "/deployments/",
         "/deployments/new/", f"/deployments/{deployment.pk}/",
         f"/deployments/{deployment.pk}/edit/", f"/instances/{instance.pk}/", "/audit/",
-        "/events/", f"/nodes/{instance.node_id}/",
+        "/events/", f"/nodes/{instance.node_id}/", "/guardrails/",
         "/dashboards/usage/", "/dashboards/latency/", "/dashboards/gpus/",
         "/api/v1/", "/api/v1/tenants/", "/admin/",
     ]:
@@ -254,13 +254,24 @@ def test_every_page_works_under_the_content_security_policy(page, admin, base_mo
     page.context.clear_cookies()
     sign_in(page, "support-owner")
     for path in ("", "dashboards/usage/", "dashboards/latency/", "keys/", "adapters/",
-                 "models/", "playground/", "members/"):
+                 "models/", "playground/", "members/", "guardrails/"):
         _visit(page, f"/portal/{tenant.slug}/{path}")
     page.goto(f"/portal/{tenant.slug}/keys/")
     page.fill("#id_name", "csp-key")
     page.click("button:has-text('Create key')")
     page.click("button[data-copy]")
     expect(page.locator("button[data-copy]")).to_have_text("Copied")
+    page.click("tr[data-key='csp-key'] a:has-text('guardrails')")  # the key's narrowing
+    expect(page.locator("h1")).to_contain_text("csp-key")
+    # The owner's guardrail policy: redact China mobile numbers in prompts, then the bench
+    # shows what the saved policy does to a pasted prompt (the real detectors, no engine).
+    page.goto(f"/portal/{tenant.slug}/guardrails/")
+    page.select_option("select[name='input__cn_mobile']", "redact")
+    page.click("button:has-text('Save policy')")
+    expect(page.locator("select[name='input__cn_mobile']")).to_have_value("redact")
+    page.fill("#bench textarea[name='text']", "call 13812345678 today")
+    page.click("button:has-text('Try it')")
+    expect(page.locator("#bench-result pre")).to_have_text("call [PHONE_1] today")
     assert page.csp_violations == [], "\n".join(page.csp_violations)
     assert page.js_errors == []
 

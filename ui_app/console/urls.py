@@ -7,6 +7,7 @@ from django.urls import path, re_path
 from ui_app.console import artifacts as artifact_views
 from ui_app.console import autoscaling as autoscaling_views
 from ui_app.console import fleet as fleet_views
+from ui_app.console import guardrails as guardrail_views
 from ui_app.console import joins, views
 from ui_app.console import metrics as metrics_views
 from ui_app.scoping import public
@@ -87,6 +88,8 @@ urlpatterns = [
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),
     path("instances/<int:pk>/metrics/", metrics_views.InstanceMetricsData.as_view(),
          name="instance-metrics"),
+    # guardrails
+    path("guardrails/", guardrail_views.FloorPolicyView.as_view(), name="guardrail-floor"),
     # audit log and dashboards
     path("audit/", views.AuditLogView.as_view(), name="audit-log"),
     re_path(r"^dashboards/(?P<name>usage|latency|gpus)/$", views.DashboardView.as_view(),
