@@ -224,7 +224,9 @@ def test_agent_probes_leave_engines_time_to_load_and_stop(overlay):
     assert agent["terminationGracePeriodSeconds"] > settings.ENGINE_STOP_GRACE_SECONDS * 2
     start_timeout = float(config(overlay).get("ENGINE_START_TIMEOUT_SECONDS",
                                               settings.ENGINE_START_TIMEOUT_SECONDS))
-    assert start_timeout >= 180
+    start_max = float(config(overlay).get("ENGINE_START_MAX_SECONDS",
+                                          settings.ENGINE_START_MAX_SECONDS))
+    assert start_timeout >= 180 and start_max >= start_timeout
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
