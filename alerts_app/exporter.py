@@ -50,6 +50,7 @@ from serving_app.models.usage import (
     LATENCY_BUCKETS_MS,
     LATENCY_FIELDS,
     TTFT_FIELDS,
+    GuardrailTotal,
     UsageHour,
     UsageTotal,
 )
@@ -93,6 +94,23 @@ class ConsoleCollector:
         yield from self._per_tenant_and_model()
         yield from self._per_deployment()
         yield from self._budgets()
+        yield from self._guardrails()
+
+    def _guardrails(self) -> Iterator[Metric]:
+        tenants = dict(Tenant.objects.values_list("pk", "slug"))
+        findings = CounterMetricFamily(
+            f"{PREFIX}_guardrail_findings",
+            "Entities guardrails found, per direction (input, output), action (block, redact, "
+            "detect) and category (PHONE, EMAIL, a tenant's own); never a value.",
+            labels=["tenant", "direction", "action", "category"])
+        rows = (GuardrailTotal.objects.order_by()
+                .values_list("tenant_id", "direction", "action", "category")
+                .annotate(Sum("count")))
+        for tenant_id, direction, action, category, count in sorted(rows, key=str):
+            slug = tenants.get(tenant_id)
+            if slug is not None:  # a deleted tenant's history
+                findings.add_metric([slug, direction, action, category], float(count or 0))
+        yield findings
 
     def _per_deployment(self) -> Iterator[Metric]:
         names = dict(Deployment.objects.values_list("pk", "name"))

@@ -37,6 +37,7 @@ class Metric(models.TextChoices):
     KV_CACHE = "kv_cache", "KV-cache usage"
     GATEWAY_QUEUE_WAIT = "gateway_queue_wait", "Gateway queue wait"
     ROLLOUT_FAILED = "rollout_failed", "Failed rollouts"
+    GUARDRAIL_BLOCKED = "guardrail_blocked", "Requests blocked by guardrails"
 
 
 class Source(models.TextChoices):
@@ -51,6 +52,7 @@ class Source(models.TextChoices):
     ENGINE = "engine", "Engine metric samples"
     FLOW = "flow", "The gateway's flow-control counters"
     ROLLOUTS = "rollouts", "Rollout states"
+    GUARDRAILS = "guardrails", "Guardrail counts"
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ REGISTRY: dict[str, MetricSpec] = {
                    Source.FLOW, max_window_seconds=STATS_KEPT_SECONDS),
         MetricSpec(Metric.ROLLOUT_FAILED, "rollouts", (Scope.CLUSTER, Scope.DEPLOYMENT),
                    Source.ROLLOUTS, windowed=False),
+        MetricSpec(Metric.GUARDRAIL_BLOCKED, "requests", (Scope.CLUSTER, Scope.TENANT),
+                   Source.GUARDRAILS, tenant_allowed=True),
     )
 }
 

@@ -37,6 +37,7 @@ from serving_app.models.revisions import Rollout
 from serving_app.models.usage import (
     LATENCY_FIELDS,
     TTFT_FIELDS,
+    GuardrailMinute,
     UsageHour,
     UsageMinute,
     UsageRollup,
@@ -97,6 +98,7 @@ class Snapshot:
         self._lag: float | None | bool = False  # False: not read yet
         self._flow: dict[int, dict[tuple[int, int], list[float]] | None] = {}
         self._failed_rollouts: dict[int, bool] | None = None
+        self._guardrail_blocks: dict[int, dict[int, float]] = {}
         self.tenants = {t.pk: t for t in Tenant.objects.all()}
         self._deployments: dict[int, Deployment] | None = None
         self._nodes: dict[int, Node] | None = None
@@ -295,6 +297,18 @@ class Snapshot:
             self._failed_rollouts = {d: state == Rollout.State.FAILED for d, state in latest}
         return self._failed_rollouts
 
+    def guardrail_blocks(self, window_seconds: int) -> dict[int, float]:
+        """Per tenant: the requests (or answers' choices) guardrails blocked in the window, from
+        the per-minute guardrail rollup (one query per window)."""
+        blocks = self._guardrail_blocks.get(window_seconds)
+        if blocks is None:
+            start = _window_start(self.now, window_seconds, UsageMinute)
+            blocks = {tenant_id: float(n or 0) for tenant_id, n in (
+                GuardrailMinute.objects.filter(bucket__gte=start, action="block").order_by()
+                .values_list("tenant_id").annotate(Sum("count")))}
+            self._guardrail_blocks[window_seconds] = blocks
+        return blocks
+
     def crash_loops(self) -> list[tuple[int, int | None]]:
         """(deployment, node) of each instance in crash loop."""
         return list(Instance.objects.filter(state=Instance.State.CRASH_LOOP)
@@ -388,6 +402,8 @@ class Reader:
             return self._engines(rule)
         if source == Source.FLOW:
             return self._queue_waits(rule)
+        if source == Source.GUARDRAILS:
+            return self._guardrail_blocks(rule)
         if source == Source.ROLLOUTS:
             failed = self.s.failed_rollouts()
             if rule.scope == Scope.CLUSTER:
@@ -397,6 +413,16 @@ class Reader:
             return [Reading(*self.deployment_key(d), None, 1.0 if failed.get(d) else 0.0)
                     for d in ids]
         return []
+
+    def _guardrail_blocks(self, rule: AlertRule) -> list[Reading]:
+        """Blocks are counted: a tenant without any in the window reads 0, not "no data"."""
+        blocks = self.s.guardrail_blocks(rule.window_seconds)
+        if rule.scope == Scope.CLUSTER:
+            return [Reading("cluster", "cluster", None, sum(blocks.values()))]
+        expected = self._tenant_ids(rule)
+        ids = expected if rule.tenant_id or rule.target else _union(
+            expected, (t for t in blocks if t in self.s.tenants))
+        return [Reading(*self.tenant_key(t), t, blocks.get(t, 0.0)) for t in ids]
 
     def _queue_waits(self, rule: AlertRule) -> list[Reading]:
         """The mean wait in the gateway's queue of the requests that went through it in the

@@ -153,6 +153,11 @@ class PacedUpstream(InstantUpstream):
                    for i in range(tokens)]
         if (request.get("stream_options") or {}).get("include_usage"):
             events.append(event(None))
+        self.write_stream(events)
+
+    def write_stream(self, events: list[bytes]) -> None:
+        """An SSE stream's chunks (chunked transfer encoding) and `[DONE]`: all in one write,
+        or one every `interval` seconds."""
         done = b"data: [DONE]\n\n"
         events.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
         head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
@@ -173,6 +178,11 @@ class PacedUpstream(InstantUpstream):
 
 
 def _paced_main(port: int, interval: float) -> None:
+    serve_upstream(lambda: PacedUpstream(interval), port)
+
+
+def serve_upstream(factory: Any, port: int) -> None:
+    """Serve the protocol `factory` makes on 127.0.0.1:`port` until killed (uvloop if any)."""
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -180,7 +190,7 @@ def _paced_main(port: int, interval: float) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: PacedUpstream(interval), "127.0.0.1", port)
+        server = await loop.create_server(factory, "127.0.0.1", port)
         async with server:
             await server.serve_forever()
 

@@ -82,9 +82,10 @@ class RequestGuard:
             self.guard.policy.restore and bool(self.vault.mapping))
 
     def output_body(self, endpoint: str, raw: bytes) -> bytes:
-        """A whole answer: each choice's text redacted with the output rules, then the input's
-        placeholders restored. A blocked choice ends with `finish_reason: content_filter` and
-        no text."""
+        """A whole answer: each choice's text and its tool calls' arguments redacted with the
+        output rules, then the input's placeholders restored. A blocked choice ends with
+        `finish_reason: content_filter`, without text or tool calls. A choice whose text the
+        policy changed loses its `logprobs` (its tokens are the original text)."""
         try:
             data = json.loads(raw)
         except ValueError:
@@ -96,16 +97,21 @@ class RequestGuard:
             if not isinstance(choice, dict):
                 continue
             holder, field = _text_of(endpoint, choice, "message")
-            if holder is None:
-                continue
-            result = self.guard.apply(holder[field], Direction.OUTPUT, self.vault)
-            self.count(Direction.OUTPUT, result.findings)
-            if result.blocked is not None:
-                holder[field] = ""
-                choice["finish_reason"] = "content_filter"
-            else:
-                holder[field] = (result.restore(result.text) if self.guard.policy.restore
-                                 else result.text)
+            texts = [(holder, field)] if holder is not None else []
+            texts += _arguments_of(choice.get("message"))
+            changed = False
+            for where, key in texts:
+                result = self.guard.apply(where[key], Direction.OUTPUT, self.vault)
+                self.count(Direction.OUTPUT, result.findings)
+                if result.blocked is not None:
+                    _block(choice, holder, field)
+                    break
+                text = (result.restore(result.text) if self.guard.policy.restore
+                        else result.text)
+                changed = changed or text != where[key]
+                where[key] = text
+            if changed:
+                choice["logprobs"] = None
         return json.dumps(data, separators=(",", ":")).encode()
 
     def stream(self, endpoint: str) -> StreamGuard:
@@ -119,6 +125,31 @@ class RequestGuard:
 def blocked(result: Result) -> GatewayError:
     error = result.error()["error"]
     return GatewayError(400, error["message"], code=error["code"], error_type=error["type"])
+
+
+def _arguments_of(message: Any) -> list[tuple[dict[str, Any], str]]:
+    """Where a chat message (or delta) holds tool-call arguments: each `tool_calls[].function`
+    and the legacy `function_call`, as (dict, "arguments")."""
+    if not isinstance(message, dict):
+        return []
+    functions = [call.get("function") for call in message.get("tool_calls") or ()
+                 if isinstance(call, dict)]
+    functions.append(message.get("function_call"))
+    return [(f, "arguments") for f in functions
+            if isinstance(f, dict) and isinstance(f.get("arguments"), str)]
+
+
+def _block(choice: dict[str, Any], holder: dict[str, Any] | None, field: str) -> None:
+    """A choice blocked on output: no text, no tool call, no logprobs; `content_filter`."""
+    choice["finish_reason"] = "content_filter"
+    choice["logprobs"] = None
+    if holder is not None:
+        holder[field] = ""
+    for key in ("message", "delta"):
+        inner = choice.get(key)
+        if isinstance(inner, dict):
+            inner.pop("tool_calls", None)
+            inner.pop("function_call", None)
 
 
 def _text_of(endpoint: str, choice: dict[str, Any], key: str
@@ -137,13 +168,16 @@ def _text_of(endpoint: str, choice: dict[str, Any], key: str
 
 class StreamGuard:
     """Rewrites a stream's whole SSE events (`proxy.StreamRelay`'s `rewrite`): each choice's
-    text goes through its own `OutputStream`; what a choice holds back is sent with its
-    `finish_reason` event, or in an event of its own before `[DONE]`."""
+    text, and each of its tool calls' arguments, goes through its own `OutputStream`; what one
+    holds back is sent with the choice's `finish_reason` event, or in an event of its own
+    before `[DONE]`. An event's `logprobs` go on only when its text went out exactly as it came
+    (else they would show text the policy held back or redacted)."""
 
     def __init__(self, request: RequestGuard, endpoint: str) -> None:
         self.request = request
         self.endpoint = endpoint
-        self.streams: dict[int, OutputStream] = {}
+        # (choice index, tool call index or None for the text) -> its stream
+        self.streams: dict[tuple[int, int | None], OutputStream] = {}
         self.stopped: set[int] = set()  # choices blocked or finished
         self._template: dict[str, Any] | None = None
 
@@ -161,11 +195,26 @@ class StreamGuard:
                 out.append(event + b"\n\n")
         return b"".join(out)
 
-    def _stream(self, index: int) -> OutputStream:
-        stream = self.streams.get(index)
+    def _stream(self, key: tuple[int, int | None]) -> OutputStream:
+        stream = self.streams.get(key)
         if stream is None:
-            stream = self.streams[index] = OutputStream(self.request.guard, self.request.vault)
+            stream = self.streams[key] = OutputStream(self.request.guard, self.request.vault)
         return stream
+
+    def _pass(self, key: tuple[int, int | None], text: str, finishing: bool
+              ) -> tuple[str, str | None]:
+        """Feed one piece of a choice's text (or a tool call's arguments); with `finishing`
+        flush it too. (what goes out now, the blocking category or None)."""
+        stream = self._stream(key)
+        piece = stream.feed(text)
+        findings, released = list(piece.findings), piece.text
+        if piece.blocked is None and finishing:
+            last = stream.flush()
+            findings += last.findings
+            released += last.text
+            piece = last
+        self.request.count(Direction.OUTPUT, findings)
+        return released, piece.blocked
 
     def _event(self, event: bytes) -> bytes:
         try:
@@ -177,36 +226,67 @@ class StreamGuard:
             return event + b"\n\n"
         if self._template is None:
             self._template = {k: v for k, v in data.items() if k not in ("choices", "usage")}
-        kept = []
-        for choice in choices:
-            index = int(choice.get("index") or 0)
-            if index in self.stopped:
-                continue
-            holder, field = _text_of(self.endpoint, choice, "delta")
-            text = holder[field] if holder is not None else ""
-            stream = self._stream(index)
-            piece = stream.feed(text)
-            findings = list(piece.findings)
-            released = piece.text
-            if piece.blocked is None and choice.get("finish_reason") is not None:
-                last = stream.flush()
-                findings += last.findings
-                released += last.text
-                piece = last
-                self.stopped.add(index)
-            self.request.count(Direction.OUTPUT, findings)
-            if piece.blocked is not None:
-                self.stopped.add(index)
-                choice["finish_reason"] = "content_filter"
-            if holder is not None:
-                holder[field] = released
-            elif released:
-                self._set_text(choice, released)
-            kept.append(choice)
+        kept = [choice for choice in choices if self._choice(choice)]
         data["choices"] = kept
         if not kept and "usage" not in data:
             return b""
         return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        """Rewrite one choice of an event in place; False: leave it out (stopped before)."""
+        index = int(choice.get("index") or 0)
+        if index in self.stopped:
+            return False
+        finishing = choice.get("finish_reason") is not None
+        holder, field = _text_of(self.endpoint, choice, "delta")
+        text = holder[field] if holder is not None else ""
+        released, blocked_by = self._pass((index, None), text, finishing)
+        unchanged = released == text
+        if blocked_by is None:
+            if holder is not None:
+                holder[field] = released
+            elif released:
+                self._set_text(choice, released)
+            delta = choice.get("delta")
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            seen = set()
+            for call in calls if isinstance(calls, list) else ():
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(
+                        function.get("arguments"), str):
+                    continue
+                call_index = int(call.get("index") or 0)
+                seen.add(call_index)
+                arguments = function["arguments"]
+                function["arguments"], blocked_by = self._pass((index, call_index), arguments,
+                                                               finishing)
+                unchanged = unchanged and function["arguments"] == arguments
+                if blocked_by is not None:
+                    break
+            if blocked_by is None and finishing:
+                self._flush_calls(index, seen, choice)
+        if finishing or blocked_by is not None:
+            self.stopped.add(index)
+        if blocked_by is not None:
+            _block(choice, holder, field)
+        elif not unchanged and choice.get("logprobs") is not None:
+            choice["logprobs"] = None
+        return True
+
+    def _flush_calls(self, index: int, seen: set[int], choice: dict[str, Any]) -> None:
+        """At a choice's end: what its other tool calls' streams still hold, into its delta."""
+        for (owner, call_index), stream in sorted(self.streams.items(), key=_order):
+            if owner != index or call_index is None or call_index in seen:
+                continue
+            piece = stream.flush()
+            self.request.count(Direction.OUTPUT, piece.findings)
+            if piece.blocked is not None:
+                _block(choice, None, "content")
+                return
+            if piece.text:
+                delta = choice.setdefault("delta", {})
+                delta.setdefault("tool_calls", []).append(
+                    {"index": call_index, "function": {"arguments": piece.text}})
 
     def _set_text(self, choice: dict[str, Any], text: str) -> None:
         if self.endpoint == "chat.completions":
@@ -220,19 +300,29 @@ class StreamGuard:
     def _flush_all(self) -> bytes:
         """What choices without a `finish_reason` event still hold, before `[DONE]`."""
         out = []
-        for index, stream in sorted(self.streams.items()):
+        for (index, call_index), stream in sorted(self.streams.items(), key=_order):
             if index in self.stopped:
                 continue
-            self.stopped.add(index)
             piece = stream.flush()
             self.request.count(Direction.OUTPUT, piece.findings)
             if not piece.text and piece.blocked is None:
                 continue
             choice: dict[str, Any] = {"index": index}
             if piece.blocked is not None:
+                self.stopped.add(index)
                 choice["finish_reason"] = "content_filter"
-            else:
+            elif call_index is None:
                 self._set_text(choice, piece.text)
+            else:
+                choice["delta"] = {"tool_calls": [{"index": call_index,
+                                                   "function": {"arguments": piece.text}}]}
             data = {**(self._template or {}), "choices": [choice]}
             out.append(b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n")
+        self.stopped.update(index for index, _ in self.streams)
         return b"".join(out)
+
+
+def _order(item: tuple[tuple[int, int | None], Any]) -> tuple[int, int]:
+    """Streams in order: by choice, its text first, then its tool calls."""
+    (index, call_index), _ = item
+    return index, -1 if call_index is None else call_index

@@ -35,6 +35,9 @@ from serving_app.models.usage import (
     ROLLUP_COUNTERS,
     TOTAL_BUCKET,
     TTFT_FIELDS,
+    GuardrailHour,
+    GuardrailMinute,
+    GuardrailTotal,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -56,6 +59,12 @@ _ROLLUPS: tuple[tuple[type, Callable[[datetime], datetime]], ...] = (
     (UsageTotal, lambda d: TOTAL_BUCKET),
 )
 CLAIM_IDLE_MS = 60_000
+# The guardrail rollups and their buckets (the usage rollups' truncations).
+_GUARDRAIL_ROLLUPS: tuple[tuple[type, Callable[[datetime], datetime]], ...] = (
+    (GuardrailMinute, _ROLLUPS[1][1]),
+    (GuardrailHour, _ROLLUPS[2][1]),
+    (GuardrailTotal, _ROLLUPS[3][1]),
+)
 NO_COUNTER = b"gw:{none}:u"  # entries without a budget counter (never incremented)
 
 
@@ -120,7 +129,7 @@ def _guardrail_counts(value: Any) -> dict[str, int]:
     if not isinstance(value, dict):
         return {}
     return {str(k)[:80]: int(v) for k, v in value.items()
-            if isinstance(v, int) and str(k).count(":") == 2}
+            if isinstance(v, int) and v > 0 and str(k).count(":") == 2}
 
 
 def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:
@@ -156,6 +165,40 @@ def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:
                 if ttft_bucket < over:
                     g[TTFT_FIELDS[ttft_bucket]] += 1
     return groups
+
+
+def _guardrail_rollups(rows: list[UsageEvent]) -> list[dict[tuple, int]]:
+    """For each of _GUARDRAIL_ROLLUPS: counts per (bucket, tenant, direction, action,
+    category), from the events' `direction:action:CATEGORY` counts."""
+    groups: list[dict[tuple, int]] = [{} for _ in _GUARDRAIL_ROLLUPS]
+    for row in rows:
+        if row.tenant_id is None or not row.guardrails:
+            continue
+        for name, count in row.guardrails.items():
+            direction, action, category = name.split(":", 2)
+            for (_, truncate), by_key in zip(_GUARDRAIL_ROLLUPS, groups, strict=True):
+                key = (truncate(row.created_at), row.tenant_id, direction[:8], action[:8],
+                       category[:60])
+                by_key[key] = by_key.get(key, 0) + count
+    return groups
+
+
+def _upsert_guardrails(model: type, groups: dict[tuple, int]) -> None:
+    if not groups:
+        return
+    qn = connection.ops.quote_name
+    table = qn(model._meta.db_table)
+    keys = ["bucket", "tenant_id", "direction", "action", "category"]
+    sql = (
+        f"INSERT INTO {table} ({', '.join(qn(c) for c in [*keys, 'count'])}) "
+        f"VALUES ({', '.join(['%s'] * (len(keys) + 1))}) "
+        f"ON CONFLICT ({', '.join(qn(c) for c in keys)}) "
+        f"DO UPDATE SET {qn('count')} = {table}.{qn('count')} + EXCLUDED.{qn('count')}"
+    )
+    params = [[connection.ops.adapt_datetimefield_value(bucket), *rest, count]
+              for (bucket, *rest), count in sorted(groups.items())]
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, params)
 
 
 def _upsert(model: type, groups: dict[tuple, dict[str, float]]) -> None:
@@ -201,6 +244,8 @@ def persist(events: list[dict[str, Any]]) -> int:
         UsageEvent.objects.bulk_create(new, batch_size=1000)
         for (rollup, _), groups in zip(_ROLLUPS, _rollups(new), strict=True):
             _upsert(rollup, groups)
+        for (rollup, _), counts in zip(_GUARDRAIL_ROLLUPS, _guardrail_rollups(new), strict=True):
+            _upsert_guardrails(rollup, counts)
         last_used: dict[int, datetime] = {}
         for row in new:
             if row.api_key_id and row.status_code < 400:

@@ -14,13 +14,14 @@ pattern RE2 refuses is a field error with RE2's reason.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import models
 
 from guardrails_app.detectors import Detector, DetectorError, builtin, deny_list, tenant_pattern
-from guardrails_app.policy import Direction, Policy, PolicyError, effective
+from guardrails_app.policy import Direction, Policy, PolicyError, Vault, effective
 from tenants_app.models import ApiKey, Tenant, TenantOwnedQuerySet
 
 RULES_HELP = ('Detector name -> rule: "block", "redact", "redact:mask", "redact:hash" or '
@@ -263,3 +264,24 @@ def resolve(floor: Policy, tenant: Policy | None = None, key: Policy | None = No
         policy = effective(policy, Policy.from_dict({**kept, "name": level.name,
                                                       "restore": level.restore}))
     return policy
+
+
+def tenant_policy(tenant: Tenant) -> Policy:
+    """The tenant's effective policy: the floor tightened by its own row (`resolve()`)."""
+    row = TenantPolicy.objects.filter(tenant=tenant).first()
+    return resolve(FloorPolicy.current(), row.policy() if row is not None else None)
+
+
+def bench(tenant: Tenant, text: str, direction: Direction) -> dict[str, Any]:
+    """The policy test bench: what the tenant's effective policy does to `text` with the real
+    detectors (the API's and the portal's). Findings are offsets, never the values."""
+    guard = tenant_policy(tenant).compile(
+        tenant_detectors(TenantPattern.objects.filter(tenant=tenant)))
+    result = guard.apply(text, direction, Vault(salt=b"guardrails-test-bench-salt"))
+    return {
+        "blocked": result.blocked,
+        "text": result.text,
+        "findings": [{**asdict(f), "action": str(f.action)} for f in result.findings],
+        "counts": result.counts(),
+        "error": result.error() if result.blocked else None,
+    }

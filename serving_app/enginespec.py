@@ -182,6 +182,13 @@ FIELDS: tuple[EngineField, ...] = (
         help_text="Reuse the KV cache of a prompt prefix already computed.",
     ),
     EngineField(
+        "enforce_eager", "Eager mode (no CUDA graphs)", "bool", False, group="capacity",
+        flag="--enforce-eager", vllm_default=False, memory=True,
+        help_text="Run the model without torch.compile and CUDA graphs: a GPU engine starts "
+                  "in a fraction of the time and keeps the graphs' memory for the KV cache, at "
+                  "some cost in per-token latency. No effect on a CPU engine.",
+    ),
+    EngineField(
         "dtype", "Data type", "choice", "auto", group="model", flag="--dtype",
         choices=(("auto", "auto"), ("float32", "float32"), ("float16", "float16"),
                  ("bfloat16", "bfloat16")),
@@ -253,6 +260,7 @@ class EngineSpec:
     max_model_len: int | None
     max_num_batched_tokens: int | None
     enable_prefix_caching: bool
+    enforce_eager: bool
     dtype: str
     quantization: str | None
     kv_cache_dtype: str

@@ -193,18 +193,67 @@ def _directory(path_text: str) -> Path:
     return path
 
 
-def read_model(path_text: str) -> ModelArchitecture:
+# Model types whose MLP is gated (gate, up and down projections); others have two matrices.
+UNGATED_MODEL_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi",
+                                 "starcoder2", "gpt_bigcode"})
+# Model types with biases on the q, k and v projections (and none elsewhere).
+QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def config_parameters(config: dict[str, Any]) -> int:
+    """The parameter count a decoder-only transformer's `config.json` implies.
+
+    Per layer: attention q and o (hidden x heads x head_dim each), k and v (hidden x KV heads x
+    head_dim each), q/k/v biases where the model type has them (Qwen2), the MLP (gate, up and
+    down: 3 x hidden x intermediate; 2 x for the ungated model types), two norms (hidden each).
+    Plus the embedding, the LM head unless tied, and the final norm. Llama-3-8B's config gives
+    8,030,261,248, its checkpoint's count. Used for capacity-test models, which have no weights
+    to measure (`read_model(dummy=True)`).
+    """
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        vocab = int(config["vocab_size"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        intermediate = int(config.get("intermediate_size") or 4 * hidden)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ModelFilesError(f"config.json lacks a usable architecture field: {exc}") from exc
+    model_type = str(config.get("model_type", ""))
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    if model_type in QKV_BIAS_MODEL_TYPES or config.get("attention_bias"):
+        attention += heads * head_dim + 2 * kv_heads * head_dim
+    mlp = (2 if model_type in UNGATED_MODEL_TYPES else 3) * hidden * intermediate
+    per_layer = attention + mlp + 2 * hidden
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings + hidden
+
+
+def read_model(path_text: str, *, dummy: bool = False) -> ModelArchitecture:
+    """What the model folder holds. `dummy`: a capacity-test model, run with random weights: the
+    folder needs its `config.json` and a tokenizer, no weights; the weight bytes are the
+    configuration's parameter count times its dtype's size."""
     path = _directory(path_text)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelFilesError("The folder holds no config.json: it is not a model folder.")
     config = _read_json(config_path)
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise ModelFilesError("The folder holds no .safetensors weight files.")
-    weight_bytes = sum(
-        tensor.nbytes for file in weights for tensor in read_safetensors_header(file).values()
-    )
+    if dummy:
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelFilesError("A capacity-test model needs a tokenizer beside its "
+                                  f"config.json (one of {', '.join(TOKENIZER_FILES)}).")
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+        element = DTYPE_BYTES.get({"bfloat16": "BF16", "float16": "F16"}.get(dtype, "F32"), 4)
+        weight_bytes = config_parameters(config) * element
+    else:
+        weights = sorted(path.glob("*.safetensors"))
+        if not weights:
+            raise ModelFilesError("The folder holds no .safetensors weight files.")
+        weight_bytes = sum(
+            tensor.nbytes for file in weights for tensor in read_safetensors_header(file).values()
+        )
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])

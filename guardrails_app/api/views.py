@@ -4,7 +4,6 @@ test bench (`POST .../tenant-guardrails/{id}/test/`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from django.db.models import QuerySet
@@ -21,15 +20,8 @@ from guardrails_app.api.serializers import (
     TenantPatternSerializer,
     TenantPolicySerializer,
 )
-from guardrails_app.models import (
-    FloorPolicy,
-    KeyPolicy,
-    TenantPattern,
-    TenantPolicy,
-    resolve,
-    tenant_detectors,
-)
-from guardrails_app.policy import Direction, Vault
+from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy, bench
+from guardrails_app.policy import Direction
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.models import Tenant
 
@@ -66,24 +58,10 @@ class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):
         """Run the tenant's effective policy (floor and tenant) on pasted text with the real
         detectors: what it would block or redact. Findings are offsets, never values."""
         policy_row = self.get_object()
-        bench = BenchSerializer(data=request.data)
-        bench.is_valid(raise_exception=True)
-        return Response(run_bench(policy_row.tenant, bench.validated_data["text"],
-                                  Direction(bench.validated_data["direction"])))
-
-
-def run_bench(tenant: Tenant, text: str, direction: Direction) -> dict[str, Any]:
-    row = TenantPolicy.objects.filter(tenant=tenant).first()
-    policy = resolve(FloorPolicy.current(), row.policy() if row is not None else None)
-    guard = policy.compile(tenant_detectors(TenantPattern.objects.filter(tenant=tenant)))
-    result = guard.apply(text, direction, Vault(salt=b"guardrails-test-bench-salt"))
-    return {
-        "blocked": result.blocked,
-        "text": result.text,
-        "findings": [{**asdict(f), "action": str(f.action)} for f in result.findings],
-        "counts": result.counts(),
-        "error": result.error() if result.blocked else None,
-    }
+        query = BenchSerializer(data=request.data)
+        query.is_valid(raise_exception=True)
+        return Response(bench(policy_row.tenant, query.validated_data["text"],
+                              Direction(query.validated_data["direction"])))
 
 
 class KeyPolicyViewSet(ScopedModelViewSet[KeyPolicy]):

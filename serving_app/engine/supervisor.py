@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 from django.conf import settings
 
+from serving_app.engine.startup import LAUNCH_MARKER
+
 # Children this agent process launched, so their exit codes can be reaped (a zombie would look
 # alive to kill(pid, 0)). Adopted engines are not our children; init reaps them.
 _children: dict[int, subprocess.Popen[bytes]] = {}
@@ -78,7 +80,7 @@ def launch(argv: list[str], env: dict[str, str], log_path: Path) -> Launched:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = engine_environment(dict(os.environ), env)
     with log_path.open("ab") as log:
-        log.write(f"\n=== launch at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+        log.write(b"\n" + LAUNCH_MARKER + f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
         log.flush()
         process = subprocess.Popen(
             argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

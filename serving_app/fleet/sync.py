@@ -31,7 +31,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from serving_app.models import Gpu, GpuSample, Instance, Node
-from serving_app.placement.inventory import GpuInfo, GpuProcessInfo, MigDeviceInfo
+from serving_app.placement.inventory import GpuInfo, GpuProcessInfo, MigDeviceInfo, cpulist_text
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ def _gpu_values(info: GpuInfo) -> dict[str, Any]:
         "temperature_c": _float(info.temperature_c),
         "power_w": _float(info.power_w),
         "processes": _process_dicts(info.processes),
+        "cpu_affinity": cpulist_text(info.cpu_affinity) if info.cpu_affinity else "",
         "declared": info.declared,
     }
 
@@ -107,6 +108,7 @@ def _mig_values(info: GpuInfo, mig: MigDeviceInfo, parent: Gpu) -> dict[str, Any
         "temperature_c": None,
         "power_w": None,
         "processes": _process_dicts(own),
+        "cpu_affinity": cpulist_text(info.cpu_affinity) if info.cpu_affinity else "",
         "declared": info.declared,
     }
 

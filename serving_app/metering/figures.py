@@ -180,6 +180,29 @@ def requests_figure(series: Series, tenants: dict[int, Tenant]) -> dict[str, Any
     return _plain(_empty(fig, has_data))
 
 
+def guardrails_figure(rows: list[dict[str, Any]], tenants: dict[int, Tenant]) -> dict[str, Any]:
+    """Guardrail findings per category (`queries.guardrail_counts`), stacked by tenant."""
+    colours = tenant_colours(tenants.values())
+    categories = sorted({r["category"] for r in rows})
+    fig = _figure(layout=_layout("Guardrail findings by category", "findings in range",
+                                 barmode="stack"))
+    by_tenant: dict[int, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_tenant.setdefault(row["tenant"].pk, {})[row["category"]] = row
+    for tenant in sorted(tenants.values(), key=lambda t: t.slug):
+        found = by_tenant.get(tenant.pk)
+        if not found:
+            continue
+        cells = [found.get(c) for c in categories]
+        fig.add_bar(x=categories, y=[c["total"] if c else 0 for c in cells], name=tenant.slug,
+                    marker={"color": colours[tenant.pk]},
+                    customdata=[[c["block"], c["redact"], c["detect"]] if c else [0, 0, 0]
+                                for c in cells],
+                    hovertemplate="%{x}: %{y} (blocked %{customdata[0]}, redacted "
+                                  "%{customdata[1]}, detected %{customdata[2]})")
+    return _plain(_empty(fig, bool(rows), "No guardrail findings in this range"))
+
+
 def tokens_figure(series: Series, tenants: dict[int, Tenant]) -> dict[str, Any]:
     colours = tenant_colours(tenants.values())
     x = times(series.bins)

@@ -26,12 +26,15 @@ def usage_panel(trange: queries.TimeRange, tenants: QuerySet[Tenant]) -> dict:
     names = queries.tenant_names(tenants)
     series = queries.usage_series(trange, tenants)
     totals = queries.usage_totals(trange, tenants)
+    guardrails = queries.guardrail_counts(trange, tenants)
     return {
         "figures": {
             "requests": figures.requests_figure(series, names),
             "tokens": figures.tokens_figure(series, names),
+            "guardrails": figures.guardrails_figure(guardrails, names),
         },
         "rows": totals,
+        "guardrails": guardrails,
         "total_requests": sum(r["requests"] for r in totals),
         "total_tokens": sum(r["total_tokens"] for r in totals),
     }

@@ -29,6 +29,8 @@ from django.utils import timezone
 from serving_app.models import Deployment, Gpu, GpuSample, LoraAdapter
 from serving_app.models.usage import (
     LATENCY_FIELDS,
+    GuardrailHour,
+    GuardrailMinute,
     UsageHour,
     UsageMinute,
     UsageRollup,
@@ -282,6 +284,33 @@ def usage_totals(
             }
         )
     return out
+
+
+GUARDRAIL_ACTIONS = ("block", "redact", "detect")
+
+
+def guardrail_counts(
+    trange: TimeRange, tenants: QuerySet[Tenant], now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Per tenant and category: the findings guardrails blocked, redacted and only detected
+    over the range, input and output together (the guardrail rollups: minutes up to a day,
+    hours beyond). Only tenants and categories with findings; never a value."""
+    start, _ = trange.bounds(now)
+    rollup = GuardrailHour if trange.rollup is UsageHour else GuardrailMinute
+    names = tenant_names(tenants)
+    found: dict[tuple[int, str], dict[str, Any]] = {}
+    rows = (rollup.objects.in_scope(tenants).filter(bucket__gte=start).order_by()
+            .values_list("tenant_id", "category", "action").annotate(n=Sum("count")))
+    for tenant_id, category, action, n in rows:
+        tenant = names.get(tenant_id)
+        if tenant is None or action not in GUARDRAIL_ACTIONS:
+            continue
+        entry = found.setdefault((tenant_id, category), {
+            "tenant": tenant, "category": category, "total": 0,
+            **dict.fromkeys(GUARDRAIL_ACTIONS, 0)})
+        entry[action] += int(n or 0)
+        entry["total"] += int(n or 0)
+    return sorted(found.values(), key=lambda e: (e["tenant"].slug, e["category"]))
 
 
 def month_used_tokens(tenants: QuerySet[Tenant], now: datetime | None = None) -> dict[int, int]:

@@ -33,6 +33,7 @@ from tenants_app.models import Tenant, TenantOwnedQuerySet
 
 __all__ = [
     "UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",
+    "GuardrailMinute", "GuardrailHour", "GuardrailTotal",
     "LATENCY_BUCKETS_MS", "LATENCY_FIELDS", "TTFT_FIELDS", "ROLLUP_COUNTERS", "bucket_index",
     "histogram_quantile",
 ]
@@ -264,3 +265,54 @@ class UsageTotal(UsageRollup):
 
     class Meta(UsageRollup.Meta):
         constraints = _rollup_meta("usage_total")["constraints"]
+
+
+class GuardrailRollup(models.Model):
+    """What guardrails did for one tenant over one time bucket (abstract): how many findings
+    per direction (input, output), action (block, redact, detect) and category (PHONE, ...),
+    summed from the usage events' `guardrails` counts by the usage writer. Never a value."""
+
+    bucket = models.DateTimeField(help_text="Start of the bucket (UTC).")
+    tenant = models.ForeignKey(
+        "tenants_app.Tenant", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    direction = models.CharField(max_length=8)
+    action = models.CharField(max_length=8)
+    category = models.CharField(max_length=60)
+    count = models.PositiveBigIntegerField(default=0)
+
+    objects = UsageRollupQuerySet.as_manager()
+
+    class Meta:
+        abstract = True
+        ordering = ["bucket"]
+
+    def __str__(self) -> str:
+        return f"{self.bucket:%Y-%m-%d %H:%M} {self.direction}:{self.action}:{self.category}"
+
+
+def _guardrail_meta(name: str) -> list[models.BaseConstraint]:
+    return [models.UniqueConstraint(
+        fields=["bucket", "tenant", "direction", "action", "category"],
+        name=f"unique_{name}_bucket")]
+
+
+class GuardrailMinute(GuardrailRollup):
+    """Guardrail counts per minute: the dashboards up to a day and the alert metric."""
+
+    class Meta(GuardrailRollup.Meta):
+        constraints = _guardrail_meta("guardrail_minute")
+
+
+class GuardrailHour(GuardrailRollup):
+    """Guardrail counts per hour: the dashboards' longer ranges."""
+
+    class Meta(GuardrailRollup.Meta):
+        constraints = _guardrail_meta("guardrail_hour")
+
+
+class GuardrailTotal(GuardrailRollup):
+    """Guardrail counts ever (one bucket, TOTAL_BUCKET): the monotonic counter of `/metrics`."""
+
+    class Meta(GuardrailRollup.Meta):
+        constraints = _guardrail_meta("guardrail_total")

@@ -17,6 +17,7 @@ holds the format); those GPUs carry ``declared=True``.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import time
@@ -88,6 +89,7 @@ class GpuInfo:
     mig_mode_pending: bool | None = None
     mig_devices: list[MigDeviceInfo] = field(default_factory=list)
     processes: list[GpuProcessInfo] = field(default_factory=list)
+    cpu_affinity: list[int] = field(default_factory=list)  # the cores nearest the GPU
     declared: bool = False
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -271,6 +273,11 @@ def _read_gpu(nvml: ModuleType, index: int) -> dict[str, Any]:
     else:
         gpu["mig_devices"] = []
     gpu["processes"] = _read_processes(nvml, handle, errors)
+    words = max(1, -(-(os.cpu_count() or 1) // 64))  # NVML's mask: 64 cores per word
+    affinity = getattr(nvml, "nvmlDeviceGetCpuAffinity", None)  # absent from old pynvml
+    mask = None if affinity is None else _query(errors, "cpu_affinity", affinity, handle, words)
+    if mask is not None:
+        gpu["cpu_affinity"] = cpus_of_mask([int(word) for word in mask])
     return gpu
 
 
@@ -395,6 +402,7 @@ def parse_snapshot(snapshot: dict[str, Any]) -> list[GpuInfo]:
                 mig_mode_pending=_as_bool(mig_mode.get("pending")),
                 mig_devices=migs,
                 processes=procs,
+                cpu_affinity=[int(c) for c in raw.get("cpu_affinity") or []],
                 declared=False,
                 errors=dict(raw.get("errors") or {}),
             )
@@ -455,3 +463,47 @@ def declared_gpu_infos(gpus: list[DeclaredGpu], host: str = "") -> list[GpuInfo]
         )
         for gpu in gpus
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# CPU lists (the kernel's "0-7,16-23" form): engines are pinned to the cores nearest their GPU
+# --------------------------------------------------------------------------------------------
+
+
+def cpus_of_mask(words: list[int]) -> list[int]:
+    """The cores set in NVML's CPU affinity mask (64 cores per word, lowest word first)."""
+    return [index * 64 + bit for index, word in enumerate(words) for bit in range(64)
+            if word >> bit & 1]
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``; a clear ``ValueError`` for anything else."""
+    cores: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a core number or range (e.g. 0-7,16-23).")
+        low, high = int(first), int(last or first)
+        if high < low or high > 4095:
+            raise ValueError(f"{part!r} is not a valid range of cores.")
+        cores.update(range(low, high + 1))
+    if not cores:
+        raise ValueError("Give at least one core, e.g. 0-7.")
+    return sorted(cores)
+
+
+def cpulist_text(cores: list[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (what ``taskset -c`` and the kernel write)."""
+    ranges: list[str] = []
+    ordered = sorted(set(cores))
+    start = previous = None
+    for core in [*ordered, None]:
+        if core is not None and previous is not None and core == previous + 1:
+            previous = core
+            continue
+        if start is not None:
+            ranges.append(str(start) if start == previous else f"{start}-{previous}")
+        start = previous = core
+    return ",".join(ranges)

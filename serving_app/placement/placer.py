@@ -38,11 +38,20 @@ from .shares import split_amount
 Id = Hashable
 
 
+# What an MPS client's own CUDA context takes out of its pinned-memory limit before vLLM asks
+# for its share: on an H200 an engine pinned to 5,750 MiB saw 5.45 GiB free, 169 MiB less, and
+# refused to start because it wanted 0.04 x 139.8 GiB (docs/gpu.md, "MPS").
+MPS_CONTEXT_HEADROOM_BYTES = 512 * MIB
+
+
 def mps_memory_limit(totals: list[int], fraction: float) -> str:
     """`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for devices of `totals` bytes, each pinned to `fraction`
-    of its memory: keyed by position among the visible devices, as MPS reads it, in MiB."""
+    of its memory plus the CUDA context's headroom (vLLM's `gpu_memory_utilization` counts the
+    context inside its share, but checks its share against what is free after the context
+    was made): keyed by position among the visible devices, as MPS reads it, in MiB."""
     return ",".join(
-        f"{i}={max(1, int(total * fraction) // MIB)}M" for i, total in enumerate(totals)
+        f"{i}={max(1, (int(total * fraction) + MPS_CONTEXT_HEADROOM_BYTES) // MIB)}M"
+        for i, total in enumerate(totals)
     )
 
 

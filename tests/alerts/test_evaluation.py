@@ -16,6 +16,7 @@ from django.utils import timezone
 from alerts_app.evaluate import evaluate
 from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
 from gateway_app.catalog import InstanceEntry
+from gateway_app.writer import persist
 from serving_app.deployments import inflight, sharing
 from serving_app.models import Instance, Node
 from serving_app.models.revisions import Rollout
@@ -348,3 +349,38 @@ def test_a_failed_rollout_fires_until_a_later_rollout_or_rollback(served, platfo
     kinds = list(AlertTransition.objects.filter(alert__rule=rule)
                  .order_by("at").values_list("kind", flat=True))
     assert kinds == ["firing", "resolved"]
+
+
+def test_blocked_requests_per_tenant_fire_a_rule(acme, globex, platform_hook):
+    """"More than 3 requests blocked by guardrails in 5 minutes", per tenant: the tenant whose
+    requests were blocked fires, the other reads 0 (a count, not "no data"); a tenant's own
+    rule sees its own blocks only; blocks older than the window do not count."""
+    rule = make_rule(metric="guardrail_blocked", scope="tenant", comparison=">", threshold=3,
+                     window_seconds=300, for_seconds=0)
+    own = make_rule(metric="guardrail_blocked", scope="tenant", comparison=">", threshold=0,
+                    window_seconds=300, for_seconds=0, tenant=globex.tenant)
+    now = timezone.now()
+
+    def blocked(tenant, at, n: int) -> None:
+        persist([{"id": f"g-{next(_block_ids)}", "at": at.timestamp(), "tenant": tenant.pk,
+                  "endpoint": "chat.completions", "model": "llama", "status": 400,
+                  "error": "guardrail_blocked", "guardrails": {"input:block:ID_NUMBER": 1,
+                                                               "input:redact:PHONE": 2}}
+                 for _ in range(n)])
+
+    blocked(acme.tenant, now - timedelta(minutes=20), 10)  # outside the window
+    blocked(acme.tenant, now - timedelta(minutes=1), 3)
+    evaluate(now=now)
+    assert not Alert.objects.filter(rule=rule, state=State.FIRING).exists()
+    blocked(acme.tenant, now, 1)
+    evaluate(now=now + timedelta(seconds=10))
+    firing = Alert.objects.get(rule=rule, state=State.FIRING)
+    assert firing.scope_label == "tenant acme" and firing.value == 4
+    assert not Alert.objects.filter(rule=own).exclude(state=State.OK).exists()
+    blocked(globex.tenant, now, 1)
+    evaluate(now=now + timedelta(seconds=20))
+    assert Alert.objects.get(rule=own).state == State.FIRING
+    assert Alert.objects.get(rule=own).scope_label == "tenant globex"
+
+
+_block_ids = iter(range(1, 10**9))

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from alerts_app.exporter import EXPORTED_BOUNDS
 from alerts_app.models import Alert
+from gateway_app.writer import persist
 from serving_app.models import Instance, Node
-from serving_app.models.usage import LATENCY_BUCKETS_MS
+from serving_app.models.usage import LATENCY_BUCKETS_MS, GuardrailMinute
 from tests.alerts.conftest import make_rule, traffic
 from tests.factories import make_engine_sample
 
@@ -151,3 +152,28 @@ def test_the_deploy_rules_and_dashboard_use_only_exported_metrics(served, gpu):
     assert named and named <= exported, named - exported
     samples = scrape()
     assert value(samples, "llm_console_tenant_gpu_reserved_bytes", tenant="acme-co") > 0
+
+
+def test_guardrail_findings_are_a_counter_per_tenant_and_category(served):
+    """The all-time guardrail rollup as `llm_console_guardrail_findings_total`: it sums every
+    batch of events and keeps counting after minute rows are gone."""
+    acme, globex, _ = served
+    now = timezone.now()
+    for i, (tenant, counts) in enumerate((
+            (acme, {"input:block:SECRET": 1}),
+            (acme, {"input:block:SECRET": 1, "output:redact:PHONE": 3}),
+            (globex, {"input:detect:EMAIL": 2}))):
+        persist([{"id": f"gr-{i}", "at": now.timestamp(), "tenant": tenant.pk,
+                  "endpoint": "chat.completions", "model": "llama-mini", "status": 200,
+                  "guardrails": counts}])
+    GuardrailMinute.objects.all().delete()
+    samples = scrape()
+    name = "llm_console_guardrail_findings_total"
+    assert value(samples, name, tenant="acme-co", direction="input", action="block",
+                 category="SECRET") == 2
+    assert value(samples, name, tenant="acme-co", direction="output", action="redact",
+                 category="PHONE") == 3
+    assert value(samples, name, tenant="globex-co", direction="input", action="detect",
+                 category="EMAIL") == 2
+    assert not [k for k in samples if k[0] == name and ("tenant", "globex-co") in k[1]
+                and ("action", "block") in k[1]]

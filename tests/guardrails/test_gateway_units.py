@@ -121,3 +121,96 @@ def test_token_id_prompts_cannot_pass_the_input_rules_unseen():
     body = {"prompt": [1, 2, 3]}
     guard(output={"cn_mobile": "redact"}).input("completions", body)  # no input rules
     assert body == {"prompt": [1, 2, 3]}
+
+
+def tool_event(index: int, call: int, arguments: str, finish: str | None = None,
+               logprobs: dict | None = None) -> bytes:
+    data = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+            "model": "tiny-llama",
+            "choices": [{"index": index, "logprobs": logprobs, "finish_reason": finish,
+                         "delta": {"tool_calls": [{"index": call,
+                                                   "function": {"arguments": arguments}}]}}]}
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def arguments(out: bytes) -> dict[tuple[int, int], str]:
+    got: dict[tuple[int, int], str] = {}
+    for event in out.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for choice in json.loads(event[6:]).get("choices", ()):
+                for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                    key = (choice["index"], call["index"])
+                    got[key] = got.get(key, "") + call["function"]["arguments"]
+    return got
+
+
+def test_streamed_tool_call_arguments_are_redacted_across_events_and_restored():
+    """Each tool call's arguments are a stream of their own: an entity split across events is
+    redacted, what a call still holds goes out with the finish event, input values come back."""
+    g = guard(input={"cn_mobile": "redact"}, output={"ticket": "redact", "email": "redact"})
+    g.input("chat.completions", {"messages": [{"role": "user", "content": f"call {MOBILE}"}]})
+    rewrite = g.stream("chat.completions")
+    pieces = [tool_event(0, 0, '{"ticket": "TC'), tool_event(0, 1, '{"to": "ann@exam'),
+              tool_event(0, 0, 'K-1234", "phone": "[PHONE_1]"}'),
+              tool_event(0, 1, 'ple.com"}'), chat_event(0, None, "tool_calls"),
+              b"data: [DONE]\n\n"]
+    out = b"".join(rewrite(p) for p in pieces)
+    got = arguments(out)
+    assert got == {(0, 0): f'{{"ticket": "[TICKET_1]", "phone": "{MOBILE}"}}',
+                   (0, 1): '{"to": "[EMAIL_1]"}'}
+    assert json.loads(got[(0, 0)])["phone"] == MOBILE
+    assert b"TCK" not in out and b"K-1234" not in out and b"ann@" not in out
+    assert g.counts["output:redact:TICKET"] == 1 and g.counts["output:redact:EMAIL"] == 1
+
+
+def test_a_secret_in_tool_call_arguments_blocks_the_choice():
+    g = guard(output={"ticket": "block"})
+    rewrite = g.stream("chat.completions")
+    out = rewrite(tool_event(0, 0, '{"id": "TCK-9') + tool_event(0, 0, '876"}')
+                  + chat_event(0, " after") + b"data: [DONE]\n\n")
+    assert b"9876" not in out and b"after" not in out
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    last = events[-1]["choices"][0]
+    assert last["finish_reason"] == "content_filter" and "tool_calls" not in last["delta"]
+
+
+def test_streamed_logprobs_go_on_only_with_text_that_went_out_unchanged():
+    """An event whose text is held back or redacted loses its logprobs (their tokens are the
+    original text); one whose text passes as it came keeps them."""
+    g = guard(output={"ticket": "redact"})
+    rewrite = g.stream("chat.completions")
+
+    def with_logprobs(content: str, finish: str | None = None) -> bytes:
+        event = json.loads(chat_event(0, content, finish)[6:])
+        event["choices"][0]["logprobs"] = {"content": [{"token": content, "logprob": -0.1}]}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    out = [rewrite(with_logprobs(t)) for t in ("hello ", "TCK-", "5678 ok", " bye")]
+    choices = [json.loads(o[6:])["choices"][0] for o in out]
+    assert choices[0]["logprobs"]["content"][0]["token"] == "hello "
+    assert choices[1]["logprobs"] is None and choices[1]["delta"]["content"] == ""
+    assert choices[2]["logprobs"] is None and "5678" not in json.dumps(choices[2])
+    assert choices[3]["logprobs"]["content"][0]["token"] == " bye"
+
+
+def test_a_whole_answers_tool_calls_are_redacted_and_changed_logprobs_dropped():
+    g = guard(output={"ticket": "redact"})
+    answer = {"choices": [
+        {"index": 0, "finish_reason": "tool_calls",
+         "logprobs": {"content": [{"token": "x", "logprob": -1.0}]},
+         "message": {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "call_1", "type": "function",
+              "function": {"name": "open", "arguments": '{"ticket": "TCK-4321"}'}}]}},
+        {"index": 1, "finish_reason": "stop",
+         "logprobs": {"content": [{"token": "fine", "logprob": -0.5}]},
+         "message": {"role": "assistant", "content": "fine"}}]}
+    out = json.loads(g.output_body("chat.completions", json.dumps(answer).encode()))
+    first, second = out["choices"]
+    assert first["message"]["tool_calls"][0]["function"]["arguments"] == \
+        '{"ticket": "[TICKET_1]"}'
+    assert first["logprobs"] is None and "4321" not in json.dumps(out)
+    assert second["logprobs"]["content"][0]["token"] == "fine"
+    blocked = guard(output={"ticket": "block"}).output_body(
+        "chat.completions", json.dumps(answer).encode())
+    choice = json.loads(blocked)["choices"][0]
+    assert choice["finish_reason"] == "content_filter" and "tool_calls" not in choice["message"]

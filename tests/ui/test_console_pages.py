@@ -31,6 +31,7 @@ PAGES = [
     ("console:audit-log", []),
     ("console:event-list", []),
     ("console:node-list", []),
+    ("console:guardrail-floor", []),
     ("console:dashboard", ["usage"]),
     ("console:dashboard", ["latency"]),
     ("console:dashboard", ["gpus"]),

@@ -5,12 +5,14 @@ requests that met it, and the GPU page without GPUs says why it is empty."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from gateway_app.writer import persist
 from serving_app.metering import figures, queries
 from serving_app.models.usage import UsageHour, UsageMinute
 from serving_app.units import format_gib
@@ -196,3 +198,42 @@ def test_isolated_points_are_found():
     assert figures.isolated([1.0, None, None])
     assert not figures.isolated([1.0, 2.0, None, 3.0, 4.0])
     assert not figures.isolated([None, None])
+
+
+def test_guardrail_findings_per_tenant_and_category_beside_usage(login, platform_admin, acme,
+                                                                 globex):
+    """The usage dashboard's guardrail chart (stacked by tenant, per category) and table
+    (blocked, redacted, detected), from the rollups the writer keeps; the portal's tenant sees
+    its own only; findings older than the range are left out."""
+    now = timezone.now()
+    for i, (tenant, at, counts) in enumerate((
+            (acme.tenant, now, {"input:block:SECRET": 1, "input:redact:PHONE": 2}),
+            (acme.tenant, now, {"output:redact:PHONE": 3, "input:detect:EMAIL": 1}),
+            (globex.tenant, now, {"input:redact:PHONE": 5}),
+            (globex.tenant, now - timedelta(hours=3), {"input:block:SECRET": 7}))):
+        persist([{"id": f"gd-{i}", "at": (at - timedelta(minutes=1)).timestamp(),
+                  "tenant": tenant.pk, "endpoint": "chat.completions", "model": "m",
+                  "status": 200, "guardrails": counts}])
+    data = _data(login(platform_admin), "usage", range="1h")
+    figure = data["figures"]["guardrails"]
+    acme_bars = _trace(figure, "acme")
+    assert dict(zip(acme_bars["x"], acme_bars["y"], strict=True)) == {
+        "EMAIL": 1, "PHONE": 5, "SECRET": 1}
+    globex_bars = _trace(figure, "globex")
+    assert dict(zip(globex_bars["x"], globex_bars["y"], strict=True))["SECRET"] == 0
+    phone = re.search(r'data-tenant="acme" data-category="PHONE">(.*?)</tr>', data["tables"],
+                      re.S).group(1)
+    assert re.findall(r'class="num">(\d+)<', phone) == ["0", "5", "0", "5"]
+    week = _data(login(platform_admin), "usage", range="7d")["figures"]["guardrails"]
+    assert dict(zip(*(_trace(week, "globex")[k] for k in "xy"), strict=True))["SECRET"] == 7
+    portal = login(acme.viewer).get(reverse("portal:dashboard-data", args=["acme", "usage"]),
+                                    {"range": "1h"}).json()
+    assert [t["name"] for t in portal["figures"]["guardrails"]["data"]] == ["acme"]
+    assert "globex" not in portal["tables"].lower()
+
+
+def test_without_findings_the_guardrail_chart_says_why(login, platform_admin, acme, usage):
+    usage(acme.tenant, minutes_ago=5)
+    figure = _data(login(platform_admin), "usage", range="1h")["figures"]["guardrails"]
+    assert not figure["data"]
+    assert "No guardrail findings" in figure["layout"]["annotations"][0]["text"]

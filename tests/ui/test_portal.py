@@ -33,6 +33,7 @@ TENANT_PAGES = [
     ("portal:models", []),
     ("portal:playground", []),
     ("portal:members", []),
+    ("portal:guardrails", []),
 ]
 WRITES = [
     ("portal:keys", [], {"name": "k"}),
@@ -40,6 +41,8 @@ WRITES = [
     ("portal:adapters", [], {"source": "path"}),
     ("portal:playground-key", [], {}),
     ("portal:members", [], {"invited_as": "x", "role": "member"}),
+    ("portal:guardrails", [], {}),
+    ("portal:guardrail-patterns", [], {"name": "x", "pattern": "x"}),
 ]
 
 

@@ -224,7 +224,7 @@ def test_gpus_mig_and_mps_environment(tenant, base_model):
                                                      gpu_memory_fraction=0.25), gpus=[gpu1])
     assert spec.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     # In MiB, as the placer writes it (one function for both).
-    assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert spec.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20992M"
 
 
 def test_placement_environment_wins_and_declared_gpus_keep_the_cpu_cache(tenant, base_model):

@@ -15,6 +15,9 @@ from serving_app import migrations
 from serving_app.models.usage import (
     LATENCY_BUCKETS_MS,
     TOTAL_BUCKET,
+    GuardrailHour,
+    GuardrailMinute,
+    GuardrailTotal,
     UsageHour,
     UsageMinute,
     UsageTenSecond,
@@ -115,3 +118,40 @@ def test_the_migration_starts_the_totals_from_the_hour_rollups():
     total = UsageTotal.objects.get(tenant=tenant)
     assert (total.requests, total.latency_ms_max, total.bucket) == (12, 30, TOTAL_BUCKET)
 
+
+
+def test_guardrail_counts_are_rolled_up_per_minute_hour_and_ever():
+    """Each event's `direction:action:CATEGORY` counts add up per tenant and bucket; a redelivered
+    event is not counted twice; a malformed or negative count is dropped, not a failed batch."""
+    acme, globex = make_tenant("acme"), make_tenant("globex")
+    later = AT + timedelta(minutes=2)
+    events = [
+        {**event(1, tenant=acme.pk), "guardrails": {"input:redact:PHONE": 2,
+                                                    "input:block:SECRET": 1}},
+        {**event(2, tenant=acme.pk, at=later), "guardrails": {"input:redact:PHONE": 1,
+                                                              "output:redact:PHONE": -3,
+                                                              "nonsense": 4}},
+        {**event(3, tenant=globex.pk), "guardrails": {"output:detect:EMAIL": 5}},
+        event(4, tenant=globex.pk),
+    ]
+    assert persist(events) == 4
+    assert persist(events[:1]) == 0  # redelivered: stored already, not counted again
+
+    def counts(model) -> dict:
+        return {(r.bucket, r.tenant_id, r.direction, r.action, r.category): r.count
+                for r in model.objects.all()}
+
+    minute = AT.replace(second=0)
+    assert counts(GuardrailMinute) == {
+        (minute, acme.pk, "input", "redact", "PHONE"): 2,
+        (minute, acme.pk, "input", "block", "SECRET"): 1,
+        (later.replace(second=0), acme.pk, "input", "redact", "PHONE"): 1,
+        (minute, globex.pk, "output", "detect", "EMAIL"): 5,
+    }
+    hour = AT.replace(minute=0, second=0)
+    assert counts(GuardrailHour)[(hour, acme.pk, "input", "redact", "PHONE")] == 3
+    assert counts(GuardrailTotal) == {
+        (TOTAL_BUCKET, acme.pk, "input", "redact", "PHONE"): 3,
+        (TOTAL_BUCKET, acme.pk, "input", "block", "SECRET"): 1,
+        (TOTAL_BUCKET, globex.pk, "output", "detect", "EMAIL"): 5,
+    }

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
+from ui_app.console import artifacts as artifact_views
 from ui_app.console import autoscaling as autoscaling_views
 from ui_app.console import fleet as fleet_views
+from ui_app.console import guardrails as guardrail_views
+from ui_app.console import joins, views
 from ui_app.console import metrics as metrics_views
-from ui_app.console import views
 from ui_app.scoping import public
 
 app_name = "console"
@@ -24,6 +26,10 @@ urlpatterns = [
     path("tenants/new/", views.TenantCreateView.as_view(), name="tenant-create"),
     path("tenants/<slug:slug>/", views.TenantDetailView.as_view(), name="tenant-detail"),
     path("tenants/<slug:slug>/edit/", views.TenantUpdateView.as_view(), name="tenant-edit"),
+    # artifacts: the files of base models and adapters
+    path("artifacts/", artifact_views.ArtifactListView.as_view(), name="artifact-list"),
+    path("artifacts/<int:pk>/", artifact_views.ArtifactDetailView.as_view(),
+         name="artifact-detail"),
     # base models
     path("models/", views.BaseModelListView.as_view(), name="basemodel-list"),
     path("models/new/", views.BaseModelCreateView.as_view(), name="basemodel-create"),
@@ -65,6 +71,10 @@ urlpatterns = [
     path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # nodes
     path("nodes/", views.NodeListView.as_view(), name="node-list"),
+    path("nodes/add/", joins.AddNodeView.as_view(), name="node-add"),
+    path("nodes/<int:pk>/remove/", joins.RemoveNodeView.as_view(), name="node-remove"),
+    path("nodes/join-tokens/<int:pk>/revoke/", joins.RevokeJoinTokenView.as_view(),
+         name="node-join-token-revoke"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
             views.NodeActionView.as_view(), name="node-action"),
@@ -78,6 +88,8 @@ urlpatterns = [
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),
     path("instances/<int:pk>/metrics/", metrics_views.InstanceMetricsData.as_view(),
          name="instance-metrics"),
+    # guardrails
+    path("guardrails/", guardrail_views.FloorPolicyView.as_view(), name="guardrail-floor"),
     # audit log and dashboards
     path("audit/", views.AuditLogView.as_view(), name="audit-log"),
     re_path(r"^dashboards/(?P<name>usage|latency|gpus)/$", views.DashboardView.as_view(),

@@ -824,7 +824,7 @@ def selected_plan(request: HttpRequest) -> FleetPlan | None:
 
 
 CHARTS = {
-    "usage": ["requests", "tokens"],
+    "usage": ["requests", "tokens", "guardrails"],
     "latency": ["percentiles", "p95", "ttft", "errors", "queue_wait"],
     "gpus": ["by_deployment", "by_tenant", "utilization", "memory"],
 }

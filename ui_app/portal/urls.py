@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
+from ui_app.portal import guardrails
 from ui_app.portal import tenants as views
 from ui_app.portal import views as portal
 
@@ -22,6 +23,15 @@ urlpatterns = [
     path("<slug:slug>/keys/", portal.ApiKeysView.as_view(), name="keys"),
     path("<slug:slug>/keys/<int:pk>/revoke/", views.ApiKeyRevokeView.as_view(),
          name="key-revoke"),
+    path("<slug:slug>/keys/<int:pk>/guardrails/", guardrails.KeyGuardrailsView.as_view(),
+         name="key-guardrails"),
+    path("<slug:slug>/guardrails/", guardrails.GuardrailsView.as_view(), name="guardrails"),
+    path("<slug:slug>/guardrails/test/", guardrails.GuardrailBenchView.as_view(),
+         name="guardrail-bench"),
+    path("<slug:slug>/guardrails/patterns/", guardrails.GuardrailPatternsView.as_view(),
+         name="guardrail-patterns"),
+    path("<slug:slug>/guardrails/patterns/<int:pk>/delete/",
+         guardrails.GuardrailPatternDeleteView.as_view(), name="guardrail-pattern-delete"),
     path("<slug:slug>/adapters/", portal.AdaptersView.as_view(), name="adapters"),
     path("<slug:slug>/adapters/<int:pk>/delete/", portal.AdapterDeleteView.as_view(),
          name="adapter-delete"),

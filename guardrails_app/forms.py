@@ -1,0 +1,148 @@
+"""Forms of the guardrail pages (console floor editor, portal policy editor, key narrowing,
+patterns and the test bench).
+
+A policy row's `input` and `output` are JSON objects `{detector: rule}`; the editor shows them
+as one choice per detector and direction instead, so nobody types JSON. Validation stays the
+model's `full_clean()` (the same path as the admin and the API): its error on a direction names
+the detector in backticks, and the form puts it on that detector's field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django import forms
+from django.core.exceptions import ValidationError
+
+from guardrails_app.detectors import Detector
+from guardrails_app.models import PolicyFields, TenantPattern
+from guardrails_app.policy import Direction, Policy
+
+OFF = ""
+RULE_CHOICES = [
+    (OFF, "off"),
+    ("detect", "detect (count only)"),
+    ("redact", "redact: [PLACEHOLDER_1]"),
+    ("redact:mask", "redact: mask ****"),
+    ("redact:hash", "redact: salted hash"),
+    ("block", "block the request"),
+]
+_NAMED = re.compile(r"`([^`]+)`")
+
+
+def field_name(direction: Direction | str, detector: str) -> str:
+    return f"{Direction(direction).value}__{detector}"
+
+
+class PolicyForm(forms.Form):
+    """One rule choice per detector and direction, and whether input placeholders are put
+    back in the answer. `above` is the level above's policy (its rules are shown as what the
+    detector must at least do); `detectors` are the ones the policy may name."""
+
+    restore = forms.BooleanField(
+        required=False, label="Restore input values in the answer",
+        help_text="The engine sees placeholders; the tenant's answer gets the original values "
+                  "back (the mapping lives only for the request).")
+
+    def __init__(self, *args: Any, row: PolicyFields, detectors: dict[str, Detector],
+                 above: Policy | None = None, disabled: bool = False, **kwargs: Any) -> None:
+        initial: dict[str, Any] = {"restore": row.restore}
+        for direction in Direction:
+            for name, rule in (getattr(row, direction.value) or {}).items():
+                initial[field_name(direction, name)] = str(rule)
+        kwargs["initial"] = initial
+        super().__init__(*args, **kwargs)
+        self.row = row
+        self.detectors = detectors
+        self.above = above
+        for name in detectors:
+            for direction in Direction:
+                required = above.rules(direction).get(name) if above is not None else None
+                self.fields[field_name(direction, name)] = forms.ChoiceField(
+                    choices=RULE_CHOICES, required=False, label=f"{name} ({direction})",
+                    help_text=f"at least {required} (level above)" if required else "",
+                    disabled=disabled,
+                )
+        self.fields["restore"].disabled = disabled
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The editor's table: each detector with its description and its two fields."""
+        return [
+            {"name": name, "category": d.category, "description": d.description,
+             "fields": [self[field_name(direction, name)] for direction in Direction]}
+            for name, d in self.detectors.items()
+        ]
+
+    def rules(self, direction: Direction) -> dict[str, str]:
+        return {name: self.cleaned_data[field_name(direction, name)]
+                for name in self.detectors
+                if self.cleaned_data.get(field_name(direction, name))}
+
+    def save(self) -> PolicyFields:
+        """Validate through the model (`full_clean()`) and save; a refusal becomes the form's
+        errors (on the detector it names) and raises ValidationError, changing nothing."""
+        row = self.row
+        before = (row.input, row.output, row.restore)
+        row.input = self.rules(Direction.INPUT)
+        row.output = self.rules(Direction.OUTPUT)
+        row.restore = self.cleaned_data["restore"]
+        try:
+            row.full_clean()
+        except ValidationError as exc:
+            row.input, row.output, row.restore = before
+            self.add_model_errors(exc)
+            raise
+        row.save()
+        return row
+
+    def add_model_errors(self, exc: ValidationError) -> None:
+        for key, messages in exc.message_dict.items():
+            for message in messages:
+                named = _NAMED.search(message)
+                target = field_name(key, named.group(1)) if (
+                    key in (d.value for d in Direction) and named) else None
+                if target in self.fields:
+                    self.add_error(target, message)
+                else:
+                    self.add_error(None, f"{key}: {message}" if key != "__all__" else message)
+
+
+class PatternForm(forms.ModelForm[TenantPattern]):
+    """A tenant's pattern or deny-list; deny-list terms one per line."""
+
+    # Not in Meta.fields: `clean()` turns the lines into the model's list, and the model's
+    # errors on `terms` land on this field of the same name.
+    terms = forms.CharField(
+        required=False, label="Terms", widget=forms.Textarea(attrs={"rows": 4}),
+        help_text="Deny-list: one word or phrase per line.")
+
+    class Meta:
+        model = TenantPattern
+        fields = ["name", "kind", "pattern", "category", "ignore_case"]
+
+    def __init__(self, *args: Any, tenant: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.instance.tenant = tenant
+        self.fields["terms"].initial = "\n".join(self.instance.terms or ())
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        terms = [line.strip() for line in (data.get("terms") or "").splitlines()]
+        data["terms"] = self.instance.terms = [t for t in terms if t]
+        name = data.get("name")
+        if name and TenantPattern.objects.filter(tenant=self.instance.tenant, name=name) \
+                .exclude(pk=self.instance.pk).exists():
+            self.add_error("name", "The tenant has a pattern of this name already.")
+        return data
+
+
+class BenchForm(forms.Form):
+    """Text to try the policy on, as a prompt or as an answer."""
+
+    direction = forms.ChoiceField(choices=[("input", "a prompt (input)"),
+                                           ("output", "an answer (output)")],
+                                  initial="input")
+    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), max_length=65536,
+                           strip=False, label="Text",
+                           help_text="Nothing is stored; findings are shown as offsets.")
