@@ -69,21 +69,21 @@ BREAKAGES = (
         "serving_app/models/joins.py",
         "        elif node_name != row.node_name:\n",
         "        elif False:\n",
-        ("tests/api/test_node_join.py",),
+        ("tests/api/test_node_join.py::test_a_token_used_for_another_name_is_refused_and_stays_open",),
     ),
     Breakage(
         "cache-hands-out-unverified-files",
         "serving_app/artifacts/cache.py",
         "                    sha256_of(blob) == entry.sha256:\n",
         "                    True:\n",
-        ("tests/artifacts/test_cache.py",),
+        ("tests/artifacts/test_cache.py::test_a_corrupt_file_in_the_cache_is_fetched_again_never_handed_out",),
     ),
     Breakage(
         "any-node-fetches-any-adapter",
         "serving_app/artifacts/staging.py",
         "    served = Q(files__version__artifact__tenant__deployments__instances__in=live)\n",
         "    served = Q(files__isnull=False)\n",
-        ("tests/artifacts/test_node_fetch.py",),
+        ("tests/artifacts/test_node_fetch.py::test_a_node_fetches_a_tenants_adapter_only_while_it_serves_the_tenant",),
     ),
     Breakage(
         "sigterm-leader-only",
@@ -130,7 +130,7 @@ BREAKAGES = (
         "guardrails_app/detectors.py",
         "open_at = self._open.earliest(text, max(pos, size - self.reach))",
         "open_at = self._open.earliest(text, max(pos, size - 0))",
-        ("tests/guardrails/test_streaming.py",),
+        ("tests/guardrails/test_streaming.py::test_entities_split_at_every_boundary_never_leak",),
     ),
     Breakage(
         # The level above is not consulted: a tenant (or key) policy weaker than the floor is
@@ -139,7 +139,7 @@ BREAKAGES = (
         "guardrails_app/models.py",
         "                    only.tightened_by(mine, level=self.level)\n",
         "                    pass\n",
-        ("tests/guardrails/test_models.py",),
+        ("tests/guardrails/test_models.py::test_a_tenant_policy_that_weakens_the_floor_is_a_field_error_naming_the_detector",),
     ),
     Breakage(
         "portal-panel-all-tenants",
