@@ -66,6 +66,8 @@ urlpatterns = [
     # nodes
     path("nodes/", views.NodeListView.as_view(), name="node-list"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
+    path("nodes/<int:pk>/cpu-binding/", views.NodeCpuBindingView.as_view(),
+         name="node-cpu-binding"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
             views.NodeActionView.as_view(), name="node-action"),
     # what-if plans
