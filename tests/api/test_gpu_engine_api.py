@@ -7,34 +7,28 @@ agent writes them: no GPU runs here."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import yaml
 
 from audit_app.models import AuditLog
 from serving_app.models import BaseModel, Instance, Node
 from tests.api.helpers import as_user, assert_forbidden_for, results
-from tests.factories import make_deployment, make_model_dir
+from tests.factories import (
+    h200_figures,
+    h200_mps_status,
+    make_capacity_test_dir,
+    make_deployment,
+)
 
 pytestmark = pytest.mark.django_db
-
-RUN = Path(__file__).resolve().parents[2] / "docs/gpu-runs/2026-12-05-h200"
-
-
-def h200_figures() -> dict:
-    return json.loads((RUN / "planner-sequential.json").read_text())["figures"]
 
 
 @pytest.fixture
 def gpu_node() -> Node:
-    mps = json.loads((RUN / "mps.json").read_text())["checks"][0]["seen"]["mps"]
     return Node.objects.create(
         name="h200-a", queue="node.h200-a", engine_python="/usr/bin/python3",
         engine_pythonpath="/opt/vllm-target",
-        engine_versions=h200_figures()["node"]["engine_versions"], mps=mps)
+        engine_versions=h200_figures()["node"]["engine_versions"], mps=h200_mps_status())
 
 
 def test_a_node_shows_its_engine_environment_and_mps_daemon(platform_admin, gpu_node):
@@ -92,17 +86,9 @@ def test_an_instance_shows_its_startup_progress_and_cpu_cores(platform_admin, ac
     assert data["startup"] == recorded["startup"] and data["cpu_cores"] == "0-15"
 
 
-def capacity_test_folder(root: Path) -> Path:
-    folder = make_model_dir(root, "shape-only")
-    for weights in folder.glob("*.safetensors"):
-        weights.unlink()
-    shutil.copy(folder / "config.json", folder / "tokenizer_config.json")
-    return folder
-
-
 def test_a_platform_admin_registers_a_capacity_test_model(platform_admin, acme, tmp_path):
     response = as_user(platform_admin).post("/api/v1/base-models/", {
-        "name": "shape-only", "path": str(capacity_test_folder(tmp_path)),
+        "name": "shape-only", "path": str(make_capacity_test_dir(tmp_path)),
         "load_format": "dummy"}, format="json")
     assert response.status_code == 201, response.data
     assert response.data["load_format"] == "dummy" and response.data["capacity_test"] is True

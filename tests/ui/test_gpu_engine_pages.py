@@ -7,10 +7,7 @@ the agent's reports are written to the rows as the agent writes them."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from django.urls import reverse
@@ -19,19 +16,14 @@ from django.utils import timezone
 from audit_app.models import AuditLog
 from serving_app.engine.startup import LABELS
 from serving_app.models import BaseModel, Gpu, Instance, Node
-from tests.factories import make_deployment, make_model_dir
+from tests.factories import (
+    h200_figures,
+    h200_mps_status,
+    make_capacity_test_dir,
+    make_deployment,
+)
 
 pytestmark = pytest.mark.django_db
-
-RUN = Path(__file__).resolve().parents[2] / "docs/gpu-runs/2026-12-05-h200"
-
-
-def h200_figures() -> dict:
-    return json.loads((RUN / "planner-sequential.json").read_text())["figures"]
-
-
-def h200_mps() -> dict:
-    return json.loads((RUN / "mps.json").read_text())["checks"][0]["seen"]["mps"]
 
 
 @pytest.fixture
@@ -40,7 +32,7 @@ def gpu_node() -> Node:
     node = Node.objects.create(
         name="h200-a", queue="node.h200-a", last_heartbeat=timezone.now(),
         engine_python="/usr/bin/python3", engine_pythonpath="/opt/vllm-target",
-        engine_versions=figures["node"]["engine_versions"], mps=h200_mps())
+        engine_versions=figures["node"]["engine_versions"], mps=h200_mps_status())
     Gpu.objects.create(node=node, index=0, uuid="GPU-h200-0", name="NVIDIA H200",
                        memory_total_bytes=143771 << 20,
                        cpu_affinity=figures["nvml_before"]["cpu_affinity"])
@@ -186,22 +178,13 @@ def test_a_ready_instance_shows_no_phase_on_its_deployment(login, platform_admin
     assert "data-startup-phase" not in partial
 
 
-def capacity_test_folder(root: Path) -> Path:
-    """config.json and a tokenizer, no weights: what a capacity-test model needs."""
-    folder = make_model_dir(root, "shape-only")
-    for weights in folder.glob("*.safetensors"):
-        weights.unlink()
-    shutil.copy(folder / "config.json", folder / "tokenizer_config.json")
-    return folder
-
-
 def test_a_platform_admin_registers_a_capacity_test_model_and_it_is_marked(
         login, platform_admin, acme, tmp_path):
     client = login(platform_admin)
     form = client.get(reverse("console:basemodel-create")).content.decode()
     assert "Capacity test: random weights" in form
     response = client.post(reverse("console:basemodel-create"), {
-        "name": "shape-only", "path": str(capacity_test_folder(tmp_path)), "dtype": "auto",
+        "name": "shape-only", "path": str(make_capacity_test_dir(tmp_path)), "dtype": "auto",
         "quantization": "", "load_format": "dummy"})
     assert response.status_code == 302, response.content.decode()
     model = BaseModel.objects.get(name="shape-only")
@@ -229,7 +212,7 @@ def test_a_model_with_its_weights_carries_no_mark(login, platform_admin, acme, b
 
 def test_a_capacity_test_folder_without_a_tokenizer_is_a_field_error(login, platform_admin,
                                                                       tmp_path):
-    folder = capacity_test_folder(tmp_path)
+    folder = make_capacity_test_dir(tmp_path)
     (folder / "tokenizer_config.json").unlink()
     response = login(platform_admin).post(reverse("console:basemodel-create"), {
         "name": "shape-only", "path": str(folder), "dtype": "auto", "quantization": "",
