@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from django.test import Client
+from django.urls import reverse
 
 from audit_app.models import AuditLog
 from serving_app.models import BaseModel, Instance, Node
-from tests.api.helpers import as_user, assert_forbidden_for, results
+from tests.api.helpers import admin_form_data, as_user, assert_forbidden_for, results
 from tests.factories import (
     h200_figures,
     h200_mps_status,
@@ -128,3 +130,31 @@ def test_the_api_docs_describe_the_new_fields(client):
         properties = schemas[component]["properties"]
         for name in fields:
             assert properties[name].get("description"), (component, name)
+
+
+def test_the_admin_shows_what_the_agent_reports_and_checks_a_binding(platform_admin, gpu_node):
+    client = Client()
+    client.force_login(platform_admin)
+    url = reverse("admin:serving_app_node_change", args=[gpu_node.pk])
+    page = client.get(url).content.decode()
+    assert gpu_node.engine_versions["vllm"] in page
+    assert gpu_node.mps["CUDA_MPS_PIPE_DIRECTORY"] in page
+    data = admin_form_data(client, url, Node)
+    assert "engine_versions" not in data and "mps" not in data and "engine_python" not in data
+    response = client.post(url, {**data, "cpu_binding": "9-4"})
+    assert response.status_code == 200 and "not a valid range" in response.content.decode()
+    assert Node.objects.get(pk=gpu_node.pk).cpu_binding == ""
+    client.post(url, {**data, "cpu_binding": "4,0-3"})
+    assert Node.objects.get(pk=gpu_node.pk).cpu_binding == "0-4"
+    assert AuditLog.objects.get(object_type="serving_app.Node", action="update").via == "admin"
+
+
+def test_the_admin_model_form_offers_the_capacity_test(platform_admin, tmp_path):
+    client = Client()
+    client.force_login(platform_admin)
+    url = reverse("admin:serving_app_basemodel_add")
+    data = admin_form_data(client, url, BaseModel)
+    response = client.post(url, {**data, "name": "shape-only", "load_format": "dummy",
+                                 "path": str(make_capacity_test_dir(tmp_path))})
+    assert response.status_code == 302, response.content.decode()[-2000:]
+    assert BaseModel.objects.get(name="shape-only").capacity_test

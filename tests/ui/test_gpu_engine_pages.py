@@ -220,3 +220,21 @@ def test_a_capacity_test_folder_without_a_tokenizer_is_a_field_error(login, plat
     assert response.status_code == 200
     assert "needs a tokenizer" in response.content.decode()
     assert not BaseModel.objects.filter(name="shape-only").exists()
+
+
+def test_the_startup_panel_polls_while_the_engine_starts_and_stops_once_ready(
+        login, platform_admin, acme, h200_instance):
+    client = login(platform_admin)
+    poll = reverse("console:instance-startup", args=[h200_instance.pk])
+    detail = reverse("console:instance-detail", args=[h200_instance.pk])
+    assert poll not in client.get(detail).content.decode()  # ready: nothing to follow
+    Instance.objects.filter(pk=h200_instance.pk).update(
+        state=Instance.State.STARTING, startup={}, ready_at=None)
+    assert f'hx-get="{poll}"' in client.get(detail).content.decode()
+    panel = client.get(poll).content.decode()
+    assert 'data-phase="launching"' in panel and "no phase in its log yet" in panel
+    Instance.objects.filter(pk=h200_instance.pk).update(
+        state=Instance.State.READY, startup=h200_instance.startup, ready_at=timezone.now())
+    panel = client.get(poll).content.decode()
+    assert 'data-step="serving"' in panel and "hx-get" not in panel
+    assert login(acme.owner).get(poll).status_code == 403

@@ -77,6 +77,8 @@ urlpatterns = [
     path("plans/<int:pk>/edit/", views.FleetPlanUpdateView.as_view(), name="fleetplan-edit"),
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
+    path("instances/<int:pk>/startup/", views.InstanceStartupPartial.as_view(),
+         name="instance-startup"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),
     path("instances/<int:pk>/metrics/", metrics_views.InstanceMetricsData.as_view(),
          name="instance-metrics"),

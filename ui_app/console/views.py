@@ -722,6 +722,11 @@ def _startup_end(instance: Instance) -> float | None:
     return None
 
 
+def startup_context(instance: Instance) -> dict[str, Any]:
+    return {"object": instance,
+            "startup_steps": startup.steps(instance.startup, _startup_end(instance))}
+
+
 class InstanceDetailView(StaffPage, DetailView[Instance]):
     template_name = "console/instance_detail.html"
     queryset = Instance.objects.select_related("deployment", "node").prefetch_related("gpus")
@@ -730,8 +735,16 @@ class InstanceDetailView(StaffPage, DetailView[Instance]):
         context = super().get_context_data(**kwargs)
         instance = self.object
         context.update(command=instance.command_line, log=log_tail(instance),
-                       startup_steps=startup.steps(instance.startup, _startup_end(instance)))
+                       **startup_context(instance))
         return context
+
+
+class InstanceStartupPartial(StaffPage, View):
+    """The start-up panel alone, polled by the instance page while the engine starts."""
+
+    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
+        instance = get_object_or_404(Instance, pk=pk)
+        return render(request, "console/_startup.html", startup_context(instance))
 
 
 class InstanceLogPartial(StaffPage, View):
