@@ -125,7 +125,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
-STATIC_ROOT = VAR_DIR / "staticfiles"
+# Images collect the static files at build time outside VAR_DIR (a volume at run time).
+STATIC_ROOT = Path(env_str("STATIC_ROOT", str(VAR_DIR / "staticfiles")))
 # `collectstatic` (scripts/demo.sh; docs/operations.md for production) writes every file under a
 # content-hashed name with gzip and brotli copies beside it; whitenoise serves those with a
 # year's immutable caching, so a browser fetches plotly.js once, compressed. (With DEBUG on the
@@ -233,9 +234,27 @@ SPECTACULAR_SETTINGS = {
              "Instances: the engine processes that run a deployment, with their state, node, GPUs "
              "and logs."
          )},
+        {"name": "artifacts",
+         "description": (
+             "Content-addressed model and adapter files: immutable versions (a manifest of "
+             "files with sizes and SHA-256 digests), which nodes hold them, and how a version "
+             "comes in: an upload in chunks, a node's folder, an S3 bucket, a Hugging Face "
+             "repository."
+         )},
+        {"name": "artifact-imports",
+         "description": (
+             "Uploads and imports of artifact versions: state, progress and error; an upload "
+             "takes its files' bytes here in resumable chunks."
+         )},
         {"name": "nodes",
          "description": (
              "GPU hosts running a node agent: cordon, uncordon, drain."
+         )},
+        {"name": "node-join-tokens",
+         "description": (
+             "Joining a host: one-time, expiring join tokens made for a node name (shown once, "
+             "stored hashed), and the exchange a joining host makes with one for its node's "
+             "settings (`POST /api/v1/node-join/`)."
          )},
         {"name": "gpus",
          "description": (
@@ -306,6 +325,11 @@ SPECTACULAR_SETTINGS = {
     # One name per choice set where several models' fields share a name ("state", "kind").
     "ENUM_NAME_OVERRIDES": {
         "InstanceStateEnum": "serving_app.models.Instance.State",
+        "ArtifactSourceEnum": "serving_app.models.artifacts.ArtifactVersion.Source",
+        "ImportStateEnum": "serving_app.models.artifacts.ArtifactImport.State",
+        "CacheEntryStateEnum": "serving_app.models.artifacts.NodeCacheEntry.State",
+        "ImportRequestSourceEnum": [("s3", "S3 bucket"), ("huggingface", "Hugging Face "
+                                    "repository"), ("node_folder", "Folder on a node")],
         "AlertStateEnum": "alerts_app.models.Alert.State",
         "NotificationStateEnum": "alerts_app.models.Notification.State",
         "ChannelKindEnum": "alerts_app.models.Channel.Kind",
@@ -379,6 +403,12 @@ NODE_INVENTORY_SECONDS = env_float(
 # A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
 # its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
 NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
+# Joining a host from the Nodes page (docs/install.md, "Joining a GPU host"): how long a join
+# token is open, and the database and Redis URLs handed to a joining node (default: the
+# console's own DATABASE_URL and REDIS_URL, which must then be reachable from the node).
+NODE_JOIN_TOKEN_TTL_MINUTES = env_int("NODE_JOIN_TOKEN_TTL_MINUTES", 60, minimum=1)
+NODE_JOIN_DATABASE_URL = env_str("NODE_JOIN_DATABASE_URL", env_str("DATABASE_URL", ""))
+NODE_JOIN_REDIS_URL = env_str("NODE_JOIN_REDIS_URL", REDIS_URL)
 # How long an instance being stopped keeps running for the requests in flight on it, after it
 # left routing (serving_app/deployments/draining.py); then it is stopped whatever still runs.
 DRAIN_TIMEOUT_SECONDS = env_float("DRAIN_TIMEOUT_SECONDS", 120.0, minimum=0.0)
@@ -392,8 +422,9 @@ USAGE_TEN_SECOND_RETENTION_HOURS = env_float(
 
 # Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
 # path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
-# admins register base models and adapters from folders under MODEL_ROOTS. Both must be the same
-# paths on the console and on every node host (a shared filesystem on more than one host).
+# admins register base models and adapters from folders under MODEL_ROOTS. Models and adapters
+# registered from these folders (legacy) need the same paths on every node host; those from
+# artifact versions (below) reach every node through its own cache.
 TENANT_STORAGE_ROOT = Path(env_str("TENANT_STORAGE_ROOT", str(VAR_DIR / "tenant-storage")))
 MODEL_ROOTS = [Path(p) for p in env_list("MODEL_ROOTS", [str(BASE_DIR / "var" / "models")])]
 # What each tenant's adapters may take on disk, in MiB (a tenant's own setting overrides it).
@@ -405,6 +436,20 @@ ADAPTER_UPLOAD_MAX_BYTES = env_int("ADAPTER_UPLOAD_MAX_MB", 256, minimum=1) * 10
 ADAPTER_UPLOAD_MAX_UNPACKED_BYTES = (
     env_int("ADAPTER_UPLOAD_MAX_UNPACKED_MB", 512, minimum=1) * 1024 * 1024
 )
+
+# Content-addressed artifacts (docs/artifacts.md): the console keeps every model and adapter file
+# once by its SHA-256 under ARTIFACT_STORE_ROOT; each node agent fetches what its instances need
+# from the console (NODE_CONSOLE_URL) into its own cache (NODE_CACHE_DIR, at most
+# NODE_CACHE_QUOTA_MB), no shared filesystem needed. A chunk of an upload is at most
+# ARTIFACT_UPLOAD_CHUNK_MB; a file of it at most ARTIFACT_UPLOAD_MAX_FILE_MB.
+ARTIFACT_STORE_ROOT = Path(env_str("ARTIFACT_STORE_ROOT", str(VAR_DIR / "artifacts")))
+ARTIFACT_UPLOAD_CHUNK_BYTES = env_int("ARTIFACT_UPLOAD_CHUNK_MB", 64, minimum=1) * 1024 * 1024
+ARTIFACT_UPLOAD_MAX_FILE_BYTES = (
+    env_int("ARTIFACT_UPLOAD_MAX_FILE_MB", 200 * 1024, minimum=1) * 1024 * 1024
+)
+NODE_CONSOLE_URL = env_str("NODE_CONSOLE_URL", "http://127.0.0.1:8000")
+NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
+NODE_CACHE_QUOTA_BYTES = env_int("NODE_CACHE_QUOTA_MB", 100 * 1024, minimum=1) * 1024 * 1024
 
 LOGGING = {
     "version": 1,

@@ -11,10 +11,12 @@ from rest_framework.routers import APIRootView, DefaultRouter
 from alerts_app import exporter
 from alerts_app.api import views as alert_views
 from guardrails_app.api import views as guardrail_views
+from serving_app.api import artifacts as artifact_views
 from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
 from serving_app.api.fleetplans import FleetPlanViewSet
+from serving_app.api.joins import NodeJoinTokenViewSet, NodeJoinView
 from tenants_app.api import views as tenant_views
 from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
 from ui_app.console import views as console_views
@@ -40,7 +42,10 @@ router.register("users", tenant_views.UserViewSet)
 router.register("prefix-cache-groups", tenant_views.PrefixCacheGroupViewSet)
 router.register("base-models", serving_views.BaseModelViewSet)
 router.register("adapters", serving_views.LoraAdapterViewSet)
+router.register("artifacts", artifact_views.ArtifactViewSet)
+router.register("artifact-imports", artifact_views.ArtifactImportViewSet)
 router.register("nodes", serving_views.NodeViewSet)
+router.register("node-join-tokens", NodeJoinTokenViewSet)
 router.register("gpus", serving_views.GpuViewSet)
 router.register("deployments", serving_views.DeploymentViewSet)
 router.register("instances", serving_views.InstanceViewSet)
@@ -74,7 +79,12 @@ urlpatterns = [
     path("api/v1/", include("serving_app.api.placement_views")),
     path("api/v1/", include("serving_app.api.health_views")),
     path("api/v1/", include("serving_app.api.metrics_views")),
+    path("api/v1/node-join/", public(NodeJoinView.as_view(), "a joining host, authenticated by "
+                                     "its one-time join token"), name="node-join"),
     path("api/v1/", include(router.urls)),
+    path("api/v1/node-artifacts/blobs/<str:sha256>",
+         public(artifact_views.node_blob, "node agents' file fetches, authenticated per node "
+                                          "(its token) by the view"), name="node-blob"),
     path("api/v1/auth/token/", public(TokenLoginView.as_view(), "signing in for a token"),
          name="api-token"),
     # Revoking tokens: this one, or every token of the signed-in user.

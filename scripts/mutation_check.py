@@ -46,6 +46,27 @@ class Breakage:
 
 BREAKAGES = (
     Breakage(
+        "join-token-any-name",
+        "serving_app/models/joins.py",
+        "        elif node_name != row.node_name:\n",
+        "        elif False:\n",
+        ("tests/api/test_node_join.py",),
+    ),
+    Breakage(
+        "cache-hands-out-unverified-files",
+        "serving_app/artifacts/cache.py",
+        "                    sha256_of(blob) == entry.sha256:\n",
+        "                    True:\n",
+        ("tests/artifacts/test_cache.py",),
+    ),
+    Breakage(
+        "any-node-fetches-any-adapter",
+        "serving_app/artifacts/staging.py",
+        "    served = Q(files__version__artifact__tenant__deployments__instances__in=live)\n",
+        "    served = Q(files__isnull=False)\n",
+        ("tests/artifacts/test_node_fetch.py",),
+    ),
+    Breakage(
         "sigterm-leader-only",
         "serving_app/engine/supervisor.py",
         "        _signal(newcomers, signal.SIGTERM)\n",
@@ -237,6 +258,22 @@ BREAKAGES = (
         "class TenantListView(StaffPage, ListView[Tenant]):\n",
         "class TenantListView(ListView[Tenant]):\n",
         ("tests/unit/test_url_scoping.py",),
+    ),
+    Breakage(
+        "compiling-engine-restarted-as-unhealthy",
+        "serving_app/engine/agent.py",
+        "                silent_deadline = time.monotonic() + quiet_limit\n",
+        "                silent_deadline = silent_deadline  # progress ignored\n",
+        ("tests/gpu/test_start_on_gpu.py::"
+         "test_a_start_that_keeps_logging_outlives_the_silence_timeout",),
+    ),
+    Breakage(
+        "mps-engine-started-without-its-daemon",
+        "serving_app/engine/agent.py",
+        "            _ensure_mps(instance.node)\n",
+        "            pass  # no daemon checked\n",
+        ("tests/gpu/test_mps.py::"
+         "test_without_a_daemon_an_mps_engine_is_refused_with_the_reason_and_never_launched",),
     ),
 )
 

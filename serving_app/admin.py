@@ -15,8 +15,13 @@ from django.utils.html import format_html, format_html_join
 from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
+    Artifact,
+    ArtifactFile,
+    ArtifactImport,
+    ArtifactVersion,
     Autoscaler,
     BaseModel,
+    Blob,
     Deployment,
     EngineHour,
     EngineSample,
@@ -26,6 +31,8 @@ from serving_app.models import (
     Instance,
     LoraAdapter,
     Node,
+    NodeCacheEntry,
+    NodeJoinToken,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -406,3 +413,84 @@ class EventAdmin(ReadOnlyAdmin):
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
+
+
+@admin.register(NodeJoinToken)
+class NodeJoinTokenAdmin(admin.ModelAdmin):
+    """Join tokens: made on the Nodes page or through the API (where the token is shown once),
+    never here; the admin lists them and revokes the open ones."""
+
+    list_display = ("prefix", "node_name", "state", "created_by", "created_at", "expires_at",
+                    "used_at", "used_from")
+    list_filter = ("node_name",)
+    readonly_fields = ("node_name", "prefix", "created_by", "created_at", "expires_at",
+                       "used_at", "used_from", "revoked_at", "node")
+    exclude = ("token_hash",)
+    actions = ["revoke_tokens"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    @admin.action(description="Revoke the selected open tokens")
+    def revoke_tokens(self, request, queryset) -> None:
+        revoked = sum(token.revoke() for token in queryset)
+        messages.success(request, f"{revoked} token(s) revoked.")
+
+
+@admin.register(Artifact)
+class ArtifactAdmin(ReadOnlyAdmin):
+    """Artifacts come in through the API and the pages (uploads, imports): read only here."""
+
+    list_display = ["name", "kind", "tenant", "created_at"]
+    list_filter = ["kind"]
+    search_fields = ["name", "tenant__slug"]
+
+
+@admin.register(ArtifactVersion)
+class ArtifactVersionAdmin(ReadOnlyAdmin):
+    """Immutable: never changed once made."""
+
+    list_display = ["artifact", "number", "source", "total_bytes", "digest", "created_at"]
+    list_filter = ["source"]
+    readonly_fields = ["manifest_shown"]
+
+    @admin.display(description="files")
+    def manifest_shown(self, version: ArtifactVersion) -> str:
+        return format_html_join("", "<div><code>{}</code> {} bytes <code>{}</code></div>",
+                                ((f["path"], f["size"], f["sha256"])
+                                 for f in version.manifest()))
+
+
+@admin.register(ArtifactImport)
+class ArtifactImportAdmin(ReadOnlyAdmin):
+    list_display = ["artifact", "source", "state", "bytes_done", "bytes_total", "node",
+                    "created_at"]
+    list_filter = ["state", "source"]
+
+
+@admin.register(NodeCacheEntry)
+class NodeCacheEntryAdmin(ReadOnlyAdmin):
+    """What the nodes' caches hold, as their agents report it."""
+
+    list_display = ["version", "node", "state", "bytes_done", "bytes_total", "last_used_at"]
+    list_filter = ["state", "node"]
+
+
+@admin.register(ArtifactFile)
+class ArtifactFileAdmin(ReadOnlyAdmin):
+    list_display = ["version", "path", "size", "blob"]
+    search_fields = ["path", "blob__sha256"]
+
+
+@admin.register(Blob)
+class BlobAdmin(ReadOnlyAdmin):
+    """A file's content by digest, in the console's blob store."""
+
+    list_display = ["sha256", "size", "created_at"]
+    search_fields = ["sha256"]

@@ -36,6 +36,7 @@ class ServingAppConfig(AppConfig):
             "recommendations", "last_scaled_at", "last_decision", "last_evaluated_at",
         ])
         track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"])
+        track(self.get_model("NodeJoinToken"), secret=["token_hash"])
         track(self.get_model("Gpu"), ignore=[
             "memory_used_bytes", "utilization_percent", "temperature_c", "power_w", "processes",
         ])
@@ -44,6 +45,16 @@ class ServingAppConfig(AppConfig):
             "instances are created, placed and moved through their states by the reconciler and "
             "the node agents (control-plane transitions); a person only deletes one"))
         control_plane = "written by the control plane, never by a person (read only everywhere)"
+        track(self.get_model("Artifact"))
+        # Its progress is no change of its own; its completion (the version it made) is.
+        track(self.get_model("ArtifactImport"), ignore=[
+            "state", "bytes_total", "bytes_done", "error", "updated_at"])
+        exclude(self.get_model("ArtifactVersion"),
+                "made by its import (audited) when its files are complete; immutable")
+        exclude(self.get_model("ArtifactFile"), "part of its version, made with it")
+        exclude(self.get_model("Blob"), "a file's content by digest, made with its version")
+        exclude(self.get_model("NodeCacheEntry"),
+                f"what a node's cache holds, {control_plane}")
         exclude(self.get_model("GpuSample"), f"GPU readings, {control_plane}")
         exclude(self.get_model("AdapterFileRemoval"),
                 f"files of deleted adapters waiting for removal, {control_plane}")

@@ -26,6 +26,9 @@ REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
 ROLL_UP_ENGINE_SAMPLES = "serving.roll_up_engine_samples"  # scheduled by beat
 AUTOSCALE = "serving.autoscale"  # scheduled by beat
 WAKE_DEPLOYMENT = "serving.wake_deployment"
+IMPORT_ARTIFACT = "serving.import_artifact"  # S3 and Hugging Face imports (control queue)
+IMPORT_NODE_FOLDER = "serving.import_node_folder"  # on the node's own queue
+STAGE_VERSION = "serving.stage_version"  # on the node's own queue: fetch into its cache
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
@@ -67,6 +70,23 @@ def instance_task(name: str, instance_id: int, node_queue: str) -> None:
     if name not in NODE_TASKS:
         raise ValueError(f"{name} is not a node agent task")
     enqueue(name, instance_id, queue=node_queue)
+
+
+def node_folder_import(import_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` to import a folder of its host as an artifact
+    version, once the change that called this commits."""
+    enqueue(IMPORT_NODE_FOLDER, import_id, queue=node_queue)
+
+
+def stage_version(version_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` to fetch an artifact version into its cache
+    ahead of any instance needing it, once the change that called this commits."""
+    enqueue(STAGE_VERSION, version_id, queue=node_queue)
+
+
+def artifact_import(import_id: int) -> None:
+    """Run an S3 or Hugging Face import on the control worker once the change commits."""
+    enqueue(IMPORT_ARTIFACT, import_id)
 
 
 def adapter_files_released() -> None:

@@ -19,6 +19,7 @@ from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerError
 
 from serving_app import lifecycle
+from serving_app.artifacts import sources, staging
 from serving_app.deployments import autoscaling, reconcile
 from serving_app.engine import agent
 from serving_app.models import AdapterFileRemoval, EngineHour, EngineSample
@@ -80,6 +81,23 @@ def wake_deployment(deployment_id: int) -> bool:
 @shared_task(name=lifecycle.REMOVE_ADAPTER_FILES, **RETRY)
 def remove_adapter_files() -> int:
     return AdapterFileRemoval.objects.remove_released()
+
+
+@shared_task(name=lifecycle.IMPORT_ARTIFACT, **RETRY)
+def import_artifact(import_id: int) -> str:
+    return sources.run_import(import_id)
+
+
+@shared_task(name=lifecycle.IMPORT_NODE_FOLDER, **RETRY)
+def import_node_folder(import_id: int) -> str:
+    name = os.environ.get("NODE_NAME", "")
+    return staging.import_node_folder(import_id, staging.NodeCacheConfig.from_environment(name))
+
+
+@shared_task(name=lifecycle.STAGE_VERSION, **RETRY)
+def stage_version(version_id: int) -> str:
+    name = os.environ.get("NODE_NAME", "")
+    return staging.prestage(version_id, staging.NodeCacheConfig.from_environment(name))
 
 
 @worker_ready.connect

@@ -77,6 +77,9 @@ def _storage_roots(settings, tmp_path, tmp_path_factory):
     that a tenant's area is never also a model root."""
     settings.MODEL_ROOTS = [*settings.MODEL_ROOTS, tmp_path]
     settings.TENANT_STORAGE_ROOT = tmp_path_factory.mktemp("tenant-storage")
+    # The console's artifact blob store and node caches: each test's own.
+    settings.ARTIFACT_STORE_ROOT = tmp_path_factory.mktemp("artifact-store")
+    settings.NODE_CACHE_DIR = tmp_path_factory.mktemp("node-caches")
 
 
 @pytest.fixture(autouse=True)

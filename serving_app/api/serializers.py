@@ -14,6 +14,7 @@ from rest_framework.serializers import as_serializer_error
 from audit_app.models import AuditLog
 from serving_app import storage
 from serving_app.models import (
+    ArtifactVersion,
     BaseModel,
     Deployment,
     Gpu,
@@ -30,7 +31,12 @@ from serving_app.redaction import (
     visible_tenant_ids,
 )
 from serving_app.uploads import allowed_base_models
-from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
+from tenants_app.api.base import (
+    LookupSlugField,
+    ScopedPrimaryKeyField,
+    TenantSlugField,
+    ValidatedModelSerializer,
+)
 from tenants_app.models import Tenant
 
 if TYPE_CHECKING:
@@ -59,10 +65,16 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
     capacity_test = serializers.BooleanField(
         read_only=True, help_text="Random weights of the model's shape (`load_format` dummy): "
                                   "its answers are noise, for capacity tests only.")
+    artifact_version = ScopedPrimaryKeyField(
+        queryset=ArtifactVersion.objects.none(), required=False, allow_null=True,
+        help_text="The id of the artifact version holding the model's files (else, legacy, "
+                  "a path on every node).")
+    served_from = serializers.CharField(source="source_label", read_only=True)
 
     class Meta:
         model = BaseModel
-        fields = ["id", "name", "path", "dtype", "quantization", "load_format", "capacity_test",
+        fields = ["id", "name", "path", "artifact_version", "served_from", "dtype", "quantization",
+                  "load_format", "capacity_test",
                   *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
         derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()
@@ -77,6 +89,10 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
 class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer[LoraAdapter]):
     tenant = TenantSlugField()
     base_model = LookupSlugField(slug_field="name", queryset=BaseModel.objects.all())
+    artifact_version = ScopedPrimaryKeyField(
+        queryset=ArtifactVersion.objects.none(), required=False, allow_null=True,
+        help_text="The id of the artifact version (of this tenant) holding the adapter's files.")
+    served_from = serializers.CharField(source="source_label", read_only=True)
 
     class Meta:
         model = LoraAdapter
@@ -86,6 +102,8 @@ class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer[LoraAdapter]):
             "base_model",
             "name",
             "path",
+            "artifact_version",
+            "served_from",
             "rank",
             "target_modules",
             "size_bytes",
@@ -253,6 +271,8 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
             "log_tail",
             "command",
             "environment",
+            "model_version",
+            "staging",
             "loaded_adapters",
             "startup",
             "cpu_cores",

@@ -24,6 +24,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from serving_app import lifecycle, storage
+from serving_app.artifacts import peer, staging
 from serving_app.engine import environment, mps, scrape, startup, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
@@ -42,6 +43,7 @@ State = Instance.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
 LOG_TAIL_SECONDS = 5.0
 STATE_CHECK_SECONDS = 1.0  # how often a start re-reads whether its instance is still starting
+LOG_READ_SECONDS = 0.25  # how often a start reads its engine's new log lines
 ORPHAN_GRACE_SECONDS = 2.0  # an EngineCore without its API server serves nothing: no long wait
 
 
@@ -215,6 +217,27 @@ class StartError(Exception):
     """A reason an engine cannot be started, shown on the instance."""
 
 
+def _stage_artifacts(instance: Instance, config: AgentConfig) -> None:
+    """Fetch the instance's model files into this node's cache (verified) before its start;
+    the engine is given the cache folder (serving_app/artifacts/staging.py)."""
+    try:
+        staging.stage_instance(instance, staging.NodeCacheConfig.from_environment(config.name))
+    except staging.StagingError as exc:
+        raise StartError(f"Staging {exc}") from exc
+
+
+def _adapter_folder(adapter: LoraAdapter, node_name: str | None) -> Path:
+    """The folder to give the engine: the adapter's version in this node's cache, or (legacy)
+    its host path, checked."""
+    if adapter.artifact_version_id and node_name:
+        try:
+            return staging.adapter_folder(
+                adapter, staging.NodeCacheConfig.from_environment(node_name))
+        except staging.StagingError as exc:
+            raise ModelFilesError(f"Staging {exc}") from exc
+    return adapter.check_path()
+
+
 def _preflight(instance: Instance) -> None:
     deployment = instance.deployment
     try:
@@ -224,7 +247,7 @@ def _preflight(instance: Instance) -> None:
 
 
 def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
-                    max_lora_rank: int) -> tuple[str, str] | None:
+                    max_lora_rank: int, node_name: str | None = None) -> tuple[str, str] | None:
     """Why the engines of `deployment` started with `max_lora_rank` must not be given `adapter`
     now, or None if they may.
 
@@ -239,7 +262,7 @@ def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
         message = f"It is an adapter for {adapter.base_model}, not {deployment.base_model}."
         return message, message
     try:
-        folder = adapter.check_path()
+        folder = _adapter_folder(adapter, node_name)
         info = read_adapter(str(folder))
     except ValidationError as exc:
         detail = "; ".join(exc.messages)
@@ -270,7 +293,8 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
     good: list[LoraAdapter] = []
     errors: dict[str, str] = {}
     for adapter in deployment.adapters.select_related("tenant", "base_model"):
-        problem = adapter_problem(adapter, deployment, max_lora_rank)
+        problem = adapter_problem(adapter, deployment, max_lora_rank,
+                                  instance.node.name if instance.node else None)
         if problem is None:
             good.append(adapter)
             continue
@@ -346,6 +370,7 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     log_path = _log_path(instance)
     revision = instance.revision.number if instance.revision else None
     try:
+        _stage_artifacts(instance, config)
         _preflight(instance)
         if instance.engine_spec().isolation_mode == Deployment.Isolation.MPS:
             _ensure_mps(instance.node)
@@ -462,7 +487,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
     follower = startup.LogFollower.from_last_launch(instance.log_path) if instance.log_path \
         else None
     progress = startup.StartupProgress.from_dict(instance.startup)
-    next_state_check = next_log_read = time.monotonic() + STATE_CHECK_SECONDS
+    next_state_check = time.monotonic() + STATE_CHECK_SECONDS
+    next_log_read = time.monotonic()
     while time.monotonic() < min(hard_deadline, silent_deadline):
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid) if instance.pid is not None else None
@@ -470,7 +496,7 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                   exit_code=code, expected=[State.STARTING])
             return "failed"
         if follower is not None and time.monotonic() >= next_log_read:
-            next_log_read = time.monotonic() + STATE_CHECK_SECONDS
+            next_log_read = time.monotonic() + LOG_READ_SECONDS
             lines = follower.new_lines()
             if lines:
                 # Any new line is progress: the start goes on while the engine logs.
@@ -504,6 +530,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                 return "ready"
             return _cancel_start(instance)
         time.sleep(0.1)
+    if follower is not None:  # what it logged last, for the reason
+        progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
     if instance.pid is not None:
         supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
     if time.monotonic() >= hard_deadline:
@@ -682,7 +710,8 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
             outcome[name] = "refused"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
             continue
-        problem = adapter_problem(adapter, instance.deployment, max_lora_rank)
+        problem = adapter_problem(adapter, instance.deployment, max_lora_rank,
+                                  instance.node.name)
         if problem is not None:
             message = f"Not loaded into {instance}: {problem[0]}"
             errors[name] = message
@@ -828,7 +857,18 @@ def start_agent() -> AgentLoop | None:
     log.info("node agent %s on %s: %s", config.name, socket.gethostname(), counts)
     _loop = AgentLoop(config)
     _loop.start()
+    _serve_cache_to_peers(config)
     return _loop
+
+
+def _serve_cache_to_peers(config: AgentConfig) -> None:
+    """With NODE_PEER_PORT set, other nodes fetch the files of this node's cache from it
+    (serving_app/artifacts/peer.py) before asking the console."""
+    port = os.environ.get("NODE_PEER_PORT")
+    if port and port.isdigit():
+        peer.PeerServer(staging.NodeCacheConfig.from_environment(config.name),
+                        host=os.environ.get("NODE_PEER_HOST", config.address), port=int(port),
+                        advertise=config.address).start()
 
 
 def stop_agent() -> None:

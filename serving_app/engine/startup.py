@@ -35,7 +35,8 @@ PHASES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
     ("warming", "Warming up (kernel JIT)",
      re.compile(r"Graph capturing finished|init engine \(profile, create kv cache|Warming up")),
     ("serving", "Starting the API server",
-     re.compile(r"Starting vLLM (?:API )?server|Started server process|Available routes are")),
+     re.compile(r"Starting vLLM (?:API )?server|Started server process|Available routes are"
+                r"|Application startup complete")),
 )
 LABELS = {name: label for name, label, _ in PHASES}
 LABELS["launching"] = "Launching the process"

@@ -20,16 +20,24 @@ from django.db import models, transaction
 from django.urls import reverse
 from django.utils import timezone
 
+from audit_app import context as audit_context
 from audit_app import recording
-from serving_app import lifecycle, signals, storage
+from serving_app import blobstore, lifecycle, signals, storage
 from serving_app.enginespec import ENGINE_FIELDS, FIELD, FIELDS, EngineSpec, with_defaults
 from serving_app.modelfiles import (
+    AdapterInfo,
     ModelFilesError,
     expected_module_shapes,
     read_adapter,
     read_model,
 )
 from serving_app.models import events
+from serving_app.models.artifacts import Artifact as Artifact
+from serving_app.models.artifacts import ArtifactFile as ArtifactFile
+from serving_app.models.artifacts import ArtifactImport as ArtifactImport
+from serving_app.models.artifacts import ArtifactVersion as ArtifactVersion
+from serving_app.models.artifacts import Blob as Blob
+from serving_app.models.artifacts import NodeCacheEntry as NodeCacheEntry
 from serving_app.models.revisions import (
     DeploymentRevision,
     Rollout,
@@ -80,11 +88,26 @@ def engine_field(name: str) -> dict[str, Any]:
     return out
 
 
-class BaseModel(models.Model):
-    """A model whose files sit at the same local path on every node host.
+def version_files(version: ArtifactVersion) -> list[blobstore.FileEntry]:
+    """A version's manifest as the blob store and node caches take it."""
+    return [blobstore.FileEntry(f.path, f.size, f.blob_id) for f in version.files.all()]
 
-    The architecture fields are read from the folder's config.json and safetensors headers
-    when the model is registered or its path changes; they are never typed in. A capacity-test
+
+
+def artifact_folder(version: ArtifactVersion) -> Path:
+    """A folder on the console with the version's files, for reading its config and headers."""
+    return blobstore.version_folder(version.digest, version_files(version))
+
+
+LEGACY_PATH_LABEL = "Path on every node (legacy)"
+
+
+class BaseModel(models.Model):
+    """A model served from an artifact version (fetched into each node's cache), or, the legacy
+    way, from a folder that sits at the same local path on every node host.
+
+    The architecture fields are read from the files' config.json and safetensors headers
+    when the model is registered or its files change; they are never typed in. A capacity-test
     model (`load_format` "dummy") is a folder with a `config.json` and a tokenizer alone: its
     engines run with random weights of the real shape (vLLM's `--load-format dummy`), so a
     platform team can test placement, memory and throughput before the weights arrive; its
@@ -96,7 +119,14 @@ class BaseModel(models.Model):
         DUMMY = "dummy", "Capacity test: random weights"
 
     name = models.SlugField(max_length=100, unique=True, help_text="Public model name.")
-    path = models.CharField(max_length=500)
+    path = models.CharField(
+        max_length=500, blank=True,
+        help_text="Legacy: a folder at this same path on every node host. Empty when the model "
+                  "comes from an artifact version.")
+    artifact_version = models.ForeignKey(
+        ArtifactVersion, null=True, blank=True, on_delete=models.PROTECT,
+        related_name="base_models",
+        help_text="The files' version: each node fetches it into its cache before a start.")
     # The model's own settings, which a deployment's "auto" or empty one falls back on.
     dtype = models.CharField(max_length=16, choices=FIELD["dtype"].choices, default="auto")
     quantization = models.CharField(
@@ -137,13 +167,36 @@ class BaseModel(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Saved with another version of its files, each deployment of the model records a
+        revision that pins it: pending where engines run (apply it to roll it out; a
+        rollback returns to the files before), applied at once where nothing runs."""
+        adding = self._state.adding
+        before = None if adding else BaseModel.objects.filter(pk=self.pk).values_list(
+            "artifact_version_id", flat=True).first()
+        with transaction.atomic():
+            super().save(*args, **kwargs)
+            if not adding and before != self.artifact_version_id:
+                for deployment in self.deployments.all():
+                    deployment.base_model = self
+                    deployment.record_revision(audit_context.current().actor)
+
     def get_absolute_url(self) -> str:
         """Its page in the console (also the admin's "view on site")."""
         return reverse("console:basemodel-detail", args=[self.pk])
 
+    @property
+    def source_label(self) -> str:
+        """Where the engines get the files: the artifact version, or the legacy host path."""
+        return str(self.artifact_version) if self.artifact_version_id else LEGACY_PATH_LABEL
+
     def clean(self) -> None:
-        if not self.path:
+        if self.artifact_version_id:
+            self._clean_from_artifact()
             return
+        if not self.path:
+            raise ValidationError({"path": "Give an artifact version, or (legacy) a folder "
+                                           "at the same path on every node host."})
         resolved = storage.check_model_path(self.path)
         for adapter in LoraAdapter.objects.select_related("tenant").only(
             "path", "name", "tenant__slug"
@@ -156,6 +209,21 @@ class BaseModel(models.Model):
         except ModelFilesError as exc:
             raise _path_error(exc) from exc
         self.path = str(resolved)  # what was checked is what the engines load
+        for name, value in vars(arch).items():
+            setattr(self, name, value)
+
+    def _clean_from_artifact(self) -> None:
+        version = self.artifact_version
+        assert version is not None
+        if version.artifact.kind != Artifact.Kind.MODEL:
+            raise ValidationError({"artifact_version": f"{version} holds an adapter's files, "
+                                                       "not a base model's."})
+        try:
+            arch = read_model(str(artifact_folder(version)),
+                              dummy=self.load_format == self.LoadFormat.DUMMY)
+        except ModelFilesError as exc:
+            raise ValidationError({"artifact_version": str(exc)}) from exc
+        self.path = ""
         for name, value in vars(arch).items():
             setattr(self, name, value)
 
@@ -187,7 +255,13 @@ class LoraAdapter(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
     base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="adapters")
     name = models.SlugField(max_length=100, help_text="Public name, unique within the tenant.")
-    path = models.CharField(max_length=500)
+    path = models.CharField(
+        max_length=500, blank=True,
+        help_text="Legacy: a folder at this same path on every node host. Empty when the "
+                  "adapter comes from an artifact version.")
+    artifact_version = models.ForeignKey(
+        ArtifactVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="adapters",
+        help_text="The files' version: each node serving the tenant fetches it into its cache.")
     rank = models.PositiveIntegerField(
         null=True, blank=True, help_text="Expected rank; read from adapter_config.json if empty."
     )
@@ -235,23 +309,52 @@ class LoraAdapter(models.Model):
                 )
         return resolved
 
+    @property
+    def source_label(self) -> str:
+        """Where the engines get the files: the artifact version, or the legacy host path."""
+        return str(self.artifact_version) if self.artifact_version_id else LEGACY_PATH_LABEL
+
+    def _artifact_info(self) -> AdapterInfo:
+        version = self.artifact_version
+        assert version is not None
+        artifact = version.artifact
+        if artifact.kind != Artifact.Kind.ADAPTER or artifact.tenant_id != self.tenant_id:
+            raise ValidationError({"artifact_version": f"{version} is not an adapter artifact "
+                                                       "of this tenant."})
+        try:
+            return read_adapter(str(artifact_folder(version)))
+        except ModelFilesError as exc:
+            raise ValidationError({"artifact_version": str(exc)}) from exc
+
     def clean(self) -> None:
-        if not self.path:
+        if self.artifact_version_id:
+            info = self._artifact_info()
+            self.path = ""
+            self._check_info(info, counts_against_quota=self._state.adding)
             return
+        if not self.path:
+            raise ValidationError({"path": "Give an artifact version, or (legacy) a folder "
+                                           "at the same path on every node host."})
         resolved = self.check_path()
         try:
             info = read_adapter(str(resolved))
         except ModelFilesError as exc:
             raise _path_error(exc) from exc
-        if self._state.adding and self.tenant_id and storage.is_in_tenant_area(resolved):
+        self.path = str(resolved)  # what was checked is what the engines load
+        self._check_info(info, counts_against_quota=self._state.adding
+                         and storage.is_in_tenant_area(resolved))
+
+    def _check_info(self, info: AdapterInfo, *, counts_against_quota: bool) -> None:
+        """The checks on what the files hold: quota, rank, shapes against the base model."""
+        if counts_against_quota and self.tenant_id:
             # An upload takes the tenant's own disk: its quota applies.
             quota = storage.quota_bytes(self.tenant)
             used = LoraAdapter.objects.storage_used(self.tenant)
             if used + info.size_bytes > quota:
+                field = "artifact_version" if self.artifact_version_id else "path"
                 raise ValidationError(
-                    {"path": storage.quota_error(info.size_bytes, used, quota)}
+                    {field: storage.quota_error(info.size_bytes, used, quota)}
                 )
-        self.path = str(resolved)  # what was checked is what the engines load
         if self.rank is not None and self.rank != info.rank:
             raise ValidationError(
                 {"rank": f"The adapter's files have rank {info.rank}, not {self.rank}."}
@@ -427,6 +530,16 @@ class Node(models.Model):
     max_instances = models.PositiveIntegerField(
         default=4, help_text="Engines this host may run when it has no GPUs (CPU engines)."
     )
+    # The node's artifact cache, as its agent reports it (serving_app/artifacts/staging.py).
+    cache_path = models.CharField(max_length=500, blank=True, default="", editable=False)
+    cache_quota_bytes = models.PositiveBigIntegerField(default=0, editable=False)
+    cache_used_bytes = models.PositiveBigIntegerField(default=0, editable=False)
+    cache_url = models.CharField(
+        max_length=200, blank=True, default="", editable=False,
+        help_text="Where other nodes fetch the files of its cache (its agent's peer server).")
+    fetch_token_hash = models.CharField(
+        max_length=64, blank=True, default="", editable=False,
+        help_text="SHA-256 of the token this node's agent fetches artifacts with.")
     agent_pid = models.PositiveIntegerField(null=True, blank=True, editable=False)
     last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -797,7 +910,8 @@ class Deployment(models.Model):
             super().save(*args, **kwargs)
             if adding and self.applied_revision_id is None:
                 first = DeploymentRevision.objects.create(
-                    deployment=self, number=1, spec=spec_of(self), created_by=self.created_by)
+                    deployment=self, number=1, spec=spec_of(self), created_by=self.created_by,
+                    model_version_id=self.base_model.artifact_version_id)
                 Deployment.objects.filter(pk=self.pk).update(applied_revision=first)
                 self.applied_revision = first
 
@@ -929,13 +1043,20 @@ class Deployment(models.Model):
         roll out. Otherwise it is pending until applied. Returns the new revision, if any."""
         latest = self.latest_revision
         spec = spec_of(self)
-        if latest is not None and with_defaults(latest.spec) == spec:
+        model_version = self.base_model.artifact_version if self.base_model_id else None
+        same_files = latest is not None and latest.model_version_id == (
+            model_version.pk if model_version else None)
+        if latest is not None and with_defaults(latest.spec) == spec and same_files:
             return None
         number = (latest.number if latest else 0) + 1
         revision = DeploymentRevision.objects.create(
-            deployment=self, number=number, spec=spec,
+            deployment=self, number=number, spec=spec, model_version=model_version,
             created_by=by if by is not None and by.is_authenticated else None)
         changes = describe(diff(latest.spec if latest else None, spec))
+        if latest is not None and not same_files:
+            files = f"model files {latest.model_version or 'legacy path'} → " \
+                    f"{model_version or 'legacy path'}"
+            changes = files if changes == describe([]) else f"{files}; {changes}"
         running = self.instances.exclude(state=Instance.State.STOPPED).exists()
         stopped = Deployment.objects.filter(pk=self.pk,
                                             desired_state=self.DesiredState.STOPPED).exists()
@@ -1236,6 +1357,14 @@ class Instance(models.Model):
     command = models.JSONField(default=list, blank=True)
     environment = models.JSONField(default=dict, blank=True)
     secret = models.CharField(max_length=64, default=new_instance_secret, editable=False)
+    model_version = models.ForeignKey(
+        ArtifactVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="instances",
+        help_text="The base model's files this instance runs (pinned when it is created); empty "
+                  "for a model at a legacy host path.")
+    staging = models.JSONField(
+        default=dict, blank=True, editable=False,
+        help_text="Fetching its files into the node's cache before the start: artifact, bytes, "
+                  "rate, error.")
     loaded_adapters = models.JSONField(default=list, blank=True)
     adapter_errors = models.JSONField(
         default=dict, blank=True, help_text="Adapters that failed to load here: name -> error."
@@ -1266,6 +1395,12 @@ class Instance(models.Model):
         # An instance created without a revision runs its deployment's applied one.
         if self._state.adding and self.revision_id is None and self.deployment_id:
             self.revision_id = self.deployment.applied_revision_id
+        # ...and pins the version of its base model's files it will run: its revision's.
+        if self._state.adding and self.model_version_id is None and self.deployment_id:
+            revision = self.revision if self.revision_id else None
+            self.model_version_id = (revision.model_version_id if revision is not None
+                                     and revision.model_version_id else
+                                     self.deployment.base_model.artifact_version_id)
         super().save(*args, **kwargs)
 
     def get_absolute_url(self) -> str:
@@ -1325,4 +1460,5 @@ class Instance(models.Model):
 from serving_app.models.autoscalers import Autoscaler as Autoscaler  # noqa: E402
 from serving_app.models.engine_metrics import EngineHour as EngineHour  # noqa: E402
 from serving_app.models.engine_metrics import EngineSample as EngineSample  # noqa: E402
+from serving_app.models.joins import NodeJoinToken as NodeJoinToken  # noqa: E402
 from serving_app.models.usage import *  # noqa: E402,F401,F403

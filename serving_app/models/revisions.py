@@ -5,7 +5,9 @@ Editing the settings that change how a deployment's engines run (`ENGINE_FIELDS`
 applies it: the deployment keeps running its applied revision, and every instance started
 meanwhile (a restart, a scale-up, a replacement) runs that one. Each instance
 records the revision it runs, so drift is read from the settings, never from a command line.
-Adapters are not part of a revision: they are loaded and unloaded at runtime, as before.
+Adapters are not part of a revision: they are loaded and unloaded at runtime, as before. The
+base model's files are: a revision pins the model's artifact version (`model_version`), so a
+new version of the model's files rolls out, and rolls back, like a changed setting.
 
 Applying (`Deployment.apply()`) creates a `Rollout`: the target revision, a strategy and its
 options. The reconciler carries it out round by round (`serving_app/deployments/rollout.py`) and
@@ -83,6 +85,12 @@ class DeploymentRevision(models.Model):
     )
     number = models.PositiveIntegerField()
     spec = models.JSONField(default=dict)
+    model_version = models.ForeignKey(
+        "serving_app.ArtifactVersion", null=True, blank=True, on_delete=models.PROTECT,
+        related_name="+",
+        help_text="The base model's files this revision runs (empty: a legacy host path); a "
+                  "new version of the model is a new revision, rolled out and rolled back as "
+                  "one.")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

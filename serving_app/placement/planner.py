@@ -18,12 +18,15 @@ The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``
    module: ``rank x (in + out) x B(dtype)``; q: hidden -> heads x head_dim, k and v: hidden ->
    kv_heads x head_dim, o: heads x head_dim -> hidden; with MLP targets also gate and up:
    hidden -> intermediate, down: intermediate -> hidden. Per GPU: / TP.
-4. **Runtime reserve.** A fixed ``runtime_overhead_bytes`` (default 1 GiB: the CUDA context and
-   allocator slack; a PyTorch process on the H200 read for the fixture held 610 MiB more than its
-   tensor) plus ``cuda_graph_bytes`` (default 0.5 GiB, 0 with ``enforce_eager``) plus, with TP > 1,
-   ``nccl_bytes`` (default 0.25 GiB); plus activations of one forward pass at the token budget,
-   ``max_num_batched_tokens x hidden_size x activation_factor (24) x B(dtype)``, plus fp32 logits
-   for sampling, ``max_num_seqs x vocab_size x 4``.
+4. **Runtime reserve.** ``runtime_overhead_bytes`` (225 MiB: the non-torch memory vLLM 0.26
+   logged on an H200) plus ``cuda_graph_bytes`` (315 MiB, 0 with ``enforce_eager``) plus, with
+   TP > 1, ``nccl_bytes`` (256 MiB); plus activations of one forward pass at the token budget,
+   ``max_num_batched_tokens x B(dtype) x (hidden_size x activation_factor + intermediate_size x
+   intermediate_factor)`` (0 and 3.125: the MLP's gate/up output dominates the peak), plus fp32
+   logits for sampling, ``max_num_seqs x vocab_size x 4``. The constants were fitted to two
+   engines on an H200 and predicted a third's KV capacity within 0.6%
+   (``placement.calibration``, docs/gpu.md "Planner"); until 2026-12 they were 1 GiB, 0.5 GiB and
+   ``hidden x 24`` at 2,048 batched tokens.
 
 vLLM's ``gpu_memory_utilization`` is the share of the GPU's *total* memory the instance may use
 for all of the above, so the fraction to give it is ``needed / total``, rounded up to 0.01.
@@ -64,7 +67,8 @@ QUANT_BYTES_PER_PARAM: dict[str, float] = {
 }
 
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
-VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # the OpenAI server's default on most GPUs
+VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM 0.26 on an H200: "Chunked prefill is enabled with
+# max_num_batched_tokens=8192"
 VLLM_DEFAULT_BLOCK_SIZE = 16  # GPU default; the CPU backend uses 128
 
 
@@ -190,10 +194,16 @@ class EngineSettings:
 class PlannerConstants:
     """The reserve's fixed terms; override to calibrate against a measured engine."""
 
-    runtime_overhead_bytes: int = 1 * GIB
-    cuda_graph_bytes: int = 512 * MIB
+    # Fitted to two engines on an H200 (Llama-3-8B and Llama-2-7B shapes, vLLM 0.26), which
+    # then predicted a Qwen2.5-7B shape's KV capacity within 0.6% (docs/gpu.md, "Planner";
+    # `placement.calibration`): non-torch memory as logged (0.22 GiB), CUDA graphs the rest of
+    # the fitted constant, activations 3.125 bytes per batched token per unit of MLP width per
+    # byte of dtype (the gate/up projection's output dominates the peak).
+    runtime_overhead_bytes: int = 225 * MIB
+    cuda_graph_bytes: int = 315 * MIB
     nccl_bytes: int = 256 * MIB
-    activation_factor: float = 24.0
+    activation_factor: float = 0.0  # per unit of hidden size (the earlier form; 24 until 2026-12)
+    intermediate_factor: float = 3.125
 
 
 DEFAULT_CONSTANTS = PlannerConstants()
@@ -423,7 +433,9 @@ def plan_memory(
     kv_cache = kv_tokens * kv_per_token
 
     act_bytes = dtype_bytes(dtype)
-    activations = int(batched * model.hidden_size * constants.activation_factor * act_bytes)
+    activations = int(batched * act_bytes * (
+        model.hidden_size * constants.activation_factor
+        + model.resolved_intermediate_size * constants.intermediate_factor))
     activations += engine.max_num_seqs * model.vocab_size * 4
     runtime = constants.runtime_overhead_bytes
     if not engine.enforce_eager:

@@ -11,6 +11,7 @@ it has a case. Metering (usage events and rollups) accepts no write in either.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import zipfile
@@ -48,10 +49,15 @@ from alerts_app.models import (
 from audit_app import recording
 from audit_app.models import AuditLog
 from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
+from serving_app.artifacts import sources
 from serving_app.models import (
     AdapterFileRemoval,
+    Artifact,
+    ArtifactImport,
+    ArtifactVersion,
     Autoscaler,
     BaseModel,
+    Blob,
     Deployment,
     EngineHour,
     EngineSample,
@@ -61,6 +67,8 @@ from serving_app.models import (
     Instance,
     LoraAdapter,
     Node,
+    NodeCacheEntry,
+    NodeJoinToken,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -305,6 +313,9 @@ ADMIN_CASES: dict[str, AdminCase] = {
         change=lambda w: {"cordoned": "on"}, changed=("cordoned",),
         actions={"cordon_nodes": "cordon", "uncordon_nodes": "uncordon",
                  "drain_nodes": "drain"}),
+    "serving_app.NodeJoinToken": AdminCase(
+        make=lambda w: NodeJoinToken.issue(f"new-host{w.n()}", w.staff)[0],
+        actions={"revoke_tokens": "revoke"}),
     "serving_app.Gpu": AdminCase(
         make=_gpu,
         add=lambda w: {"node": str(_node(w).pk), "index": "1", "uuid": f"GPU-{w.n()}",
@@ -392,6 +403,15 @@ ADMIN_CASES: dict[str, AdminCase] = {
             channel=Channel.objects.create(name=f"hook{w.n()}", kind="webhook",
                                            url="https://example.com/hook"), kind="test")),
     "alerts_app.EvaluationState": AdminCase(make=lambda w: EvaluationState.objects.create()),
+    "serving_app.Artifact": AdminCase(make=lambda w: _adapter_artifact(w)),
+    "serving_app.ArtifactVersion": AdminCase(make=lambda w: _received_version(w)),
+    "serving_app.ArtifactImport": AdminCase(make=lambda w: _received_upload(w)),
+    "serving_app.ArtifactFile": AdminCase(make=lambda w: _received_version(w).files.get()),
+    "serving_app.Blob": AdminCase(make=lambda w: Blob.objects.create(
+        sha256=hashlib.sha256(str(w.n()).encode()).hexdigest(), size=1)),
+    "serving_app.NodeCacheEntry": AdminCase(make=lambda w: NodeCacheEntry.objects.create(
+        node=Node.objects.create(name=f"n{w.n()}", queue=f"node.n{w.n()}"),
+        version=_received_version(w))),
     "serving_app.AdapterFileRemoval": AdminCase(
         make=lambda w: AdapterFileRemoval.objects.create(engine_name="x", path="/nowhere")),
     "audit_app.AuditLog": AdminCase(
@@ -706,6 +726,27 @@ def _node_action(name: str):
     return run
 
 
+def _issue_join_token(w: World) -> list[Expect]:
+    data = call(w.staff, "post", "/api/v1/node-join-tokens/", {"node_name": f"new{w.n()}"})
+    return [Expect(w.staff, "create", NodeJoinToken, data["id"])]
+
+
+def _revoke_join_token(w: World) -> list[Expect]:
+    token, _ = NodeJoinToken.issue(f"new{w.n()}", w.staff)
+    call(w.staff, "post", f"/api/v1/node-join-tokens/{token.pk}/revoke/")
+    return [Expect(w.staff, "revoke", NodeJoinToken, token.pk)]
+
+
+def _join(w: World) -> list[Expect]:
+    """A host joins with its token alone: the entries name no user."""
+    name = f"joined{w.n()}"
+    token, secret = NodeJoinToken.issue(name, w.staff)
+    data = call(None, "post", "/api/v1/node-join/",
+                {"token": secret, "name": name, "address": "10.0.0.9"}, client=APIClient())
+    node = Node.objects.get(name=data["node"])
+    return [Expect(None, "join", NodeJoinToken, token.pk), Expect(None, "create", Node, node.pk)]
+
+
 def _invite(w: World) -> list[Expect]:
     data = call(w.acme.owner, "post", "/api/v1/invitations/",
                 {"tenant": "acme", "invited_as": f"friend{w.n()}@example.com"})
@@ -771,6 +812,60 @@ def _upload(w: World) -> list[Expect]:
     return [Expect(w.acme.owner, "create", LoraAdapter, data["id"])]
 
 
+def _artifact_create(w: World) -> list[Expect]:
+    data = call(w.staff, "post", "/api/v1/artifacts/", {"name": f"m{w.n()}", "kind": "model"})
+    return [Expect(w.staff, "create", Artifact, data["id"])]
+
+
+def _adapter_artifact(w: World) -> Artifact:
+    return Artifact.objects.create(name=f"a{w.n()}", kind="adapter", tenant=w.acme.tenant)
+
+
+ONE_FILE = b"adapter bytes"
+ONE_FILE_ANNOUNCED = [{"path": "adapter_model.safetensors", "size": len(ONE_FILE),
+                       "sha256": hashlib.sha256(ONE_FILE).hexdigest()}]
+
+
+def _artifact_upload(w: World) -> list[Expect]:
+    artifact = _adapter_artifact(w)
+    data = call(w.acme.owner, "post", f"/api/v1/artifacts/{artifact.pk}/uploads/",
+                {"files": ONE_FILE_ANNOUNCED})
+    return [Expect(w.acme.owner, "create", ArtifactImport, data["id"])]
+
+
+def _artifact_import(w: World) -> list[Expect]:
+    artifact = Artifact.objects.create(name=f"m{w.n()}", kind="model")
+    data = call(w.staff, "post", f"/api/v1/artifacts/{artifact.pk}/imports/",
+                {"source": "s3", "bucket": "models", "prefix": "llama"})
+    return [Expect(w.staff, "create", ArtifactImport, data["id"])]
+
+
+def _received_upload(w: World) -> ArtifactImport:
+    record = sources.start_upload(_adapter_artifact(w),
+                                  sources.announced_files(ONE_FILE_ANNOUNCED))
+    sources.receive_chunk(record, ONE_FILE_ANNOUNCED[0]["sha256"], 0, io.BytesIO(ONE_FILE),
+                          len(ONE_FILE))
+    return record
+
+
+def _received_version(w: World) -> ArtifactVersion:
+    return sources.complete_upload(_received_upload(w))
+
+
+def _artifact_complete(w: World) -> list[Expect]:
+    record = _received_upload(w)
+    call(w.acme.owner, "post", f"/api/v1/artifact-imports/{record.pk}/complete/")
+    return [Expect(w.acme.owner, "update", ArtifactImport, record.pk)]
+
+
+def _artifact_chunk(w: World) -> None:
+    record = sources.start_upload(_adapter_artifact(w),
+                                  sources.announced_files(ONE_FILE_ANNOUNCED))
+    call(w.acme.owner, "put",
+         f"/api/v1/artifact-imports/{record.pk}/blobs/{ONE_FILE_ANNOUNCED[0]['sha256']}/",
+         ONE_FILE, content_type="application/octet-stream", format=None)
+
+
 def _sign_in(w: World) -> list[Expect]:
     member = w.acme.member
     data = call(None, "post", "/api/v1/auth/token/",
@@ -811,6 +906,10 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     **{f"memberships_{op}": partial(_membership, op=op)
        for op in ("create", "update", "partial_update", "destroy")},
     "adapters_upload_create": _upload,
+    "artifacts_create": _artifact_create,
+    "artifacts_uploads_create": _artifact_upload,
+    "artifacts_imports_create": _artifact_import,
+    "artifact_imports_complete_create": _artifact_complete,
     "api_keys_revoke_create": _revoke_key,
     "deployments_start_create": _deployment_action("start"),
     "deployments_stop_create": _deployment_action("stop"),
@@ -827,6 +926,9 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "deployments_rollout_abort_create": _rollout_api("rollout/abort", _rolling_out, Rollout,
                                                         "abort"),
     **{f"nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
+    "node_join_tokens_create": _issue_join_token,
+    "node_join_tokens_revoke_create": _revoke_join_token,
+    "node_join_create": _join,
     "invitations_create": _invite,
     "invitations_revoke_create": _revoke_invitation,
     "my_invitations_accept_create": _answer("accept"),
@@ -841,7 +943,11 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "auth_logout_all_create": _sign_out(everywhere=True),
 }
 # Write methods that change nothing, and why.
-NOT_A_CHANGE = {"plan_create": "a dry run: the plan of an unsaved deployment body"}
+NOT_A_CHANGE = {"plan_create": "a dry run: the plan of an unsaved deployment body",
+                "artifact_imports_blobs_update": "bytes of a file being uploaded: the upload's "
+                                                 "start and its completion are its entries",
+                "artifacts_stage_create": "asks a node to fetch files into its cache: what the "
+                                          "cache holds is its agent's record"}
 
 
 def write_operations() -> list[tuple[str, str, str]]:
@@ -863,7 +969,8 @@ def test_every_api_write_operation_has_a_case():
 
 def test_no_api_write_reaches_metering():
     for _, _, path in WRITES:
-        url = path.replace("{id}", "1").replace("{slug}", "x").replace("{name}", "x")
+        url = path.replace("{id}", "1").replace("{slug}", "x").replace("{name}", "x").replace(
+            "{sha256}", "0" * 64)
         view = resolve(url).func
         queryset = getattr(getattr(view, "cls", None), "queryset", None)
         assert queryset is None or queryset.model not in METERING, path
@@ -874,6 +981,17 @@ def test_no_api_write_reaches_metering():
                          ids=[f"{m} {p}" for _, m, p in WRITES])
 def test_every_api_write_leaves_its_entry(operation, method, path, world):
     before = AuditLog.objects.filter(via="api").count()
+    if operation == "artifacts_stage_create":
+        version = _received_version(world)
+        Node.objects.create(name="stage-node", queue="node.stage-node")
+        call(world.staff, "post", f"/api/v1/artifacts/{version.artifact_id}/stage/",
+             {"node": "stage-node"})
+        assert AuditLog.objects.filter(via="api").count() == before
+        return
+    if operation == "artifact_imports_blobs_update":
+        _artifact_chunk(world)
+        assert AuditLog.objects.filter(via="api").count() == before
+        return
     if operation in NOT_A_CHANGE:
         deployment = {"name": "dry", "base_model": world.base.name, "tenants": ["acme"]}
         call(world.staff, "post", "/api/v1/plan/", deployment)

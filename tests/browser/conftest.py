@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,7 +76,9 @@ def console_server(django_db_setup, django_db_blocker) -> Iterator[str]:
            "CELERY_BROKER_URL": BROKER_URL, "CELERY_RESULT_BACKEND": BROKER_URL,
            "GATEWAY_CATALOG_REFRESH_SECONDS": "0.5", "GATEWAY_KEY_CACHE_SECONDS": "1",
            "GATEWAY_NEGATIVE_KEY_CACHE_SECONDS": "0.2", "LOG_LEVEL": "WARNING",
-           "DJANGO_SETTINGS_MODULE": "tests.browser.settings"}
+           "DJANGO_SETTINGS_MODULE": "tests.browser.settings",
+           # Its own artifact blob store (uploads in the browser tests), not var/'s.
+           "ARTIFACT_STORE_ROOT": tempfile.mkdtemp(prefix="browser-artifacts-")}
     (ROOT / "artifacts").mkdir(exist_ok=True)
     log = open(ROOT / "artifacts" / "browser-server.log", "wb")  # noqa: SIM115
     url, proc = start_server("tests.browser.asgi:application", env, log,

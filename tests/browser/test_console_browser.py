@@ -11,12 +11,18 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from serving_app.models import BaseModel, Deployment, Instance, Node
+from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from tenants_app.models import Role
 from tests.browser.conftest import shot, sign_in
 from tests.browser.seed import dashboard_scene
 from tests.engines import MODELS
-from tests.factories import add_member, make_deployment, make_tenant, make_user
+from tests.factories import (
+    add_member,
+    make_adapter_dir,
+    make_deployment,
+    make_tenant,
+    make_user,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -272,3 +278,33 @@ def test_every_page_works_under_the_content_security_policy(page, admin, base_mo
         page.wait_for_timeout(50)
     assert any(v.startswith("script-src-attr blocked inline") for v in page.csp_violations)
     page.csp_violations.clear()
+
+
+def test_tenant_owner_uploads_an_adapter_folder_in_chunks_and_it_is_registered(
+        page, base_model, tmp_path):
+    """A tenant owner picks an adapter folder in the portal: the browser hashes each file,
+    announces them, sends the bytes through the artifacts API (chunks, progress), completes the
+    version and registers the adapter from it; the portal lists it. No engine here."""
+    tenant = make_tenant("uploads", name="Uploads")
+    owner = make_user("uploads-owner")
+    add_member(tenant, owner, Role.OWNER)
+    make_deployment(base_model, [tenant], name="uploads-dep")
+    folder = make_adapter_dir(tmp_path / "picked", "my-lora")
+    sign_in(page, "uploads-owner")
+    page.goto("/portal/uploads/adapters/")
+    form = page.locator("#folder-upload form")
+    form.locator("input[name=name]").fill("my-lora")
+    form.locator("select[name=base_model]").select_option(base_model.name)
+    form.locator("input[type=file]").set_input_files(folder)
+    form.locator("button[type=submit]").click()
+    expect(form.locator("[data-status]")).to_contain_text("Done: version 1", timeout=30_000)
+    adapter = LoraAdapter.objects.get(tenant=tenant, name="my-lora")
+    version = adapter.artifact_version
+    assert version is not None and version.number == 1
+    assert sorted(f.path for f in version.files.all()) == sorted(
+        p.name for p in folder.iterdir())
+    assert adapter.rank == 8 and adapter.path == ""
+    page.reload()
+    expect(page.locator('tr[data-adapter="my-lora"]')).to_contain_text("validated")
+    shot(page, "portal-adapter-folder-upload")
+    assert page.js_errors == []

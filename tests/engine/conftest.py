@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.processes: dict[str, subprocess.Popen] = {}
+        self.agent_options: dict[str, tuple[dict[str, str], tuple[Path, ...]]] = {}
         db = connection.settings_dict
         self.env = {
             **os.environ,
@@ -73,11 +75,20 @@ class Cluster:
             "TENANT_STORAGE_ROOT": str(settings.TENANT_STORAGE_ROOT),
         }
 
-    def _celery(self, label: str, args: list[str], extra_env: dict[str, str]) -> None:
+    def _celery(self, label: str, args: list[str], extra_env: dict[str, str],
+                hidden: tuple[Path, ...] = ()) -> None:
+        """A worker; with `hidden`, in a mount namespace of its own where each of those folders
+        is an empty tmpfs (everything runs as root here: only a namespace makes a folder truly
+        unreadable to a process), as on a host that does not share them."""
         log = (self.tmp / f"{label}.log").open("ab")
+        command = [sys.executable, "-m", "celery", "-A", "console", "worker", *args,
+                   "--without-gossip", "--without-mingle", "-l", "info"]
+        if hidden:
+            mounts = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(str(h))}" for h in hidden)
+            command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                       f'{mounts} && exec "$@"', "sh", *command]
         self.processes[label] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "console", "worker", *args,
-             "--without-gossip", "--without-mingle", "-l", "info"],
+            command,
             cwd=ROOT, env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -86,9 +97,15 @@ class Cluster:
         self._celery("control", ["-Q", "control", "-B", "-s", str(self.tmp / "beat-schedule"),
                                  "--pool", "threads", "-c", "2", "-n", "control@%h"], {})
 
-    def start_agent(self, name: str) -> Node:
+    def start_agent(self, name: str, env: dict[str, str] | None = None,
+                    hidden: tuple[Path, ...] = ()) -> Node:
+        """A node agent; `env` (its artifact cache, the console's URL) and `hidden` (folders it
+        must not see) are kept for its restarts."""
+        if env is not None or hidden:
+            self.agent_options[name] = ({**(env or {})}, hidden)
+        env, hidden = self.agent_options.get(name, ({}, ()))
         self._celery(f"agent-{name}", ["-Q", f"node.{name}", "--pool", "threads", "-c", "4",
-                                       "-n", f"{name}@%h"], {"NODE_NAME": name})
+                                       "-n", f"{name}@%h"], {"NODE_NAME": name, **env}, hidden)
         return wait_for(
             lambda: Node.objects.filter(name=name, agent_pid=self.processes[f"agent-{name}"].pid)
             .first(), 60, f"node agent {name} to register")

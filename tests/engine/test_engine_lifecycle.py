@@ -16,8 +16,9 @@ import httpx
 import psutil
 import pytest
 
+from serving_app.artifacts import sources
 from serving_app.engine import supervisor
-from serving_app.models import Deployment, EngineSample, Instance, LoraAdapter
+from serving_app.models import Artifact, Deployment, EngineSample, Instance, LoraAdapter
 from tests.api.helpers import as_user
 from tests.engine.conftest import MODELS, engine_sessions, instance_state, wait_for
 from tests.unit.test_process_groups import session_members
@@ -72,12 +73,42 @@ def port_is_free(port: int) -> bool:
     return supervisor.port_is_free(port)
 
 
-def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path):
+def artifact_version(name: str, folder, tenant=None) -> int:
+    """The id of a version of `folder`'s files in the console's blob store (as an upload or an
+    import would leave it)."""
+    kind = "adapter" if tenant is not None else "model"
+    artifact = Artifact.objects.create(name=name, kind=kind, tenant=tenant)
+    return sources.import_console_folder(artifact, folder).pk
+
+
+def register_artifact_adapter(user, tenant, name: str, folder) -> dict:
+    response = as_user(user).post(
+        "/api/v1/adapters/",
+        {"tenant": tenant.slug, "base_model": "tiny-llama", "name": name,
+         "artifact_version": artifact_version(name, folder, tenant)}, format="json")
+    assert response.status_code == 201, response.data
+    return response.data
+
+
+def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path, live_server,
+                                         settings):
+    """The model and the deployed adapters are artifact versions: each node agent fetches them
+    from the console (Django's live server) into its own cache and starts its engine there. The
+    second agent runs in a mount namespace where the model roots, the tenants' storage and the
+    console's blob store are empty folders: a host sharing no filesystem with the console.
+    (The broken adapter below is a legacy host-path one, no longer deployed by then.)"""
     cluster.start_control()
-    cluster.start_agent("cpu-a")
-    register_model(platform_admin)
-    lora_a = register_adapter(platform_admin, "acme", "support", MODELS / "tiny-llama-lora-a")
-    lora_b = register_adapter(platform_admin, "acme", "billing", MODELS / "tiny-llama-lora-b")
+    caches = tmp_path / "caches"
+    cluster.start_agent("cpu-a", {"NODE_CONSOLE_URL": live_server.url,
+                                  "NODE_CACHE_DIR": str(caches / "cpu-a")})
+    response = as_user(platform_admin).post("/api/v1/base-models/", {
+        "name": "tiny-llama", "dtype": "float32",
+        "artifact_version": artifact_version("tiny-llama", MODELS / "tiny-llama")}, format="json")
+    assert response.status_code == 201, response.data
+    lora_a = register_artifact_adapter(platform_admin, acme.tenant, "support",
+                                       MODELS / "tiny-llama-lora-a")
+    lora_b = register_artifact_adapter(platform_admin, acme.tenant, "billing",
+                                       MODELS / "tiny-llama-lora-b")
     # Five slots: on CPU one stays spare, so the runtime loads below (a third and a broken
     # fourth adapter) reach the engine rather than being refused for want of a slot.
     deployment = create_deployment(platform_admin, adapters=[lora_a["id"], lora_b["id"]],
@@ -110,8 +141,12 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     assert sorted(json.loads(m)["name"] for m in modules) == ["acme--billing", "acme--support"]
     assert api_view["log_tail"]
 
-    # A third adapter at runtime, without a restart.
-    lora_c = register_adapter(platform_admin, "acme", "legal", MODELS / "tiny-llama-lora-c")
+    # The engine loads the model from this node's cache.
+    assert f"--model={caches / 'cpu-a' / 'versions'}" in " ".join(api_view["command"])
+
+    # A third adapter at runtime, without a restart (fetched into the cache before the load).
+    lora_c = register_artifact_adapter(platform_admin, acme.tenant, "legal",
+                                       MODELS / "tiny-llama-lora-c")
     response = client.patch(f"/api/v1/deployments/{deployment['id']}/",
                             {"adapters": [lora_a["id"], lora_b["id"], lora_c["id"]]},
                             format="json")
@@ -161,14 +196,20 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
         state=State.STOPPED).count() == 1
     assert complete(adopted, "tiny-llama")["choices"][0]["text"]
 
-    # Scale to two instances; a second node agent on this machine, with its own queue, takes one.
-    cluster.start_agent("cpu-b")
+    # Scale to two instances; a second node agent on this machine, with its own queue and
+    # cache, that cannot read the console's folders, takes one.
+    cluster.start_agent("cpu-b", {"NODE_CONSOLE_URL": live_server.url,
+                                  "NODE_CACHE_DIR": str(caches / "cpu-b")},
+                        hidden=(MODELS.resolve(), settings.TENANT_STORAGE_ROOT,
+                                settings.ARTIFACT_STORE_ROOT))
     response = client.post(f"/api/v1/deployments/{deployment['id']}/scale/", {"replicas": 2},
                            format="json")
     assert response.status_code == 200
     two = wait_for(lambda: len(ready_instances(deployment["id"])) == 2
                    and ready_instances(deployment["id"]), START_TIMEOUT, "two ready instances")
     assert {i.node.name for i in two} == {"cpu-a", "cpu-b"}
+    on_b = next(i for i in two if i.node.name == "cpu-b")
+    assert f"--model={caches / 'cpu-b' / 'versions'}" in " ".join(on_b.command)
     seen_pids.update(i.pid for i in two)
     ports = {i.port for i in two}
     for each in two:

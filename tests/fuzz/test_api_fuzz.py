@@ -20,6 +20,7 @@ shrinking. It prints, per operation, how many requests were sent and how many we
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import defaultdict
@@ -43,7 +44,8 @@ from alerts_app.models import Alert, AlertRule, Channel, Notification, Silence
 from audit_app.models import AuditLog
 from console.celery import app as celery_app
 from console.wsgi import application
-from serving_app.models import FleetPlan, Gpu, GpuSample, Instance, Node
+from serving_app.artifacts import sources
+from serving_app.models import Artifact, FleetPlan, Gpu, GpuSample, Instance, Node
 from tenants_app.models import ApiKey, Invitation
 from tests.factories import make_adapter, make_deployment, make_user
 
@@ -103,7 +105,12 @@ def seeded(acme, globex, platform_admin, base_model, tmp_path):
     FleetPlan.objects.create(name="what-if", fleet="gpu-b: 1x80GiB[3g.40gb,3g.40gb]",
                              deployments=[{"name": "on-mig", "model": "llama-mini",
                                            "tenants": ["acme", "globex"], "isolation": "mig"}])
+    announced = sources.announced_files(
+        [{"path": "adapter_config.json", "size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}])
+    sources.start_upload(Artifact.objects.create(name="llama-files", kind="model"), announced)
     for tenant in (acme.tenant, globex.tenant):
+        sources.start_upload(Artifact.objects.create(name=f"{tenant.slug}-lora", kind="adapter",
+                                                     tenant=tenant), announced)
         ApiKey.objects.create_key(tenant=tenant, name=f"{tenant.slug}-key")
         Invitation.objects.invite(tenant=tenant, invited_as="someone", role="member",
                                   invited_by=None)
@@ -141,6 +148,7 @@ def path_values(prefix: str, param: str) -> list:
         "alert-rules": "alerts_app.AlertRule", "alerts": "alerts_app.Alert",
         "alert-channels": "alerts_app.Channel", "alert-silences": "alerts_app.Silence",
         "alert-deliveries": "alerts_app.Notification",
+        "artifacts": "serving_app.Artifact", "artifact-imports": "serving_app.ArtifactImport",
     }
     label = models.get(prefix)
     if label is None:

@@ -46,8 +46,9 @@ QWEN2_7B_CONFIG = {
 QWEN2_7B_PARAMS = 7_615_616_512
 QWEN2_7B = ModelArchitecture.from_hf_config(QWEN2_7B_CONFIG, weight_bytes=QWEN2_7B_PARAMS * 2)
 
-# Runtime reserve with the default constants: 1 GiB context + 0.5 GiB CUDA graphs.
-RUNTIME = GIB + GIB // 2  # 1,610,612,736
+# Runtime reserve with the default constants (calibrated on an H200, docs/gpu.md "Planner"):
+# 225 MiB non-torch memory + 315 MiB CUDA graphs = 540 MiB = 540 x 1,048,576 = 566,231,040 B.
+RUNTIME = 225 * 1024**2 + 315 * 1024**2  # 566,231,040
 
 
 def test_parameter_counts_match_the_configs():
@@ -74,20 +75,23 @@ def test_llama2_7b_bf16_at_8k_context_hand_computed():
     # KV needed: 8 seqs x 8192 tokens = 65,536 tokens x 524,288 B = 34,359,738,368 B = 32 GiB.
     assert plan.kv_tokens == 65_536
     assert plan.kv_cache_bytes == 34_359_738_368 == 32 * GIB
-    # Activations: 8192 tokens x 4096 hidden x 24 x 2 B = 1,610,612,736
-    # + fp32 logits 8 seqs x 32000 vocab x 4 B = 1,024,000 -> 1,611,636,736.
-    assert plan.activation_bytes == 1_611_636_736
+    # Activations: 8192 tokens x 2 B x (4096 hidden x 0 + 11008 MLP width x 3.125 = 34,400)
+    # = 16,384 x 34,400 = 563,609,600
+    # + fp32 logits 8 seqs x 32000 vocab x 4 B = 1,024,000 -> 564,633,600.
+    assert plan.activation_bytes == 564_633_600
     assert plan.runtime_overhead_bytes == RUNTIME
     assert plan.lora_bytes == 0
-    # Total: 13,476,831,232 + 34,359,738,368 + 1,611,636,736 + 1,610,612,736 = 51,058,819,072 B.
-    assert plan.needed_bytes == 51_058_819_072
-    assert round(plan.needed_gib, 2) == 47.55
-    # On an 80 GB GPU: 51,058,819,072 / 85,899,345,920 = 0.5944 -> 0.60.
-    assert plan.gpu_memory_utilization(A100_80GB) == 0.60
-    # At 0.60 the KV budget is 51,539,607,552 - 16,699,080,704 = 34,840,526,848 B
-    # = 4,153 blocks of 16 x 524,288 B; 512 blocks per 8192-token sequence -> 8 sequences.
-    assert plan.concurrent_sequences(A100_80GB, 0.60) == 8
-    # At 0.90: 77,309,411,328 - 16,699,080,704 = 60,610,330,624 B = 7,225 blocks -> 14.
+    # Total: 13,476,831,232 + 34,359,738,368 + 564,633,600 + 566,231,040 = 48,967,434,240 B.
+    assert plan.needed_bytes == 48_967_434_240
+    assert round(plan.needed_gib, 2) == 45.60
+    # On an 80 GB GPU: 48,967,434,240 / 85,899,345,920 = 0.5701 -> 0.58.
+    assert plan.gpu_memory_utilization(A100_80GB) == 0.58
+    # Non-KV: 13,476,831,232 + 564,633,600 + 566,231,040 = 14,607,695,872 B.
+    # At 0.58 the KV budget is int(85,899,345,920 x 0.58) = 49,821,620,633 - 14,607,695,872
+    # = 35,213,924,761 B = 4,197 blocks of 16 x 524,288 B; 512 blocks per 8192-token sequence
+    # -> 8 sequences.
+    assert plan.concurrent_sequences(A100_80GB, 0.58) == 8
+    # At 0.90: 77,309,411,328 - 14,607,695,872 = 62,701,715,456 B = 7,474 blocks -> 14.
     assert plan.concurrent_sequences(A100_80GB, 0.90) == 14
     # Llama-2 was trained at 4096; the planner says so.
     assert any("max_position_embeddings 4,096" in line for line in plan.explain())
@@ -102,8 +106,9 @@ def test_llama2_7b_tensor_parallel_2_halves_weights_and_kv_per_gpu():
     assert plan.kv_bytes_per_token == 262_144
     assert plan.kv_bytes_per_token_total == 524_288
     assert plan.kv_cache_bytes == 16 * GIB
-    # NCCL buffers join the reserve with TP > 1.
-    assert plan.runtime_overhead_bytes == RUNTIME + 256 * 1024**2
+    # NCCL buffers join the reserve with TP > 1: 566,231,040 + 256 MiB (268,435,456)
+    # = 834,666,496 B.
+    assert plan.runtime_overhead_bytes == RUNTIME + 256 * 1024**2 == 834_666_496
 
 
 def test_qwen2_7b_bf16_at_8k_context_hand_computed():
@@ -117,12 +122,14 @@ def test_qwen2_7b_bf16_at_8k_context_hand_computed():
     assert plan.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57_344
     # 32 x 8192 = 262,144 tokens x 57,344 B = 15,032,385,536 B = 14 GiB.
     assert plan.kv_cache_bytes == 15_032_385_536 == 14 * GIB
-    # Activations at the default 2048 batched tokens: 2048 x 3584 x 24 x 2 = 352,321,536
-    # + logits 32 x 152064 x 4 = 19,464,192 -> 371,785,728.
-    assert plan.activation_bytes == 371_785_728
-    # Total 15,231,233,024 + 15,032,385,536 + 371,785,728 + 1,610,612,736 = 32,246,017,024.
-    assert plan.needed_bytes == 32_246_017_024
-    # 32,246,017,024 / 85,899,345,920 = 0.3754 -> 0.38.
+    # Activations at vLLM 0.26's default 8192 batched tokens: 8192 x 2 B x (3584 hidden x 0
+    # + 18944 MLP width x 3.125 = 59,200) = 16,384 x 59,200 = 969,932,800
+    # + logits 32 x 152064 x 4 = 19,464,192 -> 989,396,992.
+    assert plan.max_num_batched_tokens == 8192
+    assert plan.activation_bytes == 989_396_992
+    # Total 15,231,233,024 + 15,032,385,536 + 989,396,992 + 566,231,040 = 31,819,246,592.
+    assert plan.needed_bytes == 31_819_246_592
+    # 31,819,246,592 / 85,899,345,920 = 0.3704 -> 0.38.
     assert plan.gpu_memory_utilization(A100_80GB) == 0.38
 
 
@@ -213,7 +220,9 @@ def test_explain_gives_the_figures():
     text = "\n".join(plan.explain(A100_80GB))
     assert "57,344 B per token per GPU" in text
     assert "32 seqs x 8,192 tokens = 262,144 tokens -> 14.00 GiB" in text
-    assert "Needed per GPU: 30.03 GiB" in text
+    # 31,819,246,592 B (test_qwen2_7b_bf16_at_8k_context_hand_computed) / 1,073,741,824
+    # = 29.634 GiB.
+    assert "Needed per GPU: 29.63 GiB" in text
     assert "gpu_memory_utilization 0.38" in text
 
 

@@ -109,15 +109,36 @@ def table(views: list[GpuAllocationView], title: str) -> str:
 
 def test_plans_for_the_three_tenants():
     p = plans()
-    # support: 14.96 GiB weights + 32 x 4096 x 131,072 B = 16 GiB KV + reserve -> 32.85 GiB.
-    assert round(p["support"].needed_gib, 2) == 32.85
-    assert p["support"].gpu_memory_utilization(A100_80GB) == 0.42
-    # code: 14.18 GiB weights + 262,144 tokens x 57,344 B = 14 GiB KV + reserve.
+    # Reserve with the H200-calibrated constants (docs/gpu.md "Planner"): 225 MiB + 315 MiB CUDA
+    # graphs = 566,231,040 B; activations = batched tokens x 2 B (bf16) x MLP width x 3.125
+    # (hidden x 0) + fp32 logits max_num_seqs x vocab x 4 B.
+    # support: weights 8,030,261,248 x 2 B = 16,060,522,496 B (14.96 GiB); KV 32 x 4096
+    # = 131,072 tokens x 131,072 B (2 x 32 x 8 x 128 x 2) = 17,179,869,184 B (16 GiB);
+    # activations 2048 x 2 x 14336 x 3.125 = 183,500,800 + logits 32 x 128256 x 4 = 16,416,768
+    # -> 199,917,568; total 16,060,522,496 + 17,179,869,184 + 199,917,568 + 566,231,040
+    # = 34,006,540,288 B = 31.67 GiB; / 85,899,345,920 = 0.3959 -> 0.40.
+    assert p["support"].activation_bytes == 199_917_568
+    assert p["support"].needed_bytes == 34_006_540_288
+    assert round(p["support"].needed_gib, 2) == 31.67
+    assert p["support"].gpu_memory_utilization(A100_80GB) == 0.40
+    # code: 7,615,616,512 x 2 = 15,231,233,024 B (14.18 GiB) weights + 262,144 tokens x 57,344 B
+    # = 14 GiB KV; activations at the default 8192 batched tokens 8192 x 2 x 18944 x 3.125
+    # = 969,932,800 + logits 16 x 152064 x 4 = 9,732,096 -> 979,664,896; total
+    # 15,231,233,024 + 15,032,385,536 + 979,664,896 + 566,231,040 = 31,809,514,496 B
+    # = 29.62 GiB; / 85,899,345,920 = 0.3703 -> 0.38.
     assert p["code"].kv_cache_bytes == 14 * GIB
+    assert p["code"].activation_bytes == 979_664_896
+    assert p["code"].needed_bytes == 31_809_514_496
     assert p["code"].gpu_memory_utilization(A100_80GB) == 0.38
-    # content: 14.96 GiB weights + 96 x 4096 x 131,072 B = 48 GiB KV + reserve -> 66.0 GiB.
+    # content: 16,060,522,496 B weights + 96 x 4096 x 131,072 B = 48 GiB KV; activations
+    # 8192 x 2 x 14336 x 3.125 = 734,003,200 + logits 96 x 128256 x 4 = 49,250,304
+    # -> 783,253,504; total 16,060,522,496 + 51,539,607,552 + 783,253,504 + 566,231,040
+    # = 68,949,614,592 B = 64.21 GiB; / 85,899,345,920 = 0.8027 -> 0.81.
     assert p["content"].kv_cache_bytes == 48 * GIB
-    assert p["content"].gpu_memory_utilization(A100_80GB) == 0.83
+    assert p["content"].activation_bytes == 783_253_504
+    assert p["content"].needed_bytes == 68_949_614_592
+    assert round(p["content"].needed_gib, 2) == 64.21
+    assert p["content"].gpu_memory_utilization(A100_80GB) == 0.81
 
 
 def test_one_gpu_per_tenant_uses_three_gpus_for_what_packing_fits_on_two():
@@ -130,17 +151,21 @@ def test_one_gpu_per_tenant_uses_three_gpus_for_what_packing_fits_on_two():
         v.gpu_index: sum(p[e.tenant_id].needed_bytes for e in v.entries) / A100_80GB
         for v in static_views
     }
-    # Three whole GPUs are blocked; what they really need is 83%, 41% and 38% of each.
+    # Three whole GPUs are blocked; what they really need is 80%, 40% and 37% of each
+    # (68,949,614,592, 34,006,540,288 and 31,809,514,496 B of 85,899,345,920: 0.8027, 0.3959,
+    # 0.3703; test_plans_for_the_three_tenants).
     assert sum(v.reserved_fraction == 1.0 for v in static_views) == 3
-    assert sorted(round(x, 2) for x in needed.values() if x) == [0.38, 0.41, 0.83]
+    assert sorted(round(x, 2) for x in needed.values() if x) == [0.37, 0.40, 0.80]
 
     packed = Placer(cluster())
     for tenant in ("content", "support", "code"):
         assert packed.place(req(tenant, p[tenant], 1)).ok
     packed_views = packed.allocation_view()
     used = [v for v in packed_views if v.entries]
-    assert len(used) == 2  # content alone; support + code together (0.42 + 0.38 = 0.80)
-    assert sorted(round(v.reserved_fraction, 2) for v in used) == [0.80, 0.83]
+    # content alone (0.81: with support 0.81 + 0.40 = 1.21, with code 1.19, neither fits);
+    # support + code together (0.40 + 0.38 = 0.78). The same inputs still pack onto two GPUs.
+    assert len(used) == 2
+    assert sorted(round(v.reserved_fraction, 2) for v in used) == [0.78, 0.81]
     print()
     print(table(static_views, "One GPU per tenant (dedicated):"))
     print(table(packed_views, "Packed, same three instances (shared, binpack):"))

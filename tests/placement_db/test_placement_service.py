@@ -76,10 +76,22 @@ def test_plan_deployment_matches_hand_computed_figures(qwen, tenant):
     # launch.py always passes --enable-lora --max-loras 4 --max-lora-rank 16 (the defaults).
     lora = 16 * (2 * (3584 + 3584) + 2 * (3584 + 512)) * 2 * 28 * 4
     assert plan.lora_bytes == lora
-    assert plan.activation_bytes == 2048 * 3584 * 24 * 2 + 32 * 152064 * 4
-    runtime = GIB + 512 * 1024**2
+    # Activations with the H200-calibrated constants (docs/gpu.md "Planner"): vLLM 0.26's default
+    # 8192 batched tokens x 2 B (bf16) x (3584 hidden x 0 + 18944 MLP width x 3.125)
+    # = 16,384 x 59,200 = 969,932,800, + fp32 logits 32 seqs x 152064 x 4 = 19,464,192
+    # -> 989,396,992 B.
+    assert plan.max_num_batched_tokens == 8192
+    assert plan.activation_bytes == 8192 * 2 * 18944 * 3.125 + 32 * 152064 * 4 == 989_396_992
+    # Reserve: 225 MiB non-torch memory + 315 MiB CUDA graphs = 566,231,040 B.
+    runtime = 225 * 1024**2 + 315 * 1024**2
+    assert plan.runtime_overhead_bytes == runtime == 566_231_040
+    # params = 152064 x 3584 + 28 x 97,255,424 = 3,268,149,248 -> weights 6,536,298,496 B;
+    # LoRA 16 x (2 x 7168 + 2 x 4096) x 2 B x 28 x 4 = 80,740,352 B; total 6,536,298,496
+    # + 15,032,385,536 + 80,740,352 + 989,396,992 + 566,231,040 = 23,205,052,416 B = 21.61 GiB.
     assert plan.needed_bytes == params * 2 + 14 * GIB + lora + plan.activation_bytes + runtime
-    assert plan.needed_gib == pytest.approx(22.01, abs=0.01)
+    assert plan.needed_bytes == 23_205_052_416
+    assert plan.needed_gib == pytest.approx(21.61, abs=0.01)
+    # 23,205,052,416 / 85,899,345,920 = 0.2701 -> rounded up to 0.28.
     assert plan.gpu_memory_utilization(80 * GIB) == 0.28
 
 
@@ -131,7 +143,7 @@ def test_replicas_land_on_separate_gpus_with_their_fraction(qwen, tenant, cluste
 def test_new_replicas_respect_existing_allocations(qwen, tenant, cluster):
     first = deploy(qwen, tenant)
     service.place_replicas(first, [0])
-    second = deploy(qwen, tenant, max_num_seqs=64)  # ~0.43 of a GPU
+    second = deploy(qwen, tenant, max_num_seqs=64)  # 35.6 GiB: 0.45 of a GPU
     (instance,), _ = service.place_replicas(second, [0])
     # Bin-packing puts it beside the first deployment's instance.
     assert list(instance.gpus.all()) == list(first.instances.get().gpus.all())
@@ -173,24 +185,35 @@ def test_the_last_replica_that_does_not_fit_places_none(qwen, tenant, cluster):
 
 def test_refusal_names_the_largest_free_slot(qwen, tenant):
     make_node("node-a", "2xNVIDIA A100-SXM4-80GB:80GiB")
-    blocker = deploy(qwen, tenant, max_num_seqs=90)  # 47.4 GiB: 0.60 of each GPU
+    # With the calibrated constants (test_plan_deployment_matches_hand_computed_figures), n
+    # sequences of 8192 need 6,536,298,496 weights + 80,740,352 LoRA + 969,932,800 activations
+    # + 566,231,040 reserve = 8,153,202,688 B, plus n x (8192 x 57,344 KV + 152064 x 4 logits)
+    # = n x 470,370,304 B.
+    # blocker: 8,153,202,688 + 90 x 470,370,304 = 50,486,530,048 B = 47.0 GiB: 0.5877 -> 0.59
+    # of each GPU, leaving 1 - 0.59 - 0.10 headroom = 0.31 = 24.8 GiB.
+    blocker = deploy(qwen, tenant, max_num_seqs=90)
+    assert service.plan_deployment(blocker).needed_bytes == 50_486_530_048
     assert service.place_replicas(blocker, [0, 1])[1] == ""
-    big = deploy(qwen, tenant, max_num_seqs=48)  # 29.0 GiB: 0.37 > the 0.30 left
+    # big: 8,153,202,688 + 48 x 470,370,304 = 30,730,977,280 B = 28.6 GiB: 0.36 > the 0.31 left.
+    big = deploy(qwen, tenant, max_num_seqs=48)
+    assert service.plan_deployment(big).needed_bytes == 30_730_977_280
     instances, reason = service.place_replicas(big, [0])
     assert instances == []
-    assert reason == "needs 29.0 GiB; the largest free slot is 24.0 GiB on node-a GPU 0"
+    assert reason == "needs 28.6 GiB; the largest free slot is 24.8 GiB on node-a GPU 0"
 
 
 def test_quota_refusal_counts_what_the_tenant_already_holds(qwen, cluster):
     tenant = make_tenant("quota", gpu_memory_quota_gib=Decimal("40"))
-    first = deploy(qwen, tenant)  # 22.0 GiB needed: 22.4 GiB reserved at 0.28 of 80 GiB
+    # 21.6 GiB needed (23,205,052,416 B, test_plan_deployment_matches_hand_computed_figures):
+    # 22.4 GiB reserved at 0.28 of 80 GiB; 22.4 + 21.6 = 44.0 > the 40 GiB quota.
+    first = deploy(qwen, tenant)
     assert service.place_replicas(first, [0])[1] == ""
     second = deploy(qwen, tenant)
     instances, reason = service.place_replicas(second, [0])
     assert instances == []
     assert reason == (
         "tenant quota's GPU memory quota is 40.0 GiB; it already uses 22.4 GiB and this "
-        "deployment needs 22.0 GiB more"
+        "deployment needs 21.6 GiB more"
     )
     second.refresh_from_db()
     assert second.placement_error == reason
@@ -212,8 +235,9 @@ def test_a_replacement_for_a_lost_nodes_instance_fits_within_the_quota(qwen, clu
 
 
 def test_a_shared_deployment_checks_each_tenants_quota_for_its_entitled_share(qwen, cluster):
-    # 22.0 GiB needed, reserved as 0.28 of an 80 GiB GPU (22.4 GiB): weights 3 and 1 charge
-    # 16.8 and 5.6 GiB (5.5 of the 22.0 needed). Nothing has run: the split is the entitled one.
+    # 21.6 GiB needed (23,205,052,416 B), reserved as 0.28 of an 80 GiB GPU (22.4 GiB): weights
+    # 3 and 1 charge 16.8 and 5.6 GiB (21.61 x 0.25 = 5.4 of the 21.6 needed: over small's 5 GiB
+    # quota, within 6). Nothing has run: the split is the entitled one.
     big = make_tenant("big", fair_share_weight=3, gpu_memory_quota_gib=Decimal("20"))
     small = make_tenant("small", fair_share_weight=1, gpu_memory_quota_gib=Decimal("5"))
     deployment = make_deployment(qwen, [big, small], max_num_seqs=32, max_model_len=8192)
@@ -222,7 +246,7 @@ def test_a_shared_deployment_checks_each_tenants_quota_for_its_entitled_share(qw
     _, reason = service.place_replicas(deployment, [0])
     assert reason == (
         "tenant small's GPU memory quota is 5.0 GiB; it already uses 0.0 GiB and its share (25%) "
-        "of this deployment needs 5.5 GiB more"
+        "of this deployment needs 5.4 GiB more"
     )
     small.gpu_memory_quota_gib = Decimal("6")
     small.save()
@@ -278,9 +302,10 @@ def test_mig_isolation_gets_a_free_mig_device(qwen, tenant):
     (gpu,) = instance.gpus.all()
     assert gpu.uuid == "MIG-bbbb" and gpu.parent is not None
     assert instance.environment == {"CUDA_VISIBLE_DEVICES": "MIG-bbbb"}
-    # The only free MIG device is now taken.
+    # The only free MIG device is now taken (21.6 GiB needed: 23,205,052,416 B,
+    # test_plan_deployment_matches_hand_computed_figures; it would fit a 40 GiB device).
     _, reason = service.place_replicas(deploy(qwen, tenant, isolation_mode="mig"), [0])
-    assert reason == "needs 22.0 GiB on a MIG device; no MIG device is free"
+    assert reason == "needs 21.6 GiB on a MIG device; no MIG device is free"
 
 
 def test_mps_sets_thread_percentage_and_memory_limit(qwen, tenant):

@@ -13,7 +13,7 @@ from audit_app.models import AuditLog
 from console.urls import router
 from guardrails_app.models import KeyPolicy, TenantPattern, TenantPolicy
 from serving_app.metering import panels, queries
-from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.models import Artifact, ArtifactImport, Deployment, Instance, LoraAdapter
 from serving_app.models.usage import (
     TOTAL_BUCKET,
     UsageEvent,
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.django_db
 TENANT_OWNED = {Tenant, Membership, ApiKey, Invitation, LoraAdapter, Deployment, Instance,
                 AuditLog, UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal,
                 AlertRule, Alert, AlertTransition, Channel, Silence, Notification,
-                TenantPolicy, KeyPolicy, TenantPattern}
+                TenantPolicy, KeyPolicy, TenantPattern, Artifact, ArtifactImport}
 
 
 def test_every_tenant_owned_model_is_listed_here():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
+from ui_app.console import artifacts as artifact_views
 from ui_app.console import autoscaling as autoscaling_views
 from ui_app.console import fleet as fleet_views
+from ui_app.console import joins, views
 from ui_app.console import metrics as metrics_views
-from ui_app.console import views
 from ui_app.scoping import public
 
 app_name = "console"
@@ -24,6 +25,10 @@ urlpatterns = [
     path("tenants/new/", views.TenantCreateView.as_view(), name="tenant-create"),
     path("tenants/<slug:slug>/", views.TenantDetailView.as_view(), name="tenant-detail"),
     path("tenants/<slug:slug>/edit/", views.TenantUpdateView.as_view(), name="tenant-edit"),
+    # artifacts: the files of base models and adapters
+    path("artifacts/", artifact_views.ArtifactListView.as_view(), name="artifact-list"),
+    path("artifacts/<int:pk>/", artifact_views.ArtifactDetailView.as_view(),
+         name="artifact-detail"),
     # base models
     path("models/", views.BaseModelListView.as_view(), name="basemodel-list"),
     path("models/new/", views.BaseModelCreateView.as_view(), name="basemodel-create"),
@@ -65,6 +70,10 @@ urlpatterns = [
     path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # nodes
     path("nodes/", views.NodeListView.as_view(), name="node-list"),
+    path("nodes/add/", joins.AddNodeView.as_view(), name="node-add"),
+    path("nodes/<int:pk>/remove/", joins.RemoveNodeView.as_view(), name="node-remove"),
+    path("nodes/join-tokens/<int:pk>/revoke/", joins.RevokeJoinTokenView.as_view(),
+         name="node-join-token-revoke"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
     path("nodes/<int:pk>/cpu-binding/", views.NodeCpuBindingView.as_view(),
          name="node-cpu-binding"),

@@ -31,6 +31,7 @@ from serving_app.deployments.catalog import engine_shares, served_models
 from serving_app.metering import queries
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin, redact_paths
+from serving_app.uploads import allowed_base_models
 from tenants_app.models import ApiKey, Tenant
 from ui_app.console.views import dashboard_context, dashboard_payload
 from ui_app.portal.forms import AdapterPathForm, AdapterUploadForm
@@ -225,7 +226,9 @@ class AdaptersView(TenantPage, View):
             forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
         forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
         return self.render("portal/adapters.html", status=status, adapters=adapters,
-                           storage=storage_usage(self.tenant), **forms)
+                           storage=storage_usage(self.tenant),
+                           artifact_base_models=allowed_base_models(self.tenant),
+                           chunk_bytes=settings.ARTIFACT_UPLOAD_CHUNK_BYTES, **forms)
 
     def get(self, request: HttpRequest, slug: str) -> HttpResponse:
         return self.page()

@@ -36,6 +36,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from serving_app.fleet import service
+from serving_app.lifecycle import deployment_changed
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from serving_app.placement import inventory
 from tenants_app.models import ApiKey, Tenant
@@ -428,7 +429,6 @@ class Command(BaseCommand):
         checks.figure("base_answers", base)
         adapters = list(LoraAdapter.objects.filter(tenant__slug__in=TENANTS))
         deployment.adapters.set(adapters)
-        from serving_app.lifecycle import deployment_changed
         deployment_changed(deployment.pk)
         loaded = self._wait_loaded(deployment, {a.engine_name for a in adapters})
         checks.check("three tenants' adapters are loaded at run time", loaded["ok"], loaded)

@@ -1,0 +1,44 @@
+"""A stand-in for a CUDA vLLM engine starting on a GPU, where none can run (this machine has no
+GPU): it writes the log lines a vLLM 0.26 engine wrote on an H200 (fixtures/, verbatim), one
+every `--every` seconds, then answers GET /health with 200 on `--port`, as the engine's API
+server does once ready. With `--stall-after N` it stops logging after N lines and never answers.
+
+    python standin_engine.py LOG_FIXTURE --port PORT --every SECONDS [--stall-after N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("fixture")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--every", type=float, default=0.2)
+    parser.add_argument("--stall-after", type=int, default=None)
+    args = parser.parse_args()
+    with open(args.fixture) as handle:
+        lines = handle.read().splitlines()
+    for number, line in enumerate(lines):
+        if args.stall_after is not None and number >= args.stall_after:
+            time.sleep(3600)
+        print(line, flush=True)
+        time.sleep(args.every)
+    HTTPServer(("127.0.0.1", args.port), Health).serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

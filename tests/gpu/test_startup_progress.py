@@ -1,0 +1,69 @@
+"""Reading a CUDA engine's start from its log (serving_app/engine/startup.py), from the lines a
+vLLM 0.26 engine wrote on an H200 (fixtures/, verbatim)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serving_app.engine.startup import LAUNCH_MARKER, LogFollower, StartupProgress
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LINES = (FIXTURES / "startup_llama3_8b_shape.log").read_text().splitlines()
+
+
+def test_the_phases_of_an_h200_start_in_order_with_their_figures():
+    progress = StartupProgress()
+    seen = []
+    for number, line in enumerate(LINES):
+        progress.feed([line], at=float(number))
+        if not seen or seen[-1] != progress.phase:
+            seen.append(progress.phase)
+    assert seen == ["launching", "loading", "compiling", "profiling", "capturing", "warming",
+                    "serving"]
+    assert progress.figures == {
+        "weights_gib": 13.1, "weights_seconds": 2.076821, "compile_seconds": 33.94,
+        "kv_cache_gib": 17.9, "kv_cache_tokens": 146624, "max_concurrency": 35.8,
+        "graph_capture_seconds": 12, "graph_capture_gib": 0.24, "init_engine_seconds": 62.5,
+    }
+    assert progress.label == "Starting the API server"
+    # Each phase records when it was first seen; the dict round-trips through the JSON field.
+    assert [p["phase"] for p in progress.phases] == seen[1:]
+    again = StartupProgress.from_dict(progress.to_dict())
+    assert again.phase == "serving" and again.figures == progress.figures
+
+
+def test_the_kv_cache_is_sized_once_its_size_is_logged_not_before():
+    progress = StartupProgress()
+    sized_at = None
+    for number, line in enumerate(LINES):
+        progress.feed([line], at=float(number))
+        if sized_at is None and progress.memory_sized():
+            sized_at = line
+    assert sized_at is not None and "GPU KV cache size: 146,624 tokens" in sized_at
+
+
+def test_a_line_no_pattern_knows_changes_nothing():
+    progress = StartupProgress(phase="compiling")
+    assert not progress.feed(["(EngineCore pid=1) INFO something vLLM 0.99 says"], at=1.0)
+    assert progress.phase == "compiling" and progress.figures == {}
+
+
+def test_phases_never_go_back():
+    progress = StartupProgress()
+    progress.feed([line for line in LINES if "Starting vLLM server" in line], at=5.0)
+    progress.feed([line for line in LINES if "Loading model" in line], at=6.0)
+    assert progress.phase == "serving"
+
+
+def test_the_follower_reads_the_last_launch_and_whole_lines_only(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_bytes(b"\n" + LAUNCH_MARKER + b"old ===\nold line\n\n" + LAUNCH_MARKER
+                    + b"new ===\n" + LINES[0].encode() + b"\npartial")
+    follower = LogFollower.from_last_launch(str(log))
+    first = follower.new_lines()
+    assert first[-1] == LINES[0] and "old line" not in first
+    with log.open("ab") as handle:  # tqdm redraws with a carriage return: each is a line
+        handle.write(b" end\rCapturing CUDA graphs 50%\rCapturing CUDA graphs 100%\n")
+    assert follower.new_lines() == ["partial end", "Capturing CUDA graphs 50%",
+                                    "Capturing CUDA graphs 100%"]
+    assert follower.new_lines() == []
