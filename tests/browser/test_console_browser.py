@@ -78,7 +78,40 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
 
     page.goto("/")
     expect(page.locator('[data-instance-state="ready"]')).to_have_count(1)
+    _fits_a_phone(page, "overview")
     assert page.js_errors == []
+
+
+PHONE = {"width": 390, "height": 844}
+
+
+def _fits_a_phone(page, name: str) -> None:
+    """At 390x844 the page's navigation is a short strip at the top that scrolls sideways (every
+    link reachable), the main content starts below it, inside the screen's width, and nothing
+    covers it: the element drawn at points across the heading and the first panel is the main
+    content's own."""
+    page.set_viewport_size(PHONE)
+    sidebar, main = page.locator(".sidebar"), page.locator("main.main")
+    nav, content = sidebar.bounding_box(), main.bounding_box()
+    assert nav["height"] <= PHONE["height"] * 0.2, nav  # a strip, not a screen of links
+    assert content["y"] >= nav["y"] + nav["height"] - 1, (nav, content)
+    assert content["x"] >= 0 and content["x"] + content["width"] <= PHONE["width"] + 1, content
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+    for target in (main.locator("h1").first, main.locator(".panel").first):
+        target.scroll_into_view_if_needed()
+        box = target.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"] + 1, box
+        points = [(box["x"] + box["width"] * f, box["y"] + min(box["height"], 40) / 2)
+                  for f in (0.05, 0.5, 0.95)]
+        covered = page.evaluate("""([points]) => points.filter(([x, y]) =>
+            !document.querySelector('main.main').contains(document.elementFromPoint(x, y)))""",
+                                [points])
+        assert covered == [], f"{name}: main content covered at {covered}"
+    last = sidebar.locator("a").last
+    last.scroll_into_view_if_needed()
+    link = last.bounding_box()
+    assert link["x"] >= 0 and link["x"] + link["width"] <= PHONE["width"] + 1, link
+    shot(page, f"{name}-phone")
 
 
 def _gpu_memory_reads_in_the_planners_gib(page) -> None:
@@ -276,6 +309,7 @@ def test_tenant_user_cannot_reach_another_tenants_pages(page):
     muted = page.locator(".muted").first.evaluate("e => getComputedStyle(e).color")
     assert colours["no_data"] == [muted, muted], colours  # state and severity alike
     assert colours["firing"][0] != muted and colours["firing"][1] != muted, colours
+    _fits_a_phone(page, "portal-alerts")
 
 
 
