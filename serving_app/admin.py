@@ -41,6 +41,7 @@ from serving_app.models import (
 )
 from serving_app.models.events import Event
 from serving_app.models.revisions import DeploymentRevision, Rollout, describe
+from serving_app.models.usage import GuardrailHour, GuardrailMinute, GuardrailTotal
 
 
 @admin.register(BaseModel)
@@ -326,6 +327,15 @@ class UsageEventAdmin(ReadOnlyAdmin):
     list_filter = ["tenant", "status_code", "stream"]
     search_fields = ["request_id", "model"]
     date_hierarchy = "created_at"
+
+
+@admin.register(GuardrailMinute, GuardrailHour, GuardrailTotal)
+class GuardrailRollupAdmin(ReadOnlyAdmin):
+    """Guardrail findings per tenant, direction, action and category, as the usage writer
+    rolls them up from the usage events."""
+
+    list_display = ["bucket", "tenant", "direction", "action", "category", "count"]
+    list_filter = ["direction", "action", "category"]
 
 
 @admin.register(UsageTenSecond, UsageMinute, UsageHour, UsageTotal)
