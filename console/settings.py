@@ -163,7 +163,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PAGINATION_CLASS": "console.api.CappedLimitOffsetPagination",
     "PAGE_SIZE": 50,
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "console.api_schema.ConsoleSchema",
     "EXCEPTION_HANDLER": "console.api.exception_handler",
 }
 

@@ -137,7 +137,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     total = sum(p.stat().st_size for p in written)
     for path in written:
-        print(f"{path.relative_to(ROOT)}  {path.stat().st_size // 1024} KiB")
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        print(f"{shown}  {path.stat().st_size // 1024} KiB")
     print(f"{len(written)} screenshots, {total / 2**20:.1f} MiB")
 
 

@@ -41,11 +41,14 @@ from serving_app.models import (
 )
 from serving_app.models.events import Event
 from serving_app.models.revisions import DeploymentRevision, Rollout, describe
+from serving_app.models.usage import GuardrailHour, GuardrailMinute, GuardrailTotal
 
 
 @admin.register(BaseModel)
 class BaseModelAdmin(admin.ModelAdmin):
-    list_display = ["name", "architecture", "num_layers", "hidden_size", "dtype", "weight_bytes"]
+    list_display = ["name", "architecture", "num_layers", "hidden_size", "dtype", "weight_bytes",
+                    "load_format"]
+    list_filter = ["load_format"]
     search_fields = ["name", "path"]
     readonly_fields = BaseModel.ARCHITECTURE_FIELDS
 
@@ -61,7 +64,8 @@ class LoraAdapterAdmin(admin.ModelAdmin):
 class GpuInline(admin.TabularInline):
     model = Gpu
     extra = 0
-    fields = ["index", "uuid", "name", "memory_total_bytes", "mig_mode", "mig_profile", "parent"]
+    fields = ["index", "uuid", "name", "memory_total_bytes", "mig_mode", "mig_profile", "parent",
+              "cpu_affinity"]
 
 
 def _node_action(name: str, method: Callable[[Node], dict], description: str):
@@ -89,7 +93,9 @@ def _node_action(name: str, method: Callable[[Node], dict], description: str):
 class NodeAdmin(admin.ModelAdmin):
     list_display = ["name", "queue", "state", "last_heartbeat", "inventory_source", "cordoned",
                     "drain_status"]
-    readonly_fields = ["agent_pid", "last_heartbeat", "lost_at", "draining", "drain_status"]
+    # The interpreter, its versions and the MPS daemon's status are what the agent reports.
+    readonly_fields = ["agent_pid", "last_heartbeat", "lost_at", "draining", "drain_status",
+                       "engine_python", "engine_pythonpath", "engine_versions", "mps"]
     inlines = [GpuInline]
     actions = [
         _node_action("cordon", Node.cordon, "Cordon selected nodes (no new instances)"),
@@ -321,6 +327,15 @@ class UsageEventAdmin(ReadOnlyAdmin):
     list_filter = ["tenant", "status_code", "stream"]
     search_fields = ["request_id", "model"]
     date_hierarchy = "created_at"
+
+
+@admin.register(GuardrailMinute, GuardrailHour, GuardrailTotal)
+class GuardrailRollupAdmin(ReadOnlyAdmin):
+    """Guardrail findings per tenant, direction, action and category, as the usage writer
+    rolls them up from the usage events."""
+
+    list_display = ["bucket", "tenant", "direction", "action", "category", "count"]
+    list_filter = ["direction", "action", "category"]
 
 
 @admin.register(UsageTenSecond, UsageMinute, UsageHour, UsageTotal)

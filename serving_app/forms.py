@@ -13,7 +13,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator
 
 from serving_app.enginespec import FIELD, GROUPS, EngineField
-from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter
+from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter, Node
 from serving_app.models.autoscalers import MAX_REPLICAS
 from serving_app.models.revisions import Rollout
 from tenants_app.models import Tenant
@@ -28,9 +28,21 @@ class TenantForm(forms.ModelForm[Tenant]):
 class BaseModelForm(forms.ModelForm[BaseModel]):
     class Meta:
         model = BaseModel
-        fields = ["name", "path", "dtype", "quantization"]
+        fields = ["name", "path", "dtype", "quantization", "load_format"]
         help_texts = {"path": "Absolute path of the model folder under one of the model roots "
                               "(MODEL_ROOTS), the same on every node host."}
+
+
+class NodeCpuBindingForm(forms.ModelForm[Node]):
+    """A node's CPU binding; `Node.clean()` checks and normalises the CPU list."""
+
+    class Meta:
+        model = Node
+        fields = ["cpu_binding"]
+        labels = {"cpu_binding": "CPU binding"}
+        help_texts = {"cpu_binding": "Blank: each engine on the cores nearest its GPUs; "
+                                     "\"off\": not pinned; or a CPU list such as 0-7,16-23 "
+                                     "for every engine. Applies to engines started from now on."}
 
 
 class LoraAdapterForm(forms.ModelForm[LoraAdapter]):

@@ -69,3 +69,17 @@ def format_duration_ms(value: float | None) -> str:
         return f"{minutes} min {seconds} s" if seconds else f"{minutes} min"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+
+
+def format_seconds(value: float | None) -> str:
+    """A duration given in seconds (as vLLM logs them): "0 s", "27.4 s", "1 min 15 s"."""
+    if value is None:
+        return "—"
+    if value == 0:
+        return "0 s"
+    return format_duration_ms(value * 1000)
+
+
+def format_gib_amount(value: float | None, digits: int = 2) -> str:
+    """An amount already in GiB (as vLLM logs memory), read like every other GiB figure."""
+    return "—" if value is None else format_gib(value * GIB, digits)

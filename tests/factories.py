@@ -150,3 +150,32 @@ def make_engine_sample(instance: Instance, at, **fields) -> EngineSample:
     """A sample as a node agent stores it; an interval's increases only with `interval_seconds`."""
     return EngineSample.objects.create(instance=instance, deployment_id=instance.deployment_id,
                                        at=at, **fields)
+
+
+def make_capacity_test_dir(root: Path, name: str = "shape-only") -> Path:
+    """A capacity-test model's folder: config.json and a tokenizer, no weights."""
+    folder = make_model_dir(root, name)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+# What the H200 run of 2026-12-05 recorded (docs/gpu-runs/): the agent's reports as real data.
+H200_RUN = Path(__file__).resolve().parents[1] / "docs/gpu-runs/2026-12-05-h200"
+
+
+def h200_run(name: str) -> dict:
+    """One scenario's results file of that run, e.g. "planner-sequential" or "mps"."""
+    return json.loads((H200_RUN / f"{name}.json").read_text())
+
+
+def h200_mps_status() -> dict:
+    """The node's MPS daemon status, as the agent stored it during the run's MPS scenario."""
+    return h200_run("mps")["checks"][0]["seen"]["mps"]
+
+
+def h200_figures() -> dict:
+    """What the sequential planner scenario recorded: the node's engine versions, NVML's CPU
+    affinity, and each instance's `startup` and `cpu_cores` rows."""
+    return h200_run("planner-sequential")["figures"]

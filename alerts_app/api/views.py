@@ -64,7 +64,7 @@ class AlertViewSet(ScopedReadOnlyModelViewSet[Alert]):
         return queryset.select_related("rule", "tenant", "acknowledged_by").prefetch_related(
             "transitions")
 
-    @extend_schema(request=None, responses=AlertSerializer)
+    @extend_schema(summary="Acknowledge a firing alert", request=None, responses=AlertSerializer)
     @action(detail=True, methods=["post"])
     def acknowledge(self, request: Request, pk: str | None = None) -> Response:
         """Mark a firing alert as seen (owners and admins of its tenant; platform admins)."""
@@ -83,6 +83,7 @@ class ChannelViewSet(ScopedModelViewSet[Channel]):
     the creation response and `rotate-secret`'s only."""
 
     queryset = Channel.objects.all()
+    resource_names = ("notification channel", "notification channels")
     serializer_class = ChannelSerializer
     filterset_fields = {"tenant__slug": ["exact"], "kind": ["exact"]}
     write_role = "manager"
@@ -96,7 +97,8 @@ class ChannelViewSet(ScopedModelViewSet[Channel]):
         response.data = ChannelWithSecretSerializer(channel, context={"request": request}).data
         return response
 
-    @extend_schema(request=None, responses=ChannelWithSecretSerializer)
+    @extend_schema(summary="Give a channel a new signing secret", request=None,
+                   responses=ChannelWithSecretSerializer)
     @action(detail=True, methods=["post"], url_path="rotate-secret")
     def rotate_secret(self, request: Request, pk: str | None = None) -> Response:
         channel = self.get_object()
@@ -104,7 +106,8 @@ class ChannelViewSet(ScopedModelViewSet[Channel]):
         channel.rotate_secret()
         return Response(ChannelWithSecretSerializer(channel, context={"request": request}).data)
 
-    @extend_schema(request=None, responses={202: NotificationSerializer})
+    @extend_schema(summary="Send a test notification to a channel", request=None,
+                   responses={202: NotificationSerializer})
     @action(detail=True, methods=["post"])
     def test(self, request: Request, pk: str | None = None) -> Response:
         """Send a test notification; its entry in the delivery log shows how it went."""
@@ -114,7 +117,8 @@ class ChannelViewSet(ScopedModelViewSet[Channel]):
         return Response(NotificationSerializer(notification, context={"request": request}).data,
                         status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(responses=NotificationSerializer(many=True))
+    @extend_schema(summary="List a channel's notifications, newest first",
+                   responses=NotificationSerializer(many=True))
     @action(detail=True, methods=["get"])
     def deliveries(self, request: Request, pk: str | None = None) -> Response:
         channel = self.get_object()
@@ -142,7 +146,7 @@ class SilenceViewSet(ScopedModelViewSet[Silence]):
     def extra_create_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
-    @extend_schema(request=None, responses=SilenceSerializer)
+    @extend_schema(summary="End a silence now", request=None, responses=SilenceSerializer)
     @action(detail=True, methods=["post"])
     def end(self, request: Request, pk: str | None = None) -> Response:
         silence = self.get_object()

@@ -31,6 +31,7 @@ class FloorPolicyViewSet(ScopedModelViewSet[FloorPolicy]):
     may only tighten it."""
 
     queryset = FloorPolicy.objects.all()
+    resource_names = ("guardrail floor", "guardrail floors")
     serializer_class = FloorPolicySerializer
     permission_classes = [IsStaff]
 
@@ -40,6 +41,7 @@ class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):
     the detector)."""
 
     queryset = TenantPolicy.objects.all()
+    resource_names = ("tenant guardrail policy", "tenant guardrail policies")
     serializer_class = TenantPolicySerializer
     filterset_fields = {"tenant__slug": ["exact"]}
     write_role = "manager"
@@ -52,7 +54,8 @@ class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):
             return
         super().check_write(target)
 
-    @extend_schema(request=BenchSerializer, responses=BenchResultSerializer)
+    @extend_schema(summary="Try a tenant's guardrail policy on a text",
+                   request=BenchSerializer, responses=BenchResultSerializer)
     @action(detail=True, methods=["post"])
     def test(self, request: Request, pk: str | None = None) -> Response:
         """Run the tenant's effective policy (floor and tenant) on pasted text with the real
@@ -68,6 +71,7 @@ class KeyPolicyViewSet(ScopedModelViewSet[KeyPolicy]):
     """An API key's narrowing of its tenant's guardrail policy (stricter still)."""
 
     queryset = KeyPolicy.objects.all()
+    resource_names = ("API key guardrail policy", "API key guardrail policies")
     serializer_class = KeyPolicySerializer
     filterset_fields = {"tenant__slug": ["exact"], "api_key": ["exact"]}
     write_role = "manager"
@@ -86,6 +90,7 @@ class TenantPatternViewSet(ScopedModelViewSet[TenantPattern]):
     """A tenant's own detectors: RE2 patterns and deny-lists its policy can name."""
 
     queryset = TenantPattern.objects.all()
+    resource_names = ("guardrail pattern", "guardrail patterns")
     serializer_class = TenantPatternSerializer
     filterset_fields = {"tenant__slug": ["exact"]}
     write_role = "manager"

@@ -181,7 +181,11 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
     def safely_get_queryset(self, queryset: QuerySet[Artifact]) -> QuerySet[Artifact]:
         return queryset.select_related("tenant").prefetch_related("versions__files")
 
-    @extend_schema(request=UploadSerializer, responses={201: ImportSerializer})
+    @extend_schema(request=UploadSerializer, responses={201: ImportSerializer},
+                   summary="Start an upload of a new version",
+                   description=("Declare the files (paths, sizes, SHA-256 digests) of a new "
+                                "version of this artifact; the answer is the upload to send "
+                                "their bytes to, in chunks."))
     @action(detail=True, methods=["post"], serializer_class=UploadSerializer)
     def uploads(self, request: Request, pk: str | None = None) -> Response:
         """Start an upload of a new version: announce every file (path, size, sha256), then
@@ -195,7 +199,12 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
         record = sources.start_upload(artifact, files, request.user)
         return Response(ImportSerializer(record).data, status=status.HTTP_201_CREATED)
 
-    @extend_schema(request=ImportRequestSerializer, responses={202: ImportSerializer})
+    @extend_schema(request=ImportRequestSerializer, responses={202: ImportSerializer},
+                   summary="Import a new version from a source",
+                   description=("Bring a new version in from an S3-compatible bucket, a "
+                                "Hugging Face repository at a revision, or a folder on one "
+                                "node; the import runs in the background and reports its "
+                                "progress."))
     @action(detail=True, methods=["post"], serializer_class=ImportRequestSerializer)
     def imports(self, request: Request, pk: str | None = None) -> Response:
         """Import a new version from an S3-compatible bucket, a Hugging Face repository at a
@@ -216,7 +225,11 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
             record = sources.request_remote_import(artifact, source, data, request.user)
         return Response(ImportSerializer(record).data, status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(request=StageSerializer, responses={202: CacheEntrySerializer})
+    @extend_schema(request=StageSerializer, responses={202: CacheEntrySerializer},
+                   summary="Stage a version on a node",
+                   description=("Have a node fetch and verify a version into its cache ahead "
+                                "of time, so that an engine there starts without waiting for "
+                                "the files."))
     @action(detail=True, methods=["post"], serializer_class=StageSerializer)
     def stage(self, request: Request, pk: str | None = None) -> Response:
         """Have a node fetch a version into its cache now, before an instance needs it
@@ -262,7 +275,11 @@ class ArtifactImportViewSet(ScopedReadOnlyModelViewSet[ArtifactImport]):
             raise PermissionDenied("Your role in this tenant does not allow this change.")
         return record
 
-    @extend_schema(request={"application/octet-stream": bytes}, responses=ImportSerializer)
+    @extend_schema(request={"application/octet-stream": bytes}, responses=ImportSerializer,
+                   summary="Send a chunk of a file",
+                   description=("Send the next bytes of one file of an upload, at the offset "
+                                "the upload expects (Content-Range); a chunk at another "
+                                "offset is refused with where to resume."))
     @action(detail=True, methods=["put"], url_path=r"blobs/(?P<sha256>[0-9a-f]{64})",
             parser_classes=[ChunkParser])
     def chunk(self, request: Request, pk: str | None = None, sha256: str = "") -> Response:
@@ -285,7 +302,9 @@ class ArtifactImportViewSet(ScopedReadOnlyModelViewSet[ArtifactImport]):
         record.refresh_from_db()
         return Response(ImportSerializer(record).data)
 
-    @extend_schema(request=None, responses=ImportSerializer)
+    @extend_schema(request=None, responses=ImportSerializer, summary="Complete an upload",
+                   description=("Finish an upload whose files have all arrived: their digests "
+                                "are checked and the new version is recorded, immutable."))
     @action(detail=True, methods=["post"])
     def complete(self, request: Request, pk: str | None = None) -> Response:
         """Make the version once every file is received (the latest version when it holds

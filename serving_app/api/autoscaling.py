@@ -37,7 +37,12 @@ class AutoscalerSerializer(ValidatedModelSerializer):
 
 class AutoscalerViewSet(ScopedModelViewSet):
     """Autoscaling policies: a deployment's replica range, metric and target, windows and
-    cooldowns (the `Autoscaler` model says how decisions are made)."""
+    cooldowns. The console keeps the replicas that would bring the metric's average per ready
+    instance to the target; it scales up to the smallest of those over the up window and down
+    to the largest over the down window, then waits the direction's cooldown. A minimum of 0
+    lets an idle deployment stop; its next request wakes it."""
+
+    # How decisions are made, in full: the Autoscaler model's docstring.
 
     queryset = Autoscaler.objects.select_related("deployment")
     serializer_class = AutoscalerSerializer

@@ -67,7 +67,7 @@ class DeploymentOperations(ScopedModelViewSet[Deployment]):
         return self.get_paginated_response(serializer_class(page, many=True,
                                                             context=context).data)
 
-    @extend_schema(responses=EventSerializer(many=True),
+    @extend_schema(summary="List a deployment's events", responses=EventSerializer(many=True),
                    parameters=[OpenApiParameter("kind", str, required=False)])
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str | None = None) -> Response:
@@ -79,7 +79,8 @@ class DeploymentOperations(ScopedModelViewSet[Deployment]):
             queryset = queryset.filter(kind=kind)
         return self._page(queryset, EventSerializer)
 
-    @extend_schema(responses=RevisionSerializer(many=True))
+    @extend_schema(summary="List a deployment's revisions",
+                   responses=RevisionSerializer(many=True))
     @action(detail=True, methods=["get"])
     def revisions(self, request: Request, pk: str | None = None) -> Response:
         deployment = self._deployment()  # another tenant's: 404 before the role's 403
@@ -88,7 +89,7 @@ class DeploymentOperations(ScopedModelViewSet[Deployment]):
                     .select_related("deployment", "created_by").order_by("-number"))
         return self._page(queryset, RevisionSerializer)
 
-    @extend_schema(responses=RolloutSerializer(many=True))
+    @extend_schema(summary="List a deployment's rollouts", responses=RolloutSerializer(many=True))
     @action(detail=True, methods=["get"])
     def rollouts(self, request: Request, pk: str | None = None) -> Response:
         deployment = self._deployment()  # another tenant's: 404 before the role's 403
@@ -109,10 +110,12 @@ class DeploymentOperations(ScopedModelViewSet[Deployment]):
             raise ValidationError({"revision": f"No revision {number} of this deployment."}) \
                 from exc
 
-    @extend_schema(methods=["GET"], responses=OpenApiTypes.OBJECT, parameters=[
+    @extend_schema(methods=["GET"], summary="Preview applying a revision",
+                   responses=OpenApiTypes.OBJECT, parameters=[
         OpenApiParameter("revision", int, required=False),
         OpenApiParameter("strategy", str, required=False, enum=Rollout.Strategy.values)])
-    @extend_schema(methods=["POST"], request=ApplySerializer, responses=RolloutSerializer)
+    @extend_schema(methods=["POST"], summary="Apply a revision (start a rollout)",
+                   request=ApplySerializer, responses=RolloutSerializer)
     @action(detail=True, methods=["get", "post"])
     def apply(self, request: Request, pk: str | None = None) -> Response:
         """GET: what applying would do now (changes, instances out of date, and whether the new
@@ -148,22 +151,25 @@ class DeploymentOperations(ScopedModelViewSet[Deployment]):
         active.refresh_from_db()
         return Response(RolloutSerializer(active, context=self.get_serializer_context()).data)
 
-    @extend_schema(request=None, responses=RolloutSerializer)
+    @extend_schema(summary="Pause the rollout in progress", request=None,
+                   responses=RolloutSerializer)
     @action(detail=True, methods=["post"], url_path="rollout/pause")
     def pause_rollout(self, request: Request, pk: str | None = None) -> Response:
         return self._on_active(Rollout.pause)
 
-    @extend_schema(request=None, responses=RolloutSerializer)
+    @extend_schema(summary="Resume the paused rollout", request=None, responses=RolloutSerializer)
     @action(detail=True, methods=["post"], url_path="rollout/resume")
     def resume_rollout(self, request: Request, pk: str | None = None) -> Response:
         return self._on_active(Rollout.resume)
 
-    @extend_schema(request=None, responses=RolloutSerializer)
+    @extend_schema(summary="Abort the rollout in progress", request=None,
+                   responses=RolloutSerializer)
     @action(detail=True, methods=["post"], url_path="rollout/abort")
     def abort_rollout(self, request: Request, pk: str | None = None) -> Response:
         return self._on_active(Rollout.abort)
 
-    @extend_schema(request=None, responses=RolloutSerializer)
+    @extend_schema(summary="Roll back to the revision applied before", request=None,
+                   responses=RolloutSerializer)
     @action(detail=True, methods=["post"])
     def rollback(self, request: Request, pk: str | None = None) -> Response:
         """Return to the revision applied before (an active rollout is aborted)."""

@@ -49,7 +49,8 @@ class FleetPlanViewSet(ScopedModelViewSet):
     def extra_create_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @extend_schema(summary="Place a what-if plan's deployments on its fleet",
+                   responses=OpenApiTypes.OBJECT)
     @action(detail=True, methods=["get"])
     def placement(self, request: Request, pk: str | None = None) -> Response:
         """Where the plan's deployments would go, labelled as a plan; nothing is written."""

@@ -16,9 +16,13 @@ from tenants_app.api.base import IsStaff
 
 
 class HealthView(APIView):
+    """PostgreSQL, Redis and the usage writer as the console sees them: whether each answers,
+    and how many usage events wait to be stored and for how long (the metering lag). Always
+    200: the body says what is unhealthy. Platform admins only."""
+
     permission_classes = [IsStaff]
 
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @extend_schema(summary="The console's health", responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         return Response(health.report().as_dict())
 

@@ -125,7 +125,10 @@ class NodeJoinTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
         response["Cache-Control"] = "no-store"
         return response
 
-    @extend_schema(request=None, responses=NodeJoinTokenSerializer)
+    @extend_schema(request=None, responses=NodeJoinTokenSerializer,
+                   summary="Revoke a join token",
+                   description=("Revoke a join token that has not been used: no host can join "
+                                "with it any more."))
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         token = self.get_object()
@@ -156,6 +159,9 @@ class NodeJoinView(APIView):
 
     @extend_schema(
         tags=["node-join-tokens"], request=JoinRequestSerializer,
+        summary="Join a host with a token",
+        description="Spend a one-time join token for the node name it was made for: the node is "
+                    "created and the answer holds the settings its agent starts with.",
         responses={201: inline_serializer("NodeJoined", {
             "node": serializers.CharField(), "queue": serializers.CharField(),
             "environment": serializers.DictField(child=serializers.CharField()),

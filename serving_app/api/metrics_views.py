@@ -23,7 +23,7 @@ from django.db.models import QuerySet
 from django.urls import path
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import permissions, serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -194,6 +194,7 @@ class EngineMetricsView(ScopedQuerysetMixin[Any]):
         return frozenset(a.engine_name for a in adapters)
 
 
+@extend_schema_view(get=extend_schema(summary="A deployment's engine metrics"))
 class DeploymentMetricsView(EngineMetricsView):
     """Engine samples of every instance of a deployment the caller may see."""
 
@@ -207,6 +208,7 @@ class DeploymentMetricsView(EngineMetricsView):
         return {"deployment": obj.pk, "instance": None}
 
 
+@extend_schema_view(get=extend_schema(summary="An instance's engine metrics"))
 class InstanceMetricsView(EngineMetricsView):
     """Engine samples of one instance (platform admins only)."""
 

@@ -45,7 +45,7 @@ class StaffView(APIView):
 class DeploymentPlanView(StaffView):
     """The dry-run plan of a saved deployment: memory figures and where each replica would go."""
 
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @extend_schema(summary="Plan a saved deployment (dry run)", responses=OpenApiTypes.OBJECT)
     def get(self, request: Request, pk: int) -> Response:
         deployment = get_object_or_404(Deployment.objects.select_related("base_model"), pk=pk)
         return Response(service.dry_run(deployment))
@@ -54,7 +54,8 @@ class DeploymentPlanView(StaffView):
 class PlanView(StaffView):
     """The dry-run plan of an unsaved deployment body; nothing is written."""
 
-    @extend_schema(request=DeploymentSerializer, responses=OpenApiTypes.OBJECT)
+    @extend_schema(summary="Plan a deployment before saving it (dry run)",
+                   request=DeploymentSerializer, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request) -> Response:
         serializer = DeploymentSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
@@ -85,7 +86,8 @@ class GpuAllocationView(StaffView):
     """What every GPU holds: its total, the reservations per deployment and tenant, what is free.
     A shared deployment's reservation is split among its tenants by use over ``range``."""
 
-    @extend_schema(parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
+    @extend_schema(summary="What every GPU holds, per deployment and tenant",
+                   parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         return Response(service.allocation(_period(request)))
 
@@ -95,7 +97,8 @@ class GpuAccountingView(StaffView):
     use or by weight, and each tenant's part) and per tenant (GPU memory now, GPU-seconds over
     the range, MIG slices)."""
 
-    @extend_schema(parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
+    @extend_schema(summary="GPU memory and time charged to each tenant",
+                   parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         report = service.accounting(_period(request))
         return Response({key: report[key] for key in ("period", "deployments", "tenants")})
@@ -116,6 +119,7 @@ class GpuSamplesView(StaffView):
     """A GPU's samples over the last ``hours`` (default 1, at most the retention), oldest first."""
 
     @extend_schema(
+        summary="A GPU's recent samples (memory, utilization, temperature, power)",
         parameters=[OpenApiParameter("hours", float, description="How far back (default 1).")],
         responses=OpenApiTypes.OBJECT,
     )

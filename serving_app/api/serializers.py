@@ -62,6 +62,9 @@ class ViewerMixin:
 
 
 class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
+    capacity_test = serializers.BooleanField(
+        read_only=True, help_text="Random weights of the model's shape (`load_format` dummy): "
+                                  "its answers are noise, for capacity tests only.")
     artifact_version = ScopedPrimaryKeyField(
         queryset=ArtifactVersion.objects.none(), required=False, allow_null=True,
         help_text="The id of the artifact version holding the model's files (else, legacy, "
@@ -71,6 +74,7 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
     class Meta:
         model = BaseModel
         fields = ["id", "name", "path", "artifact_version", "served_from", "dtype", "quantization",
+                  "load_format", "capacity_test",
                   *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
         derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()
@@ -203,6 +207,7 @@ class GpuSerializer(serializers.ModelSerializer[Gpu]):
             "mig_mode",
             "mig_profile",
             "parent",
+            "cpu_affinity",
         ]
 
 
@@ -218,6 +223,11 @@ class NodeSerializer(ValidatedModelSerializer[Node]):
             "queue",
             "address",
             "engine_env",
+            "engine_python",
+            "engine_pythonpath",
+            "engine_versions",
+            "cpu_binding",
+            "mps",
             "inventory_source",
             "cordoned",
             "draining",
@@ -229,8 +239,11 @@ class NodeSerializer(ValidatedModelSerializer[Node]):
             "gpus",
             "created_at",
         ]
+        # The interpreter, PYTHONPATH, versions and MPS status are what the agent reports.
         read_only_fields = ["id", "agent_pid", "last_heartbeat", "lost_at", "draining",
-                            "drain_status", "created_at"]
+                            "drain_status", "engine_python", "engine_pythonpath",
+                            "engine_versions", "mps", "created_at"]
+        derived_fields = ["cpu_binding"]  # as normalised by clean(): "0-3,8"
 
 
 class InstanceSerializer(serializers.ModelSerializer[Instance]):
@@ -261,6 +274,8 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
             "model_version",
             "staging",
             "loaded_adapters",
+            "startup",
+            "cpu_cores",
             "next_restart_at",
             "started_at",
             "ready_at",

@@ -61,14 +61,18 @@ class LoraAdapterViewSet(ScopedModelViewSet[LoraAdapter]):
     def safely_get_queryset(self, queryset: QuerySet[LoraAdapter]) -> QuerySet[LoraAdapter]:
         return queryset.select_related("tenant", "base_model")
 
-    @extend_schema(request={"multipart/form-data": AdapterUploadSerializer},
+    @extend_schema(summary="Upload a zipped LoRA adapter",
+                   request={"multipart/form-data": AdapterUploadSerializer},
                    responses={201: LoraAdapterSerializer})
     @action(detail=False, methods=["post"], parser_classes=[MultiPartParser, FormParser],
             serializer_class=AdapterUploadSerializer)
     def upload(self, request: Request) -> Response:
         """Register an adapter from a zipped adapter folder (multipart: tenant, base_model,
-        name, archive). Its files go to the tenant's own storage area; see serving_app/uploads.py
-        for what is accepted."""
+        name, archive). Its files go to the tenant's own storage area. The zip holds
+        adapter_config.json, adapter_model.safetensors and optionally README.md, at its top or
+        in one top folder, nothing else; unpacked, it must fit what is left of the tenant's
+        storage quota, and the adapter must match the base model's shapes."""
+        # What is accepted, and why: serving_app/uploads.py.
         user = request.user
         slug = request.data.get("tenant") if hasattr(request.data, "get") else None
         tenant = Tenant.objects.for_user(user).filter(slug=slug).first() if slug else None
@@ -108,17 +112,20 @@ class NodeViewSet(ScopedModelViewSet[Node]):
         method(node)  # records its own audit entry
         return Response(self.get_serializer(node).data)
 
-    @extend_schema(request=None, responses=NodeSerializer)
+    @extend_schema(summary="Cordon a node: no new instances go to it", request=None,
+                   responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def cordon(self, request: Request, pk: str | None = None) -> Response:
         return self._action("cordon", Node.cordon)
 
-    @extend_schema(request=None, responses=NodeSerializer)
+    @extend_schema(summary="Uncordon a node: instances may go to it again", request=None,
+                   responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def uncordon(self, request: Request, pk: str | None = None) -> Response:
         return self._action("uncordon", Node.uncordon)
 
-    @extend_schema(request=None, responses=NodeSerializer)
+    @extend_schema(summary="Drain a node: move its instances elsewhere, one at a time",
+                   request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
         return self._action("drain", Node.drain)
@@ -157,8 +164,10 @@ class DeploymentFilter(django_filters.FilterSet):
 
 
 class DeploymentViewSet(DeploymentOperations):
-    """Deployments: what should run. Tenants read the ones they may use. Events, revisions and
-    rollouts: `serving_app/api/fleet.py`."""
+    """Deployments: what should run. Tenants read the ones they may use. Each has its events,
+    revisions and rollouts; start, stop, restart and scale act on it."""
+
+    # Events, revisions and rollouts: serving_app/api/fleet.py (DeploymentOperations).
 
     queryset = Deployment.objects.all()
     serializer_class = DeploymentSerializer
@@ -179,22 +188,26 @@ class DeploymentViewSet(DeploymentOperations):
         method(deployment)
         return Response(self.get_serializer(deployment).data)
 
-    @extend_schema(request=None, responses=DeploymentSerializer)
+    @extend_schema(summary="Start a deployment (its replicas run)", request=None,
+                   responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def start(self, request: Request, pk: str | None = None) -> Response:
         return self._action(Deployment.start)
 
-    @extend_schema(request=None, responses=DeploymentSerializer)
+    @extend_schema(summary="Stop a deployment (its instances stop)", request=None,
+                   responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str | None = None) -> Response:
         return self._action(Deployment.stop)
 
-    @extend_schema(request=None, responses=DeploymentSerializer)
+    @extend_schema(summary="Restart a deployment's instances", request=None,
+                   responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, pk: str | None = None) -> Response:
         return self._action(Deployment.restart)
 
-    @extend_schema(request=None, responses=FlowReportSerializer)
+    @extend_schema(summary="Flow control: each tenant's queue, waits and share",
+                   request=None, responses=FlowReportSerializer)
     @action(detail=True, methods=["get"])
     def flow(self, request: Request, pk: str | None = None) -> Response:
         """Flow control on this deployment over the last minutes: per tenant queue length,
@@ -211,7 +224,8 @@ class DeploymentViewSet(DeploymentOperations):
                             status=status.HTTP_503_SERVICE_UNAVAILABLE)
         return Response(FlowReportSerializer(dataclasses.asdict(flow_report)).data)
 
-    @extend_schema(request=ScaleSerializer, responses=DeploymentSerializer)
+    @extend_schema(summary="Scale a deployment to a number of replicas",
+                   request=ScaleSerializer, responses=DeploymentSerializer)
     @action(detail=True, methods=["post"])
     def scale(self, request: Request, pk: str | None = None) -> Response:
         serializer = ScaleSerializer(data=request.data)
@@ -244,6 +258,7 @@ class AuditLogViewSet(ScopedReadOnlyModelViewSet[AuditLog]):
     """The audit trail: platform admins see all of it, tenant owners and admins their tenant's."""
 
     queryset = AuditLog.objects.all()
+    resource_names = ("audit log entry", "audit log entries")
     serializer_class = AuditLogSerializer
     permission_classes = [permissions.IsAuthenticated, CanReadAuditLog]
     filterset_fields = {

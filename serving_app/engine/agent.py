@@ -20,7 +20,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 from django.utils import timezone
 
 from serving_app import lifecycle, storage
@@ -91,13 +91,9 @@ def register(config: AgentConfig) -> Node:
         },
     )
     report_inventory(node, config)
-    versions = environment.probe(python, config.engine_pythonpath)
-    if config.gpus == "nvml":
-        versions.update(_driver_versions())
-    Node.objects.filter(pk=node.pk).update(engine_versions=versions)
-    node.engine_versions = versions
-    if versions.get("error"):
-        log.warning("node %s: engine interpreter %s: %s", node.name, python, versions["error"])
+    # Asking the interpreter imports torch (seconds): the agent serves meanwhile.
+    threading.Thread(target=record_versions, args=(node.pk, python, config),
+                     name="engine-versions", daemon=True).start()
     log.info("node agent %s registered (queue %s, pid %s)", node.name, node.queue, os.getpid())
     return node
 
@@ -114,6 +110,20 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
         gpus = inventory.declared_inventory(config.gpus, host=config.name)
         source = Node.InventorySource.DECLARED
     store_inventory(node, gpus, source)
+
+
+def record_versions(node_id: int, python: str, config: AgentConfig) -> dict[str, object]:
+    """Record on the node what its engine interpreter (and NVML, on a GPU host) reports."""
+    versions = environment.probe(python, config.engine_pythonpath)
+    if config.gpus == "nvml":
+        versions.update(_driver_versions())
+    try:
+        Node.objects.filter(pk=node_id).update(engine_versions=versions)
+    finally:
+        connections.close_all()  # this thread's own connection
+    if versions.get("error"):
+        log.warning("node %s: engine interpreter %s: %s", config.name, python, versions["error"])
+    return versions
 
 
 def _driver_versions() -> dict[str, object]:

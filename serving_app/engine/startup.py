@@ -116,6 +116,25 @@ class StartupProgress:
                    phases=list(data.get("phases") or []), figures=dict(data.get("figures") or {}))
 
 
+def steps(data: dict[str, Any] | None, end: float | None = None) -> list[dict[str, Any]]:
+    """The phases an engine's start went through, each with its label, when it began (seconds
+    since launch) and how long it took: until the next phase began, or until `end` (seconds
+    since launch: now while it starts, its readiness once ready) for the last one; None where
+    that is not known. "Launching" covers the time before the first phase the log showed."""
+    recorded = [row for row in (data or {}).get("phases") or []
+                if isinstance(row, dict) and isinstance(row.get("at"), (int, float))]
+    if not recorded:
+        return []
+    starts = [{"phase": "launching", "at": 0.0}, *recorded]
+    result = []
+    for row, following in zip(starts, [*starts[1:], None], strict=True):
+        until = following["at"] if following is not None else end
+        seconds = None if until is None else max(float(until) - float(row["at"]), 0.0)
+        result.append({"phase": row["phase"], "label": LABELS.get(row["phase"], row["phase"]),
+                       "at": float(row["at"]), "seconds": seconds})
+    return result
+
+
 # What the supervisor writes before each launch of an engine into its log.
 LAUNCH_MARKER = b"=== launch at "
 

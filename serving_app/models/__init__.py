@@ -565,6 +565,19 @@ class Node(models.Model):
             except ValueError as exc:
                 raise ValidationError({"cpu_binding": str(exc)}) from exc
 
+    def effective_cpu_binding(self) -> list[tuple[str, str]]:
+        """Where this node's engines are pinned, as (what, CPU list) rows for its page: the
+        node's CPU list for every engine, nothing ("off"), or by default each GPU's nearest
+        cores (the agent's `cpu_cores()` applies the same rule at each launch)."""
+        if self.cpu_binding == "off":
+            return [("every engine", "off: not pinned")]
+        if self.cpu_binding:
+            return [("every engine", self.cpu_binding)]
+        rows = [(f"nearest cores of GPU {gpu.index}",
+                 gpu.cpu_affinity or "unknown (NVML gave none)")
+                for gpu in self.gpus.all() if gpu.parent_id is None]
+        return rows or [("every engine", "not pinned (no GPU to be near)")]
+
     @property
     def is_lost(self) -> bool:
         if self.last_heartbeat is None:

@@ -482,8 +482,8 @@ def parse_cpulist(text: str) -> list[int]:
     for part in text.replace(" ", "").split(","):
         if not part:
             continue
-        first, _, last = part.partition("-")
-        if not first.isdigit() or (last and not last.isdigit()):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
             raise ValueError(f"{part!r} is not a core number or range (e.g. 0-7,16-23).")
         low, high = int(first), int(last or first)
         if high < low or high > 4095:

@@ -30,6 +30,7 @@ class TokenLoginView(LoginView):
     serializer_class = CredentialsSerializer
 
     @extend_schema(
+        summary="Sign in: a token for this API",
         request=CredentialsSerializer,
         responses={
             200: inline_serializer("Token", {"token": serializers.CharField(),
@@ -62,7 +63,7 @@ _REVOKED = {204: OpenApiResponse(description="Revoked.")}
 class TokenLogoutView(LogoutView):
     """POST with a token: that token is revoked."""
 
-    @extend_schema(request=None, responses=_REVOKED)
+    @extend_schema(summary="Revoke this token", request=None, responses=_REVOKED)
     def post(self, request: Request, format: str | None = None) -> Response:
         return super().post(request, format)
 
@@ -70,6 +71,6 @@ class TokenLogoutView(LogoutView):
 class TokenLogoutAllView(LogoutAllView):
     """POST with a token: every token of its user is revoked."""
 
-    @extend_schema(request=None, responses=_REVOKED)
+    @extend_schema(summary="Revoke all your tokens", request=None, responses=_REVOKED)
     def post(self, request: Request, format: str | None = None) -> Response:
         return super().post(request, format)

@@ -97,7 +97,8 @@ class InvitationViewSet(ScopedModelViewSet[Invitation]):
         self.check_write(data)
         serializer.save(invited_by=self.request.user)
 
-    @extend_schema(request=None, responses=InvitationSerializer)
+    @extend_schema(summary="Revoke an invitation", request=None,
+                   responses=InvitationSerializer)
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
@@ -112,6 +113,7 @@ class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet[Invitation]):
 
     serializer_class = ReceivedInvitationSerializer
     queryset = Invitation.objects.none()
+    resource_names = ("invitation addressed to you", "invitations addressed to you")
 
     def dangerously_get_queryset(self) -> QuerySet[Invitation]:
         """Not the tenants' invitations (`for_user()`, what their managers see) but those
@@ -122,14 +124,16 @@ class ReceivedInvitationViewSet(ScopedReadOnlyModelViewSet[Invitation]):
             .order_by("-created_at")
         )
 
-    @extend_schema(request=None, responses=MembershipSerializer)
+    @extend_schema(summary="Accept an invitation: join its tenant", request=None,
+                   responses=MembershipSerializer)
     @action(detail=True, methods=["post"])
     def accept(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
         membership = invitation.accept(self.user)
         return Response(MembershipSerializer(membership, context={"request": request}).data)
 
-    @extend_schema(request=None, responses=ReceivedInvitationSerializer)
+    @extend_schema(summary="Decline an invitation", request=None,
+                   responses=ReceivedInvitationSerializer)
     @action(detail=True, methods=["post"])
     def decline(self, request: Request, pk: str | None = None) -> Response:
         invitation = self.get_object()
@@ -152,7 +156,7 @@ class ApiKeyViewSet(ScopedModelViewSet[ApiKey]):
     def extra_create_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
 
-    @extend_schema(request=None, responses=ApiKeySerializer)
+    @extend_schema(summary="Revoke an API key", request=None, responses=ApiKeySerializer)
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
         key = self.get_object()

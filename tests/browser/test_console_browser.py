@@ -11,8 +11,13 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
+from alerts_app.models import Alert
+from serving_app.enginespec import FIELDS, GROUPS
+from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.models.usage import UsageMinute
+from serving_app.units import format_gib
 from tenants_app.models import Role
+from tests.alerts.conftest import make_rule
 from tests.browser.conftest import shot, sign_in
 from tests.browser.seed import dashboard_scene
 from tests.engines import MODELS
@@ -54,6 +59,7 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
     expect(page.locator("h1")).to_contain_text("Initech")
 
     page.goto("/deployments/new/")
+    _engine_settings_read_in_vllms_words(page)
     page.fill("#id_name", "initech-chat")
     page.select_option("#id_base_model", label=base_model.name)
     page.get_by_label("initech").check()
@@ -78,7 +84,86 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
 
     page.goto("/")
     expect(page.locator('[data-instance-state="ready"]')).to_have_count(1)
+    _fits_a_phone(page, "overview")
     assert page.js_errors == []
+
+
+PHONE = {"width": 390, "height": 844}
+
+
+def _fits_a_phone(page, name: str) -> None:
+    """At 390x844 the page's navigation is a short strip at the top that scrolls sideways (every
+    link reachable), the main content starts below it, inside the screen's width, and nothing
+    covers it: the element drawn at points across the heading and the first panel is the main
+    content's own."""
+    page.set_viewport_size(PHONE)
+    sidebar, main = page.locator(".sidebar"), page.locator("main.main")
+    nav, content = sidebar.bounding_box(), main.bounding_box()
+    assert nav["height"] <= PHONE["height"] * 0.2, nav  # a strip, not a screen of links
+    assert content["y"] >= nav["y"] + nav["height"] - 1, (nav, content)
+    assert content["x"] >= 0 and content["x"] + content["width"] <= PHONE["width"] + 1, content
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+    for target in (main.locator("h1").first, main.locator(".panel").first):
+        target.scroll_into_view_if_needed()
+        box = target.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"] + 1, box
+        points = [(box["x"] + box["width"] * f, box["y"] + min(box["height"], 40) / 2)
+                  for f in (0.05, 0.5, 0.95)]
+        covered = page.evaluate("""([points]) => points.filter(([x, y]) =>
+            !document.querySelector('main.main').contains(document.elementFromPoint(x, y)))""",
+                                [points])
+        assert covered == [], f"{name}: main content covered at {covered}"
+    last = sidebar.locator("a").last
+    last.scroll_into_view_if_needed()
+    link = last.bounding_box()
+    assert link["x"] >= 0 and link["x"] + link["width"] <= PHONE["width"] + 1, link
+    shot(page, f"{name}-phone")
+
+
+def _gpu_memory_reads_in_the_planners_gib(page) -> None:
+    """Each GPU's total and each deployment's reservation on it read in GiB (2^30 bytes), the
+    planner's figures: the instance's share of the GPU's memory."""
+    rows = page.locator("table:has(th:text('Free to place')) tbody tr")
+    gpus = list(Gpu.objects.select_related("node").order_by("node__name", "index"))
+    expect(rows).to_have_count(len(gpus))
+    for row, gpu in zip(rows.all(), gpus, strict=True):
+        cells = row.locator("td").all_inner_texts()
+        assert cells[1] == format_gib(gpu.memory_total_bytes), cells
+        for instance in gpu.instances.select_related("deployment"):
+            reserved = format_gib(instance.gpu_memory_fraction * gpu.memory_total_bytes)
+            assert f"{instance.deployment.name} ({reserved})" in cells[5], cells
+        assert all(" GB" not in cell for cell in cells), cells
+
+
+def _engine_settings_read_in_vllms_words(page) -> None:
+    """The new deployment form as it is seen: each engine setting under its section's legend,
+    labelled in vLLM's words with the flag (or variable) it sets, its unit and range; the MPS
+    share hidden until MPS is chosen; no error before anything is typed."""
+    seen = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll(
+        'fieldset [data-field]')].map((f) => [f.dataset.field, {
+            legend: f.closest('fieldset').querySelector('legend')?.innerText.trim() ?? null,
+            label: f.querySelector('label').innerText.replace(/\\s*\\*$/, '').trim(),
+            flag: f.querySelector('code.flag')?.innerText ?? null,
+            unit: f.querySelector('.unit')?.innerText ?? null,
+            bounds: f.querySelector('.bounds')?.innerText ?? null,
+            visible: f.checkVisibility()}]))""")
+    groups = dict(GROUPS)
+    for spec in FIELDS:
+        shown = seen.get(spec.name)
+        assert shown is not None, f"{spec.name} is not on the form"
+        assert shown["legend"] == groups[spec.group], spec.name
+        assert shown["label"] == spec.label, spec.name
+        assert shown["flag"] == (spec.flag or spec.env), spec.name
+        assert shown["unit"] == spec.unit, spec.name
+        assert shown["bounds"] == (spec.bounds or None), spec.name
+        assert shown["visible"] == (spec.shown_when is None), spec.name
+    labels = [shown["label"] for shown in seen.values()]
+    assert not {"Max num seqs", "Gpu memory utilization"} & set(labels), labels  # field names
+    expect(page.locator(".errorlist")).to_have_count(0)
+    page.select_option("#id_isolation_mode", "mps")
+    expect(page.locator('[data-field="mps_thread_percentage"]')).to_be_visible()
+    page.select_option("#id_isolation_mode", "shared")
+    expect(page.locator('[data-field="mps_thread_percentage"]')).to_be_hidden()
 
 
 def _dashboard_scene(base_model, tmp_path):
@@ -95,7 +180,10 @@ def test_dashboards_render_plots_that_contain_data(
 ):
     """Each dashboard draws every chart with plotly.js from the rollups, and switching the range
     redraws them; screenshots of each dashboard and of the overview are saved."""
-    _dashboard_scene(base_model, tmp_path)
+    tenants = _dashboard_scene(base_model, tmp_path)
+    if name == "latency":  # a client asked for a model no deployment serves (refused, 404)
+        UsageMinute.objects.create(bucket=timezone.now().replace(second=0, microsecond=0),
+                                   tenant=tenants[0], model="gpt-4o", requests=3, errors=3)
     sign_in(page, "root-admin")
     if name == "usage":
         shot(page, "overview")
@@ -112,8 +200,16 @@ def test_dashboards_render_plots_that_contain_data(
     expect(page.locator("#dashboard-tables table").first).to_be_visible()
     if name == "gpus":  # shared deployments charged to their tenants, beside the reservations
         expect(page.locator('[data-table="tenant-charges"]')).to_be_visible()
+        _gpu_memory_reads_in_the_planners_gib(page)
     if name == "latency":
         expect(page.locator("#chart-p95")).to_contain_text("objective")
+        # The model filter starts on all models and offers what the tenants are served.
+        served = {d.base_model.name for d in Deployment.objects.all()} | set(
+            LoraAdapter.objects.values_list("name", flat=True))
+        select = page.locator("select[name=model]")
+        expect(select.locator("option:checked")).to_have_text("all models")
+        assert select.locator("option").all_inner_texts() == ["all models", *sorted(served)]
+        assert "gpt-4o" not in served
     assert page.js_errors == []
 
 
@@ -174,19 +270,52 @@ def test_tenant_user_creates_a_key_and_chats_in_the_playground(page, base_model,
 
 
 def test_tenant_user_cannot_reach_another_tenants_pages(page):
-    """A user of one tenant gets 404 for every page of another tenant, and the portal lists
-    only their own tenant."""
+    """A user of one tenant gets 404 for every page of another tenant; on the console's root, a
+    styled 403 whose button leads to their portal, which lists only their own tenant. There,
+    an alert whose rule has no data to judge reads "no data" in grey with why, not the red of
+    a firing one."""
     acme, globex = make_tenant("acme"), make_tenant("globex")
     user = make_user("acme-user")
     add_member(acme, user, Role.OWNER)
+    idle = make_rule(tenant=acme, name="acme idle", metric="latency", scope="tenant",
+                     threshold=800, severity="critical")
+    Alert.objects.create(rule=idle, scope_key=f"tenant:{acme.pk}", scope_label="tenant acme",
+                         tenant=acme, state="no_data")
+    slow = make_rule(tenant=acme, name="acme slow", metric="latency", scope="tenant",
+                     threshold=800, severity="critical")
+    Alert.objects.create(rule=slow, scope_key=f"tenant:{acme.pk}", scope_label="tenant acme",
+                         tenant=acme, state="firing", value=950.5, threshold=800,
+                         fired_at=timezone.now())
     sign_in(page, "acme-user")
     expect(page).to_have_url(re.compile(r"/portal/acme/$"))
     for path in ("", "keys/", "adapters/", "members/", "playground/", "dashboards/usage/"):
         response = page.goto(f"/portal/globex/{path}")
         assert response.status == 404, path
+
     response = page.goto("/")
     assert response.status == 403
-    assert globex.slug not in page.goto("/portal/acme/").text()
+    expect(page.locator('[data-error-page="403"] h1')).to_have_text("Not allowed")
+    portal_link = page.get_by_role("link", name="Go to your portal")
+    expect(portal_link).to_be_visible()
+    # Styled by the console's stylesheet: the link is a filled button, not bare blue text.
+    assert portal_link.evaluate("a => getComputedStyle(a).backgroundColor") not in (
+        "rgba(0, 0, 0, 0)", "transparent")
+    portal_link.click()
+    expect(page).to_have_url(re.compile(r"/portal/acme/$"))
+    assert globex.slug not in page.content()
+
+    page.goto("/portal/acme/alerts/")
+    no_data = page.locator('tr[data-state="no_data"]')
+    firing = page.locator('tr[data-state="firing"]')
+    expect(no_data.locator(".badge").first).to_have_text("No data")
+    expect(no_data.locator("[data-no-data-reason]")).to_contain_text("fewer than")
+    colours = {name: [b.evaluate("b => getComputedStyle(b).color") for b in
+                      row.locator(".badge").all()] for name, row in
+               (("no_data", no_data), ("firing", firing))}
+    muted = page.locator(".muted").first.evaluate("e => getComputedStyle(e).color")
+    assert colours["no_data"] == [muted, muted], colours  # state and severity alike
+    assert colours["firing"][0] != muted and colours["firing"][1] != muted, colours
+    _fits_a_phone(page, "portal-alerts")
 
 
 

@@ -9,7 +9,6 @@ server does once ready. With `--stall-after N` it stops logging after N lines an
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -41,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -17,7 +17,8 @@ def _recorded() -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted(RUNS.rglob("*")) if p.is_file())
 
 
-@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.log")))
+@pytest.mark.parametrize("fixture", sorted(p.name for p in [*FIXTURES.glob("*.log"),
+                                                             *FIXTURES.glob("*.txt")]))
 def test_each_log_fixture_line_occurs_in_a_recorded_gpu_run(fixture):
     recorded = _recorded()
     lines = [line for line in (FIXTURES / fixture).read_text().splitlines() if line.strip()]

@@ -122,7 +122,7 @@ def test_cpu_lists_are_read_and_written_as_the_kernel_does():
     assert inventory.cpulist_text([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
     assert inventory.cpus_of_mask([0xFFFF]) == list(range(16))
     assert inventory.cpus_of_mask([0, 1]) == [64]
-    for bad in ("a-b", "3-1", "", "1-99999"):
+    for bad in ("a-b", "3-1", "", "1-99999", "0-", "-3"):
         with pytest.raises(ValueError):
             inventory.parse_cpulist(bad)
     node = Node(name="n", queue="node.n", cpu_binding="0-3,2")

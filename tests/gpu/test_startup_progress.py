@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from serving_app.engine import scrape
 from serving_app.engine.startup import LAUNCH_MARKER, LogFollower, StartupProgress
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -67,3 +68,14 @@ def test_the_follower_reads_the_last_launch_and_whole_lines_only(tmp_path):
     assert follower.new_lines() == ["partial end", "Capturing CUDA graphs 50%",
                                     "Capturing CUDA graphs 100%"]
     assert follower.new_lines() == []
+
+
+def test_an_h200_engines_metrics_are_read_like_a_cpu_engines():
+    """The `/metrics` of the Llama-2-7B-shaped engine on the H200 (vLLM 0.26), idle."""
+    reading = scrape.parse((FIXTURES / "engine_metrics_h200.txt").read_text())
+    assert reading.gauges["requests_running"] == 0.0
+    assert reading.gauges["requests_waiting"] == 0.0
+    assert set(reading.counters) == set(scrape.COUNTER_FAMILIES)
+    # Every histogram the samples use is there, with its +Inf bucket.
+    for name, buckets in reading.histograms.items():
+        assert float("inf") in buckets, name

@@ -10,7 +10,9 @@ from serving_app.units import (
     format_count,
     format_duration_ms,
     format_gib,
+    format_gib_amount,
     format_parameters,
+    format_seconds,
 )
 
 
@@ -52,3 +54,19 @@ def test_template_filters_use_the_same_layer():
         "{% load units %}{{ a|bytes }} · {{ b|parameters }} · {{ c|count }} · {{ d|duration_ms }}"
     ).render(Context({"a": 80 * 1024 ** 3, "b": 557_696, "c": 32_768, "d": 2300}))
     assert rendered == "80.0 GiB · 557.7 K · 32,768 · 2.3 s"
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (0, "0 s"), (0.5, "500 ms"), (27.43, "27.4 s"), (74.7, "1 min 15 s"), (None, "—"),
+])
+def test_seconds_as_vllm_logs_them_read_like_other_durations(value, text):
+    assert format_seconds(value) == text
+
+
+def test_gib_figures_as_vllm_logs_them_read_like_other_memory():
+    assert format_gib_amount(12.15) == "12.15 GiB"
+    assert format_gib_amount(32.97, 1) == "33.0 GiB"
+    assert format_gib_amount(None) == "—"
+    rendered = Template("{% load units %}{{ s|seconds }} · {{ g|gib_value }}").render(
+        Context({"s": 11, "g": 0.19}))
+    assert rendered == "11.0 s · 0.19 GiB"

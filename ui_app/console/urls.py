@@ -76,6 +76,8 @@ urlpatterns = [
     path("nodes/join-tokens/<int:pk>/revoke/", joins.RevokeJoinTokenView.as_view(),
          name="node-join-token-revoke"),
     path("nodes/<int:pk>/", views.NodeDetailView.as_view(), name="node-detail"),
+    path("nodes/<int:pk>/cpu-binding/", views.NodeCpuBindingView.as_view(),
+         name="node-cpu-binding"),
     re_path(r"^nodes/(?P<pk>\d+)/(?P<action>cordon|uncordon|drain)/$",
             views.NodeActionView.as_view(), name="node-action"),
     # what-if plans
@@ -85,6 +87,8 @@ urlpatterns = [
     path("plans/<int:pk>/edit/", views.FleetPlanUpdateView.as_view(), name="fleetplan-edit"),
     # instances
     path("instances/<int:pk>/", views.InstanceDetailView.as_view(), name="instance-detail"),
+    path("instances/<int:pk>/startup/", views.InstanceStartupPartial.as_view(),
+         name="instance-startup"),
     path("instances/<int:pk>/log/", views.InstanceLogPartial.as_view(), name="instance-log"),
     path("instances/<int:pk>/metrics/", metrics_views.InstanceMetricsData.as_view(),
          name="instance-metrics"),

@@ -31,6 +31,7 @@ from django.views.generic.edit import ModelFormMixin
 from audit_app.models import AuditLog
 from serving_app import storage
 from serving_app.deployments import sharing
+from serving_app.engine import startup
 from serving_app.fleet import plans as fleetplans
 from serving_app.fleet import service
 from serving_app.forms import (
@@ -39,6 +40,7 @@ from serving_app.forms import (
     DeploymentForm,
     FleetPlanForm,
     LoraAdapterForm,
+    NodeCpuBindingForm,
     ScaleForm,
     TenantForm,
 )
@@ -583,6 +585,7 @@ class NodeDetailView(StaffPage, DetailView[Node]):
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
         node = self.object
+        context.setdefault("binding_form", NodeCpuBindingForm(instance=node))
         context.update(
             instances=node.instances.active().select_related("deployment")
             .prefetch_related("gpus").order_by("deployment__name", "ordinal"),
@@ -592,6 +595,27 @@ class NodeDetailView(StaffPage, DetailView[Node]):
                                             object_id=str(node.pk))[:30],
         )
         return context
+
+
+class NodeCpuBindingView(NodeDetailView):
+    """Change a node's CPU binding: saved through the form (the audit log records the change,
+    source "console"); a bad CPU list is shown at the field on the node's page, nothing
+    saved."""
+
+    http_method_names = ["post"]
+
+    def post(self, request: HttpRequest, pk: int) -> HttpResponse:
+        self.object = node = self.get_object()
+        form = NodeCpuBindingForm(request.POST, instance=node)
+        if not form.is_valid():
+            node.refresh_from_db()
+            return self.render_to_response(
+                self.get_context_data(object=node, binding_form=form), status=400)
+        form.save()
+        messages.success(request, f"CPU binding of {node.name}: "
+                                  f"{node.cpu_binding or 'the cores nearest each GPU'}. "
+                                  "Engines started from now on use it.")
+        return redirect("console:node-detail", pk=node.pk)
 
 
 class NodeActionView(StaffPage, View):
@@ -687,14 +711,40 @@ def log_tail(instance: Instance, limit: int = LOG_TAIL_BYTES) -> str:
     return instance.log_tail
 
 
+def _startup_end(instance: Instance) -> float | None:
+    """Seconds from launch to readiness, or to now while the engine starts; None otherwise."""
+    if instance.started_at is None:
+        return None
+    if instance.ready_at is not None and instance.ready_at >= instance.started_at:
+        return (instance.ready_at - instance.started_at).total_seconds()
+    if instance.state == Instance.State.STARTING:
+        return (timezone.now() - instance.started_at).total_seconds()
+    return None
+
+
+def startup_context(instance: Instance) -> dict[str, Any]:
+    return {"object": instance,
+            "startup_steps": startup.steps(instance.startup, _startup_end(instance))}
+
+
 class InstanceDetailView(StaffPage, DetailView[Instance]):
     template_name = "console/instance_detail.html"
     queryset = Instance.objects.select_related("deployment", "node").prefetch_related("gpus")
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update(command=self.object.command_line, log=log_tail(self.object))
+        instance = self.object
+        context.update(command=instance.command_line, log=log_tail(instance),
+                       **startup_context(instance))
         return context
+
+
+class InstanceStartupPartial(StaffPage, View):
+    """The start-up panel alone, polled by the instance page while the engine starts."""
+
+    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
+        instance = get_object_or_404(Instance, pk=pk)
+        return render(request, "console/_startup.html", startup_context(instance))
 
 
 class InstanceLogPartial(StaffPage, View):

@@ -58,6 +58,7 @@ def catalog(tenant: Tenant) -> list[dict[str, Any]]:
             "name": s.public_name, "kind": "adapter" if s.adapter else "base model",
             "parent": s.parent, "running": True, "ready": 0,
             "context": s.deployment.effective_max_model_len,
+            "capacity_test": s.deployment.base_model.capacity_test,
         })
         entry["ready"] += ready.get(s.deployment.pk, 0)
     return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))

@@ -1,6 +1,7 @@
 """Template filters over `serving_app.units`, the one formatting layer for what people read:
 `{{ n|bytes }}` (binary units: "80.0 GiB", never Django's `filesizeformat` "80.0 GB" for 2^30
-bytes), `{{ n|gib }}`, `{{ n|count }}`, `{{ n|parameters }}`, `{{ ms|duration_ms }}`."""
+bytes), `{{ n|gib }}`, `{{ n|count }}`, `{{ n|parameters }}`, `{{ ms|duration_ms }}`, and for
+the figures vLLM logs in seconds and GiB `{{ s|seconds }}` and `{{ g|gib_value }}`."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def parameters(value: float | None) -> str:
 @register.filter
 def duration_ms(value: float | None) -> str:
     return units.format_duration_ms(value)
+
+
+@register.filter
+def seconds(value: float | None) -> str:
+    return units.format_seconds(value)
+
+
+@register.filter
+def gib_value(value: float | None, digits: int = 2) -> str:
+    return units.format_gib_amount(value, digits)

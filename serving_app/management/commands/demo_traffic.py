@@ -1,15 +1,24 @@
-"""Send a short burst of realistic traffic through the gateway for each demo tenant.
+"""Send realistic traffic through the gateway for each demo tenant, for a set time.
 
 Each tenant gets its own fresh key (named `demo-traffic`, replacing an earlier one) and sends
-chat completions to its adapter and to the base model, some streamed, some over its limits,
-so the dashboards have requests, tokens, latency, errors and 429s to show.
+chat completions to its adapter and to the base model, some streamed, so the dashboards have
+requests, tokens and latency to show (and errors and 429s where a tenant's limits bite).
+
+The traffic lasts `--seconds` (default `DEMO_TRAFFIC_SECONDS`, else 90): the `--max-requests`
+requests are spread evenly over that time (`Pacer`), not sent as fast as the engine answers
+(the tiny CPU model answered 600 requests in about 25 s, and the demo's traffic ended there).
+It ends sooner only where the engine is too slow for the pace: no request starts after the
+time is up.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 from django.core.management.base import BaseCommand, CommandError
@@ -24,13 +33,56 @@ PROMPTS = [
 ]
 
 
+def positive(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {value}")
+    return number
+
+
+class Pacer:
+    """Hands out the start times of `requests` requests spread evenly over `seconds` (one every
+    seconds / requests, the first at once), to any number of threads.
+
+    `wait_turn()` sleeps until the next start time and says whether to send: False once every
+    request has had its turn or the time is up (a turn that comes late, behind a slow engine,
+    is given up, not sent after the end). `clock` and `sleep` are `time.monotonic` and
+    `time.sleep` unless a test passes its own."""
+
+    def __init__(self, seconds: float, requests: int, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.interval = seconds / requests
+        self.requests = requests
+        self.clock, self.sleep = clock, sleep
+        self.start = clock()
+        self.end = self.start + seconds
+        self._turns = 0
+        self._lock = threading.Lock()
+
+    def wait_turn(self) -> bool:
+        with self._lock:
+            if self._turns >= self.requests:
+                return False
+            at = self.start + self._turns * self.interval
+            self._turns += 1
+        delay = at - self.clock()
+        if delay > 0:
+            self.sleep(delay)
+        return self.clock() < self.end
+
+
 class Command(BaseCommand):
     help = "Generate gateway traffic for the demo tenants (bounded in time and count)."
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-        parser.add_argument("--seconds", type=float, default=60.0)
-        parser.add_argument("--max-requests", type=int, default=600)
+        parser.add_argument("--seconds", type=positive,
+                            default=os.environ.get("DEMO_TRAFFIC_SECONDS", "90"),
+                            help="How long the traffic lasts (default: DEMO_TRAFFIC_SECONDS, "
+                                 "else 90).")
+        parser.add_argument("--max-requests", type=int, default=600,
+                            help="Requests in all, spread evenly over --seconds.")
         parser.add_argument("--concurrency", type=int, default=3, help="Per tenant.")
         parser.add_argument("--wait-ready", type=float, default=600.0,
                             help="Seconds to wait for a ready engine first.")
@@ -53,20 +105,17 @@ class Command(BaseCommand):
             models = [deployment.base_model.name, *(
                 a.name for a in deployment.adapters.filter(tenant=tenant))]
             plans.append((tenant, secret, models))
+        if max_requests < 1:
+            raise CommandError("--max-requests must be at least 1.")
         counts: dict[str, dict[int, int]] = {}
         lock = threading.Lock()
-        budget = [max_requests]
-        stop_at = time.monotonic() + seconds
+        pacer = Pacer(seconds, max_requests)
 
         def run(tenant: Tenant, secret: str, models: list[str]) -> None:
             client = httpx.Client(base_url=base_url, timeout=60,
                                   headers={"Authorization": f"Bearer {secret}"})
             rng = random.Random(hash(tenant.slug))
-            while time.monotonic() < stop_at:
-                with lock:
-                    if budget[0] <= 0:
-                        return
-                    budget[0] -= 1
+            while pacer.wait_turn():
                 body = {"model": rng.choice(models), "max_tokens": rng.choice([8, 16, 32]),
                         "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
                 try:
@@ -90,6 +139,8 @@ class Command(BaseCommand):
             thread.start()
         for thread in threads:
             thread.join()
+        self.stdout.write(f"{sum(map(sum, (per.values() for per in counts.values())))} requests "
+                          f"over {time.monotonic() - pacer.start:.0f} s")
         for slug, per in sorted(counts.items()):
             summary = ", ".join(f"{status or 'error'}: {n}" for status, n in sorted(per.items()))
             self.stdout.write(f"{slug}: {summary}")
