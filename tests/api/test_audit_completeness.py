@@ -77,6 +77,7 @@ from serving_app.models import (
     events,
 )
 from serving_app.models.revisions import Rollout
+from serving_app.models.usage import GuardrailHour, GuardrailMinute, GuardrailTotal
 from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
 from tests.api.helpers import admin_form_data, as_user
 from tests.factories import (
@@ -94,7 +95,7 @@ from tests.factories import (
 pytestmark = pytest.mark.django_db
 
 METERING = {UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal, EngineSample,
-            EngineHour}
+            EngineHour, GuardrailMinute, GuardrailHour, GuardrailTotal}
 _n = itertools.count(1)
 
 
@@ -223,6 +224,13 @@ def _usage(model: Any) -> Callable[[World], models.Model]:
                                              status_code=200)
         return model.objects.create(bucket=timezone.now(), tenant=w.acme.tenant,
                                     model=f"m{w.n()}")
+    return make
+
+
+def _guardrail_rollup(model: Any) -> Callable[[World], models.Model]:
+    def make(w: World) -> models.Model:
+        return model.objects.create(bucket=timezone.now(), tenant=w.acme.tenant,
+                                    direction="input", action="redact", category=f"c{w.n()}")
     return make
 
 
@@ -371,6 +379,8 @@ ADMIN_CASES: dict[str, AdminCase] = {
     "serving_app.UsageHour": AdminCase(make=_usage(UsageHour)),
     "serving_app.UsageTenSecond": AdminCase(make=_usage(UsageTenSecond)),
     "serving_app.UsageTotal": AdminCase(make=_usage(UsageTotal)),
+    **{f"serving_app.{m.__name__}": AdminCase(make=_guardrail_rollup(m))
+       for m in (GuardrailMinute, GuardrailHour, GuardrailTotal)},
     "alerts_app.AlertRule": AdminCase(
         make=lambda w: _rule(w),
         add=lambda w: {"name": f"rule{w.n()}", "metric": "latency", "scope": "cluster",
