@@ -26,7 +26,7 @@ from rest_framework.views import APIView
 
 from serving_app.models import Node, NodeJoinToken
 from serving_app.models.joins import JoinRefused
-from tenants_app.api.base import IsStaff
+from tenants_app.api.base import IsStaff, ScopedQuerysetMixin
 
 # The settings a node gets from the console as they are set there (when set), beside the
 # database, Redis and its own.
@@ -99,8 +99,9 @@ class IssuedTokenSerializer(NodeJoinTokenSerializer):
         fields = [*NodeJoinTokenSerializer.Meta.fields, "token", "command"]
 
 
-class NodeJoinTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin,
-                           mixins.CreateModelMixin, viewsets.GenericViewSet[NodeJoinToken]):
+class NodeJoinTokenViewSet(ScopedQuerysetMixin[NodeJoinToken], mixins.ListModelMixin,
+                           mixins.RetrieveModelMixin, mixins.CreateModelMixin,
+                           viewsets.GenericViewSet[NodeJoinToken]):
     """One-time, expiring tokens with which a new host joins as the node it was made for
     (platform admins only). Creating one answers the token and the command to run on the host,
     once: only the token's hash is stored. `revoke` refuses it from then on."""

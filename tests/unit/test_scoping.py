@@ -16,6 +16,9 @@ from serving_app.metering import panels, queries
 from serving_app.models import Artifact, ArtifactImport, Deployment, Instance, LoraAdapter
 from serving_app.models.usage import (
     TOTAL_BUCKET,
+    GuardrailHour,
+    GuardrailMinute,
+    GuardrailTotal,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -31,7 +34,8 @@ pytestmark = pytest.mark.django_db
 TENANT_OWNED = {Tenant, Membership, ApiKey, Invitation, LoraAdapter, Deployment, Instance,
                 AuditLog, UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal,
                 AlertRule, Alert, AlertTransition, Channel, Silence, Notification,
-                TenantPolicy, KeyPolicy, TenantPattern, Artifact, ArtifactImport}
+                TenantPolicy, KeyPolicy, TenantPattern, Artifact, ArtifactImport,
+                GuardrailMinute, GuardrailHour, GuardrailTotal}
 
 
 def test_every_tenant_owned_model_is_listed_here():
