@@ -156,7 +156,13 @@ def _tenant_id(obj: models.Model) -> Any:
         return obj.pk
     for f in obj._meta.concrete_fields:
         if f.is_relation and f.related_model is tenant_model:
-            return getattr(obj, f.attname)
+            tenant_id = getattr(obj, f.attname)
+            # A row deleted in its tenant's cascade after the tenant itself (the collector's
+            # order where RESTRICT links join the cascade) names no tenant: the entry would
+            # point at a row gone when the transaction commits.
+            exists = tenant_id is not None and cast(Any, tenant_model)._base_manager.filter(
+                pk=tenant_id).exists()
+            return tenant_id if exists else None
     return None
 
 

@@ -117,22 +117,22 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='basemodel',
             name='artifact_version',
-            field=models.ForeignKey(blank=True, help_text="The files' version: each node fetches it into its cache before a start.", null=True, on_delete=django.db.models.deletion.PROTECT, related_name='base_models', to='serving_app.artifactversion'),
+            field=models.ForeignKey(blank=True, help_text="The files' version: each node fetches it into its cache before a start.", null=True, on_delete=django.db.models.deletion.RESTRICT, related_name='base_models', to='serving_app.artifactversion'),
         ),
         migrations.AddField(
             model_name='deploymentrevision',
             name='model_version',
-            field=models.ForeignKey(blank=True, help_text="The base model's files this revision runs (empty: a legacy host path); a new version of the model is a new revision, rolled out and rolled back as one.", null=True, on_delete=django.db.models.deletion.PROTECT, related_name='+', to='serving_app.artifactversion'),
+            field=models.ForeignKey(blank=True, help_text="The base model's files this revision runs (empty: a legacy host path); a new version of the model is a new revision, rolled out and rolled back as one.", null=True, on_delete=django.db.models.deletion.RESTRICT, related_name='+', to='serving_app.artifactversion'),
         ),
         migrations.AddField(
             model_name='instance',
             name='model_version',
-            field=models.ForeignKey(blank=True, help_text="The base model's files this instance runs (pinned when it is created); empty for a model at a legacy host path.", null=True, on_delete=django.db.models.deletion.PROTECT, related_name='instances', to='serving_app.artifactversion'),
+            field=models.ForeignKey(blank=True, help_text="The base model's files this instance runs (pinned when it is created); empty for a model at a legacy host path.", null=True, on_delete=django.db.models.deletion.RESTRICT, related_name='instances', to='serving_app.artifactversion'),
         ),
         migrations.AddField(
             model_name='loraadapter',
             name='artifact_version',
-            field=models.ForeignKey(blank=True, help_text="The files' version: each node serving the tenant fetches it into its cache.", null=True, on_delete=django.db.models.deletion.PROTECT, related_name='adapters', to='serving_app.artifactversion'),
+            field=models.ForeignKey(blank=True, help_text="The files' version: each node serving the tenant fetches it into its cache.", null=True, on_delete=django.db.models.deletion.RESTRICT, related_name='adapters', to='serving_app.artifactversion'),
         ),
         migrations.CreateModel(
             name='ArtifactFile',

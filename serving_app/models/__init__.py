@@ -124,7 +124,7 @@ class BaseModel(models.Model):
         help_text="Legacy: a folder at this same path on every node host. Empty when the model "
                   "comes from an artifact version.")
     artifact_version = models.ForeignKey(
-        ArtifactVersion, null=True, blank=True, on_delete=models.PROTECT,
+        ArtifactVersion, null=True, blank=True, on_delete=models.RESTRICT,
         related_name="base_models",
         help_text="The files' version: each node fetches it into its cache before a start.")
     # The model's own settings, which a deployment's "auto" or empty one falls back on.
@@ -260,7 +260,7 @@ class LoraAdapter(models.Model):
         help_text="Legacy: a folder at this same path on every node host. Empty when the "
                   "adapter comes from an artifact version.")
     artifact_version = models.ForeignKey(
-        ArtifactVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="adapters",
+        ArtifactVersion, null=True, blank=True, on_delete=models.RESTRICT, related_name="adapters",
         help_text="The files' version: each node serving the tenant fetches it into its cache.")
     rank = models.PositiveIntegerField(
         null=True, blank=True, help_text="Expected rank; read from adapter_config.json if empty."
@@ -1358,7 +1358,7 @@ class Instance(models.Model):
     environment = models.JSONField(default=dict, blank=True)
     secret = models.CharField(max_length=64, default=new_instance_secret, editable=False)
     model_version = models.ForeignKey(
-        ArtifactVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="instances",
+        ArtifactVersion, null=True, blank=True, on_delete=models.RESTRICT, related_name="instances",
         help_text="The base model's files this instance runs (pinned when it is created); empty "
                   "for a model at a legacy host path.")
     staging = models.JSONField(

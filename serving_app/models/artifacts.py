@@ -80,7 +80,11 @@ class Artifact(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.tenant.slug}/{self.name}" if self.tenant_id and self.tenant else self.name
+        try:
+            tenant = self.tenant if self.tenant_id else None
+        except Tenant.DoesNotExist:  # deleted with its tenant, which went first in the cascade
+            tenant = None
+        return f"{tenant.slug}/{self.name}" if tenant is not None else self.name
 
     def get_absolute_url(self) -> str:
         return reverse("console:artifact-detail", args=[self.pk])

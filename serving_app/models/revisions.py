@@ -86,7 +86,7 @@ class DeploymentRevision(models.Model):
     number = models.PositiveIntegerField()
     spec = models.JSONField(default=dict)
     model_version = models.ForeignKey(
-        "serving_app.ArtifactVersion", null=True, blank=True, on_delete=models.PROTECT,
+        "serving_app.ArtifactVersion", null=True, blank=True, on_delete=models.RESTRICT,
         related_name="+",
         help_text="The base model's files this revision runs (empty: a legacy host path); a "
                   "new version of the model is a new revision, rolled out and rolled back as "

@@ -6,9 +6,13 @@ with engines in tests/engine/test_rollout_e2e.py; no engine runs here.)"""
 
 from __future__ import annotations
 
+import pytest
+from django.db.models import RestrictedError
+
 from serving_app.artifacts import sources, staging
-from serving_app.models import Instance, Node
+from serving_app.models import ArtifactVersion, Instance, LoraAdapter, Node
 from serving_app.models.events import Event
+from tests.artifacts.conftest import adapter_from_artifact
 from tests.factories import make_deployment, make_model_dir
 
 
@@ -61,3 +65,20 @@ def test_saving_a_model_without_changing_its_files_records_no_revision(artifact_
     artifact_model.dtype = "float16"
     artifact_model.save()
     assert deployment.revisions.count() == revisions
+
+
+def test_a_tenant_with_adapter_versions_is_deleted_with_them(artifact_model, acme, tmp_path,
+                                                           client_for, platform_admin):
+    """A version its adapter still uses cannot be deleted alone, but goes with its tenant (the
+    tenant's artifacts, versions and adapters in one cascade: found by the API fuzz test as a 500
+    when the adapter protected the version)."""
+    adapter = adapter_from_artifact(acme.tenant, artifact_model, tmp_path)
+    version = adapter.artifact_version
+    with pytest.raises(RestrictedError):
+        version.delete()
+    response = client_for(platform_admin).delete(f"/api/v1/tenants/{acme.tenant.slug}/")
+    assert response.status_code == 204, response.content
+    assert not ArtifactVersion.objects.filter(pk=version.pk).exists()
+    assert not LoraAdapter.objects.filter(pk=adapter.pk).exists()
+    # The platform's model version stays, with its model.
+    assert ArtifactVersion.objects.filter(pk=artifact_model.artifact_version_id).exists()
