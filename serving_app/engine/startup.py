@@ -18,6 +18,7 @@ Plain Python, no Django: the agent calls it while it waits for an engine to beco
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,14 +149,25 @@ class LogFollower:
         self._partial = b""
 
     @classmethod
-    def from_last_launch(cls, path: str, marker: bytes = LAUNCH_MARKER) -> LogFollower:
-        """Follow from the last launch's marker (a log holds every launch of its instance)."""
+    def from_last_launch(cls, path: str, marker: bytes = LAUNCH_MARKER,
+                         block: int = 1 << 20) -> LogFollower:
+        """Follow from the last launch's marker (a log holds every launch of its instance and
+        the requests it served, so it is searched from its end, a block at a time)."""
         try:
             with open(path, "rb") as handle:
-                data = handle.read()
+                end = handle.seek(0, os.SEEK_END)
+                start = end
+                while start > 0:
+                    # Overlap by the marker's length so a marker across two blocks is found.
+                    start = max(0, start - block)
+                    handle.seek(start)
+                    found = handle.read(min(end, start + block + len(marker)) - start).rfind(
+                        marker)
+                    if found >= 0:
+                        return cls(path, start + found)
         except OSError:
-            return cls(path)
-        return cls(path, max(0, data.rfind(marker)))
+            pass
+        return cls(path)
 
     def new_lines(self, max_bytes: int = 1 << 20) -> list[str]:
         try:

@@ -79,3 +79,19 @@ def test_an_h200_engines_metrics_are_read_like_a_cpu_engines():
     # Every histogram the samples use is there, with its +Inf bucket.
     for name, buckets in reading.histograms.items():
         assert float("inf") in buckets, name
+
+
+def test_the_last_launch_is_found_from_the_end_across_blocks(tmp_path):
+    log = tmp_path / "engine.log"
+    # Two launches, the second's marker straddling a 64-byte block boundary, requests between.
+    body = LAUNCH_MARKER + b"first ===\n" + b"GET /health 200\n" * 20
+    second = len(body) + (64 - len(body) % 64) - 5
+    body += b"x" * (second - len(body)) + LAUNCH_MARKER + b"second ===\nafter\n"
+    log.write_bytes(body)
+    follower = LogFollower.from_last_launch(str(log), block=64)
+    assert follower.offset == second
+    assert follower.new_lines() == [(LAUNCH_MARKER + b"second ===").decode(), "after"]
+    empty = tmp_path / "none.log"
+    empty.write_bytes(b"no marker here\n")
+    assert LogFollower.from_last_launch(str(empty), block=4).offset == 0
+    assert LogFollower.from_last_launch(str(tmp_path / "missing.log")).offset == 0

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings as django_settings
 
-from serving_app.engine.launch import build_launch_spec, engine_python
+from serving_app.engine.environment import interpreter
+from serving_app.engine.launch import build_launch_spec
 from serving_app.models import BaseModel, Gpu, Instance, LoraAdapter, Node
 from tests.factories import make_adapter, make_deployment, make_tenant
 
@@ -142,7 +143,7 @@ print("PARSED " + json.dumps(parsed))
 def parse_with_vllm(argvs: list[list[str]]) -> list[dict]:
     """Runs the engine venv's vLLM parser over the argument lists (one subprocess for all:
     importing vLLM takes seconds)."""
-    python = engine_python(django_settings.ENGINE_VENV)
+    python = interpreter(django_settings.ENGINE_VENV)
     if not Path(python).exists():
         pytest.fail(f"The engine environment is missing ({python}): run scripts/setup_engine.sh")
     env = {k: v for k, v in os.environ.items()

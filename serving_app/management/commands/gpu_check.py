@@ -337,7 +337,7 @@ class Command(BaseCommand):
         stopped = all(self.wait_stopped(d, 180) for d in deployments)
         time.sleep(3)
         after = self.nvml()
-        ours = [p for p in after["processes"]]
+        ours = after["processes"]
         engines = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True,
                                  text=True, check=False).stdout.split()
         checks.check(f"{what}: a stop leaves no engine process and no GPU memory behind",
