@@ -259,7 +259,16 @@ def print_waits(waits: dict[str, dict[str, float]]) -> None:
 class Loads:
     """One vLLM client process per tenant, and the gateway they call."""
 
-    def __init__(self, url: str, keys: dict[str, str], folder: Path, max_prompts: int) -> None:
+    def __init__(self, url: str, keys: dict[str, str], folder: Path, max_prompts: int,
+                 departments: dict[str, Department] | None = None, model: str = "tiny-llama",
+                 tokenizer: Path = TOKENIZER, seconds_per_request: float = 0.02) -> None:
+        """`departments` (default: this benchmark's), the public `model` name they call and
+        the `tokenizer` their prompts are made with; `seconds_per_request`: the shortest time
+        a request takes, which sizes each client's prompts for a measurement's length."""
+        self.departments = departments or BY_SLUG
+        self.model = model
+        self.tokenizer = tokenizer
+        self.seconds_per_request = seconds_per_request
         self.url = url
         self.keys = keys
         self.folder = folder
@@ -274,11 +283,11 @@ class Loads:
         return self.clients[slug]
 
     def argv(self, dep: Department, clients: int, seconds: float) -> list[str]:
-        # Enough prompts for `seconds` at 20 ms a request per client, within the cap.
-        prompts = min(self.max_prompts, math.ceil(clients * seconds / 0.02))
+        # Enough prompts for `seconds` at the shortest request time per client, within the cap.
+        prompts = min(self.max_prompts, math.ceil(clients * seconds / self.seconds_per_request))
         return ["--backend", "openai-chat", "--base-url", self.url,
-                "--endpoint", "/v1/chat/completions", "--model", "tiny-llama",
-                "--tokenizer", str(TOKENIZER), "--dataset-name", "random",
+                "--endpoint", "/v1/chat/completions", "--model", self.model,
+                "--tokenizer", str(self.tokenizer), "--dataset-name", "random",
                 "--random-input-len", str(dep.input_len),
                 "--random-output-len", str(dep.output_len), "--random-range-ratio", "0",
                 "--num-prompts", str(prompts), "--max-concurrency", str(clients),
@@ -298,7 +307,7 @@ class Loads:
         def one(slug: str, clients: int, length: float) -> None:
             try:
                 results[slug] = self.client(slug).run(
-                    self.argv(BY_SLUG[slug], clients, length), self.keys[slug], str(stop),
+                    self.argv(self.departments[slug], clients, length), self.keys[slug], str(stop),
                     str(self.folder / f"ready-{run}-{slug}"),
                     str(self.folder / f"go-{run}-{slug}"))
             except BaseException as exc:  # reported by the caller
@@ -355,8 +364,11 @@ def window_of(results: dict[str, dict]) -> tuple[float, float]:
     return begin, end
 
 
-def figures(runs: list[dict[str, dict]]) -> dict[str, Any]:
-    """Per tenant and in total, over each run's overlap window, all runs pooled."""
+def figures(runs: list[dict[str, dict]], departments: dict[str, Department] | None = None
+            ) -> dict[str, Any]:
+    """Per tenant and in total, over each run's overlap window, all runs pooled (Jain's index
+    weighs by `departments`' fair-share weights, default this benchmark's)."""
+    departments = departments or BY_SLUG
     per: dict[str, dict[str, Any]] = {}
     total_seconds = 0.0
     spans = []  # per run: the window and each tenant's first start and last completion
@@ -401,7 +413,7 @@ def figures(runs: list[dict[str, dict]]) -> dict[str, Any]:
     tenants = out["tenants"]
     out["rps"] = sum(t["rps"] for t in tenants.values())
     out["tok_s"] = sum(t["tok_s"] for t in tenants.values())
-    out["jain"] = jain_index(t["weighted_tokens"] / BY_SLUG[slug].weight
+    out["jain"] = jain_index(t["weighted_tokens"] / departments[slug].weight
                              for slug, t in tenants.items())
     return out
 

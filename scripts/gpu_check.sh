@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh start              # Redis, SQLite console, workers, node agent
 #   bash scripts/gpu_check.sh prepare            # capacity-test models, tenants, adapters
 #   bash scripts/gpu_check.sh run [SCENARIO]     # planner | lora | restart | mps | all
+#   bash scripts/gpu_check.sh bench ACTION ...   # benchmarks/gpu_bench.py (setup, wait, stream, fair, stop)
 #   bash scripts/gpu_check.sh status             # the node as the console sees it
 #   bash scripts/gpu_check.sh stop               # engines, then every process started here
 #
@@ -60,7 +61,7 @@ start)
         -c 8 -n "$NODE_NAME@%h" -l info
     launch usage-writer "$PY" manage.py usage_writer
     launch console "$PY" -m uvicorn console.asgi:application --host 127.0.0.1 --port "$PORT" \
-        --workers 2
+        --workers "${GATEWAY_WORKERS:-2}"
     for _ in $(seq 120); do
         if "$PY" manage.py shell -v0 -c "
 from serving_app.models import Node
@@ -76,6 +77,10 @@ prepare)
     ;;
 run)
     "$PY" manage.py gpu_check run "${2:-all}" --out "$RUNS"
+    ;;
+bench)
+    shift
+    "$PY" benchmarks/gpu_bench.py "$@"
     ;;
 status)
     "$PY" manage.py shell -v0 -c "
