@@ -242,6 +242,7 @@ def _client_main() -> None:
         return None
 
     stop: dict[str, str] = {}
+    done: list = []  # (start, RequestFuncOutput) of each request sent in the current job
 
     def stoppable(func):
         """A request that starts once the job's `stop_file` exists is not sent: it fails at
@@ -257,10 +258,16 @@ def _client_main() -> None:
             if stop.get("file") and os.path.exists(stop["file"]):
                 output = funcs.RequestFuncOutput(prompt_len=request_func_input.prompt_len)
                 output.error = STOPPED
+                done.append((time.perf_counter(), output))
                 if pbar:
                     pbar.update(1)
                 return output
-            return await func(request_func_input, session, pbar)
+            started = time.perf_counter()
+            output = await func(request_func_input, session, pbar)
+            # Kept here as well: vLLM before 0.27 (the GPU host's 0.26) returns no per-request
+            # latencies or start times from serve.main().
+            done.append((started, output))
+            return output
 
         return request
 
@@ -282,7 +289,15 @@ def _client_main() -> None:
         os.environ["OPENAI_API_KEY"] = job["key"]
         stop.update(file=job.get("stop_file", ""), started=job.get("started_file", ""),
                     go=job.get("go_file", ""))
+        done.clear()
         result = serve.main(parser.parse_args(job["argv"]))
+        if "latencies" not in result or "start_times" not in result:
+            sent = [o for _, o in done]
+            result.update(errors=[o.error for o in sent], ttfts=[o.ttft for o in sent],
+                          itls=[o.itl for o in sent], latencies=[o.latency for o in sent],
+                          start_times=[t for t, _ in done],
+                          input_lens=[o.prompt_len for o in sent],
+                          output_lens=[o.output_tokens or len(o.itl) + 1 for o in sent])
         ok = [i for i, error in enumerate(result["errors"]) if not error]
         itls = [x for i in ok for x in result["itls"][i]]
         stopped = sum(error == STOPPED for error in result["errors"])
@@ -325,6 +340,8 @@ class Client:
                                           "go_file": go_file}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
+        while line and not line.startswith("{"):  # vLLM's log lines printed before the redirect
+            line = self.proc.stdout.readline()
         if not line:
             tail = self.log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"the vLLM client process died:\n{tail}")
