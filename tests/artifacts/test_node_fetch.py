@@ -6,6 +6,7 @@ names the artifact)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 
 from serving_app.artifacts import fetch, peer, staging
 from serving_app.blobstore import FileEntry, manifest_digest, manifest_of
+from serving_app.deployments import draining
 from serving_app.engine import agent
 from serving_app.models import (
     Artifact,
@@ -22,6 +24,7 @@ from serving_app.models import (
     Node,
     NodeCacheEntry,
 )
+from serving_app.models.events import Event, Kind
 from tests.artifacts.conftest import adapter_from_artifact, announce
 from tests.factories import make_deployment, make_model_dir
 
@@ -134,9 +137,84 @@ def test_the_agent_starts_no_engine_when_the_files_cannot_be_fetched(
     outcome = agent.start_instance(instance.pk, agent.AgentConfig(
         name="node-f", address="127.0.0.1", engine_env="", gpus=""))
     instance.refresh_from_db()
-    assert outcome == "failed" and instance.pid is None
+    assert outcome == "failed" and (instance.pid, instance.port) == (None, None)
     assert instance.last_error.startswith("Staging llama-mini v1: ")
     assert instance.staging["error"].startswith("llama-mini v1: ")
+
+
+@pytest.fixture
+def agent_on(node_config, monkeypatch):
+    """A node agent's start path for `name`, its cache fetching from the live console, and
+    what each of its fetches saw of the instance. The engine's launch is replaced by a recorder
+    that refuses (this test is about what comes before it; real launches are in tests/engine)."""
+    seen: dict = {"fetches": [], "launches": []}
+
+    def build(name: str, on_fetch=None):
+        config = node_config(name)
+        monkeypatch.setenv("NODE_CACHE_DIR", str(config.root))
+        monkeypatch.setenv("NODE_CONSOLE_URL", config.console_url)
+        monkeypatch.setattr(staging, "PROGRESS_SECONDS", 0)
+        fetch_one = staging.NodeCache._fetch_one
+
+        def watched(cache, entry, fetcher, progress):
+            row = Instance.objects.values("pk", "state", "port", "pid", "staging").get(
+                node__name=name, state__in=["staging", "stopped"])
+            seen["fetches"].append(row)
+            if on_fetch is not None:
+                on_fetch(row)
+            return fetch_one(cache, entry, fetcher, progress)
+
+        def launch(argv, env, log_path):
+            seen["launches"].append({
+                "argv": argv, "state": Instance.objects.get(node__name=name).state,
+                "entries": dict(NodeCacheEntry.objects.filter(node__name=name).values_list(
+                    "version__artifact__name", "state"))})
+            raise OSError("no engine in this test")
+
+        monkeypatch.setattr(staging.NodeCache, "_fetch_one", watched)
+        monkeypatch.setattr(agent.supervisor, "launch", launch)
+        return agent.AgentConfig(name=name, address="127.0.0.1", engine_env="", gpus="")
+
+    build.seen = seen
+    return build
+
+
+def test_an_instance_stages_its_files_before_it_takes_a_port_or_starts_an_engine(
+        agent_on, artifact_model, acme, tmp_path):
+    config = agent_on("node-s")
+    adapter = adapter_from_artifact(acme.tenant, artifact_model, tmp_path)
+    instance = place(make_deployment(artifact_model, [acme.tenant], adapters=[adapter]),
+                     "node-s")
+    assert agent.start_instance(instance.pk, config) == "failed"  # the launch recorder refuses
+    fetches, [launch] = agent_on.seen["fetches"], agent_on.seen["launches"]
+    # Every file fetched while the instance was staging, with nothing of the node held...
+    assert len(fetches) == artifact_model.artifact_version.files.count() + \
+        adapter.artifact_version.files.count()
+    assert {(f["state"], f["port"], f["pid"]) for f in fetches} == {("staging", None, None)}
+    assert any(f["staging"].get("artifact") == "acme/lora v1" for f in fetches)
+    # ...and the engine launched only once both versions were verified in the cache, on them.
+    assert launch["state"] == "starting"
+    assert launch["entries"] == {"llama-mini": "ready", "lora": "ready"}
+    command = " ".join(launch["argv"])
+    versions = str(Path(os.environ["NODE_CACHE_DIR"]) / "versions")
+    assert f"--model={versions}/{artifact_model.artifact_version.digest}" in command
+    assert f"{versions}/{adapter.artifact_version.digest}" in command
+    staged = Event.objects.get(kind=Kind.STAGED, instance=instance)
+    assert "verified in the cache of node-s" in staged.message
+    assert staged.data["adapters"] == ["acme--lora"]
+
+
+def test_a_stop_during_staging_leaves_nothing_launched(agent_on, artifact_model, acme):
+    def stop_it(row):
+        draining.request_stop(Instance.objects.get(pk=row["pk"]), "test")
+
+    config = agent_on("node-t", on_fetch=stop_it)
+    instance = place(make_deployment(artifact_model, [acme.tenant]), "node-t")
+    outcome = agent.start_instance(instance.pk, config)
+    assert outcome == "cancelled (stopped while staging)"
+    instance.refresh_from_db()
+    assert (instance.state, instance.port, instance.pid) == ("stopped", None, None)
+    assert agent_on.seen["launches"] == []
 
 
 def test_a_node_fetches_from_a_peer_that_holds_the_files(
