@@ -12,11 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serving_app import lifecycle
 from serving_app.artifacts import fetch, peer, staging
 from serving_app.blobstore import FileEntry, manifest_digest, manifest_of
 from serving_app.deployments import draining
 from serving_app.engine import agent
 from serving_app.models import (
+    AdapterFileRemoval,
     Artifact,
     ArtifactImport,
     ArtifactVersion,
@@ -272,3 +274,50 @@ def test_an_operator_prestages_a_version_on_a_node_before_any_instance(
     assert NodeCacheEntry.objects.get(node__name="node-p", version=version).state == "ready"
     assert staging.versions_in_use("node-p") == set()  # held, though no instance uses it
     assert version.digest in {d for d, _ in config.cache().versions()}
+
+
+def test_a_deleted_adapter_leaves_every_node_cache_once_no_engine_has_it(
+        live_server, node_config, artifact_model, acme, tmp_path, monkeypatch):
+    """The control side asks the nodes holding the version once every engine has unloaded the
+    adapter (the reconciler asks them to: tests/engine); each node drops it unless an instance
+    of its own still has it, and keeps everything else it holds."""
+    asked: list[tuple[int, str]] = []
+    monkeypatch.setattr(lifecycle, "free_cached_version",
+                        lambda removal, queue: asked.append((removal, queue)))
+    adapter = adapter_from_artifact(acme.tenant, artifact_model, tmp_path)
+    digest = adapter.artifact_version.digest
+    deployment = make_deployment(artifact_model, [acme.tenant], adapters=[adapter])
+    configs, instances = {}, {}
+    for name in ("node-a", "node-b"):
+        configs[name] = node_config(name)
+        instances[name] = place(deployment, name)
+        Instance.objects.filter(pk=instances[name].pk).update(
+            state="ready", loaded_adapters=["acme--lora"])
+        staging.stage_version(artifact_model.artifact_version, configs[name])
+        staging.adapter_folder(adapter, configs[name])
+    model_bytes = artifact_model.artifact_version.total_bytes
+
+    adapter.delete()
+    removal = AdapterFileRemoval.objects.get(engine_name="acme--lora")
+    assert (removal.version_digest, removal.path) == (digest, "")
+    assert AdapterFileRemoval.objects.remove_released() == 0 and asked == []  # still loaded
+    Instance.objects.filter(pk=instances["node-a"].pk).update(loaded_adapters=[])
+    assert AdapterFileRemoval.objects.remove_released() == 0 and asked == []  # node-b has it
+    assert staging.free_version(removal.pk, configs["node-b"]) == "in use"
+    Instance.objects.filter(pk=instances["node-b"].pk).update(loaded_adapters=[])
+    assert AdapterFileRemoval.objects.remove_released() == 0
+    assert sorted(asked) == [(removal.pk, "node.node-a"), (removal.pk, "node.node-b")]
+    AdapterFileRemoval.objects.remove_released()
+    assert len(asked) == 2  # asked again only a minute later
+
+    for name, config in configs.items():  # what each node's agent runs for the task
+        assert staging.free_version(removal.pk, config).startswith("freed ")
+        cache = config.cache()
+        assert not cache.version_dir(digest).exists()
+        assert [d for d, _ in cache.versions()] == [artifact_model.artifact_version.digest]
+        assert cache.used_bytes() == model_bytes
+        assert Node.objects.get(name=name).cache_used_bytes == model_bytes
+        staging.stage_version(artifact_model.artifact_version, config)  # still whole
+    assert not NodeCacheEntry.objects.filter(version__digest=digest).exists()
+    assert AdapterFileRemoval.objects.remove_released() == 1
+    assert AdapterFileRemoval.objects.get(pk=removal.pk).removed_at is not None
