@@ -234,10 +234,13 @@ def free_version(removal_id: int, config: NodeCacheConfig) -> str:
         return "missing"
     digest = record.version_digest
     live = Instance.objects.filter(node__name=config.node).exclude(
-        state__in=Instance.TERMINAL_STATES).only("loaded_adapters", "command")
+        state__in=Instance.TERMINAL_STATES).only("state", "loaded_adapters", "command")
+    # As `AdapterFileRemoval.still_in_use()`: a running engine has what it lists as loaded; a
+    # starting or stopping one what its command line gave it.
+    given = (Instance.State.STARTING, Instance.State.STOPPING)
     if digest in versions_in_use(config.node) or any(
-            record.engine_name in (i.loaded_adapters or []) or digest in " ".join(i.command or [])
-            for i in live):
+            record.engine_name in (i.loaded_adapters or [])
+            or (i.state in given and digest in " ".join(i.command or [])) for i in live):
         return "in use"
     cache = config.cache()
     freed = cache.drop(digest)

@@ -14,9 +14,10 @@ import pytest
 
 from serving_app import lifecycle
 from serving_app.artifacts import fetch, peer, staging
+from serving_app.artifacts.cache import NodeCache
 from serving_app.blobstore import FileEntry, manifest_digest, manifest_of
 from serving_app.deployments import draining
-from serving_app.engine import agent
+from serving_app.engine import agent, supervisor
 from serving_app.models import (
     AdapterFileRemoval,
     Artifact,
@@ -156,7 +157,7 @@ def agent_on(node_config, monkeypatch):
         monkeypatch.setenv("NODE_CACHE_DIR", str(config.root))
         monkeypatch.setenv("NODE_CONSOLE_URL", config.console_url)
         monkeypatch.setattr(staging, "PROGRESS_SECONDS", 0)
-        fetch_one = staging.NodeCache._fetch_one
+        fetch_one = NodeCache._fetch_one
 
         def watched(cache, entry, fetcher, progress):
             row = Instance.objects.values("pk", "state", "port", "pid", "staging").get(
@@ -173,8 +174,8 @@ def agent_on(node_config, monkeypatch):
                     "version__artifact__name", "state"))})
             raise OSError("no engine in this test")
 
-        monkeypatch.setattr(staging.NodeCache, "_fetch_one", watched)
-        monkeypatch.setattr(agent.supervisor, "launch", launch)
+        monkeypatch.setattr(NodeCache, "_fetch_one", watched)
+        monkeypatch.setattr(supervisor, "launch", launch)
         return agent.AgentConfig(name=name, address="127.0.0.1", engine_env="", gpus="")
 
     build.seen = seen
