@@ -281,7 +281,8 @@ def _roll_a_new_model_version_out_and_back(cluster, client, deployment_id: int, 
     newer = tmp_path / "tiny-llama-v2"
     shutil.copytree(MODELS / "tiny-llama", newer)
     (newer / "README.md").write_text("Version 2 of the tiny model's files.\n")
-    v2 = ArtifactVersion.objects.get(pk=artifact_version("tiny-llama-v2", newer))
+    v2 = sources.import_console_folder(v1.artifact, newer)
+    assert str(v2) == "tiny-llama v2"
     edited = client.patch(f"/api/v1/base-models/{model_id}/", {"artifact_version": v2.pk},
                           format="json")
     assert edited.status_code == 200, edited.data
@@ -302,7 +303,7 @@ def _roll_a_new_model_version_out_and_back(cluster, client, deployment_id: int, 
         assert _rollout(deployment_id).state == Rollout.State.SUCCEEDED
         [new] = live(deployment_id)
         assert (new.node.name, new.model_version_id, new.state) == ("cpu-b", v2.pk, State.READY)
-        assert f"--model={caches / 'cpu-b' / 'versions' / v2.digest}" in new.command
+        assert f"--model={caches / 'cpu-b' / 'versions' / v2.digest}" in " ".join(new.command)
         assert traffic.failures == [] and traffic.ok > 0, traffic.failures[:5]
 
         rolled = client.post(url + "rollback/")
@@ -313,7 +314,7 @@ def _roll_a_new_model_version_out_and_back(cluster, client, deployment_id: int, 
         [back] = live(deployment_id)
         assert (back.node.name, back.model_version_id, back.state) == ("cpu-a", v1.pk,
                                                                         State.READY)
-        assert f"--model={caches / 'cpu-a' / 'versions' / v1.digest}" in back.command
+        assert f"--model={caches / 'cpu-a' / 'versions' / v1.digest}" in " ".join(back.command)
         assert blob_a.stat().st_ino == kept  # served from the cache, not fetched again
         traffic.stop()
         assert traffic.failures == [] and traffic.ok > 0, traffic.failures[:5]
