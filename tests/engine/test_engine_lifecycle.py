@@ -292,7 +292,10 @@ def _roll_a_new_model_version_out_and_back(cluster, client, deployment_id: int, 
     _, secret = ApiKey.objects.create_key(tenant=acme.tenant, name="versions")
     gateway = start_gateway(cluster.env["DATABASE_URL"], workers=1,
                             GATEWAY_REDIS_URL=gateway_redis)
-    traffic = Traffic(gateway.client(secret, timeout=300))
+    # One thread, a request a second: enough to see a failed request at each switch, light
+    # enough that each engine start beside it is not starved of the 2 cores (two threads
+    # pausing 0.3 s made each start here take over 3 minutes under load).
+    traffic = Traffic(gateway.client(secret, timeout=300), threads=1, pause=1.0)
     try:
         assert traffic.client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4)
         traffic.start()
