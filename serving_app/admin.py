@@ -347,9 +347,11 @@ class UsageRollupAdmin(ReadOnlyAdmin):
 
 @admin.register(AdapterFileRemoval)
 class AdapterFileRemovalAdmin(ReadOnlyAdmin):
-    """Deleted adapters' files waiting until no engine has them (removed by the reconciler)."""
+    """Deleted adapters' files waiting until no engine has them (removed by the reconciler):
+    a host folder, or an artifact version the node caches drop."""
 
-    list_display = ["engine_name", "path", "requested_at", "removed_at", "last_error"]
+    list_display = ["engine_name", "path", "version_digest", "requested_at", "nodes_asked_at",
+                    "removed_at", "last_error"]
     list_filter = ["removed_at"]
 
 

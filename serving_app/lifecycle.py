@@ -29,6 +29,7 @@ WAKE_DEPLOYMENT = "serving.wake_deployment"
 IMPORT_ARTIFACT = "serving.import_artifact"  # S3 and Hugging Face imports (control queue)
 IMPORT_NODE_FOLDER = "serving.import_node_folder"  # on the node's own queue
 STAGE_VERSION = "serving.stage_version"  # on the node's own queue: fetch into its cache
+FREE_CACHED_VERSION = "serving.free_cached_version"  # on the node's own queue: a deleted adapter
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
@@ -82,6 +83,12 @@ def stage_version(version_id: int, node_queue: str) -> None:
     """Ask the node agent consuming `node_queue` to fetch an artifact version into its cache
     ahead of any instance needing it, once the change that called this commits."""
     enqueue(STAGE_VERSION, version_id, queue=node_queue)
+
+
+def free_cached_version(removal_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` to drop a deleted adapter's version from its
+    cache (kept while an engine of its own still has the adapter), once the change commits."""
+    enqueue(FREE_CACHED_VERSION, removal_id, queue=node_queue)
 
 
 def artifact_import(import_id: int) -> None:

@@ -100,6 +100,12 @@ def stage_version(version_id: int) -> str:
     return staging.prestage(version_id, staging.NodeCacheConfig.from_environment(name))
 
 
+@shared_task(name=lifecycle.FREE_CACHED_VERSION, **RETRY)
+def free_cached_version(removal_id: int) -> str:
+    name = os.environ.get("NODE_NAME", "")
+    return staging.free_version(removal_id, staging.NodeCacheConfig.from_environment(name))
+
+
 @worker_ready.connect
 def _start_node_agent(sender: Any = None, **kwargs: Any) -> None:
     """A worker started with NODE_NAME is that host's node agent."""

@@ -291,7 +291,7 @@ class InstanceBriefSerializer(serializers.ModelSerializer[Instance]):
 
     class Meta:
         model = Instance
-        fields = ["id", "ordinal", "node", "port", "state", "restarts", "last_error"]
+        fields = ["id", "ordinal", "node", "port", "state", "staging", "restarts", "last_error"]
         read_only_fields = fields
 
 

@@ -174,6 +174,27 @@ class NodeCache:
         os.utime(stamp, (now, now))
 
     # -- eviction ------------------------------------------------------------------------------
+    def drop(self, version_digest: str) -> int:
+        """Remove one version now (a deleted adapter's) and the blobs only it linked; the bytes
+        freed. Blobs another version links, and files being fetched, stay."""
+        folder = self.version_dir(version_digest)
+        linked: set[tuple[int, int]] = set()
+        if folder.is_dir():
+            for path in folder.rglob("*"):
+                if path.is_file():
+                    stat = path.stat()
+                    linked.add((stat.st_dev, stat.st_ino))
+            shutil.rmtree(folder, ignore_errors=True)
+        self.stamp(version_digest).unlink(missing_ok=True)
+        freed = 0
+        base = self.root / "blobs"
+        for path in base.rglob("*") if linked and base.is_dir() else ():
+            stat = path.stat()
+            if path.is_file() and (stat.st_dev, stat.st_ino) in linked and stat.st_nlink == 1:
+                path.unlink()
+                freed += stat.st_size
+        return freed
+
     def evict(self, keep: Iterable[str], need_bytes: int = 0,
               protect: Iterable[str] = ()) -> list[str]:
         """Remove least recently used versions not in `keep`, then the blobs no version links

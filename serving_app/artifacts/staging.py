@@ -30,6 +30,7 @@ from serving_app.artifacts import fetch, sources
 from serving_app.artifacts.cache import CacheError, Fetcher, NodeCache
 from serving_app.blobstore import FileEntry
 from serving_app.models import (
+    AdapterFileRemoval,
     ArtifactImport,
     ArtifactVersion,
     Blob,
@@ -156,9 +157,11 @@ def stage_version(version: ArtifactVersion, config: NodeCacheConfig, *,
             bytes_done=done, bytes_total=total, bytes_per_second=rate, error="")
         if instance is not None:
             eta = (total - done) / rate if rate > 0 else None
+            # `updated`: the reconciler sends a start again only after a minute without it.
             Instance.objects.filter(pk=instance.pk).update(staging={
                 "artifact": str(version), "bytes_done": done, "bytes_total": total,
-                "bytes_per_second": round(rate), "eta_seconds": eta and round(eta, 1)})
+                "bytes_per_second": round(rate), "eta_seconds": eta and round(eta, 1),
+                "updated": timezone.now().isoformat()})
 
     try:
         folder = cache.ensure(version.digest, files, fetcher or peer_then_console(config),
@@ -213,10 +216,37 @@ def stage_instance(instance: Instance, config: NodeCacheConfig) -> None:
     base.path = str(folder)  # in memory only: what this engine loads
 
 
-def adapter_folder(adapter: LoraAdapter, config: NodeCacheConfig) -> Path:
-    """The adapter's files in this node's cache (fetched first if needed)."""
+def adapter_folder(adapter: LoraAdapter, config: NodeCacheConfig,
+                   instance: Instance | None = None) -> Path:
+    """The adapter's files in this node's cache (fetched first if needed; progress on
+    `instance`, the one staging before its start)."""
     assert adapter.artifact_version is not None
-    return stage_version(adapter.artifact_version, config)
+    return stage_version(adapter.artifact_version, config, instance=instance)
+
+
+def free_version(removal_id: int, config: NodeCacheConfig) -> str:
+    """Drop a deleted adapter's version from this node's cache, unless an instance of this node
+    still uses it: an engine that has the adapter loaded (vLLM reads its files again after
+    evicting it from its own memory), or one starting or stopping with it on its command line.
+    The control worker asks again while this node's entry for it remains."""
+    record = AdapterFileRemoval.objects.filter(pk=removal_id).first()
+    if record is None or not record.version_digest:
+        return "missing"
+    digest = record.version_digest
+    live = Instance.objects.filter(node__name=config.node).exclude(
+        state__in=Instance.TERMINAL_STATES).only("state", "loaded_adapters", "command")
+    # As `AdapterFileRemoval.still_in_use()`: a running engine has what it lists as loaded; a
+    # starting or stopping one what its command line gave it.
+    given = (Instance.State.STARTING, Instance.State.STOPPING)
+    if digest in versions_in_use(config.node) or any(
+            record.engine_name in (i.loaded_adapters or [])
+            or (i.state in given and digest in " ".join(i.command or [])) for i in live):
+        return "in use"
+    cache = config.cache()
+    freed = cache.drop(digest)
+    NodeCacheEntry.objects.filter(node__name=config.node, version__digest=digest).delete()
+    record_cache(config, cache)
+    return f"freed {freed} bytes"
 
 
 def may_fetch(node: Node, digest: str) -> bool:

@@ -194,7 +194,8 @@ def evaluate(autoscaler_id: int, now: datetime | None = None) -> Decision | None
                           f"{current} instance(s) is outside the range "
                           f"{autoscaler.min_replicas}-{autoscaler.max_replicas}", {}, now)
         starting = Instance.objects.filter(
-            deployment=deployment, state__in=[Instance.State.PENDING, Instance.State.STARTING]
+            deployment=deployment, state__in=[Instance.State.PENDING, Instance.State.STAGING,
+                                              Instance.State.STARTING]
         ).count()
         reading = read(autoscaler, now)
         if starting or reading is None:

@@ -58,7 +58,9 @@ def request_stop(instance: Instance, reason: str = "") -> None:
     if instance.state in (State.STOPPING, State.STOPPED):
         return
     why = f": {reason}" if reason else ""
-    if instance.pid is None and instance.state in (State.PENDING, State.FAILED,
+    # A staging instance has nothing running either: its agent, fetching, finds it stopped
+    # and launches nothing.
+    if instance.pid is None and instance.state in (State.PENDING, State.STAGING, State.FAILED,
                                                    State.CRASH_LOOP):
         if instance.transition([instance.state], State.STOPPED, port=None):
             events.record(events.Kind.STOPPED,

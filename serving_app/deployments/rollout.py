@@ -55,6 +55,8 @@ from serving_app.models.revisions import DeploymentRevision, Rollout
 log = logging.getLogger(__name__)
 State = Instance.State
 PENDING_REDISPATCH_SECONDS = 30
+# Without a word of progress from its fetch (hashing a large cached file writes none).
+STAGING_REDISPATCH_SECONDS = 120
 # Beyond the longest a start or stop in flight can take, before its task is sent again.
 REDISPATCH_MARGIN_SECONDS = 30
 LEAVING = (State.DRAINING, State.STOPPING)
@@ -204,9 +206,11 @@ def converge(deployment: Deployment, instances: list[Instance], counts: dict[str
 
 
 def _last_progress(instance: Instance) -> datetime | None:
-    """When the agent watching a start last recorded progress from the engine's log: a start
-    that goes on logging (a CUDA engine compiling for minutes) has a task watching it."""
-    text = (instance.startup or {}).get("updated")
+    """When the agent watching a start last recorded progress from the engine's log (or, while
+    staging, from its fetch): a start that goes on logging (a CUDA engine compiling for
+    minutes) or a fetch that goes on moving has a task watching it."""
+    progress = instance.staging if instance.state == State.STAGING else instance.startup
+    text = (progress or {}).get("updated")
     try:
         return datetime.fromisoformat(text) if isinstance(text, str) else None
     except ValueError:
@@ -227,10 +231,12 @@ def redispatch_if_stuck(instance: Instance) -> bool:
     """
     timeouts: dict[str, float] = {
         State.PENDING: PENDING_REDISPATCH_SECONDS,
+        State.STAGING: STAGING_REDISPATCH_SECONDS,
         State.STARTING: settings.ENGINE_START_TIMEOUT_SECONDS + REDISPATCH_MARGIN_SECONDS,
         State.STOPPING: settings.ENGINE_STOP_GRACE_SECONDS + REDISPATCH_MARGIN_SECONDS,
     }
     tasks: dict[str, str] = {State.PENDING: lifecycle.START_INSTANCE,
+                             State.STAGING: lifecycle.START_INSTANCE,
                              State.STARTING: lifecycle.START_INSTANCE,
                              State.STOPPING: lifecycle.STOP_INSTANCE}
     node = instance.node
@@ -238,7 +244,7 @@ def redispatch_if_stuck(instance: Instance) -> bool:
         return False
     now = timezone.now()
     since = instance.state_changed_at
-    if instance.state == State.STARTING:
+    if instance.state in (State.STARTING, State.STAGING):
         since = max(since, _last_progress(instance) or since)
     if now - since < timedelta(seconds=timeouts[instance.state]):
         return False
@@ -329,7 +335,7 @@ def _rolling(deployment: Deployment, instances: list[Instance], rollout: Rollout
     # serve again soon (an engine starved of CPU misses health checks): it stays, and drains
     # like the others once it is ready and replaced; if it fails, it goes.
     for instance in list(groups.old):
-        if instance.state not in (State.FAILED, State.CRASH_LOOP, State.PENDING):
+        if instance.state not in (State.FAILED, State.CRASH_LOOP, State.PENDING, State.STAGING):
             continue
         if paused:
             if instance.state == State.FAILED:

@@ -236,13 +236,14 @@ def _stage_artifacts(instance: Instance, config: AgentConfig) -> None:
         raise StartError(f"Staging {exc}") from exc
 
 
-def _adapter_folder(adapter: LoraAdapter, node_name: str | None) -> Path:
-    """The folder to give the engine: the adapter's version in this node's cache, or (legacy)
-    its host path, checked."""
+def _adapter_folder(adapter: LoraAdapter, node_name: str | None,
+                    instance: Instance | None = None) -> Path:
+    """The folder to give the engine: the adapter's version in this node's cache (fetched with
+    its progress on `instance`, the one staging), or (legacy) its host path, checked."""
     if adapter.artifact_version_id and node_name:
         try:
             return staging.adapter_folder(
-                adapter, staging.NodeCacheConfig.from_environment(node_name))
+                adapter, staging.NodeCacheConfig.from_environment(node_name), instance)
         except staging.StagingError as exc:
             raise ModelFilesError(f"Staging {exc}") from exc
     return adapter.check_path()
@@ -256,8 +257,9 @@ def _preflight(instance: Instance) -> None:
         raise StartError(f"Base model {deployment.base_model.name}: {exc}") from exc
 
 
-def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
-                    max_lora_rank: int, node_name: str | None = None) -> tuple[str, str] | None:
+def adapter_problem(adapter: LoraAdapter, deployment: Deployment, max_lora_rank: int,
+                    node_name: str | None = None,
+                    staging_for: Instance | None = None) -> tuple[str, str] | None:
     """Why the engines of `deployment` started with `max_lora_rank` must not be given `adapter`
     now, or None if they may.
 
@@ -272,7 +274,7 @@ def adapter_problem(adapter: LoraAdapter, deployment: Deployment,
         message = f"It is an adapter for {adapter.base_model}, not {deployment.base_model}."
         return message, message
     try:
-        folder = _adapter_folder(adapter, node_name)
+        folder = _adapter_folder(adapter, node_name, staging_for)
         info = read_adapter(str(folder))
     except ValidationError as exc:
         detail = "; ".join(exc.messages)
@@ -304,7 +306,7 @@ def usable_adapters(instance: Instance, log_path: Path) -> tuple[list[LoraAdapte
     errors: dict[str, str] = {}
     for adapter in deployment.adapters.select_related("tenant", "base_model"):
         problem = adapter_problem(adapter, deployment, max_lora_rank,
-                                  instance.node.name if instance.node else None)
+                                  instance.node.name if instance.node else None, instance)
         if problem is None:
             good.append(adapter)
             continue
@@ -356,7 +358,7 @@ def start_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     try:
         if instance.state == State.STARTING:
             return _resume_start(instance)
-        return _start(instance, config)
+        return _start(instance, config)  # pending, or staging when its task was lost
     finally:
         _watching.discard(instance.pk)
 
@@ -373,15 +375,46 @@ def _resume_start(instance: Instance) -> str:
     return "failed"
 
 
-def _start(instance: Instance, config: AgentConfig) -> str:
-    if not instance.transition([State.PENDING], State.STARTING, started_at=timezone.now(),
-                               last_error="", exit_code=None, health_failures=0, log_tail=""):
+def _stage(instance: Instance, config: AgentConfig, log_path: Path
+           ) -> tuple[list[LoraAdapter], dict[str, str]] | str:
+    """Staging, before anything of the node is held: the instance's model files and its
+    deployment's adapters fetched into this node's cache and verified (progress on the
+    instance), the model checked. The adapters that validate and the errors of those left out;
+    or why the instance did not start ("failed": it names the artifact and the reason)."""
+    if not instance.transition([State.PENDING, State.STAGING], State.STAGING, last_error="",
+                               exit_code=None, health_failures=0, log_tail="", staging={}):
         return f"skipped ({instance.state})"
-    log_path = _log_path(instance)
-    revision = instance.revision.number if instance.revision else None
+    began = time.monotonic()
     try:
         _stage_artifacts(instance, config)
         _preflight(instance)
+    except StartError as exc:
+        _write_log(log_path, f"not started: {exc}")
+        _fail(instance, str(exc), log_path=str(log_path), expected=[State.STAGING])
+        return "failed"
+    adapters, adapter_errors = usable_adapters(instance, log_path)
+    staged = Instance.objects.filter(pk=instance.pk).values_list("staging", flat=True).first()
+    events.record(events.Kind.STAGED,
+                  f"Instance #{instance.ordinal}'s files are verified in the cache of "
+                  f"{config.name} ({time.monotonic() - began:.1f} s).", instance=instance,
+                  data={"adapters": [a.engine_name for a in adapters],
+                        "left_out": sorted(adapter_errors), "last": staged or {}})
+    return adapters, adapter_errors
+
+
+def _start(instance: Instance, config: AgentConfig) -> str:
+    log_path = _log_path(instance)
+    staged = _stage(instance, config, log_path)
+    if isinstance(staged, str):
+        return staged
+    adapters, adapter_errors = staged
+    # Only now is anything of the node taken: a port, the GPUs' memory, an engine process. A
+    # stop that came during staging left the instance stopped: nothing is launched.
+    if not instance.transition([State.STAGING], State.STARTING, started_at=timezone.now()):
+        now = Instance.objects.filter(pk=instance.pk).values_list("state", flat=True).first()
+        return f"cancelled ({now} while staging)"
+    revision = instance.revision.number if instance.revision else None
+    try:
         if instance.engine_spec().isolation_mode == Deployment.Isolation.MPS:
             _ensure_mps(instance.node)
         port = _claim_port(instance, config)
@@ -389,7 +422,6 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         _write_log(log_path, f"not started: {exc}")
         _fail(instance, str(exc), log_path=str(log_path))
         return "failed"
-    adapters, adapter_errors = usable_adapters(instance, log_path)
     # The settings of the instance's own revision, whatever was edited since.
     gpus = list(instance.gpus.all())
     spec = build_launch_spec(
@@ -618,7 +650,7 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
     if instance.state == State.STOPPED:
         return "already stopped"
     if instance.state != State.STOPPING and not instance.transition(
-        [State.PENDING, State.STARTING, State.READY, State.UNHEALTHY, State.FAILED,
+        [State.PENDING, State.STAGING, State.STARTING, State.READY, State.UNHEALTHY, State.FAILED,
          State.CRASH_LOOP, State.DRAINING], State.STOPPING,
     ):
         return f"skipped ({instance.state})"

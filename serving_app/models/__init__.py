@@ -383,7 +383,20 @@ class LoraAdapter(models.Model):
         """Queue the removal of a deleted adapter's uploaded files (nothing for files outside
         the tenants' storage areas), which `AdapterFileRemoval.objects.remove_released()` makes
         once no engine has them. Called by the app's post_delete receiver, so a deletion
-        through the tenant's cascade is covered too."""
+        through the tenant's cascade is covered too.
+
+        An adapter from an artifact version has no files on the console's host to remove: its
+        version's copies in the node caches go instead, each node dropping it once none of its
+        engines has the adapter (`remove_released()` asks them)."""
+        if self.artifact_version_id:
+            digest = ArtifactVersion.objects.filter(pk=self.artifact_version_id).values_list(
+                "digest", flat=True).first()
+            if digest:
+                AdapterFileRemoval.objects.create(
+                    tenant_id_at_deletion=self.tenant_id, engine_name=self.engine_name,
+                    version_digest=digest)
+                lifecycle.adapter_files_released()
+            return
         if storage.removable(self.path) is None:
             return
         AdapterFileRemoval.objects.create(
@@ -403,6 +416,9 @@ class AdapterFileRemovalQuerySet(models.QuerySet["AdapterFileRemoval"]):
         removed = 0
         for record in self.filter(removed_at__isnull=True):
             if record.still_in_use():
+                continue
+            if record.version_digest:
+                removed += record.free_node_caches()
                 continue
             folder = storage.removable(record.path)
             if folder is not None and LoraAdapter.objects.filter(path=record.path).exists():
@@ -433,7 +449,14 @@ class AdapterFileRemoval(models.Model):
 
     tenant_id_at_deletion = models.BigIntegerField(null=True, blank=True)
     engine_name = models.CharField(max_length=220)
-    path = models.CharField(max_length=500)
+    path = models.CharField(max_length=500, blank=True, default="")
+    version_digest = models.CharField(
+        max_length=64, blank=True, default="",
+        help_text="An adapter from an artifact version: the version whose copies in the node "
+                  "caches go (no host path to remove).")
+    nodes_asked_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the nodes holding the version were last asked "
+                                         "to drop it from their caches.")
     requested_at = models.DateTimeField(auto_now_add=True)
     removed_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
@@ -465,11 +488,37 @@ class AdapterFileRemoval(models.Model):
         for instance in live:
             if self.engine_name in (instance.loaded_adapters or []):
                 return True
-            if instance.state in (State.STARTING, State.STOPPING) and any(
-                self.path in str(arg) for arg in instance.command or []
+            marker = self.path or self.version_digest  # its cache folder is named by digest
+            if instance.state in (State.STARTING, State.STOPPING) and marker and any(
+                marker in str(arg) for arg in instance.command or []
             ):
                 return True
         return False
+
+    def free_node_caches(self) -> int:
+        """For a deleted adapter's artifact version: ask each live node whose cache holds it
+        to drop it (at most once a minute; each agent keeps it while an instance of its own
+        still uses it), and count the removal done (1) once no node holds it. A version another
+        adapter still uses is kept."""
+        done = AdapterFileRemoval.objects.filter(pk=self.pk, removed_at__isnull=True)
+        if LoraAdapter.objects.filter(artifact_version__digest=self.version_digest).exists():
+            return done.update(removed_at=timezone.now(), last_error="")
+        if not ArtifactVersion.objects.filter(digest=self.version_digest).exists():
+            # Deleted with its tenant, and with it the record of which nodes hold it: every
+            # live node is asked once.
+            for node in Node.objects.filter(lost_at__isnull=True):
+                lifecycle.free_cached_version(self.pk, node.queue)
+            return done.update(removed_at=timezone.now(), nodes_asked_at=timezone.now())
+        holders = Node.objects.filter(cache_entries__version__digest=self.version_digest,
+                                      lost_at__isnull=True).distinct()
+        if not holders.exists():
+            return done.update(removed_at=timezone.now(), last_error="")
+        now = timezone.now()
+        if self.nodes_asked_at is None or now - self.nodes_asked_at > timedelta(minutes=1):
+            AdapterFileRemoval.objects.filter(pk=self.pk).update(nodes_asked_at=now)
+            for node in holders:
+                lifecycle.free_cached_version(self.pk, node.queue)
+        return 0
 
 
 class Node(models.Model):
@@ -610,7 +659,8 @@ class Node(models.Model):
         a replacement elsewhere, waits until it is ready, then stops the old one. Refused when
         no other node could take anything."""
         serving = self.instances.filter(
-            state__in=(Instance.State.READY, Instance.State.UNHEALTHY, Instance.State.STARTING)
+            state__in=(Instance.State.READY, Instance.State.UNHEALTHY, Instance.State.STARTING,
+                       Instance.State.STAGING)
         ).count()
         others = [n for n in Node.objects.exclude(pk=self.pk).filter(cordoned=False)
                   if not n.is_lost]
@@ -1307,6 +1357,9 @@ class Instance(models.Model):
 
     class State(models.TextChoices):
         PENDING = "pending", "Pending"
+        # Placed, its node agent fetching and verifying its files into the node's cache: no
+        # port, no GPU memory, no engine yet (docs/artifacts.md, "Staging").
+        STAGING = "staging", "Staging files"
         STARTING = "starting", "Starting"
         READY = "ready", "Ready"
         UNHEALTHY = "unhealthy", "Unhealthy"

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 class Kind(models.TextChoices):
     PLACED = "placed", "Placed"
     PLACEMENT_FAILED = "placement_failed", "Placement refused"
+    STAGED = "staged", "Files staged"
     STARTING = "starting", "Starting"
     READY = "ready", "Ready"
     FAILED = "failed", "Failed"

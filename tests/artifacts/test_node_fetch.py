@@ -6,15 +6,20 @@ names the artifact)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
 import pytest
 
+from serving_app import lifecycle
 from serving_app.artifacts import fetch, peer, staging
+from serving_app.artifacts.cache import NodeCache
 from serving_app.blobstore import FileEntry, manifest_digest, manifest_of
-from serving_app.engine import agent
+from serving_app.deployments import draining
+from serving_app.engine import agent, supervisor
 from serving_app.models import (
+    AdapterFileRemoval,
     Artifact,
     ArtifactImport,
     ArtifactVersion,
@@ -22,6 +27,7 @@ from serving_app.models import (
     Node,
     NodeCacheEntry,
 )
+from serving_app.models.events import Event, Kind
 from tests.artifacts.conftest import adapter_from_artifact, announce
 from tests.factories import make_deployment, make_model_dir
 
@@ -134,9 +140,84 @@ def test_the_agent_starts_no_engine_when_the_files_cannot_be_fetched(
     outcome = agent.start_instance(instance.pk, agent.AgentConfig(
         name="node-f", address="127.0.0.1", engine_env="", gpus=""))
     instance.refresh_from_db()
-    assert outcome == "failed" and instance.pid is None
+    assert outcome == "failed" and (instance.pid, instance.port) == (None, None)
     assert instance.last_error.startswith("Staging llama-mini v1: ")
     assert instance.staging["error"].startswith("llama-mini v1: ")
+
+
+@pytest.fixture
+def agent_on(node_config, monkeypatch):
+    """A node agent's start path for `name`, its cache fetching from the live console, and
+    what each of its fetches saw of the instance. The engine's launch is replaced by a recorder
+    that refuses (this test is about what comes before it; real launches are in tests/engine)."""
+    seen: dict = {"fetches": [], "launches": []}
+
+    def build(name: str, on_fetch=None):
+        config = node_config(name)
+        monkeypatch.setenv("NODE_CACHE_DIR", str(config.root))
+        monkeypatch.setenv("NODE_CONSOLE_URL", config.console_url)
+        monkeypatch.setattr(staging, "PROGRESS_SECONDS", 0)
+        fetch_one = NodeCache._fetch_one
+
+        def watched(cache, entry, fetcher, progress):
+            row = Instance.objects.values("pk", "state", "port", "pid", "staging").get(
+                node__name=name, state__in=["staging", "stopped"])
+            seen["fetches"].append(row)
+            if on_fetch is not None:
+                on_fetch(row)
+            return fetch_one(cache, entry, fetcher, progress)
+
+        def launch(argv, env, log_path):
+            seen["launches"].append({
+                "argv": argv, "state": Instance.objects.get(node__name=name).state,
+                "entries": dict(NodeCacheEntry.objects.filter(node__name=name).values_list(
+                    "version__artifact__name", "state"))})
+            raise OSError("no engine in this test")
+
+        monkeypatch.setattr(NodeCache, "_fetch_one", watched)
+        monkeypatch.setattr(supervisor, "launch", launch)
+        return agent.AgentConfig(name=name, address="127.0.0.1", engine_env="", gpus="")
+
+    build.seen = seen
+    return build
+
+
+def test_an_instance_stages_its_files_before_it_takes_a_port_or_starts_an_engine(
+        agent_on, artifact_model, acme, tmp_path):
+    config = agent_on("node-s")
+    adapter = adapter_from_artifact(acme.tenant, artifact_model, tmp_path)
+    instance = place(make_deployment(artifact_model, [acme.tenant], adapters=[adapter]),
+                     "node-s")
+    assert agent.start_instance(instance.pk, config) == "failed"  # the launch recorder refuses
+    fetches, [launch] = agent_on.seen["fetches"], agent_on.seen["launches"]
+    # Every file fetched while the instance was staging, with nothing of the node held...
+    assert len(fetches) == artifact_model.artifact_version.files.count() + \
+        adapter.artifact_version.files.count()
+    assert {(f["state"], f["port"], f["pid"]) for f in fetches} == {("staging", None, None)}
+    assert any(f["staging"].get("artifact") == "acme/lora v1" for f in fetches)
+    # ...and the engine launched only once both versions were verified in the cache, on them.
+    assert launch["state"] == "starting"
+    assert launch["entries"] == {"llama-mini": "ready", "lora": "ready"}
+    command = " ".join(launch["argv"])
+    versions = str(Path(os.environ["NODE_CACHE_DIR"]) / "versions")
+    assert f"--model={versions}/{artifact_model.artifact_version.digest}" in command
+    assert f"{versions}/{adapter.artifact_version.digest}" in command
+    staged = Event.objects.get(kind=Kind.STAGED, instance=instance)
+    assert "verified in the cache of node-s" in staged.message
+    assert staged.data["adapters"] == ["acme--lora"]
+
+
+def test_a_stop_during_staging_leaves_nothing_launched(agent_on, artifact_model, acme):
+    def stop_it(row):
+        draining.request_stop(Instance.objects.get(pk=row["pk"]), "test")
+
+    config = agent_on("node-t", on_fetch=stop_it)
+    instance = place(make_deployment(artifact_model, [acme.tenant]), "node-t")
+    outcome = agent.start_instance(instance.pk, config)
+    assert outcome == "cancelled (stopped while staging)"
+    instance.refresh_from_db()
+    assert (instance.state, instance.port, instance.pid) == ("stopped", None, None)
+    assert agent_on.seen["launches"] == []
 
 
 def test_a_node_fetches_from_a_peer_that_holds_the_files(
@@ -194,3 +275,50 @@ def test_an_operator_prestages_a_version_on_a_node_before_any_instance(
     assert NodeCacheEntry.objects.get(node__name="node-p", version=version).state == "ready"
     assert staging.versions_in_use("node-p") == set()  # held, though no instance uses it
     assert version.digest in {d for d, _ in config.cache().versions()}
+
+
+def test_a_deleted_adapter_leaves_every_node_cache_once_no_engine_has_it(
+        live_server, node_config, artifact_model, acme, tmp_path, monkeypatch):
+    """The control side asks the nodes holding the version once every engine has unloaded the
+    adapter (the reconciler asks them to: tests/engine); each node drops it unless an instance
+    of its own still has it, and keeps everything else it holds."""
+    asked: list[tuple[int, str]] = []
+    monkeypatch.setattr(lifecycle, "free_cached_version",
+                        lambda removal, queue: asked.append((removal, queue)))
+    adapter = adapter_from_artifact(acme.tenant, artifact_model, tmp_path)
+    digest = adapter.artifact_version.digest
+    deployment = make_deployment(artifact_model, [acme.tenant], adapters=[adapter])
+    configs, instances = {}, {}
+    for name in ("node-a", "node-b"):
+        configs[name] = node_config(name)
+        instances[name] = place(deployment, name)
+        Instance.objects.filter(pk=instances[name].pk).update(
+            state="ready", loaded_adapters=["acme--lora"])
+        staging.stage_version(artifact_model.artifact_version, configs[name])
+        staging.adapter_folder(adapter, configs[name])
+    model_bytes = artifact_model.artifact_version.total_bytes
+
+    adapter.delete()
+    removal = AdapterFileRemoval.objects.get(engine_name="acme--lora")
+    assert (removal.version_digest, removal.path) == (digest, "")
+    assert AdapterFileRemoval.objects.remove_released() == 0 and asked == []  # still loaded
+    Instance.objects.filter(pk=instances["node-a"].pk).update(loaded_adapters=[])
+    assert AdapterFileRemoval.objects.remove_released() == 0 and asked == []  # node-b has it
+    assert staging.free_version(removal.pk, configs["node-b"]) == "in use"
+    Instance.objects.filter(pk=instances["node-b"].pk).update(loaded_adapters=[])
+    assert AdapterFileRemoval.objects.remove_released() == 0
+    assert sorted(asked) == [(removal.pk, "node.node-a"), (removal.pk, "node.node-b")]
+    AdapterFileRemoval.objects.remove_released()
+    assert len(asked) == 2  # asked again only a minute later
+
+    for name, config in configs.items():  # what each node's agent runs for the task
+        assert staging.free_version(removal.pk, config).startswith("freed ")
+        cache = config.cache()
+        assert not cache.version_dir(digest).exists()
+        assert [d for d, _ in cache.versions()] == [artifact_model.artifact_version.digest]
+        assert cache.used_bytes() == model_bytes
+        assert Node.objects.get(name=name).cache_used_bytes == model_bytes
+        staging.stage_version(artifact_model.artifact_version, config)  # still whole
+    assert not NodeCacheEntry.objects.filter(version__digest=digest).exists()
+    assert AdapterFileRemoval.objects.remove_released() == 1
+    assert AdapterFileRemoval.objects.get(pk=removal.pk).removed_at is not None

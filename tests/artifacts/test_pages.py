@@ -69,10 +69,21 @@ def test_instance_and_node_pages_show_staging_and_the_cache(platform_admin, acme
     assert "llama-mini v1: HTTP 404" in node_page
 
 
-def test_a_deployments_instances_show_a_fetch_in_progress(platform_admin, acme, artifact_model):
+def test_a_deployments_instances_show_a_fetch_in_progress(platform_admin, acme, artifact_model,
+                                                           client_for):
     deployment = make_deployment(artifact_model, [acme.tenant])
-    Instance.objects.create(deployment=deployment, state="starting", staging={
+    instance = Instance.objects.create(deployment=deployment, state="staging", staging={
         "artifact": "llama-mini v1", "bytes_done": 2**20, "bytes_total": 4 * 2**20,
         "bytes_per_second": 2**19, "eta_seconds": 6.0})
-    page = signed_in(platform_admin).get(f"/deployments/{deployment.pk}/instances/")
-    assert "fetching llama-mini v1: 1.0 MiB of 4.0 MiB, about 6 s left" in page.content.decode()
+    client = signed_in(platform_admin)
+    page = client.get(f"/deployments/{deployment.pk}/instances/").content.decode()
+    assert "fetching llama-mini v1: 1.0 MiB of 4.0 MiB at 512.0 KiB/s, about 6 s left" in page
+    assert "Staging files" in page
+    # The instance page's start-up panel, polled while it stages.
+    panel = client.get(f"/instances/{instance.pk}/startup/").content.decode()
+    assert "Staging files" in panel and 'hx-trigger="every 3s"' in panel
+    assert "llama-mini v1: 1.0 MiB of 4.0 MiB at 512.0 KiB/s, about 6 s left" in panel
+    # ...and the deployment in the API.
+    [brief] = client_for(platform_admin).get(
+        f"/api/v1/deployments/{deployment.pk}/").data["instances"]
+    assert brief["state"] == "staging" and brief["staging"]["bytes_done"] == 2**20

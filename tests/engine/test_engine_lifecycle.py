@@ -16,11 +16,23 @@ import httpx
 import psutil
 import pytest
 
+from benchmarks.gateway_bench import kill_group
 from serving_app.artifacts import sources
 from serving_app.engine import supervisor
-from serving_app.models import Artifact, Deployment, EngineSample, Instance, LoraAdapter
+from serving_app.models import (
+    Artifact,
+    ArtifactVersion,
+    Deployment,
+    EngineSample,
+    Instance,
+    LoraAdapter,
+    NodeCacheEntry,
+)
+from serving_app.models.revisions import Rollout
+from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
-from tests.engine.conftest import MODELS, engine_sessions, instance_state, wait_for
+from tests.engine.conftest import MODELS, Traffic, engine_sessions, instance_state, wait_for
+from tests.gateway.conftest import start_gateway
 from tests.unit.test_process_groups import session_members
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
@@ -91,12 +103,15 @@ def register_artifact_adapter(user, tenant, name: str, folder) -> dict:
 
 
 def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path, live_server,
-                                         settings):
+                                         settings, gateway_redis):
     """The model and the deployed adapters are artifact versions: each node agent fetches them
     from the console (Django's live server) into its own cache and starts its engine there. The
     second agent runs in a mount namespace where the model roots, the tenants' storage and the
     console's blob store are empty folders: a host sharing no filesystem with the console.
-    (The broken adapter below is a legacy host-path one, no longer deployed by then.)"""
+    (The broken adapter below is a legacy host-path one, no longer deployed by then.) At the
+    end, a deleted adapter leaves both engines and both caches, and a new version of the
+    model's files rolls out and back through the gateway with no failed request."""
+    cluster.env.update(GATEWAY_REDIS_URL=gateway_redis, GATEWAY_CATALOG_REFRESH_SECONDS="0.5")
     cluster.start_control()
     caches = tmp_path / "caches"
     cluster.start_agent("cpu-a", {"NODE_CONSOLE_URL": live_server.url,
@@ -105,6 +120,7 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
         "name": "tiny-llama", "dtype": "float32",
         "artifact_version": artifact_version("tiny-llama", MODELS / "tiny-llama")}, format="json")
     assert response.status_code == 201, response.data
+    model = response.data
     lora_a = register_artifact_adapter(platform_admin, acme.tenant, "support",
                                        MODELS / "tiny-llama-lora-a")
     lora_b = register_artifact_adapter(platform_admin, acme.tenant, "billing",
@@ -215,6 +231,24 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     for each in two:
         assert complete(each, "acme--billing")["choices"][0]["text"]
 
+    # The third adapter deleted: both engines unload it, then both nodes drop its files.
+    legal = ArtifactVersion.objects.get(pk=lora_c["artifact_version"]).digest
+    assert all((caches / n / "versions" / legal).is_dir() for n in ("cpu-a", "cpu-b"))
+    assert client.delete(f"/api/v1/adapters/{lora_c['id']}/").status_code == 204
+    wait_for(lambda: not any("acme--legal" in i.loaded_adapters
+                             for i in ready_instances(deployment["id"]))
+             and not any((caches / n / "versions" / legal).exists() for n in ("cpu-a", "cpu-b")),
+             60, "the deleted adapter unloaded and out of both caches")
+    assert not NodeCacheEntry.objects.filter(version__digest=legal).exists()
+    assert complete(two[1], "acme--billing")["choices"][0]["text"]
+
+    # A new version of the model's files rolls out (one replica: at most two engines), with
+    # traffic through the gateway, and back: the rollback starts the pinned old version again
+    # from the files cpu-a's cache kept (the same blob, not fetched again).
+    others = _roll_a_new_model_version_out_and_back(
+        cluster, client, deployment["id"], model["id"], caches, acme, tmp_path, gateway_redis)
+    seen_pids.update(i.pid for i in others)
+
     # Stop everything: no engine process left, every port free.
     assert client.post(f"/api/v1/deployments/{deployment['id']}/stop/").status_code == 200
     wait_for(lambda: not Instance.objects.filter(deployment_id=deployment["id"]).exclude(
@@ -222,11 +256,84 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     for pid in seen_pids:
         assert not supervisor.is_alive(pid), pid
         assert session_members(pid) == [], f"processes of engine session {pid} remain"
-    for each in two:  # nor anything started with an engine's key that left its session
+    for each in [*two, *others]:  # nor anything started with an engine's key that left its session
         assert engine_sessions(each.secret) == set()
     for port in ports:
         assert port_is_free(port), port
     assert Deployment.objects.get(pk=deployment["id"]).desired_state == "stopped"
+
+
+def _roll_a_new_model_version_out_and_back(cluster, client, deployment_id: int, model_id: int,
+                                           caches, acme, tmp_path, gateway_redis
+                                           ) -> list[Instance]:
+    """Scale to one replica (cpu-a's stays), roll model files v2 out (its instance goes to the
+    emptier node, cpu-b, which fetches v2) and roll back (the v1 instance goes to cpu-a, whose
+    cache kept v1); the instances it started."""
+    url = f"/api/v1/deployments/{deployment_id}/"
+    assert client.post(url + "scale/", {"replicas": 1}, format="json").status_code == 200
+    [old] = wait_for(lambda: len(live(deployment_id)) == 1 and live(deployment_id), 60,
+                     "one instance left")
+    assert old.node.name == "cpu-a"
+    v1 = ArtifactVersion.objects.get(pk=old.model_version_id)
+    weights = v1.files.get(path="model.safetensors").blob_id
+    blob_a = caches / "cpu-a" / "blobs" / weights[:2] / weights
+    kept = blob_a.stat().st_ino
+    newer = tmp_path / "tiny-llama-v2"
+    shutil.copytree(MODELS / "tiny-llama", newer)
+    (newer / "README.md").write_text("Version 2 of the tiny model's files.\n")
+    v2 = sources.import_console_folder(v1.artifact, newer)
+    assert str(v2) == "tiny-llama v2"
+    edited = client.patch(f"/api/v1/base-models/{model_id}/", {"artifact_version": v2.pk},
+                          format="json")
+    assert edited.status_code == 200, edited.data
+    pending = client.get(url).data["pending_revision"]
+    assert pending is not None
+
+    _, secret = ApiKey.objects.create_key(tenant=acme.tenant, name="versions")
+    gateway = start_gateway(cluster.env["DATABASE_URL"], workers=1,
+                            GATEWAY_REDIS_URL=gateway_redis)
+    # One thread, a request a second: enough to see a failed request at each switch, light
+    # enough that each engine start beside it is not starved of the 2 cores (two threads
+    # pausing 0.3 s made each start here take over 3 minutes under load).
+    traffic = Traffic(gateway.client(secret, timeout=300), threads=1, pause=1.0)
+    try:
+        assert traffic.client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4)
+        traffic.start()
+        applied = client.post(url + "apply/", {"strategy": "rolling"}, format="json")
+        assert applied.status_code == 200, applied.data
+        wait_for(lambda: _rollout(deployment_id).state != Rollout.State.RUNNING,
+                 2 * START_TIMEOUT, "the rollout of the new files")
+        assert _rollout(deployment_id).state == Rollout.State.SUCCEEDED
+        [new] = live(deployment_id)
+        assert (new.node.name, new.model_version_id, new.state) == ("cpu-b", v2.pk, State.READY)
+        assert f"--model={caches / 'cpu-b' / 'versions' / v2.digest}" in " ".join(new.command)
+        assert traffic.failures == [] and traffic.ok > 0, traffic.failures[:5]
+
+        rolled = client.post(url + "rollback/")
+        assert rolled.status_code == 200, rolled.data
+        wait_for(lambda: _rollout(deployment_id).state != Rollout.State.RUNNING,
+                 2 * START_TIMEOUT, "the rollback")
+        assert _rollout(deployment_id).state == Rollout.State.SUCCEEDED
+        [back] = live(deployment_id)
+        assert (back.node.name, back.model_version_id, back.state) == ("cpu-a", v1.pk,
+                                                                        State.READY)
+        assert f"--model={caches / 'cpu-a' / 'versions' / v1.digest}" in " ".join(back.command)
+        assert blob_a.stat().st_ino == kept  # served from the cache, not fetched again
+        traffic.stop()
+        assert traffic.failures == [] and traffic.ok > 0, traffic.failures[:5]
+    finally:
+        traffic.stop()
+        kill_group(gateway.proc)
+    return [new, back]
+
+
+def live(deployment_id: int) -> list[Instance]:
+    return list(Instance.objects.select_related("node").filter(deployment_id=deployment_id)
+                .exclude(state=State.STOPPED).order_by("ordinal"))
+
+
+def _rollout(deployment_id: int) -> Rollout:
+    return Rollout.objects.filter(deployment_id=deployment_id).latest("created_at")
 
 
 def test_model_files_gone_fails_with_the_reason(cluster, platform_admin, acme, tmp_path):

@@ -241,6 +241,30 @@ def test_a_start_that_lasts_past_its_timeout_is_sent_again(sent, node, deploymen
     assert active(deployment) == [Instance.objects.get(pk=instance.pk)]  # no second instance
 
 
+def test_a_staging_start_is_sent_again_only_when_its_fetch_stopped_moving(sent, node,
+                                                                          deployment):
+    """A fetch of large files goes on for longer than any start timeout: while it reports
+    progress its task is alive; a minute-scale silence means its agent died with it (a start
+    sent again resumes the fetch from what the cache holds)."""
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconcile.reconcile_deployment(deployment.pk)
+    [instance] = active(deployment)
+    long_ago = rollout.STAGING_REDISPATCH_SECONDS + 1
+    Instance.objects.filter(pk=instance.pk).update(state=State.STAGING, staging={
+        "artifact": "llama v1", "bytes_done": 10, "bytes_total": 100,
+        "updated": timezone.now().isoformat()})
+    age(instance, long_ago)
+    sent.clear()
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == []  # it moved just now
+    Instance.objects.filter(pk=instance.pk).update(staging={
+        "artifact": "llama v1", "bytes_done": 10, "bytes_total": 100,
+        "updated": (timezone.now() - timedelta(seconds=long_ago)).isoformat()})
+    reconcile.reconcile_deployment(deployment.pk)
+    assert sent == [("serving.start_instance", instance.pk)]
+    assert active(deployment) == [Instance.objects.get(pk=instance.pk)]  # no second instance
+
+
 def test_nothing_is_sent_again_to_a_lost_node(sent, node, deployment, settings):
     reconcile.reconcile_deployment(deployment.pk)
     Instance.objects.filter(deployment=deployment).update(state=State.STOPPING, pid=4242)
