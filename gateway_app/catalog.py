@@ -96,7 +96,8 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class InstanceEntry:
-    """A ready engine: where it listens, its secret and the adapters it has loaded."""
+    """A ready engine: where it listens, its secret and the adapters it serves (loaded, and
+    their canary generation passed)."""
 
     id: int
     deployment_id: int
@@ -215,7 +216,9 @@ def _load_snapshot() -> Snapshot:
                 deployment_id=inst.deployment_id,
                 url=inst.base_url,
                 secret=inst.secret,
-                adapters=frozenset(inst.loaded_adapters or ()),
+                # Loaded is not enough: an adapter whose canary generation has not passed on
+                # this engine is never routed here (serving_app/engine/canary.py).
+                adapters=frozenset(inst.routable_adapters),
                 budget=dispatch_budgets[inst.deployment_id],
             )
         )
