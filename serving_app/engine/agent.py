@@ -376,7 +376,8 @@ def _resume_start(instance: Instance) -> str:
 
 def _start(instance: Instance, config: AgentConfig) -> str:
     if not instance.transition([State.PENDING], State.STARTING, started_at=timezone.now(),
-                               last_error="", exit_code=None, health_failures=0, log_tail=""):
+                               last_error="", exit_code=None, health_failures=0, log_tail="",
+                               canary={}):
         return f"skipped ({instance.state})"
     log_path = _log_path(instance)
     revision = instance.revision.number if instance.revision else None
@@ -903,17 +904,21 @@ def supervise_once(config: AgentConfig) -> None:
             continue  # a start task is on it (or, without a pid, still launching it)
         if not supervisor.is_alive(instance.pid):
             _fail(instance, "The engine exited during start.", expected=[State.STARTING])
-        elif (canaries.due(instance.canary or {}, [base := instance.deployment.base_model.name])
-              and EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0)):
+        elif EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):
             # Ready once its base model's canary passes (tried again with backoff); only the
             # adapters it was started with: the start may have left some out.
             client = EngineClient(instance.base_url, instance.secret)
-            result = canary.probe(client, base)
-            entries = canaries.record(instance.canary or {}, base, result.ok, result.error)
-            if not result.ok:
-                Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
-                    canary=entries)
-                continue
+            base = instance.deployment.base_model.name
+            entries = instance.canary or {}
+            if not canaries.passed(entries, base):
+                if not canaries.due(entries, [base]):
+                    continue
+                result = canary.probe(client, base)
+                entries = canaries.record(entries, base, result.ok, result.error)
+                if not result.ok:
+                    Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                        canary=entries)
+                    continue
             command = " ".join(instance.command or [])
             adapters = [a.engine_name for a in instance.deployment.adapters.all()
                         if a.engine_name in command]
