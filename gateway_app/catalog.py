@@ -105,6 +105,8 @@ class InstanceEntry:
     secret: str
     adapters: frozenset[str]
     budget: int = 0  # dispatch budget: requests flow control sends it at a time
+    # Loaded adapters whose canary has not passed: not routed here, named in the 503's message.
+    unproven: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +222,7 @@ def _load_snapshot() -> Snapshot:
                 # this engine is never routed here (serving_app/engine/canary.py).
                 adapters=frozenset(inst.routable_adapters),
                 budget=dispatch_budgets[inst.deployment_id],
+                unproven=frozenset(inst.loaded_adapters or ()) - set(inst.routable_adapters),
             )
         )
     wakeable = frozenset(Autoscaler.objects.filter(

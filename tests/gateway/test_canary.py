@@ -75,6 +75,7 @@ def test_an_adapter_whose_generation_fails_is_never_routed_to(world, gateway, en
                 client.completions.create(model="broken", prompt="Hello", max_tokens=2)
             assert refused.value.status_code == 503
             assert refused.value.code == "model_not_ready", refused.value.body
+            assert "its test generation failed" in refused.value.message
         assert engine.metric("vllm:request_success_total") == served_before
         # The base model and the good adapters are served as before.
         for model in ("tiny-llama", "style"):

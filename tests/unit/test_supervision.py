@@ -310,3 +310,28 @@ def test_a_canary_judges_the_generated_tokens_logprob():
         "HTTP 500: Internal Server Error")
     assert canaries.backoff_seconds(1) == 2 and canaries.backoff_seconds(3) == 8
     assert canaries.backoff_seconds(30) == 120  # ENGINE_CANARY_RETRY_MAX_SECONDS
+
+
+def test_supervision_retries_a_failed_adapter_canary_with_backoff_until_it_passes(
+        ready_instance, config, health_server, settings):
+    """An adapter whose canary failed stays loaded and out of routing; supervision tries it again
+    once its backoff is over (not before), and it is routed once one passes."""
+    settings.ENGINE_CANARY_RETRY_SECONDS = 0.3
+    _, handler = health_server
+    handler.canary = 500
+    failed = canaries.record({}, "acme--x", ok=False, error="HTTP 400: NaN")
+    Instance.objects.filter(pk=ready_instance.pk).update(loaded_adapters=["acme--x"],
+                                                         canary=failed)
+    agent.supervise_once(config)  # within the backoff: not tried
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.canary["acme--x"]["attempts"] == 1 and instance.routable_adapters == []
+    time.sleep(0.35)  # the backoff itself is what is tested
+    agent.supervise_once(config)  # tried, failed again: backoff doubles
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.canary["acme--x"]["attempts"] == 2 and instance.routable_adapters == []
+    assert instance.canary_problems[0].startswith("Canary failed for adapter acme--x: HTTP 500")
+    handler.canary = 200
+    time.sleep(0.65)
+    agent.supervise_once(config)
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.routable_adapters == ["acme--x"] and instance.canary_problems == []
