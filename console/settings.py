@@ -385,6 +385,12 @@ ENGINE_ENV_ALLOW = env_list("ENGINE_ENV_ALLOW", [])
 ENGINE_CPU_SCHEDULING = env_choice("ENGINE_CPU_SCHEDULING", "idle", ("idle", "normal"))
 ENGINE_SUPERVISE_SECONDS = env_float("ENGINE_SUPERVISE_SECONDS", 2.0, minimum=0.1)
 ENGINE_HEALTH_FAILURES = env_int("ENGINE_HEALTH_FAILURES", 3, minimum=1)
+# Canary generations (serving_app/engine/canary.py): how long one may take, and the backoff of
+# a failed one's retries (doubling from the first to the most).
+ENGINE_CANARY_TIMEOUT_SECONDS = env_float("ENGINE_CANARY_TIMEOUT_SECONDS", 30.0, minimum=1.0)
+ENGINE_CANARY_RETRY_SECONDS = env_float("ENGINE_CANARY_RETRY_SECONDS", 2.0, minimum=0.1)
+ENGINE_CANARY_RETRY_MAX_SECONDS = env_float("ENGINE_CANARY_RETRY_MAX_SECONDS", 120.0,
+                                            minimum=0.1)
 RESTART_BACKOFF_SECONDS = env_float("RESTART_BACKOFF_SECONDS", 2.0, minimum=0.0)
 RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)
 CRASH_LOOP_RESTARTS = env_int("CRASH_LOOP_RESTARTS", 5, minimum=1)

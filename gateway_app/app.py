@@ -18,7 +18,7 @@ from typing import Any
 
 from gateway_app import admission, errors
 from gateway_app.cache import GatewayCache
-from gateway_app.catalog import KeyEntry, Route, TenantEntry
+from gateway_app.catalog import KeyEntry, Route, Snapshot, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.errors import GatewayError
 from gateway_app.flow import Slot
@@ -320,7 +320,8 @@ class GatewayApp:
         if not candidates:
             raise GatewayError(
                 503,
-                f"The model `{parsed.model}` has no ready instance right now; please retry.",
+                f"The model `{parsed.model}` has no ready instance right now; please retry."
+                + _unproven_note(self.cache.snapshot, route),
                 code="model_not_ready",
                 headers={"retry-after": "1"},
             )
@@ -658,6 +659,18 @@ def _header(scope: dict, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _unproven_note(snapshot: Snapshot, route: Route) -> str:
+    """Why an adapter with no ready instance is out: loaded, but its canary generation failed
+    (serving_app/engine/canary.py); the tenant's adapter page shows the engine's error."""
+    for target in route.targets:
+        for inst in snapshot.instances.get(target.deployment_id, ()):
+            if target.adapter and target.adapter in inst.unproven:
+                return (" The adapter is loaded but its test generation failed, so it is not "
+                        "served until one passes (retried automatically; the adapter's last "
+                        "error says why).")
+    return ""
 
 
 async def _read_body(scope: dict, receive, limit: int) -> bytes:

@@ -96,7 +96,8 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class InstanceEntry:
-    """A ready engine: where it listens, its secret and the adapters it has loaded."""
+    """A ready engine: where it listens, its secret and the adapters it serves (loaded, and
+    their canary generation passed)."""
 
     id: int
     deployment_id: int
@@ -104,6 +105,8 @@ class InstanceEntry:
     secret: str
     adapters: frozenset[str]
     budget: int = 0  # dispatch budget: requests flow control sends it at a time
+    # Loaded adapters whose canary has not passed: not routed here, named in the 503's message.
+    unproven: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +218,11 @@ def _load_snapshot() -> Snapshot:
                 deployment_id=inst.deployment_id,
                 url=inst.base_url,
                 secret=inst.secret,
-                adapters=frozenset(inst.loaded_adapters or ()),
+                # Loaded is not enough: an adapter whose canary generation has not passed on
+                # this engine is never routed here (serving_app/engine/canary.py).
+                adapters=frozenset(inst.routable_adapters),
                 budget=dispatch_budgets[inst.deployment_id],
+                unproven=frozenset(inst.loaded_adapters or ()) - set(inst.routable_adapters),
             )
         )
     wakeable = frozenset(Autoscaler.objects.filter(

@@ -257,6 +257,25 @@ BREAKAGES = (
         engine=True,
     ),
     Breakage(
+        # Ready means /health at 200 and nothing more: an adapter whose generation fails (NaN
+        # weights, loaded at run time into the real engine) is routed to.
+        "engine-canary-is-health-alone",
+        "serving_app/engine/canary.py",
+        "    return judge(reply)\n",
+        "    return CanaryResult(client.healthy())\n",
+        ("tests/gateway/test_canary.py::test_an_adapter_whose_generation_fails_is_never_routed_to",),
+        engine=True,
+    ),
+    Breakage(
+        # The gateway routes every loaded adapter, its canary passed or not.
+        "engine-gateway-routes-unproven-adapters",
+        "gateway_app/catalog.py",
+        "                adapters=frozenset(inst.routable_adapters),\n",
+        "                adapters=frozenset(inst.loaded_adapters or ()),\n",
+        ("tests/gateway/test_canary.py::test_an_adapter_whose_generation_fails_is_never_routed_to",),
+        engine=True,
+    ),
+    Breakage(
         "drain-ignores-requests-in-flight",
         "serving_app/deployments/draining.py",
         "        if left == 0 and elapsed >= grace:\n",

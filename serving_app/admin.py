@@ -279,12 +279,21 @@ class InstanceAdmin(admin.ModelAdmin):
     list_filter = ["state", "node", "deployment"]
     # The command and the log tail are shown once each, formatted below; the secret never.
     readonly_fields = [f.name for f in Instance._meta.concrete_fields
-                       if f.name not in ("secret", "command", "log_tail")] + ["command_line", "log"]
+                       if f.name not in ("secret", "command", "log_tail")] + [
+                           "command_line", "log", "canary_status"]
     exclude = ["secret", "command", "log_tail", "gpus"]
 
     @admin.display(description="Command")
     def command_line(self, obj: Instance) -> str:
         return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.command_line)
+
+    @admin.display(description="Canary generations")
+    def canary_status(self, obj: Instance) -> str:
+        """Why a model of this engine is out of routing (serving_app/engine/canary.py)."""
+        problems = obj.canary_problems
+        if not problems:
+            return f"passed: {', '.join(sorted(obj.canary or {})) or 'none sent yet'}"
+        return format_html_join("", "<div>{}</div>", ((line,) for line in problems))
 
     @admin.display(description="Log tail")
     def log(self, obj: Instance) -> str:

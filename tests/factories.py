@@ -179,3 +179,8 @@ def h200_figures() -> dict:
     """What the sequential planner scenario recorded: the node's engine versions, NVML's CPU
     affinity, and each instance's `startup` and `cpu_cores` rows."""
     return h200_run("planner-sequential")["figures"]
+
+
+# What vLLM answers to the node agent's canary generation (one token, its logprob), for the
+# stand-in engines of the tests where no vLLM runs (serving_app/engine/canary.py).
+STANDIN_CANARY_REPLY = b'{"choices": [{"text": "x", "logprobs": {"token_logprobs": [-1.5]}}]}'

@@ -251,6 +251,10 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
         slug_field="name", read_only=True)
     node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
         slug_field="name", read_only=True)
+    # What the gateway routes to here: loaded adapters whose canary generation passed; and why
+    # the others (or the base model, while starting) are out (serving_app/engine/canary.py).
+    routable_adapters = serializers.ListField(child=serializers.CharField(), read_only=True)
+    canary_problems = serializers.ListField(child=serializers.CharField(), read_only=True)
 
     class Meta:
         model = Instance
@@ -274,6 +278,10 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
             "model_version",
             "staging",
             "loaded_adapters",
+            "adapter_errors",
+            "routable_adapters",
+            "canary",
+            "canary_problems",
             "startup",
             "cpu_cores",
             "next_restart_at",

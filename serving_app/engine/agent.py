@@ -17,15 +17,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import close_old_connections, connections
 from django.utils import timezone
 
-from serving_app import lifecycle, storage
+from serving_app import lifecycle, signals, storage
 from serving_app.artifacts import peer, staging
-from serving_app.engine import environment, mps, scrape, startup, supervisor
+from serving_app.engine import canary, environment, mps, scrape, startup, supervisor
 from serving_app.engine.client import EngineClient
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.fleet.sync import store_inventory
@@ -35,7 +36,7 @@ from serving_app.modelfiles import (
     read_adapter,
     read_model,
 )
-from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node, events
+from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node, canaries, events
 from serving_app.placement import inventory
 
 log = logging.getLogger(__name__)
@@ -382,7 +383,8 @@ def _stage(instance: Instance, config: AgentConfig, log_path: Path
     instance), the model checked. The adapters that validate and the errors of those left out;
     or why the instance did not start ("failed": it names the artifact and the reason)."""
     if not instance.transition([State.PENDING, State.STAGING], State.STAGING, last_error="",
-                               exit_code=None, health_failures=0, log_tail="", staging={}):
+                               exit_code=None, health_failures=0, log_tail="", staging={},
+                               canary={}):
         return f"skipped ({instance.state})"
     began = time.monotonic()
     try:
@@ -462,8 +464,12 @@ def _start(instance: Instance, config: AgentConfig) -> str:
     finally:
         sizing.release()
     if ready == "ready":
-        # Given on the command line and the engine came up: they loaded.
-        LoraAdapter.objects.filter(pk__in=[a.pk for a in adapters]).update(last_error="")
+        # Given on the command line and the engine came up: they loaded (an adapter whose
+        # canary failed keeps that error).
+        entries = Instance.objects.values_list("canary", flat=True).get(pk=instance.pk) or {}
+        LoraAdapter.objects.filter(
+            pk__in=[a.pk for a in adapters if canaries.passed(entries, a.engine_name)]
+        ).update(last_error="")
     return ready
 
 
@@ -511,15 +517,28 @@ class GpuSizing:
 def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
                      adapter_errors: dict[str, str] | None = None,
                      on_memory_sized: Callable[[], None] | None = None) -> str:
-    """Poll /health until ready, the process exits, or the start stops making progress.
+    """Poll /health, then send canary generations, until ready, the process exits, or the start
+    stops making progress.
 
     A CUDA engine takes minutes to start (weights, torch.compile, CUDA graphs, kernel JIT): its
     start fails when its log has said nothing new for ENGINE_START_TIMEOUT_SECONDS, or when it
     has lasted ENGINE_START_MAX_SECONDS in all, whichever comes first; while it logs progress it
     is left to finish. Its phase and the figures it logs are recorded on the instance
     (`startup`, `serving_app.engine.startup`); `on_memory_sized` is called once the engine has
-    allocated its KV cache (or its start ends)."""
+    allocated its KV cache (or its start ends).
+
+    Once /health answers 200, the base model's canary generation must pass before the instance
+    is ready (serving_app/engine/canary.py); a failed one is tried again with backoff, and the
+    start fails when it has kept failing for ENGINE_START_TIMEOUT_SECONDS (the log's silence no
+    longer counts then: every canary request is a log line). The adapters' canaries are sent
+    once the base model's passed; one that fails leaves its adapter out of routing on this
+    instance, not the instance (the supervision loop tries it again).
+    """
     client = EngineClient(instance.base_url, instance.secret)
+    base = instance.deployment.base_model.name
+    entries: dict[str, Any] = {}
+    canary_deadline: float | None = None  # set when /health first answers 200
+    next_probe = time.monotonic()
     started = instance.started_at or timezone.now()
     elapsed = (timezone.now() - started).total_seconds()
     now = time.monotonic()
@@ -540,7 +559,7 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
         if follower is not None and time.monotonic() >= next_log_read:
             next_log_read = time.monotonic() + LOG_READ_SECONDS
             lines = follower.new_lines()
-            if lines:
+            if lines and canary_deadline is None:
                 # Any new line is progress: the start goes on while the engine logs.
                 silent_deadline = time.monotonic() + quiet_limit
                 seconds = (timezone.now() - started).total_seconds()
@@ -553,13 +572,27 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
             next_state_check = time.monotonic() + STATE_CHECK_SECONDS
             if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
                 return _cancel_start(instance)
-        if client.healthy(timeout=2.0):
+        if time.monotonic() >= next_probe and client.healthy(timeout=2.0):
+            result = canary.probe(client, base)
+            entries = canaries.record(entries, base, result.ok, result.error)
+            if not result.ok:
+                if canary_deadline is None:
+                    canary_deadline = time.monotonic() + quiet_limit
+                    silent_deadline = canary_deadline
+                Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                    canary=entries)
+                attempts = int(entries[base]["attempts"])
+                log.warning("%s: canary failed for the base model (attempt %s): %s", instance,
+                            attempts, result.error)
+                next_probe = time.monotonic() + canaries.backoff_seconds(attempts)
+                continue
             if adapters is None:
                 adapters = [a.engine_name for a in instance.deployment.adapters.all()]
+            entries = probe_adapters(instance, client, adapters, entries)
             if follower is not None:
                 progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
             if instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
-                                   loaded_adapters=adapters,
+                                   loaded_adapters=adapters, canary=entries,
                                    adapter_errors=adapter_errors or {}, health_failures=0,
                                    startup={**progress.to_dict(), "ready": True}):
                 log.info("%s ready on port %s (pid %s)", instance, instance.port, instance.pid)
@@ -576,7 +609,11 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
         progress.feed(follower.new_lines(), (timezone.now() - started).total_seconds())
     if instance.pid is not None:
         supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
-    if time.monotonic() >= hard_deadline:
+    if canary_deadline is not None and time.monotonic() < hard_deadline:
+        error = (entries.get(base) or {}).get("error")
+        reason = (f"The base model's canary generation kept failing for {quiet_limit:g} s "
+                  f"after /health answered 200 (ENGINE_START_TIMEOUT_SECONDS): {error}")
+    elif time.monotonic() >= hard_deadline:
         reason = (f"The engine did not become ready within "
                   f"{settings.ENGINE_START_MAX_SECONDS:g} s (ENGINE_START_MAX_SECONDS); its "
                   f"start had reached: {progress.label.lower()}.")
@@ -730,6 +767,8 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
               instance.deployment.adapters.select_related("tenant", "base_model")}
     loaded = set(instance.loaded_adapters)
     errors = dict(instance.adapter_errors)
+    entries = dict(instance.canary or {})
+    routable_before = instance.routable_adapters
     capacity = adapter_capacity(instance.command, instance.gpus.all())
     max_lora_rank = instance.engine_spec().max_lora_rank
     client = EngineClient(instance.base_url, instance.secret)
@@ -739,6 +778,7 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         reply = client.unload_adapter(name)
         if reply.ok or reply.status == 404:
             loaded.discard(name)
+            entries.pop(name, None)
             outcome[name] = "unloaded"
     for name, adapter in wanted.items():
         if name in loaded or (name in errors and not errors[name].startswith(NO_FREE_SLOT)):
@@ -765,8 +805,10 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
         if reply.ok:
             loaded.add(name)
             errors.pop(name, None)
-            outcome[name] = "loaded"
             LoraAdapter.objects.filter(pk=adapter.pk).update(last_error="")
+            # Loaded is not routable: its canary generation says whether it serves.
+            entries = probe_adapters(instance, client, [name], entries)
+            outcome[name] = "loaded" if canaries.passed(entries, name) else "canary failed"
         else:
             message = f"Loading into {instance} failed (HTTP {reply.status}): {reply.text[:500]}"
             errors[name] = message
@@ -775,13 +817,89 @@ def _sync_adapters(instance_id: int, config: AgentConfig | None) -> dict[str, st
     for name in list(errors):
         if name not in wanted:
             errors.pop(name)
-    Instance.objects.filter(pk=instance.pk, state=State.READY).update(
-        loaded_adapters=sorted(loaded), adapter_errors=errors
-    )
+    for name in list(entries):
+        if name not in loaded and name != instance.deployment.base_model.name:
+            entries.pop(name)
+    if Instance.objects.filter(pk=instance.pk, state=State.READY).update(
+        loaded_adapters=sorted(loaded), adapter_errors=errors, canary=entries
+    ):
+        instance.loaded_adapters, instance.canary = sorted(loaded), entries
+        if instance.routable_adapters != routable_before:
+            signals.instance_routing_changed.send(sender=Instance, instance=instance)
     return outcome
 
 
 NO_FREE_SLOT = "No free adapter slot"
+
+
+# -- canaries -----------------------------------------------------------------------------------
+def probe_adapters(instance: Instance, client: EngineClient, names: Iterable[str],
+                   entries: dict[str, Any]) -> dict[str, Any]:
+    """Send each adapter in `names` its canary generation on `instance`'s engine; returns
+    `entries` with the results. An adapter whose canary fails is out of routing on this instance
+    until one passes (`Instance.routable_adapters`); its tenant reads why on the adapter."""
+    adapters: dict[str, LoraAdapter] | None = None
+    for name in names:
+        result = canary.probe(client, name)
+        was = entries.get(name) or {}
+        entries = canaries.record(entries, name, result.ok, result.error)
+        if result.ok == bool(was.get("ok")) and (was or result.ok):
+            continue  # no change to tell (a failure tried again, or a pass confirmed)
+        if adapters is None:
+            adapters = {a.engine_name: a for a in
+                        instance.deployment.adapters.select_related("tenant")}
+        adapter = adapters.get(name)
+        if result.ok:
+            if was:  # it had failed: it enters routing now
+                events.record(events.Kind.CANARY_PASSED,
+                              f"Canary passed for adapter {name} on instance "
+                              f"#{instance.ordinal}: it is routed there now.", instance=instance)
+                if adapter is not None:
+                    LoraAdapter.objects.filter(pk=adapter.pk,
+                                               last_error__startswith=CANARY_FAILED).update(
+                        last_error="")
+            continue
+        message = (f"{CANARY_FAILED} on {instance}: {result.error}; it is not routed there "
+                   "until a canary passes (tried again with backoff).")
+        log.warning("%s: canary failed for adapter %s: %s", instance, name, result.error)
+        events.record(events.Kind.CANARY_FAILED,
+                      f"Canary failed for adapter {name} on instance #{instance.ordinal}: "
+                      f"{result.error}", instance=instance, level=events.Level.WARNING,
+                      data={"adapter": name, "error": result.error})
+        if adapter is not None:
+            LoraAdapter.objects.filter(pk=adapter.pk).update(last_error=message)
+    return entries
+
+
+CANARY_FAILED = "Canary generation failed"
+
+
+def retry_canaries(instance: Instance) -> list[str]:
+    """Try again the canaries of a ready instance's adapters that are due (failed, their backoff
+    over, or never sent); returns the names tried. Skipped while a sync of the instance runs
+    (it sends its own canaries); the gateway hears at once when an adapter enters routing."""
+    if not canaries.due(instance.canary or {}, instance.loaded_adapters or []):
+        return []
+    lock = _sync_lock(instance.pk)
+    if not lock.acquire(blocking=False):
+        return []
+    try:
+        fresh = (Instance.objects.select_related("deployment__base_model", "node")
+                 .filter(pk=instance.pk, state=State.READY).first())
+        if fresh is None:
+            return []
+        entries = fresh.canary or {}
+        names = canaries.due(entries, fresh.loaded_adapters or [])
+        client = EngineClient(fresh.base_url, fresh.secret)
+        before = fresh.routable_adapters
+        entries = probe_adapters(fresh, client, names, entries)
+        Instance.objects.filter(pk=fresh.pk, state=State.READY).update(canary=entries)
+        fresh.canary = entries
+        if fresh.routable_adapters != before:
+            signals.instance_routing_changed.send(sender=Instance, instance=fresh)
+        return names
+    finally:
+        lock.release()
 
 
 # -- supervision --------------------------------------------------------------------------------
@@ -800,6 +918,8 @@ def supervise_once(config: AgentConfig) -> None:
             if instance.state == State.UNHEALTHY or instance.health_failures:
                 instance.transition([State.UNHEALTHY, State.READY], State.READY,
                                     health_failures=0)
+            if instance.state == State.READY:
+                retry_canaries(instance)
             continue
         failures = instance.health_failures + 1
         if failures >= threshold:
@@ -817,12 +937,26 @@ def supervise_once(config: AgentConfig) -> None:
         if not supervisor.is_alive(instance.pid):
             _fail(instance, "The engine exited during start.", expected=[State.STARTING])
         elif EngineClient(instance.base_url, instance.secret).healthy(timeout=2.0):
-            # Only the adapters it was started with: the start may have left some out.
+            # Ready once its base model's canary passes (tried again with backoff); only the
+            # adapters it was started with: the start may have left some out.
+            client = EngineClient(instance.base_url, instance.secret)
+            base = instance.deployment.base_model.name
+            entries = instance.canary or {}
+            if not canaries.passed(entries, base):
+                if not canaries.due(entries, [base]):
+                    continue
+                result = canary.probe(client, base)
+                entries = canaries.record(entries, base, result.ok, result.error)
+                if not result.ok:
+                    Instance.objects.filter(pk=instance.pk, state=State.STARTING).update(
+                        canary=entries)
+                    continue
             command = " ".join(instance.command or [])
             adapters = [a.engine_name for a in instance.deployment.adapters.all()
                         if a.engine_name in command]
+            entries = probe_adapters(instance, client, adapters, entries)
             instance.transition([State.STARTING], State.READY, ready_at=timezone.now(),
-                                loaded_adapters=adapters)
+                                loaded_adapters=adapters, canary=entries)
 
 
 _watching: set[int] = set()

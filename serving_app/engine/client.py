@@ -3,6 +3,7 @@ adapters)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,9 @@ class EngineReply:
     ok: bool
     status: int
     text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
 
 
 def already_loaded(reply: EngineReply) -> bool:
@@ -62,10 +66,11 @@ class EngineClient:
         data: list[dict[str, Any]] = response.json().get("data", [])
         return data
 
-    def _post(self, path: str, body: dict[str, Any]) -> EngineReply:
+    def _post(self, path: str, body: dict[str, Any], timeout: float | None = None
+              ) -> EngineReply:
         try:
             response = _http().post(f"{self.base_url}{path}", json=body, headers=self.headers,
-                                    timeout=max(self.timeout, 60.0))
+                                    timeout=timeout or max(self.timeout, 60.0))
         except httpx.HTTPError as exc:
             return EngineReply(False, 0, f"engine unreachable: {exc}")
         return EngineReply(response.is_success, response.status_code, response.text[:2000])
@@ -80,6 +85,11 @@ class EngineClient:
 
     def unload_adapter(self, name: str) -> EngineReply:
         return self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def generate_one(self, model: str, prompt: str, timeout: float) -> EngineReply:
+        """One greedy token with its logprob: the canary (serving_app/engine/canary.py)."""
+        return self._post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1,
+                                              "temperature": 0, "logprobs": 1}, timeout)
 
     def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
         response = _http().post(

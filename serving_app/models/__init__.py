@@ -31,7 +31,7 @@ from serving_app.modelfiles import (
     read_adapter,
     read_model,
 )
-from serving_app.models import events
+from serving_app.models import canaries, events
 from serving_app.models.artifacts import Artifact as Artifact
 from serving_app.models.artifacts import ArtifactFile as ArtifactFile
 from serving_app.models.artifacts import ArtifactImport as ArtifactImport
@@ -1422,6 +1422,12 @@ class Instance(models.Model):
     adapter_errors = models.JSONField(
         default=dict, blank=True, help_text="Adapters that failed to load here: name -> error."
     )
+    canary = models.JSONField(
+        default=dict, blank=True, editable=False,
+        help_text="Canary generations on this engine (serving_app/engine/canary.py): model "
+                  "name -> whether its last one passed, its error, attempts and next try. An "
+                  "adapter is routed to here only once its canary has passed.",
+    )
     next_restart_at = models.DateTimeField(null=True, blank=True)
     startup = models.JSONField(
         default=dict, blank=True,
@@ -1495,6 +1501,24 @@ class Instance(models.Model):
                       f"Instance #{self.ordinal} left routing and drains: {reason}{kept}.",
                       instance=self, data={"reason": reason})
         return True
+
+    @property
+    def routable_adapters(self) -> list[str]:
+        """The loaded adapters whose canary generation has passed here: what the gateway
+        routes to (a loaded adapter whose generation fails is never routed here)."""
+        entries = self.canary or {}
+        return [name for name in self.loaded_adapters or [] if canaries.passed(entries, name)]
+
+    @property
+    def canary_failures(self) -> list[str]:
+        """The models (base model or adapters) whose last canary on this engine failed."""
+        return sorted(name for name, entry in (self.canary or {}).items()
+                      if not (entry or {}).get("ok"))
+
+    @property
+    def canary_problems(self) -> list[str]:
+        """One line per model of this engine whose canary has not passed, with why."""
+        return canaries.problems(self.canary or {}, self.deployment.base_model.name)
 
     @property
     def command_line(self) -> str:

@@ -67,6 +67,8 @@ class Kind(models.TextChoices):
     DRAIN_STEP = "drain_step", "Node drain step"
     DRAIN_WAITING = "drain_waiting", "Node drain waiting"
     DRAIN_DONE = "drain_done", "Node drained"
+    CANARY_FAILED = "canary_failed", "Canary generation failed"
+    CANARY_PASSED = "canary_passed", "Canary generation passed"
 
 
 class Level(models.TextChoices):

@@ -22,7 +22,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 from benchmarks.gateway_bench import free_port, kill_group
-from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
+from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node, canaries
 from tenants_app.models import ApiKey, Tenant
 from tests.engines import (  # noqa: F401 (re-exported: the gateway tests import them here)
     ENGINE_SECRET,
@@ -126,6 +126,14 @@ class World:
     globex_secret: str
 
 
+def canaries_passed(names: list[str]) -> dict[str, dict]:
+    """`Instance.canary` with a passed canary for each of `names`."""
+    entries: dict[str, dict] = {}
+    for name in names:
+        entries = canaries.record(entries, name, ok=True)
+    return entries
+
+
 def make_world(upstream_port: int, secret: str, **acme_limits) -> World:
     # One transaction: a gateway re-reads its catalog every 0.5 s here, and one read between
     # the deployment's creation and its adapters' would show the deployment without them.
@@ -152,9 +160,11 @@ def _make_world(upstream_port: int, secret: str, **acme_limits) -> World:
     deployment.tenants.set([acme, globex])
     deployment.adapters.set([style, tone])
     node = Node.objects.create(name="local", queue="node.local", address="127.0.0.1")
+    # As the node agent records a started engine: both adapters loaded, their canary passed.
+    loaded = [style.engine_name, tone.engine_name]
     instance = Instance.objects.create(
         deployment=deployment, node=node, port=upstream_port, state="ready", secret=secret,
-        loaded_adapters=[style.engine_name, tone.engine_name],
+        loaded_adapters=loaded, canary=canaries_passed(loaded),
     )
     acme_key, acme_secret = ApiKey.objects.create_key(tenant=acme, name="acme-key")
     _, globex_secret = ApiKey.objects.create_key(tenant=globex, name="globex-key")

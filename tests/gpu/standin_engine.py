@@ -1,7 +1,8 @@
 """A stand-in for a CUDA vLLM engine starting on a GPU, where none can run (this machine has no
 GPU): it writes the log lines a vLLM 0.26 engine wrote on an H200 (fixtures/, verbatim), one
 every `--every` seconds, then answers GET /health with 200 on `--port`, as the engine's API
-server does once ready. With `--stall-after N` it stops logging after N lines and never answers.
+server does once ready, and the node agent's canary generation (POST /v1/completions). With
+`--stall-after N` it stops logging after N lines and never answers.
 
     python standin_engine.py LOG_FIXTURE --port PORT --every SECONDS [--stall-after N]
 """
@@ -9,6 +10,7 @@ server does once ready. With `--stall-after N` it stops logging after N lines an
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -17,6 +19,19 @@ class Health(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's naming)
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        """The agent's canary generation: one token with its logprob, as vLLM answers it."""
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path != "/v1/completions":
+            self.send_response(404)
+            self.end_headers()
+            return
+        body = json.dumps({"choices": [{"text": "x", "logprobs": {"token_logprobs": [-1.5]}}]})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
 
     def log_message(self, *args):
         pass

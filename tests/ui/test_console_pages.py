@@ -13,7 +13,7 @@ from audit_app.models import AuditLog
 from serving_app.deployments import autoscaling
 from serving_app.engine.launch import build_launch_spec
 from serving_app.metering.queries import percentile
-from serving_app.models import Deployment, FleetPlan, Instance, Node
+from serving_app.models import Deployment, FleetPlan, Instance, Node, canaries
 from serving_app.models.autoscalers import Autoscaler
 from tenants_app.models import Tenant
 from tests.factories import make_adapter, make_deployment, make_tenant
@@ -239,6 +239,21 @@ def test_instance_panel_and_log_tail(login, platform_admin, acme, base_model, tm
     assert "--max-num-seqs 64" in page and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in page
     assert b"startup complete" in client.get(
         reverse("console:instance-log", args=[instance.pk])).content
+
+
+def test_an_adapter_whose_canary_failed_shows_why_it_is_not_routed(login, platform_admin, acme,
+                                                                   base_model):
+    deployment = make_deployment(base_model, [acme.tenant])
+    entries = canaries.record({}, "acme--good", ok=True)
+    entries = canaries.record(entries, "acme--bad", ok=False, error="HTTP 400: NaN logprob")
+    instance = Instance.objects.create(deployment=deployment, state=Instance.State.READY,
+                                       loaded_adapters=["acme--bad", "acme--good"], canary=entries)
+    client = login(platform_admin)
+    panel = client.get(reverse("console:deployment-instances", args=[deployment.pk])).content
+    assert b"canary failed: acme--bad (not routed)" in panel
+    page = client.get(reverse("console:instance-detail", args=[instance.pk])).content.decode()
+    assert "Canary failed for adapter acme--bad: HTTP 400: NaN logprob (1 attempt; next try" in page
+    assert 'id="routable-adapters">acme--good <' in page
 
 
 def test_audit_log_filters_by_tenant(login, platform_admin, acme, globex):

@@ -19,7 +19,7 @@ from django.utils import timezone
 from serving_app.engine import agent
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.models import Gpu, Instance, LoraAdapter, Node
-from tests.factories import make_adapter, make_deployment, make_tenant
+from tests.factories import STANDIN_CANARY_REPLY, make_adapter, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
 State = Instance.State
@@ -30,9 +30,12 @@ class StandInEngine(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 (http.server's naming)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).calls.append((self.path, body["lora_name"]))
         self.send_response(200)
         self.end_headers()
+        if self.path == "/v1/completions":  # the agent's canary generation
+            self.wfile.write(STANDIN_CANARY_REPLY)
+            return
+        type(self).calls.append((self.path, body["lora_name"]))
         self.wfile.write(b"ok")
 
     def log_message(self, *args):

@@ -13,21 +13,31 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from serving_app.engine import agent, supervisor
+from serving_app.engine import agent, canary, supervisor
+from serving_app.engine.client import EngineReply
 from serving_app.engine.launch import CPU_IDLE_PREFIX
-from serving_app.models import Instance, Node
-from tests.factories import make_deployment, make_tenant
+from serving_app.models import Instance, Node, canaries
+from tests.factories import STANDIN_CANARY_REPLY, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
 State = Instance.State
 
 
 class Health(BaseHTTPRequestHandler):
+    """/health answers `status`; the canary generation (POST /v1/completions) `canary`."""
+
     status = 200
+    canary = 200
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         self.send_response(type(self).status)
         self.end_headers()
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(type(self).canary)
+        self.end_headers()
+        self.wfile.write(STANDIN_CANARY_REPLY if type(self).canary == 200 else b"engine error")
 
     def log_message(self, *args):
         pass
@@ -35,7 +45,7 @@ class Health(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def health_server():
-    handler = type("H", (Health,), {"status": 200})
+    handler = type("H", (Health,), {"status": 200, "canary": 200})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -250,3 +260,78 @@ def test_the_log_tail_folds_the_agents_polling_and_keeps_failed_polls(tmp_path):
         "ERROR 12-05 EngineCore failed",
         "[3 successful health and metrics polls folded]",
     ]
+
+
+def test_a_start_waits_for_the_base_models_canary_and_fails_when_it_keeps_failing(
+        ready_instance, config, health_server, settings):
+    """/health at 200 is not ready: the base model's canary generation must pass. One that keeps
+    failing is retried with backoff and fails the start after ENGINE_START_TIMEOUT_SECONDS,
+    naming the engine's error; until then the instance stays out of routing (starting)."""
+    settings.ENGINE_START_TIMEOUT_SECONDS = 1.5
+    settings.ENGINE_CANARY_RETRY_SECONDS = 0.2
+    _, handler = health_server
+    handler.canary = 500
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STARTING,
+                                                         started_at=timezone.now())
+    begun = time.monotonic()
+    assert agent.wait_until_ready(Instance.objects.get(pk=ready_instance.pk)) == "failed"
+    assert time.monotonic() - begun >= 1.5 - 0.05
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.state == State.FAILED
+    assert "base model's canary generation kept failing for 1.5 s" in instance.last_error
+    assert "HTTP 500: engine error" in instance.last_error
+    assert instance.canary["llama-mini"]["attempts"] >= 3  # 0.2, 0.4, 0.8 s apart
+
+
+def test_a_base_model_canary_that_passes_on_a_retry_makes_the_instance_ready(
+        ready_instance, config, health_server, settings):
+    settings.ENGINE_CANARY_RETRY_SECONDS = 0.2
+    _, handler = health_server
+    handler.canary = 500
+    Instance.objects.filter(pk=ready_instance.pk).update(state=State.STARTING,
+                                                         started_at=timezone.now())
+    threading.Timer(0.5, lambda: setattr(handler, "canary", 200)).start()
+    assert agent.wait_until_ready(Instance.objects.get(pk=ready_instance.pk)) == "ready"
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.canary["llama-mini"]["ok"] and instance.canary_problems == []
+
+
+def test_a_canary_judges_the_generated_tokens_logprob():
+    """What the engine answered decides, not its status alone: a token whose logprob is not a
+    finite number (NaN weights) fails, as does an answer with no token."""
+    def reply(body: str, status: int = 200) -> EngineReply:
+        return EngineReply(status < 400, status, body)
+
+    assert canary.judge(reply(STANDIN_CANARY_REPLY.decode())).ok
+    nan = canary.judge(reply('{"choices": [{"logprobs": {"token_logprobs": [NaN]}}]}'))
+    assert not nan.ok and "not a finite number" in nan.error
+    assert "no generated token" in canary.judge(reply('{"choices": []}')).error
+    assert canary.judge(reply("Internal Server Error", 500)).error == (
+        "HTTP 500: Internal Server Error")
+    assert canaries.backoff_seconds(1) == 2 and canaries.backoff_seconds(3) == 8
+    assert canaries.backoff_seconds(30) == 120  # ENGINE_CANARY_RETRY_MAX_SECONDS
+
+
+def test_supervision_retries_a_failed_adapter_canary_with_backoff_until_it_passes(
+        ready_instance, config, health_server, settings):
+    """An adapter whose canary failed stays loaded and out of routing; supervision tries it again
+    once its backoff is over (not before), and it is routed once one passes."""
+    settings.ENGINE_CANARY_RETRY_SECONDS = 0.3
+    _, handler = health_server
+    handler.canary = 500
+    failed = canaries.record({}, "acme--x", ok=False, error="HTTP 400: NaN")
+    Instance.objects.filter(pk=ready_instance.pk).update(loaded_adapters=["acme--x"],
+                                                         canary=failed)
+    agent.supervise_once(config)  # within the backoff: not tried
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.canary["acme--x"]["attempts"] == 1 and instance.routable_adapters == []
+    time.sleep(0.35)  # the backoff itself is what is tested
+    agent.supervise_once(config)  # tried, failed again: backoff doubles
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.canary["acme--x"]["attempts"] == 2 and instance.routable_adapters == []
+    assert instance.canary_problems[0].startswith("Canary failed for adapter acme--x: HTTP 500")
+    handler.canary = 200
+    time.sleep(0.65)
+    agent.supervise_once(config)
+    instance = Instance.objects.get(pk=ready_instance.pk)
+    assert instance.routable_adapters == ["acme--x"] and instance.canary_problems == []
