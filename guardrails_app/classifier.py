@@ -10,8 +10,9 @@ without structured output, an error body). `decide()` turns a verdict, or none w
 policy's timeout, into the request's fate: a blocking verdict blocks (the same OpenAI 400 as a
 detector's block, category `CLASSIFIER`), no verdict blocks only when the policy fails closed.
 
-Not wired yet: the gateway's call to the guard deployment (its own timeout, metered to the
-tenant whose request it judged) and the policy fields that choose a guard model; see
+The gateway's side (`gateway_app.app.GatewayApp._classify`): a policy's `Classifier` names
+the guard deployment (a deployment marked with `guardrails_app.models.GuardModel`), the wait and
+fail-open/closed; the call is metered to the tenant whose request it judged. See
 docs/guardrails.md.
 """
 
@@ -97,11 +98,12 @@ class Decision:
     failed_open: bool = False
 
 
-def decide(guard: GuardModel, verdict: str | None, *, fail_open: bool) -> Decision:
-    """The request's fate from the guard model's verdict (None: it timed out or answered
-    nothing usable): a blocking verdict blocks; no verdict blocks unless the policy fails
-    open."""
-    if verdict is None:
+def decide(guard: GuardModel | None, verdict: str | None, *, fail_open: bool) -> Decision:
+    """The request's fate from the guard model's verdict (None: it timed out, answered
+    nothing usable, or no guard model could be asked, `guard` None): a blocking verdict
+    blocks; no verdict blocks unless the policy fails open."""
+    if verdict is None or guard is None:
+        verdict = None
         if fail_open:
             return Decision(None, None, failed_open=True)
         return Decision(None, blocked_error(CATEGORY))

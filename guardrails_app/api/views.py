@@ -16,11 +16,19 @@ from guardrails_app.api.serializers import (
     BenchResultSerializer,
     BenchSerializer,
     FloorPolicySerializer,
+    GuardModelSerializer,
     KeyPolicySerializer,
     TenantPatternSerializer,
     TenantPolicySerializer,
 )
-from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy, bench
+from guardrails_app.models import (
+    FloorPolicy,
+    GuardModel,
+    KeyPolicy,
+    TenantPattern,
+    TenantPolicy,
+    bench,
+)
 from guardrails_app.policy import Direction
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.models import Tenant
@@ -34,6 +42,18 @@ class FloorPolicyViewSet(ScopedModelViewSet[FloorPolicy]):
     resource_names = ("guardrail floor", "guardrail floors")
     serializer_class = FloorPolicySerializer
     permission_classes = [IsStaff]
+
+
+class GuardModelViewSet(ScopedModelViewSet[GuardModel]):
+    """Deployments marked as guard models (the classifier stage): every signed-in user may list
+    them (a tenant's policy may name one); platform admins mark and change them."""
+
+    queryset = GuardModel.objects.all()
+    resource_names = ("guard model", "guard models")
+    serializer_class = GuardModelSerializer
+
+    def safely_get_queryset(self, queryset: QuerySet[GuardModel]) -> QuerySet[GuardModel]:
+        return queryset.select_related("deployment")
 
 
 class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):
