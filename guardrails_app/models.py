@@ -74,6 +74,15 @@ class GuardModel(models.Model):
     def __str__(self) -> str:
         return self.deployment.name if self.deployment_id else "guard model"
 
+    def named_by(self) -> list[str]:
+        """The policies that name this guard model (it cannot be unmarked while any does: a
+        policy failing closed would refuse every request)."""
+        found = []
+        for model in (FloorPolicy, TenantPolicy, KeyPolicy):
+            found += [f"{model._meta.verbose_name} {row}" for row in
+                      model.objects.filter(classifier_id=self.deployment_id)]
+        return found
+
     def core(self) -> classifier.GuardModel:
         """The core's `GuardModel` (raises `ClassifierError` when it cannot work)."""
         return classifier.GuardModel(

@@ -9,6 +9,7 @@ from typing import Any
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -54,6 +55,13 @@ class GuardModelViewSet(ScopedModelViewSet[GuardModel]):
 
     def safely_get_queryset(self, queryset: QuerySet[GuardModel]) -> QuerySet[GuardModel]:
         return queryset.select_related("deployment")
+
+    def perform_destroy(self, instance: GuardModel) -> None:
+        named = instance.named_by()
+        if named:
+            raise ValidationError({"deployment": f"Named by {', '.join(named)}: change those "
+                                                 "policies first."})
+        instance.delete()
 
 
 class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):
