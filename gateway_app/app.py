@@ -441,10 +441,9 @@ class GatewayApp:
         instances = self.cache.snapshot.instances.get(setting.deployment, ())
         verdict: str | None = None
         if target is not None and instances:
-            call = Context("", time.time(), time.perf_counter(), endpoint="guard",
-                           tenant=ctx.tenant, key=ctx.key, model=target.public_name,
-                           deployment_id=target.deployment_id)
-            call.request_id = ctx.request_id + "-guard"
+            call = Context(ctx.request_id + "-guard", time.time(), time.perf_counter(),
+                           endpoint="guard", tenant=ctx.tenant, key=ctx.key,
+                           model=target.public_name, deployment_id=target.deployment_id)
             inst = min(instances, key=lambda i: self.router.in_flight.get(i.id, 0))
             call.instance_id = inst.id
             text = ctx.guard.judged_text(ctx.endpoint, parsed.body)

@@ -18,6 +18,7 @@ docs/guardrails.md.
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +44,15 @@ class GuardModel:
         if self.template.count("{prompt}") != 1:
             raise ClassifierError("the template names {prompt} exactly once")
         try:
-            self.template.format(prompt="")
-        except (KeyError, IndexError, ValueError) as exc:
+            fields = [(name, spec, conversion) for _, name, spec, conversion
+                      in string.Formatter().parse(self.template) if name is not None]
+        except ValueError as exc:
             raise ClassifierError(f"the template has other fields than {{prompt}}: {exc}"
                                   ) from None
+        if fields != [("prompt", "", None)]:
+            # Another field, or a format spec ({prompt:>999999999} would build a huge string).
+            raise ClassifierError("the template has other fields than {prompt} (write a "
+                                  "literal brace as {{ or }})")
         if len(set(self.verdicts)) < 2 or any(not v.strip() for v in self.verdicts):
             raise ClassifierError("at least two distinct, non-empty verdicts")
         if not self.blocking or not self.blocking <= set(self.verdicts):

@@ -569,7 +569,7 @@ class DetectorRecognizer(PatternRecognizer):
             name=detector.name,
             patterns=patterns,
             supported_language=language,
-            context=context or None,
+            context=context,
         )
         self.detector = detector
         self.score = VALIDATED_SCORE if context else 1.0
@@ -588,7 +588,7 @@ class DetectorRecognizer(PatternRecognizer):
             RecognizerResult(
                 entity_type=self.detector.category, start=start, end=end, score=self.score,
                 analysis_explanation=AnalysisExplanation(
-                    recognizer=self.name, original_score=self.score,
+                    recognizer=self.detector.name, original_score=self.score,
                     validation_result=True),
                 recognition_metadata={
                     RecognizerResult.RECOGNIZER_NAME_KEY: self.detector.name,

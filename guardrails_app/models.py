@@ -97,8 +97,9 @@ class GuardModel(models.Model):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValidationError({name: "A list of strings."})
-        if "\x00" in self.template:
-            raise ValidationError({"template": "A NUL character is not allowed."})
+        if "\x00" in self.template or "\\u0000" in json.dumps([self.verdicts, self.blocking]):
+            # PostgreSQL's text and jsonb cannot hold it (and no one means it).
+            raise ValidationError("A NUL character is not allowed.")
         try:
             self.core()
         except classifier.ClassifierError as exc:

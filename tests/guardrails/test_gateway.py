@@ -162,13 +162,15 @@ def chat(prompt: str) -> dict:
             "messages": [{"role": "user", "content": prompt}]}
 
 
-def test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed(gateway,
+def test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed(gateways,
                                                                                   world):
     """Over 24 prompts with both verdicts, the gateway blocks exactly those the guard engine
     (the tiny model, marked as a guard model) judged unsafe, with a 400 naming the category and
     not the prompt; the guard call is a usage event of the tenant. Then a timeout too short for
     any verdict: failing open lets a prompt judged unsafe through, failing closed refuses one
-    judged safe."""
+    judged safe. Through the one-worker gateway: once a policy change is seen, every later
+    request sees it (two workers each refresh their own catalog)."""
+    gateway = gateways[1]
     truth = {prompt: engine_verdict(world, prompt) for prompt in VERDICT_PROMPTS}
     assert set(truth.values()) == {"safe", "unsafe"}, truth
     unsafe = next(p for p, v in truth.items() if v == "unsafe")

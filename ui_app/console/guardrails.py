@@ -18,9 +18,9 @@ from guardrails_app.models import FloorPolicy, GuardModel
 from ui_app.scoping import StaffPage
 
 
-class FloorPolicyView(StaffPage, View):
-    """The floor editor, and the deployments marked as guard models (the classifier stage)
-    with the form that marks one."""
+class GuardrailsConsolePage(StaffPage, View):
+    """The console's guardrails page: the floor editor, and the deployments marked as guard
+    models (the classifier stage) with the form that marks one."""
 
     def form(self, data: Any = None) -> PolicyForm:
         row = FloorPolicy.objects.order_by("pk").first() or FloorPolicy()
@@ -33,6 +33,10 @@ class FloorPolicyView(StaffPage, View):
             "guard_form": guard_form or GuardModelForm(),
             "guard_models": GuardModel.objects.select_related("deployment"),
         }, status=status)
+
+
+class FloorPolicyView(GuardrailsConsolePage):
+    """The floor editor."""
 
     def get(self, request: HttpRequest) -> HttpResponse:
         return self.page(request, self.form())
@@ -50,7 +54,7 @@ class FloorPolicyView(StaffPage, View):
         return redirect("console:guardrail-floor")
 
 
-class GuardModelsView(FloorPolicyView):
+class GuardModelsView(GuardrailsConsolePage):
     """Mark a deployment as a guard model."""
 
     def get(self, request: HttpRequest) -> HttpResponse:
@@ -66,7 +70,7 @@ class GuardModelsView(FloorPolicyView):
         return redirect("console:guardrail-floor")
 
 
-class GuardModelDeleteView(FloorPolicyView):
+class GuardModelDeleteView(StaffPage, View):
     """Unmark a guard model, unless a policy still names it."""
 
     def get(self, request: HttpRequest, pk: int) -> HttpResponse:
