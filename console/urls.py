@@ -62,6 +62,7 @@ router.register("guardrail-floor", guardrail_views.FloorPolicyViewSet)
 router.register("tenant-guardrails", guardrail_views.TenantPolicyViewSet)
 router.register("key-guardrails", guardrail_views.KeyPolicyViewSet)
 router.register("guardrail-patterns", guardrail_views.TenantPatternViewSet)
+router.register("guard-models", guardrail_views.GuardModelViewSet)
 
 urlpatterns = [
     path("healthz", public(console_views.healthz, "the liveness probe (says only 'ok')"),

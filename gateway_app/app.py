@@ -18,16 +18,18 @@ from typing import Any
 
 from gateway_app import admission, errors
 from gateway_app.cache import GatewayCache
-from gateway_app.catalog import KeyEntry, Route, Snapshot, TenantEntry
+from gateway_app.catalog import GuardTarget, KeyEntry, Route, Snapshot, TenantEntry
 from gateway_app.config import GatewayConfig
 from gateway_app.errors import GatewayError
 from gateway_app.flow import Slot
-from gateway_app.guard import RequestGuard
+from gateway_app.guard import RequestGuard, refusal
 from gateway_app.http1 import UpstreamBroken
 from gateway_app.metering import Meter, RedisUnavailable, Ticket
 from gateway_app.proxy import RETRYABLE, StreamRelay, Upstream, read_usage
 from gateway_app.routing import Router
 from gateway_app.validation import ParsedRequest, encode_body, parse_request
+from guardrails_app import classifier
+from guardrails_app.policy import Classifier
 from serving_app import lifecycle
 from tenants_app.models import KEY_PREFIX
 
@@ -304,6 +306,8 @@ class GatewayApp:
             if parsed.stream:
                 ctx.guard.check_stream()
             ctx.guard.input(ctx.endpoint, parsed.body)
+            if entry.guard.policy.classifier is not None:
+                await self._classify(ctx, parsed, entry.guard.policy.classifier)
         candidates = self.router.candidates(self.cache.snapshot, route)
         if not candidates and await self.cache.refresh_if_older():
             route = self._catalog(key, tenant).get(parsed.model) or route
@@ -424,6 +428,72 @@ class GatewayApp:
         await _until_disconnect(
             self._proxy(send, ctx, parsed, route, candidates, tenant, first), receive, ctx
         )
+
+    async def _classify(self, ctx: Context, parsed: ParsedRequest, setting: Classifier) -> None:
+        """The classifier stage, before admission to the tenant's engine: ask the policy's
+        guard deployment for a verdict on the request's text (after redaction), waiting at
+        most the policy's timeout. A blocking verdict answers the 400 naming the category;
+        no verdict (timeout, no ready instance, an answer that is not a verdict) blocks only
+        when the policy fails closed. The guard call is its own usage event (`endpoint:
+        guard`, its tokens and time) of the tenant whose request it judged; the verdict is
+        counted on the request's event (`input:block|pass|failopen:CLASSIFIER`)."""
+        assert self.cache and self.upstream and self.meter and ctx.guard
+        target = self.cache.snapshot.guard_models.get(setting.deployment)
+        instances = self.cache.snapshot.instances.get(setting.deployment, ())
+        verdict: str | None = None
+        if target is not None and instances:
+            call = Context(ctx.request_id + "-guard", time.time(), time.perf_counter(),
+                           endpoint="guard", tenant=ctx.tenant, key=ctx.key,
+                           model=target.public_name, deployment_id=target.deployment_id)
+            inst = min(instances, key=lambda i: self.router.in_flight.get(i.id, 0))
+            call.instance_id = inst.id
+            text = ctx.guard.judged_text(ctx.endpoint, parsed.body)
+            request = target.spec.request(target.upstream_model, text)
+            if ctx.tenant is not None:  # prefix-cache isolation on the guard engine too
+                request["cache_salt"] = ctx.tenant.cache_salt
+            body = encode_body(request)
+            self.router.acquire(inst.id)
+            try:
+                verdict = await asyncio.wait_for(
+                    self._ask_guard(call, inst.url, inst.secret, body, target),
+                    setting.timeout_ms / 1000.0)
+            except TimeoutError:
+                call.status, call.error_code = 504, "guard_timeout"
+            except Exception as exc:  # noqa: BLE001 - unreachable or broken: no verdict
+                log.warning("guard model instance %s failed: %r", inst.id, exc)
+                call.status, call.error_code = 502, "guard_unreachable"
+            finally:
+                self.router.release(inst.id)
+            await self.meter.settle(None, 0, call.event())
+        decision = classifier.decide(target.spec if target is not None else None, verdict,
+                                     fail_open=setting.fail_open)
+        outcome = ("block" if decision.blocked is not None
+                   else "failopen" if decision.failed_open else "pass")
+        ctx.guard.counts[f"input:{outcome}:{classifier.CATEGORY}"] += 1
+        if decision.blocked is not None:
+            raise refusal(decision.blocked)
+
+    async def _ask_guard(self, call: Context, url: str, secret: str, body: bytes,
+                         target: GuardTarget) -> str | None:
+        assert self.upstream is not None
+        resp = await self.upstream.post(url + "/v1/chat/completions", secret, body,
+                                        call.request_id)
+        try:
+            raw = await resp.read()
+        finally:
+            resp.close()
+        call.status = resp.status
+        usage = read_usage(raw) if resp.status == 200 else None
+        if usage:
+            call.prompt_tokens, call.completion_tokens = usage
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        verdict = target.spec.verdict(answer) if resp.status == 200 else None
+        if verdict is None:
+            call.error_code = "guard_no_verdict"
+        return verdict
 
     async def _wait_for_slot(self, ctx: Context, slot: Slot, granted: asyncio.Future[int]) -> None:
         """Wait in the deployment's queue until a settlement hands this request a slot. Past

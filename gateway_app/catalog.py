@@ -16,13 +16,16 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from django.db import connection
 
+from guardrails_app.classifier import ClassifierError
+from guardrails_app.classifier import GuardModel as GuardSpec
 from guardrails_app.models import (
     FloorPolicy,
+    GuardModel,
     KeyPolicy,
     TenantPattern,
     TenantPolicy,
@@ -129,6 +132,17 @@ class GuardEntry:
     salt: bytes = field(repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class GuardTarget:
+    """A running deployment marked as a guard model: the model name its engine knows and how
+    to ask it (`guardrails_app.classifier.GuardModel`)."""
+
+    deployment_id: int
+    upstream_model: str
+    public_name: str
+    spec: GuardSpec
+
+
 @dataclass(slots=True)
 class Snapshot:
     tenants: dict[int, TenantEntry] = field(default_factory=dict)
@@ -141,6 +155,9 @@ class Snapshot:
     # in neither has no guardrails (the default), and its requests skip them entirely.
     guards: dict[int, GuardEntry] = field(default_factory=dict)
     key_guards: dict[int, GuardEntry] = field(default_factory=dict)
+    # Guard models (classifier stage) by deployment id; their ready instances are in
+    # `instances` like any deployment's.
+    guard_models: dict[int, GuardTarget] = field(default_factory=dict)
 
     def guard_for(self, tenant_id: int, key_id: int | None) -> GuardEntry | None:
         if self.key_guards and key_id is not None:
@@ -207,6 +224,7 @@ def _load_snapshot() -> Snapshot:
         _add(routes.setdefault(served.tenant_id, {}),
              Route(served.public_name, (target,), owner, served.parent, created))
 
+    guard_models = _load_guard_models(applied, dispatch_budgets)
     instances: dict[int, list[InstanceEntry]] = {}
     ready = Instance.objects.filter(
         state=Instance.State.READY, deployment_id__in=dispatch_budgets, port__isnull=False
@@ -237,7 +255,31 @@ def _load_snapshot() -> Snapshot:
         loaded_at=time.monotonic(),
         guards=guards,
         key_guards=key_guards,
+        guard_models=guard_models,
     )
+
+
+def _load_guard_models(applied: dict[int, EngineSpec], dispatch_budgets: dict[int, int]
+                       ) -> dict[int, GuardTarget]:
+    """The running deployments marked as guard models (one query). A guard deployment that
+    serves no tenant gets its instances loaded too (`dispatch_budgets` gains it)."""
+    found: dict[int, GuardTarget] = {}
+    rows = GuardModel.objects.filter(
+        deployment__desired_state=Deployment.DesiredState.RUNNING
+    ).select_related("deployment__base_model", "deployment__applied_revision")
+    for row in rows:
+        dep = row.deployment
+        try:
+            spec = row.core()
+        except ClassifierError as exc:  # cannot have been saved so; skip rather than fail
+            log.warning("guard model %s cannot be used: %s", dep.pk, exc)
+            continue
+        if dep.pk not in dispatch_budgets:
+            engine = applied.get(dep.pk) or dep.engine_spec(dep.applied_revision)
+            dispatch_budgets[dep.pk] = dep.dispatch_budget_for(engine)
+        name = dep.base_model.name
+        found[dep.pk] = GuardTarget(dep.pk, name, name, spec)
+    return found
 
 
 def _load_guards(tenants: dict[int, TenantEntry]
@@ -255,7 +297,7 @@ def _load_guards(tenants: dict[int, TenantEntry]
     key_guards: dict[int, GuardEntry] = {}
     for tenant_id, tenant in tenants.items():
         policy = resolve(floor, policies.get(tenant_id))
-        if policy.input or policy.output:
+        if not policy.empty:
             guards[tenant_id] = _entry(policy, patterns.get(tenant_id, ()), tenant)
     for key_id, tenant_id, key_policy in narrowing:
         tenant_entry = tenants.get(tenant_id)
@@ -288,8 +330,8 @@ def _compiled(policy_json: str, shapes: tuple[tuple[str, str, str, str, str, boo
         log.warning("guardrail policy %r names unknown detectors, dropped: %s", policy.name, exc)
         known = {d.value: {n: str(r) for n, r in policy.rules(d).items() if n in detectors}
                  for d in Direction}
-        return Policy.from_dict({**known, "name": policy.name,
-                                 "restore": policy.restore}).compile(detectors)
+        return replace(policy, input=Policy.from_dict(known).input,
+                       output=Policy.from_dict(known).output).compile(detectors)
 
 
 @lru_cache(maxsize=65536)

@@ -41,7 +41,22 @@ class RequestGuard:
                 param="stream")
 
     def input(self, endpoint: str, body: dict[str, Any]) -> None:
-        """Check and redact the request's text in place; a `block` finding raises the 400."""
+        """Check and redact the request's text in place; a `block` finding raises the 400.
+
+        A chat message's content parts that are not text (`image_url`, `input_audio`, `file`,
+        ...) cannot be read by the detectors nor the guard model: they pass unread, or, when
+        the policy says `refuse_non_text`, the request is refused (400,
+        `guardrail_non_text_refused`) before anything else is checked."""
+        if endpoint == "chat.completions":
+            self._non_text(body)
+        elif self.guard.input.detectors or self.guard.policy.classifier is not None:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
+                # Token ids cannot be checked: they would pass the input rules unseen.
+                raise GatewayError(
+                    400, "This key's guardrail policy checks prompts as text; send the "
+                    "prompt as text rather than token ids.", code="guardrail_needs_text",
+                    param="prompt")
         if not self.guard.input.detectors:
             return
         if endpoint == "chat.completions":
@@ -60,13 +75,42 @@ class RequestGuard:
             if isinstance(prompt, str):
                 body["prompt"] = self._input(prompt)
             elif isinstance(prompt, list):
-                if not all(isinstance(p, str) for p in prompt):
-                    # Token ids cannot be checked: they would pass the input rules unseen.
-                    raise GatewayError(
-                        400, "This key's guardrail policy checks prompts as text; send the "
-                        "prompt as text rather than token ids.", code="guardrail_needs_text",
-                        param="prompt")
                 body["prompt"] = [self._input(p) for p in prompt]
+
+    def _non_text(self, body: dict[str, Any]) -> None:
+        if not self.guard.policy.refuse_non_text:
+            return
+        for i, message in enumerate(body.get("messages") or ()):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            for part in content:
+                if isinstance(part, dict) and not isinstance(part.get("text"), str):
+                    self.counts[f"{Direction.INPUT}:block:NON_TEXT"] += 1
+                    kind = str(part.get("type") or "unknown")[:40]
+                    raise GatewayError(
+                        400, f"This key's guardrail policy accepts text content only; "
+                        f"messages[{i}] has a `{kind}` part, which it cannot check.",
+                        code="guardrail_non_text_refused", param=f"messages[{i}].content")
+
+    def judged_text(self, endpoint: str, body: dict[str, Any]) -> str:
+        """What the guard model judges: the request's text as the engine will see it
+        (after redaction), a chat's messages' text one after another, a completion's
+        prompts likewise. Non-text parts are not part of it."""
+        texts: list[str] = []
+        if endpoint == "chat.completions":
+            for message in body.get("messages") or ():
+                content = message.get("content") if isinstance(message, dict) else None
+                if isinstance(content, str):
+                    texts.append(content)
+                elif isinstance(content, list):
+                    texts.extend(part["text"] for part in content
+                                 if isinstance(part, dict) and isinstance(part.get("text"), str))
+        else:
+            prompt = body.get("prompt")
+            prompts = [prompt] if isinstance(prompt, str) else prompt or ()
+            texts.extend(p for p in prompts if isinstance(p, str))
+        return "\n\n".join(texts)
 
     def _input(self, text: str) -> str:
         result = self.guard.apply(text, Direction.INPUT, self.vault)
@@ -123,7 +167,12 @@ class RequestGuard:
 
 
 def blocked(result: Result) -> GatewayError:
-    error = result.error()["error"]
+    return refusal(result.error())
+
+
+def refusal(body: dict[str, Any]) -> GatewayError:
+    """The gateway's 400 from a guardrail's OpenAI-shaped error body."""
+    error = body["error"]
     return GatewayError(400, error["message"], code=error["code"], error_type=error["type"])
 
 

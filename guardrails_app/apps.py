@@ -11,6 +11,7 @@ class GuardrailsAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        # Policies and patterns are changed by people and API clients: every change is audited.
-        for name in ("FloorPolicy", "TenantPolicy", "KeyPolicy", "TenantPattern"):
+        # Policies, patterns and guard models are changed by people and API clients: every
+        # change is audited.
+        for name in ("FloorPolicy", "TenantPolicy", "KeyPolicy", "TenantPattern", "GuardModel"):
             track(self.get_model(name), ignore=["updated_at"])

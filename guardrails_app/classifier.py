@@ -10,13 +10,15 @@ without structured output, an error body). `decide()` turns a verdict, or none w
 policy's timeout, into the request's fate: a blocking verdict blocks (the same OpenAI 400 as a
 detector's block, category `CLASSIFIER`), no verdict blocks only when the policy fails closed.
 
-Not wired yet: the gateway's call to the guard deployment (its own timeout, metered to the
-tenant whose request it judged) and the policy fields that choose a guard model; see
+The gateway's side (`gateway_app.app.GatewayApp._classify`): a policy's `Classifier` names
+the guard deployment (a deployment marked with `guardrails_app.models.GuardModel`), the wait and
+fail-open/closed; the call is metered to the tenant whose request it judged. See
 docs/guardrails.md.
 """
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +44,15 @@ class GuardModel:
         if self.template.count("{prompt}") != 1:
             raise ClassifierError("the template names {prompt} exactly once")
         try:
-            self.template.format(prompt="")
-        except (KeyError, IndexError, ValueError) as exc:
+            fields = [(name, spec, conversion) for _, name, spec, conversion
+                      in string.Formatter().parse(self.template) if name is not None]
+        except ValueError as exc:
             raise ClassifierError(f"the template has other fields than {{prompt}}: {exc}"
                                   ) from None
+        if fields != [("prompt", "", None)]:
+            # Another field, or a format spec ({prompt:>999999999} would build a huge string).
+            raise ClassifierError("the template has other fields than {prompt} (write a "
+                                  "literal brace as {{ or }})")
         if len(set(self.verdicts)) < 2 or any(not v.strip() for v in self.verdicts):
             raise ClassifierError("at least two distinct, non-empty verdicts")
         if not self.blocking or not self.blocking <= set(self.verdicts):
@@ -97,11 +104,12 @@ class Decision:
     failed_open: bool = False
 
 
-def decide(guard: GuardModel, verdict: str | None, *, fail_open: bool) -> Decision:
-    """The request's fate from the guard model's verdict (None: it timed out or answered
-    nothing usable): a blocking verdict blocks; no verdict blocks unless the policy fails
-    open."""
-    if verdict is None:
+def decide(guard: GuardModel | None, verdict: str | None, *, fail_open: bool) -> Decision:
+    """The request's fate from the guard model's verdict (None: it timed out, answered
+    nothing usable, or no guard model could be asked, `guard` None): a blocking verdict
+    blocks; no verdict blocks unless the policy fails open."""
+    if verdict is None or guard is None:
+        verdict = None
         if fail_open:
             return Decision(None, None, failed_open=True)
         return Decision(None, blocked_error(CATEGORY))

@@ -17,7 +17,9 @@ Presidio: the built-in recognizers are Presidio `PatternRecognizer`s
 format), IP addresses and card numbers (Luhn). The request path does not call Presidio's
 `AnalyzerEngine` (about 2.5 ms for 800 characters with one recognizer, measured here: more than
 a whole policy costs), but `analyzer()` builds one over the same recognizers, with Presidio's
-`NoOpNlpEngine`, so that no spaCy model is needed or downloaded; the policy test bench uses it.
+`NoOpNlpEngine` under a small tokenizer (`TokenizingNlpEngine`), so that no spaCy model is needed
+or downloaded, and per-language context words (`CONTEXT_WORDS`, English and Chinese) for
+Presidio's context enhancement.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import phonenumbers
 import re2
 import tldextract
 from presidio_analyzer import (
+    AnalysisExplanation,
     AnalyzerEngine,
     Pattern,
     PatternRecognizer,
@@ -43,6 +46,7 @@ from presidio_analyzer.predefined_recognizers import (
     IbanRecognizer,
     IpRecognizer,
 )
+from spacy.tokens import Doc
 
 from guardrails_app.checksums import resident_id_valid, uscc_valid
 from guardrails_app.shapes import OpenTest, ShapeError, analyse
@@ -508,22 +512,67 @@ def deny_list(name: str, terms: Iterable[str], *, category: str = "DENYLIST") ->
 
 # Presidio --------------------------------------------------------------------------------------
 
-class DetectorRecognizer(PatternRecognizer):
-    """A detector as a Presidio pattern recognizer: its pattern and validation, run by the
-    detector itself so that Presidio's analyzer finds exactly what the gateway finds."""
+# Context words per detector and language: the words that, a few words before a match,
+# support it (Presidio's context enhancement). Chinese words are written as they appear in
+# text; the tokenizer below keeps a run of Han characters as one token, and Presidio's
+# substring matching finds a context word inside it ("我的手机号是" holds 手机).
+CONTEXT_WORDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "cn_mobile": {"en": ("phone", "mobile", "cell", "tel", "call", "contact", "number"),
+                  "zh": ("手机", "电话", "号码", "联系", "致电", "微信")},
+    "phone": {"en": ("phone", "telephone", "tel", "call", "fax", "mobile"),
+              "zh": ("电话", "手机", "座机", "传真", "号码")},
+    "cn_resident_id": {"en": ("id", "identity", "resident", "citizen", "passport"),
+                       "zh": ("身份证", "证件", "公民身份", "身份号码")},
+    "bank_card": {"en": ("card", "credit", "debit", "visa", "mastercard", "bank"),
+                  "zh": ("银行卡", "信用卡", "借记卡", "卡号", "银行", "储蓄卡")},
+    "iban": {"en": ("iban", "account", "bank", "transfer"),
+             "zh": ("账户", "账号", "银行", "转账", "汇款")},
+    "cn_uscc": {"en": ("credit", "company", "registration", "business", "license"),
+                "zh": ("统一社会信用代码", "信用代码", "营业执照", "企业", "公司")},
+    "email": {"en": ("email", "e-mail", "mail", "contact"),
+              "zh": ("邮箱", "电子邮件", "邮件", "电邮")},
+    "ip_address": {"en": ("ip", "address", "server", "host"),
+                   "zh": ("地址", "服务器", "主机")},
+    "api_key": {"en": ("key", "token", "secret", "api"), "zh": ("密钥", "秘钥", "令牌")},
+    "private_key": {"en": ("key", "private", "ssh", "pem"), "zh": ("私钥", "密钥")},
+}
+LANGUAGES = ("en", "zh")
+# A validated match scores this in the analyzer without a supporting context word; one raises
+# it by Presidio's context similarity factor (0.35). The gateway counts every validated match
+# whatever its score: the scores are for people reading the analyzer's results.
+VALIDATED_SCORE = 0.6
 
-    def __init__(self, detector: Detector) -> None:
+
+def context_words(name: str, language: str) -> list[str]:
+    """A detector's context words for `language`: its own, then the English ones (mixed
+    text is common); none for other languages' unknown detectors."""
+    words = CONTEXT_WORDS.get(name, {})
+    found = list(words.get(language, ()))
+    if language != "en":
+        found += [w for w in words.get("en", ()) if w not in found]
+    return found
+
+
+class DetectorRecognizer(PatternRecognizer):
+    """A detector as a Presidio pattern recognizer for one language: its pattern and
+    validation, run by the detector itself so that Presidio's analyzer finds exactly what the
+    gateway finds, and its context words in that language."""
+
+    def __init__(self, detector: Detector, language: str = "en") -> None:
         try:
             patterns = [Pattern(detector.name, detector.pattern, 1.0)]
         except ValueError:  # RE2 syntax that Python's `regex` does not read
             patterns = [Pattern(detector.name, r"(?!x)x", 1.0)]
+        context = context_words(detector.name, language)
         super().__init__(
             supported_entity=detector.category,
             name=detector.name,
             patterns=patterns,
-            supported_language="en",
+            supported_language=language,
+            context=context,
         )
         self.detector = detector
+        self.score = VALIDATED_SCORE if context else 1.0
 
     def validate_result(self, pattern_text: str) -> bool:
         return self.detector.validate(pattern_text)
@@ -537,7 +586,10 @@ class DetectorRecognizer(PatternRecognizer):
     ) -> list[RecognizerResult]:
         return [
             RecognizerResult(
-                entity_type=self.detector.category, start=start, end=end, score=1.0,
+                entity_type=self.detector.category, start=start, end=end, score=self.score,
+                analysis_explanation=AnalysisExplanation(
+                    recognizer=self.detector.name, original_score=self.score,
+                    validation_result=True),
                 recognition_metadata={
                     RecognizerResult.RECOGNIZER_NAME_KEY: self.detector.name,
                     RecognizerResult.RECOGNIZER_IDENTIFIER_KEY: self.id,
@@ -547,15 +599,43 @@ class DetectorRecognizer(PatternRecognizer):
         ]
 
 
-def analyzer(detectors: Mapping[str, Detector] | None = None) -> AnalyzerEngine:
-    """A Presidio AnalyzerEngine over the detectors (the built-in ones by default) that needs
-    no NLP model: Presidio's `NoOpNlpEngine` stands in for spaCy, so nothing is downloaded."""
-    nlp_engine = NoOpNlpEngine(models=[{"lang_code": "en", "model_name": "none"}])
+# Words (Latin letters), digit runs, runs of Han characters, and any other single character.
+_TOKENS = re2.compile(r"[A-Za-z][A-Za-z'-]*|[0-9]+|[\p{Han}]+|[^\s]")
+
+
+class TokenizingNlpEngine(NoOpNlpEngine):
+    """Presidio's `NoOpNlpEngine` (no spaCy model, nothing downloaded) with tokens: a simple
+    tokenizer (`_TOKENS`, lower-cased as lemmas) so that the context enhancer sees the words
+    before a match, in English and in Chinese. No named entities, no stop words."""
+
+    def process_text(self, text: str, language: str) -> NlpArtifacts:
+        self._validate_string(text, "text")
+        self._validate_loaded_language(language)
+        found = [(m.start(), m.group()) for m in _TOKENS.finditer(text)]
+        return NlpArtifacts(
+            entities=[],
+            tokens=Doc(self._vocab, words=[t for _, t in found]),
+            tokens_indices=[start for start, _ in found],
+            lemmas=[t.lower() for _, t in found],
+            nlp_engine=self,
+            language=language,
+            scores=[],
+        )
+
+
+def analyzer(detectors: Mapping[str, Detector] | None = None,
+             languages: Sequence[str] = LANGUAGES) -> AnalyzerEngine:
+    """A Presidio AnalyzerEngine over the detectors (the built-in ones by default), one
+    recognizer per detector and language with that language's context words, that needs no NLP
+    model: `TokenizingNlpEngine` stands in for spaCy, so nothing is downloaded."""
+    nlp_engine = TokenizingNlpEngine(
+        models=[{"lang_code": lang, "model_name": "none"} for lang in languages])
     nlp_engine.load()
     chosen = builtin() if detectors is None else detectors
     registry = RecognizerRegistry(
-        recognizers=[DetectorRecognizer(d) for d in chosen.values()], supported_languages=["en"]
+        recognizers=[DetectorRecognizer(d, lang) for lang in languages for d in chosen.values()],
+        supported_languages=list(languages),
     )
     engine: Any = AnalyzerEngine(registry=registry, nlp_engine=nlp_engine,
-                                 supported_languages=["en"])
+                                 supported_languages=list(languages))
     return engine  # type: ignore[no-any-return]

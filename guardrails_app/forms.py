@@ -16,8 +16,9 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from guardrails_app.detectors import Detector
-from guardrails_app.models import PolicyFields, TenantPattern
+from guardrails_app.models import CLASSIFIER_FIELDS, GuardModel, PolicyFields, TenantPattern
 from guardrails_app.policy import Direction, Policy
+from serving_app.models import Deployment
 
 OFF = ""
 RULE_CHOICES = [
@@ -45,9 +46,27 @@ class PolicyForm(forms.Form):
         help_text="The engine sees placeholders; the tenant's answer gets the original values "
                   "back (the mapping lives only for the request).")
 
+    classifier = forms.ModelChoiceField(
+        queryset=Deployment.objects.none(), required=False, label="Guard model",
+        empty_label="none", help_text="A deployment marked as a guard model judges each "
+        "request (after redaction) before the tenant's engine sees it.")
+    classifier_timeout_ms = forms.IntegerField(
+        min_value=1, max_value=60000, initial=1000, required=False,
+        label="Guard model timeout (ms)",
+        help_text="How long the gateway waits for the verdict.")
+    classifier_fail_open = forms.BooleanField(
+        required=False, label="Fail open",
+        help_text="Without a verdict in time, let the request through (otherwise it is "
+                  "refused).")
+    refuse_non_text = forms.BooleanField(
+        required=False, label="Refuse non-text content",
+        help_text="Chat messages with image, audio or file parts, which detectors and the "
+                  "guard model cannot read: refuse them (otherwise they pass unread).")
+
     def __init__(self, *args: Any, row: PolicyFields, detectors: dict[str, Detector],
                  above: Policy | None = None, disabled: bool = False, **kwargs: Any) -> None:
-        initial: dict[str, Any] = {"restore": row.restore}
+        initial: dict[str, Any] = {"restore": row.restore, "refuse_non_text": row.refuse_non_text,
+                                   **{name: getattr(row, name) for name in CLASSIFIER_FIELDS}}
         for direction in Direction:
             for name, rule in (getattr(row, direction.value) or {}).items():
                 initial[field_name(direction, name)] = str(rule)
@@ -65,6 +84,27 @@ class PolicyForm(forms.Form):
                     disabled=disabled,
                 )
         self.fields["restore"].disabled = disabled
+        classifier = self.fields["classifier"]
+        assert isinstance(classifier, forms.ModelChoiceField)
+        classifier.queryset = Deployment.objects.filter(
+            pk__in=GuardModel.objects.values("deployment_id")).order_by("name")
+        for name in (*CLASSIFIER_FIELDS, "refuse_non_text"):
+            self.fields[name].disabled = disabled
+        if above is not None and above.classifier is not None:
+            setting = above.classifier
+            name = Deployment.objects.filter(pk=setting.deployment).values_list(
+                "name", flat=True).first() or f"#{setting.deployment}"
+            classifier.empty_label = f"the level above's ({name})"
+            classifier.help_text = (
+                f"The level above uses guard model {name}, waiting {setting.timeout_ms} ms, "
+                f"failing {'open' if setting.fail_open else 'closed'}; name it here only to "
+                "wait longer or fail closed.")
+        if above is not None and above.refuse_non_text:
+            self.fields["refuse_non_text"].help_text = "Required by the level above."
+
+    def policy_fields(self) -> list[Any]:
+        """The settings below the detectors' table, in order."""
+        return [self[name] for name in ("restore", *CLASSIFIER_FIELDS, "refuse_non_text")]
 
     def rows(self) -> list[dict[str, Any]]:
         """The editor's table: each detector with its description and its two fields."""
@@ -83,14 +123,20 @@ class PolicyForm(forms.Form):
         """Validate through the model (`full_clean()`) and save; a refusal becomes the form's
         errors (on the detector it names) and raises ValidationError, changing nothing."""
         row = self.row
-        before = (row.input, row.output, row.restore)
+        names = ("input", "output", "restore", *CLASSIFIER_FIELDS, "refuse_non_text")
+        before = {name: getattr(row, name) for name in names}
         row.input = self.rules(Direction.INPUT)
         row.output = self.rules(Direction.OUTPUT)
-        row.restore = self.cleaned_data["restore"]
+        for name in ("restore", *CLASSIFIER_FIELDS, "refuse_non_text"):
+            setattr(row, name, self.cleaned_data[name])
+        if row.classifier_timeout_ms is None:
+            row.classifier_timeout_ms = PolicyFields._meta.get_field(
+                "classifier_timeout_ms").get_default()
         try:
             row.full_clean()
         except ValidationError as exc:
-            row.input, row.output, row.restore = before
+            for name, value in before.items():
+                setattr(row, name, value)
             self.add_model_errors(exc)
             raise
         row.save()
@@ -104,6 +150,8 @@ class PolicyForm(forms.Form):
                     key in (d.value for d in Direction) and named) else None
                 if target in self.fields:
                     self.add_error(target, message)
+                elif key in self.fields:
+                    self.add_error(key, message)
                 else:
                     self.add_error(None, f"{key}: {message}" if key != "__all__" else message)
 
@@ -146,3 +194,32 @@ class BenchForm(forms.Form):
     text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), max_length=65536,
                            strip=False, label="Text",
                            help_text="Nothing is stored; findings are shown as offsets.")
+
+
+class GuardModelForm(forms.ModelForm[GuardModel]):
+    """Marking a deployment as a guard model (the console's guardrails page); verdicts one
+    per line. Validation is the model's `clean()` (the core's `GuardModel`)."""
+
+    verdicts = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), initial="safe\nunsafe",
+                               help_text="The answers it may give, one per line.")
+    blocking = forms.CharField(widget=forms.Textarea(attrs={"rows": 1}), initial="unsafe",
+                               help_text="The verdicts that block a request, one per line.")
+
+    class Meta:
+        model = GuardModel
+        fields = ["deployment", "template", "max_tokens"]
+        widgets = {"template": forms.Textarea(attrs={"rows": 4})}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        deployment = self.fields["deployment"]
+        assert isinstance(deployment, forms.ModelChoiceField)
+        deployment.queryset = Deployment.objects.filter(guard_model__isnull=True).order_by(
+            "name")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        for name in ("verdicts", "blocking"):
+            lines = [line.strip() for line in (data.get(name) or "").splitlines()]
+            setattr(self.instance, name, [line for line in lines if line])
+        return data

@@ -14,18 +14,103 @@ pattern RE2 refuses is a field error with RE2's reason.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from guardrails_app import classifier
 from guardrails_app.detectors import Detector, DetectorError, builtin, deny_list, tenant_pattern
-from guardrails_app.policy import Direction, Policy, PolicyError, Vault, effective
+from guardrails_app.policy import Classifier, Direction, Policy, PolicyError, Vault, effective
+from serving_app.models import Deployment
 from tenants_app.models import ApiKey, Tenant, TenantOwnedQuerySet
 
 RULES_HELP = ('Detector name -> rule: "block", "redact", "redact:mask", "redact:hash" or '
               '"detect", e.g. {"email": "redact", "api_key": "block"}.')
+
+
+def default_verdicts() -> list[str]:
+    return list(classifier.LLAMA_GUARD.verdicts)
+
+
+def default_blocking() -> list[str]:
+    return sorted(classifier.LLAMA_GUARD.blocking)
+
+
+class GuardModelQuerySet(models.QuerySet["GuardModel"]):
+    def for_user(self, user: Any) -> GuardModelQuerySet:
+        """Every signed-in user may see which guard models there are (a tenant's policy may
+        name one); only platform admins change them."""
+        return self.all() if user.is_authenticated else self.none()
+
+
+class GuardModel(models.Model):
+    """A deployment marked as a guard model (Llama Guard / Qwen3Guard style): how the gateway
+    asks it for a verdict on a request's input (`template`, `{prompt}` once) and which of its
+    `verdicts` block. Structured output limits the engine's answer to the verdicts
+    (`guardrails_app.classifier`). Platform admins mark deployments; policies name them."""
+
+    deployment = models.OneToOneField(Deployment, on_delete=models.CASCADE,
+                                      related_name="guard_model")
+    template = models.TextField(
+        default=classifier.LLAMA_GUARD.template,
+        help_text="The guard model's prompt; {prompt} (once) is the text judged.")
+    verdicts = models.JSONField(default=default_verdicts,
+                                help_text='The answers it may give, e.g. ["safe", "unsafe"].')
+    blocking = models.JSONField(default=default_blocking,
+                                help_text='The verdicts that block a request, e.g. ["unsafe"].')
+    max_tokens = models.PositiveSmallIntegerField(
+        default=16, validators=[MinValueValidator(1), MaxValueValidator(256)],
+        help_text="Tokens the verdict may take (structured output stops at the verdict).")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = GuardModelQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["deployment_id"]
+
+    def __str__(self) -> str:
+        return self.deployment.name if self.deployment_id else "guard model"
+
+    def named_by(self) -> list[str]:
+        """The policies that name this guard model (it cannot be unmarked while any does: a
+        policy failing closed would refuse every request)."""
+        found = []
+        for model in (FloorPolicy, TenantPolicy, KeyPolicy):
+            found += [f"{model._meta.verbose_name} {row}" for row in
+                      model.objects.filter(classifier_id=self.deployment_id)]
+        return found
+
+    def core(self) -> classifier.GuardModel:
+        """The core's `GuardModel` (raises `ClassifierError` when it cannot work)."""
+        return classifier.GuardModel(
+            template=self.template,
+            verdicts=tuple(str(v) for v in self.verdicts or ()),
+            blocking=frozenset(str(v) for v in self.blocking or ()),
+            max_tokens=self.max_tokens)
+
+    def clean(self) -> None:
+        super().clean()
+        for name in ("verdicts", "blocking"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValidationError({name: "A list of strings."})
+        if "\x00" in self.template or "\\u0000" in json.dumps([self.verdicts, self.blocking]):
+            # PostgreSQL's text and jsonb cannot hold it (and no one means it).
+            raise ValidationError("A NUL character is not allowed.")
+        try:
+            self.core()
+        except classifier.ClassifierError as exc:
+            message = str(exc)
+            field = "template" if "template" in message else (
+                "blocking" if "blocking" in message or "let a request" in message
+                else "verdicts")
+            raise ValidationError({field: message}) from None
+
+
+CLASSIFIER_FIELDS = ("classifier", "classifier_timeout_ms", "classifier_fail_open")
 
 
 class PolicyFields(models.Model):
@@ -37,6 +122,23 @@ class PolicyFields(models.Model):
         default=True,
         help_text="Put the tenant's values back in place of input placeholders in the answer.",
     )
+    classifier = models.ForeignKey(
+        Deployment, on_delete=models.PROTECT, null=True, blank=True, related_name="+",
+        verbose_name="guard model",
+        help_text="A deployment marked as a guard model judges each request before the "
+                  "tenant's engine sees it (empty: the level above's, if any).")
+    classifier_timeout_ms = models.PositiveIntegerField(
+        default=1000, validators=[MinValueValidator(1), MaxValueValidator(60000)],
+        verbose_name="guard model timeout (ms)",
+        help_text="How long the gateway waits for the verdict.")
+    classifier_fail_open = models.BooleanField(
+        default=False, verbose_name="fail open",
+        help_text="Without a verdict in time, let the request through (otherwise it is "
+                  "refused).")
+    refuse_non_text = models.BooleanField(
+        default=False, verbose_name="refuse non-text content",
+        help_text="Refuse chat messages with image, audio or file parts, which detectors and "
+                  "the guard model cannot read (otherwise they pass unread).")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -45,8 +147,36 @@ class PolicyFields(models.Model):
     level = "tenant"
 
     def policy(self) -> Policy:
-        return Policy.from_dict({"name": str(self), "input": self.input or {},
-                                 "output": self.output or {}, "restore": self.restore})
+        return Policy(
+            name=str(self),
+            input=Policy.from_dict({"input": self.input or {}}).input,
+            output=Policy.from_dict({"output": self.output or {}}).output,
+            restore=self.restore,
+            classifier=(Classifier(self.classifier_id, self.classifier_timeout_ms,
+                                   self.classifier_fail_open)
+                        if self.classifier_id else None),
+            refuse_non_text=self.refuse_non_text)
+
+    def _clean_classifier(self, errors: dict[str, list[str]]) -> None:
+        """The guard deployment is marked as one; the classifier does not weaken the level
+        above's (another guard deployment, a shorter wait, failing open)."""
+        if not self.classifier_id:
+            return
+        if not GuardModel.objects.filter(deployment_id=self.classifier_id).exists():
+            errors["classifier"] = ["This deployment is not marked as a guard model."]
+            return
+        above = self.above()
+        if above is None or above.classifier is None:
+            return
+        mine = Classifier(self.classifier_id, self.classifier_timeout_ms or 0,
+                          self.classifier_fail_open)
+        why = above.classifier.weakened_by(mine)
+        if why is None:
+            return
+        field = ("classifier" if mine.deployment != above.classifier.deployment else
+                 "classifier_timeout_ms" if mine.timeout_ms < above.classifier.timeout_ms else
+                 "classifier_fail_open")
+        errors[field] = [f"The {self.level} policy weakens the classifier: {why}."]
 
     def above(self) -> Policy | None:
         """The policy of the level above (None for the floor)."""
@@ -73,6 +203,7 @@ class PolicyFields(models.Model):
                     only.tightened_by(mine, level=self.level)
             except (PolicyError, DetectorError) as exc:
                 errors[direction.value] = [str(exc)]
+        self._clean_classifier(errors)
         if errors:
             raise ValidationError(errors)
 
@@ -261,8 +392,14 @@ def resolve(floor: Policy, tenant: Policy | None = None, key: Policy | None = No
                 name: str(rule) for name, rule in level.rules(direction).items()
                 if name not in above or rule.strength >= above[name].strength
             }
+        classifier_above = policy.classifier
         policy = effective(policy, Policy.from_dict({**kept, "name": level.name,
-                                                      "restore": level.restore}))
+                                                      "restore": level.restore,
+                                                      "refuse_non_text": level.refuse_non_text}))
+        if classifier_above is not None:
+            policy = replace(policy, classifier=classifier_above.merged(level.classifier))
+        elif level.classifier is not None:
+            policy = replace(policy, classifier=level.classifier)
     return policy
 
 

@@ -97,6 +97,59 @@ class Rule:
 Rules = Mapping[str, Rule]
 
 
+@dataclass(frozen=True)
+class Classifier:
+    """A policy's classifier stage: the guard deployment that judges each request's input
+    before it reaches the tenant's engine (`classifier.GuardModel` says how to ask it), how
+    long the gateway waits for its verdict, and what happens without one in time.
+
+    Stricter only, like the rules: a level below may add a classifier where the level above
+    has none, but not name another guard deployment, shorten the wait (fewer requests
+    judged) or turn failing closed into failing open."""
+
+    deployment: int
+    timeout_ms: int = 1000
+    fail_open: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Classifier | None:
+        if not data:
+            return None
+        try:
+            deployment, timeout = int(data["deployment"]), int(data.get("timeout_ms", 1000))
+        except (KeyError, TypeError, ValueError):
+            raise PolicyError("a classifier names its guard `deployment` (an id) and "
+                              "`timeout_ms`") from None
+        if timeout <= 0:
+            raise PolicyError("the classifier's timeout_ms is positive")
+        return cls(deployment, timeout, bool(data.get("fail_open", False)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"deployment": self.deployment, "timeout_ms": self.timeout_ms,
+                "fail_open": self.fail_open}
+
+    def weakened_by(self, other: Classifier) -> str | None:
+        """Why `other` (a level below) would weaken this one, or None."""
+        if other.deployment != self.deployment:
+            return (f"the level above requires guard deployment #{self.deployment}, it names "
+                    f"#{other.deployment}")
+        if other.timeout_ms < self.timeout_ms:
+            return (f"the level above waits {self.timeout_ms} ms for a verdict, it says "
+                    f"{other.timeout_ms} ms")
+        if other.fail_open and not self.fail_open:
+            return "the level above fails closed, it says fail open"
+        return None
+
+    def merged(self, other: Classifier | None) -> Classifier:
+        """The stronger of the two, setting by setting (the level above's guard deployment)."""
+        if other is None:
+            return self
+        if other.deployment != self.deployment:
+            return self
+        return Classifier(self.deployment, max(self.timeout_ms, other.timeout_ms),
+                          self.fail_open and other.fail_open)
+
+
 def _rules(values: Mapping[str, str | Rule] | None) -> dict[str, Rule]:
     return {name: Rule.parse(value) for name, value in (values or {}).items()}
 
@@ -109,11 +162,18 @@ class Policy:
     input: Rules = field(default_factory=dict)
     output: Rules = field(default_factory=dict)
     restore: bool = True  # the answer gets input placeholders' original values back
+    classifier: Classifier | None = None  # the guard model stage, before the tenant's engine
+    # Chat content parts that are not text (images, audio, files): detectors cannot read them,
+    # so a policy either lets them through unread or refuses the request (stricter).
+    refuse_non_text: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
-        """`{"name": ..., "input": {"email": "redact"}, "output": {...}, "restore": true}`."""
-        unknown = set(data) - {"name", "input", "output", "restore"}
+        """`{"name": ..., "input": {"email": "redact"}, "output": {...}, "restore": true,
+        "classifier": {"deployment": 7, "timeout_ms": 500, "fail_open": false},
+        "refuse_non_text": false}`."""
+        unknown = set(data) - {"name", "input", "output", "restore", "classifier",
+                               "refuse_non_text"}
         if unknown:
             raise PolicyError(f"unknown policy fields: {', '.join(sorted(unknown))}")
         return cls(
@@ -121,15 +181,27 @@ class Policy:
             input=_rules(data.get("input")),
             output=_rules(data.get("output")),
             restore=bool(data.get("restore", True)),
+            classifier=Classifier.from_dict(data.get("classifier")),
+            refuse_non_text=bool(data.get("refuse_non_text", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "name": self.name,
             "input": {k: str(v) for k, v in self.input.items()},
             "output": {k: str(v) for k, v in self.output.items()},
             "restore": self.restore,
         }
+        if self.classifier is not None:
+            data["classifier"] = self.classifier.to_dict()
+        if self.refuse_non_text:
+            data["refuse_non_text"] = True
+        return data
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to do on any request: no rule, no classifier, non-text parts allowed."""
+        return not (self.input or self.output or self.classifier or self.refuse_non_text)
 
     def rules(self, direction: Direction) -> Rules:
         return self.input if direction is Direction.INPUT else self.output
@@ -149,11 +221,20 @@ class Policy:
                     )
                 out[name] = rule
             merged[direction] = out
+        classifier = self.classifier or other.classifier
+        if self.classifier is not None and other.classifier is not None:
+            why = self.classifier.weakened_by(other.classifier)
+            if why is not None:
+                raise PolicyError(f"the {level} policy{_named(other)} weakens the classifier: "
+                                  f"{why}")
+            classifier = other.classifier
         return Policy(
             name=other.name or self.name,
             input=merged[Direction.INPUT],
             output=merged[Direction.OUTPUT],
             restore=self.restore and other.restore,
+            classifier=classifier,
+            refuse_non_text=self.refuse_non_text or other.refuse_non_text,
         )
 
     def compile(self, detectors: Mapping[str, Detector]) -> Guard:

@@ -142,6 +142,24 @@ BREAKAGES = (
         ("tests/guardrails/test_models.py::test_a_tenant_policy_that_weakens_the_floor_is_a_field_error_naming_the_detector",),
     ),
     Breakage(
+        # The gateway asks the guard model but ignores its verdict: every request is admitted.
+        "classifier-verdict-ignored",
+        "gateway_app/app.py",
+        "        if decision.blocked is not None:\n            raise refusal(decision.blocked)\n",
+        "        if decision.blocked is not None:\n            pass\n",
+        ("tests/guardrails/test_gateway.py::test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed",),
+        engine=True,
+    ),
+    Breakage(
+        # A tenant's classifier is not checked against the floor's: it may fail open where the
+        # floor fails closed, or name another guard model.
+        "tenant-classifier-may-weaken-the-floor",
+        "guardrails_app/models.py",
+        "        why = above.classifier.weakened_by(mine)\n",
+        "        why = None\n",
+        ("tests/guardrails/test_classifier_policy.py::test_a_tenant_cannot_weaken_the_floors_classifier",),
+    ),
+    Breakage(
         "portal-panel-all-tenants",
         "serving_app/metering/panels.py",
         "    series = queries.latency_series(trange, tenants, model)\n"

@@ -8,11 +8,40 @@ from typing import Any
 
 from rest_framework import serializers
 
-from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
+from guardrails_app.models import FloorPolicy, GuardModel, KeyPolicy, TenantPattern, TenantPolicy
+from serving_app.models import Deployment
 from tenants_app.api.base import ScopedPrimaryKeyField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import ApiKey, Tenant
 
-POLICY_FIELDS = ["input", "output", "restore", "updated_at"]
+POLICY_FIELDS = ["input", "output", "restore", "classifier", "classifier_timeout_ms",
+                 "classifier_fail_open", "refuse_non_text", "updated_at"]
+
+
+class GuardDeploymentField(serializers.PrimaryKeyRelatedField[Deployment]):
+    """A policy's guard deployment: the id of a deployment marked as a guard model (any
+    other id, a tenant's private deployment's included, reads as not one)."""
+
+    default_error_messages = {
+        "does_not_exist": "Deployment {pk_value} is not marked as a guard model "
+                          "(see /api/v1/guard-models/).",
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(queryset=Deployment.objects.filter(guard_model__isnull=False),
+                         allow_null=True, required=False, **kwargs)
+
+
+class GuardModelSerializer(ValidatedModelSerializer[GuardModel]):
+    """A deployment marked as a guard model; its template, verdicts and blocking verdicts are
+    checked by the model's `clean()` (the core's `GuardModel`)."""
+
+    name = serializers.CharField(source="deployment.name", read_only=True)
+
+    class Meta:
+        model = GuardModel
+        fields = ["id", "deployment", "name", "template", "verdicts", "blocking", "max_tokens",
+                  "updated_at"]
+        read_only_fields = ["id", "updated_at"]
 
 
 def stays(instance: Any, attrs: dict[str, Any], field: str) -> None:
@@ -22,6 +51,7 @@ def stays(instance: Any, attrs: dict[str, Any], field: str) -> None:
 
 
 class FloorPolicySerializer(ValidatedModelSerializer[FloorPolicy]):
+    classifier = GuardDeploymentField()
     class Meta:
         model = FloorPolicy
         fields = ["id", *POLICY_FIELDS]
@@ -29,6 +59,7 @@ class FloorPolicySerializer(ValidatedModelSerializer[FloorPolicy]):
 
 
 class TenantPolicySerializer(ValidatedModelSerializer[TenantPolicy]):
+    classifier = GuardDeploymentField()
     tenant = TenantSlugField()
 
     class Meta:
@@ -42,6 +73,7 @@ class TenantPolicySerializer(ValidatedModelSerializer[TenantPolicy]):
 
 
 class KeyPolicySerializer(ValidatedModelSerializer[KeyPolicy]):
+    classifier = GuardDeploymentField()
     api_key = ScopedPrimaryKeyField(queryset=ApiKey.objects.none())
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
         slug_field="slug", read_only=True)

@@ -9,6 +9,7 @@ from typing import Any
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -16,11 +17,19 @@ from guardrails_app.api.serializers import (
     BenchResultSerializer,
     BenchSerializer,
     FloorPolicySerializer,
+    GuardModelSerializer,
     KeyPolicySerializer,
     TenantPatternSerializer,
     TenantPolicySerializer,
 )
-from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy, bench
+from guardrails_app.models import (
+    FloorPolicy,
+    GuardModel,
+    KeyPolicy,
+    TenantPattern,
+    TenantPolicy,
+    bench,
+)
 from guardrails_app.policy import Direction
 from tenants_app.api.base import IsStaff, ScopedModelViewSet
 from tenants_app.models import Tenant
@@ -34,6 +43,25 @@ class FloorPolicyViewSet(ScopedModelViewSet[FloorPolicy]):
     resource_names = ("guardrail floor", "guardrail floors")
     serializer_class = FloorPolicySerializer
     permission_classes = [IsStaff]
+
+
+class GuardModelViewSet(ScopedModelViewSet[GuardModel]):
+    """Deployments marked as guard models (the classifier stage): every signed-in user may list
+    them (a tenant's policy may name one); platform admins mark and change them."""
+
+    queryset = GuardModel.objects.all()
+    resource_names = ("guard model", "guard models")
+    serializer_class = GuardModelSerializer
+
+    def safely_get_queryset(self, queryset: QuerySet[GuardModel]) -> QuerySet[GuardModel]:
+        return queryset.select_related("deployment")
+
+    def perform_destroy(self, instance: GuardModel) -> None:
+        named = instance.named_by()
+        if named:
+            raise ValidationError({"deployment": f"Named by {', '.join(named)}: change those "
+                                                 "policies first."})
+        instance.delete()
 
 
 class TenantPolicyViewSet(ScopedModelViewSet[TenantPolicy]):

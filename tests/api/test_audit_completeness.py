@@ -48,7 +48,7 @@ from alerts_app.models import (
 )
 from audit_app import recording
 from audit_app.models import AuditLog
-from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
+from guardrails_app.models import FloorPolicy, GuardModel, KeyPolicy, TenantPattern, TenantPolicy
 from serving_app.artifacts import sources
 from serving_app.models import (
     AdapterFileRemoval,
@@ -261,6 +261,12 @@ ADMIN_CASES: dict[str, AdminCase] = {
                        "kind": "pattern", "pattern": "X-[0-9]{2}", "terms": "[]",
                        "category": "CUSTOM"},
         change=lambda w: {"category": "TICKET"}, changed=("category",)),
+    "guardrails_app.GuardModel": AdminCase(
+        make=lambda w: GuardModel.objects.create(
+            deployment=make_deployment(w.base, [w.acme.tenant])),
+        add=lambda w: {"deployment": str(make_deployment(w.base, [w.acme.tenant]).pk),
+                       "template": "{prompt}"},
+        change=lambda w: {"max_tokens": "8"}, changed=("max_tokens",)),
     "auth.Group": AdminCase(
         make=lambda w: Group.objects.create(name=f"group{w.n()}"),
         add=lambda w: {"name": f"group{w.n()}"},
@@ -684,6 +690,9 @@ RESOURCES = [
     Resource("guardrail-patterns", TenantPattern, _owner,
              lambda w: {"tenant": "acme", "name": f"p{w.n()}", "pattern": "TCK-[0-9]{4}"},
              lambda w: {"category": "TICKET"}),
+    Resource("guard-models", GuardModel, _staff,
+             lambda w: {"deployment": make_deployment(w.base, [w.acme.tenant]).pk},
+             lambda w: {"max_tokens": 8}),
     Resource("deployments", Deployment, _staff,
              lambda w: {"name": f"dep{w.n()}", "base_model": w.base.name, "tenants": ["acme"]},
              lambda w: {"max_num_seqs": 9, "tenants": ["acme", "globex"]}),

@@ -66,3 +66,13 @@ def test_no_verdict_in_time_fails_open_or_closed_as_the_policy_says():
 def test_a_guard_model_that_cannot_work_is_refused(fields, message):
     with pytest.raises(ClassifierError, match=message):
         GuardModel(**fields)
+
+
+def test_a_template_field_with_a_format_spec_is_refused():
+    """`{prompt:>999999999}` beside `{prompt}` would build a gigabyte string per request."""
+    with pytest.raises(ClassifierError, match="other fields"):
+        GuardModel(template="{prompt}{prompt:>999999999}")
+    with pytest.raises(ClassifierError, match="other fields"):
+        GuardModel(template="{prompt!r} and {prompt}")
+    assert GuardModel(template="{{literal}} {prompt}").request("g", "x")["messages"][0][
+        "content"] == "{literal} x"

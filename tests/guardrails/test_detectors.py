@@ -7,10 +7,12 @@ import datetime
 import time
 
 import pytest
+from presidio_analyzer.nlp_engine import NoOpNlpEngine
 
 from guardrails_app.checksums import resident_id_valid, uscc_valid
 from guardrails_app.detectors import (
     TENANT_MAX_LEN,
+    VALIDATED_SCORE,
     DetectorError,
     Prefilter,
     analyzer,
@@ -176,8 +178,39 @@ def test_prefilter_skips_detectors_without_candidates():
 
 def test_presidio_analyzer_needs_no_nlp_model_and_finds_what_the_detectors_find():
     engine = analyzer()
-    assert type(engine.nlp_engine).__name__ == "NoOpNlpEngine"
+    assert isinstance(engine.nlp_engine, NoOpNlpEngine)  # no spaCy model: nothing downloaded
     text = "Call 13812345678 or mail john.doe@example.com; card " + card("411111111111111")
     results = sorted((r.start, r.end, r.entity_type) for r in engine.analyze(text, language="en"))
     expected = sorted((s, e, d.category) for d in builtin().values() for s, e in d.find(text))
     assert results == expected and len(results) == 3
+
+
+@pytest.mark.parametrize(("text", "language", "word"), [
+    ("我的手机号是13812345678，请回电", "zh", "手机"),
+    ("联系电话：13812345678", "zh", "电话"),
+    ("please call 13812345678 tomorrow", "en", "call"),
+    ("退款请打到银行卡 {card} 上", "zh", "银行卡"),
+    ("身份证号码 {rid}", "zh", "身份证"),
+    ("my ID number is {rid}", "en", "id"),
+])
+def test_context_words_in_either_language_raise_presidios_score(text, language, word):
+    """Presidio's context enhancement over the detectors' per-language context words: a word
+    a few words before a validated match raises its score and is named in the explanation."""
+    text = text.format(card=card("622202100112345678"), rid=resident_id("110101", "19900307",
+                                                                        "451"))
+    engine = analyzer()
+    results = engine.analyze(text, language=language, return_decision_process=True)
+    assert len(results) == 1
+    assert results[0].analysis_explanation.supportive_context_word == word
+    assert results[0].score == pytest.approx(VALIDATED_SCORE + 0.35)
+
+
+def test_without_a_context_word_a_validated_match_keeps_its_base_score():
+    engine = analyzer()
+    for text, language in (("订单 13812345678 已发货", "zh"), ("order 13812345678 shipped", "en")):
+        (result,) = engine.analyze(text, language=language, return_decision_process=True)
+        assert result.score == VALIDATED_SCORE
+        assert not result.analysis_explanation.supportive_context_word
+    # Chinese context words belong to the Chinese recognizers only.
+    (english,) = engine.analyze("手机 13812345678", language="en")
+    assert english.score == VALIDATED_SCORE

@@ -9,8 +9,9 @@ import pytest
 from django.urls import reverse
 
 from audit_app.models import AuditLog
-from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
+from guardrails_app.models import FloorPolicy, GuardModel, KeyPolicy, TenantPattern, TenantPolicy
 from tenants_app.models import ApiKey
+from tests.factories import make_deployment
 from tests.guardrails.entities import resident_id
 
 pytestmark = pytest.mark.django_db
@@ -166,3 +167,39 @@ def test_a_key_narrows_the_tenant_policy_only(login, acme):
     row = KeyPolicy.objects.get(api_key=key)
     assert row.output == {"email": "block"} and row.tenant_id == acme.tenant.pk
     assert AuditLog.objects.filter(object_type="guardrails_app.KeyPolicy", via="portal").exists()
+
+
+def test_guard_models_are_marked_in_the_console_and_named_by_policies(login, acme,
+                                                                      platform_admin,
+                                                                      base_model):
+    """The console marks a deployment as a guard model (a template without {prompt} is a field
+    error), the floor names it, a tenant's editor cannot fail open where the floor fails closed
+    (a field error, nothing changes), and a guard model named by a policy cannot be unmarked."""
+    deployment = make_deployment(base_model, [], name="llama-guard")
+    admin = login(platform_admin)
+    assert login(acme.owner).post(reverse("console:guard-models"), {}).status_code == 403
+    bad = admin.post(reverse("console:guard-models"), {
+        "deployment": deployment.pk, "template": "no field", "max_tokens": 16,
+        "verdicts": "safe\nunsafe", "blocking": "unsafe"})
+    assert bad.status_code == 400 and "exactly once" in bad.content.decode()
+    made = admin.post(reverse("console:guard-models"), {
+        "deployment": deployment.pk, "template": "Judge: {prompt}", "max_tokens": 16,
+        "verdicts": "safe\nunsafe", "blocking": "unsafe"})
+    assert made.status_code == 302
+    guard = GuardModel.objects.get()
+    assert guard.verdicts == ["safe", "unsafe"] and guard.blocking == ["unsafe"]
+
+    floor = admin.post(reverse("console:guardrail-floor"), {
+        **policy_post({}), "classifier": deployment.pk, "classifier_timeout_ms": 700})
+    assert floor.status_code == 302
+    assert FloorPolicy.objects.get().classifier_id == deployment.pk
+    url = reverse("portal:guardrails", args=["acme"])
+    page = login(acme.owner).get(url).content.decode()
+    assert "llama-guard" in page and "700 ms" in page
+    weak = login(acme.owner).post(url, {**policy_post({}), "classifier": deployment.pk,
+                                        "classifier_timeout_ms": 700,
+                                        "classifier_fail_open": "on"})
+    assert weak.status_code == 400 and "weakens the classifier" in weak.content.decode()
+    assert not TenantPolicy.objects.exists()
+    kept = admin.post(reverse("console:guard-model-delete", args=[guard.pk]))
+    assert kept.status_code == 302 and GuardModel.objects.exists()

@@ -94,6 +94,10 @@ urlpatterns = [
          name="instance-metrics"),
     # guardrails
     path("guardrails/", guardrail_views.FloorPolicyView.as_view(), name="guardrail-floor"),
+    path("guardrails/guard-models/", guardrail_views.GuardModelsView.as_view(),
+         name="guard-models"),
+    path("guardrails/guard-models/<int:pk>/delete/", guardrail_views.GuardModelDeleteView.as_view(),
+         name="guard-model-delete"),
     # audit log and dashboards
     path("audit/", views.AuditLogView.as_view(), name="audit-log"),
     re_path(r"^dashboards/(?P<name>usage|latency|gpus)/$", views.DashboardView.as_view(),
