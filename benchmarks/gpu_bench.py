@@ -160,7 +160,8 @@ def setup(args: argparse.Namespace) -> None:
         ApiKey.objects.filter(tenant=tenant, name="gpu-bench").delete()
         keys[dep.slug] = ApiKey.objects.create_key(tenant=tenant, name="gpu-bench",
                                                    created_by=admin)[1]
-    deployments = {}
+    deployments: dict[str, dict[str, Any]] = {}
+    started = []
     for config in args.configs:
         name = f"bench-{config}"
         base = BaseModel.objects.filter(name=name).first() or BaseModel(name=name)
@@ -179,8 +180,9 @@ def setup(args: argparse.Namespace) -> None:
         deployment.tenants.set(Tenant.objects.filter(
             slug__in=[*DEPARTMENTS, STREAM_TENANT]))
         deployments[config] = {"id": deployment.pk, "model": name}
-    for config in args.configs:
-        Deployment.objects.get(pk=deployments[config]["id"]).start()
+        started.append(deployment)
+    for deployment in started:  # all at once, once every row exists
+        deployment.start()
     STATE.write_text(json.dumps({"keys": keys, "deployments": deployments}, indent=1))
     log(f"started {', '.join(deployments)}; `bench wait` follows them to ready")
 
