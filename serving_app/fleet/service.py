@@ -424,9 +424,8 @@ def placement_request(
 def _active_counts(nodes: Sequence[Node], exclude_deployment_id: Any = None) -> dict[int, int]:
     """Engines per node: active instances (their leaders) and the workers of active groups."""
     active = Instance.objects.active().filter(node__in=list(nodes))
-    workers = InstanceWorker.objects.filter(
-        node__in=list(nodes), instance__in=Instance.objects.active()
-    ).exclude(state=InstanceWorker.State.STOPPED)
+    workers = InstanceWorker.objects.filter(node__in=list(nodes),
+                                            instance__in=Instance.objects.active())
     if exclude_deployment_id is not None:
         active = active.exclude(deployment_id=exclude_deployment_id)
         workers = workers.exclude(instance__deployment_id=exclude_deployment_id)
