@@ -71,6 +71,10 @@ class AgentConfig:
     gpus: str  # declared inventory ("" = none: a CPU host), or "nvml"
     engine_python: str = ""  # the engines' interpreter ("" = <engine_env>/bin/python)
     engine_pythonpath: str = ""  # folders put first on the engines' PYTHONPATH
+    # With NVML: the GPUs this agent owns, by UUID (empty: every GPU of the host). NVML lists
+    # every GPU whatever CUDA_VISIBLE_DEVICES says, so two agents on one host (a node each,
+    # say, to run a multi-node group there) each name theirs.
+    gpu_uuids: tuple[str, ...] = ()
 
     @property
     def queue(self) -> str:
@@ -88,6 +92,8 @@ class AgentConfig:
             gpus=os.environ.get("NODE_GPUS", ""),
             engine_python=os.environ.get("NODE_ENGINE_PYTHON", ""),
             engine_pythonpath=os.environ.get("NODE_ENGINE_PYTHONPATH", ""),
+            gpu_uuids=tuple(u.strip() for u in os.environ.get("NODE_GPU_UUIDS", "").split(",")
+                            if u.strip()),
         )
 
 
@@ -120,12 +126,18 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
         gpus = []
         source = Node.InventorySource.DECLARED
     elif config.gpus == "nvml":
-        gpus = inventory.parse_snapshot(inventory.read_nvml())
+        gpus = only_owned(inventory.parse_snapshot(inventory.read_nvml()), config.gpu_uuids)
         source = Node.InventorySource.NVML
     else:
         gpus = inventory.declared_inventory(config.gpus, host=config.name)
         source = Node.InventorySource.DECLARED
     store_inventory(node, gpus, source)
+
+
+def only_owned(gpus: list[inventory.GpuInfo], uuids: Iterable[str]) -> list[inventory.GpuInfo]:
+    """The GPUs of `gpus` this agent owns: those of `uuids` (every one when empty)."""
+    owned = set(uuids)
+    return [g for g in gpus if not owned or g.uuid in owned]
 
 
 def record_versions(node_id: int, python: str, config: AgentConfig) -> dict[str, object]:

@@ -18,6 +18,7 @@ process environment (`VLLM_API_KEY`), which only its owner and root can read.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -159,6 +160,10 @@ def build_launch_spec(
     if cpu_engine:
         # The CPU engine sizes its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
+        local_ranks = engine.world_size // instance.nnodes
+        if local_ranks > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+                list(cpu_cores) or sorted(os.sched_getaffinity(0)), local_ranks)
         if settings.ENGINE_CPU_SCHEDULING == "idle":
             argv = [*CPU_IDLE_PREFIX, *argv]
     # What the placer decided (devices, MPS limits) wins over the defaults above; never a secret.
@@ -166,6 +171,19 @@ def build_launch_spec(
     env.update({k: str(v) for k, v in (placed or {}).items() if k not in SECRET_ENV_NAMES})
     return LaunchSpec(argv=argv, env=env, secret_env={"VLLM_API_KEY": instance.secret},
                       cpu_cores=cores)
+
+
+def omp_threads_bind(cores: list[int], ranks: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` CPU workers of one engine on `cores`: a share
+    of the cores each, "0-3|4-7". vLLM's own default binds each worker to a NUMA node and
+    refuses more local workers than the host has NUMA nodes: TP 2 on a one-node host exited
+    at start with "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"
+    (docs/gpu.md, "Tensor and pipeline parallel, and across nodes"). With fewer cores than
+    workers, nothing is bound."""
+    if len(cores) < ranks:
+        return "nobind"
+    size = len(cores) // ranks
+    return "|".join(cpulist_text(cores[i * size:(i + 1) * size]) for i in range(ranks))
 
 
 def group_arguments(instance: Instance, node_rank: int = 0) -> list[str]:

@@ -65,8 +65,10 @@ def test_a_group_across_two_agents_starts_restarts_and_stops_as_one(cluster, pla
     restarted = wait_for(lambda: ready(deployment, 1), START_TIMEOUT + 60,
                          "the group restarted and ready")
     assert restarted.pk == first.pk and restarted.pid != first.pid
-    failed = Event.objects.filter(kind=Kind.FAILED, instance_id=first.pk)
-    assert any("(node rank 1) failed" in str((e.data or {}).get("error")) for e in failed)
+    # Failed as a group (whichever agent saw it first: the worker's, or the leader's when the
+    # leader exited on losing its worker), then restarted once.
+    assert Event.objects.filter(kind=Kind.FAILED, instance_id=first.pk).exists()
+    assert Event.objects.filter(kind=Kind.RESTARTING, instance_id=first.pk).count() == 1
     again = restarted.workers.get()
     assert again.state == Worker.RUNNING and again.pid != worker.pid
     assert engine_sessions(first.secret) == {restarted.pid, again.pid}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from serving_app.engine.launch import omp_threads_bind
 from serving_app.placement.inventory import GIB
 from serving_app.placement.placer import GpuSlot, Node, PlacementRequest, Placer
 from serving_app.placement.planner import EngineSettings, plan_memory
@@ -135,3 +136,10 @@ def test_pipeline_requests_that_cannot_run_are_refused():
         "2 layers cannot make 3 pipeline stages")
     assert "MIG isolation needs tensor_parallel_size 1 and pipeline_parallel_size 1" in (
         placer.place(request(5, pipeline_parallel_size=2, isolation="mig")).reason or "")
+
+
+def test_cpu_workers_of_one_engine_share_its_cores():
+    assert omp_threads_bind([0, 1], 2) == "0|1"
+    assert omp_threads_bind(list(range(8)), 2) == "0-3|4-7"
+    assert omp_threads_bind([0, 1, 2, 3, 8, 9], 2) == "0-2|3,8-9"
+    assert omp_threads_bind([0], 2) == "nobind"

@@ -11,11 +11,12 @@ import pytest
 from django.utils import timezone
 
 from serving_app.deployments.reconcile import declare_lost_nodes
+from serving_app.engine.agent import only_owned
 from serving_app.engine.launch import HEADLESS_SERVE, build_launch_spec
 from serving_app.fleet import service
 from serving_app.models import Instance, InstanceWorker
 from tests.factories import make_base_model, make_deployment, make_tenant
-from tests.placement_db.placement_helpers import make_node
+from tests.placement_db.placement_helpers import h200_gpus, make_node
 
 pytestmark = pytest.mark.django_db
 
@@ -102,6 +103,24 @@ def test_cpu_hosts_take_one_rank_each_and_count_it_as_an_engine(model, tenant):
     other = make_deployment(model, [tenant])
     instances, reason = service.place_replicas(other, [0])
     assert instances == [] and reason.startswith("Every online node is full")
+
+
+def test_a_cpu_engine_of_several_ranks_on_one_host_binds_each_to_its_own_cores(model, tenant):
+    make_node("cpu-a")
+    deployment = make_deployment(model, [tenant], tensor_parallel_size=2)
+    (instance,), _ = service.place_replicas(deployment, [0])
+    instance.port = 18300
+    spec = build_launch_spec(instance, cpu_cores=[0, 1])
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "--nnodes" not in spec.argv
+
+
+def test_an_agent_given_gpu_uuids_owns_only_those():
+    # NVML lists every GPU of the host (the H200 read: one GPU); NODE_GPU_UUIDS keeps an agent's.
+    gpus = h200_gpus()
+    assert only_owned(gpus, ()) == gpus
+    assert only_owned(gpus, ("GPU-not-here",)) == []
+    assert only_owned(gpus, (gpus[0].uuid,)) == gpus[:1]
 
 
 def test_a_lost_worker_node_takes_its_group_out_of_service(model, tenant):
