@@ -19,6 +19,7 @@ from serving_app.models import (
     Deployment,
     Gpu,
     Instance,
+    InstanceWorker,
     LoraAdapter,
     Node,
 )
@@ -246,11 +247,25 @@ class NodeSerializer(ValidatedModelSerializer[Node]):
         derived_fields = ["cpu_binding"]  # as normalised by clean(): "0-3,8"
 
 
+class InstanceWorkerSerializer(serializers.ModelSerializer[InstanceWorker]):
+    """A multi-node instance's headless worker on another node (read only)."""
+
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+
+    class Meta:
+        model = InstanceWorker
+        fields = ["node_rank", "node", "gpus", "state", "pid", "last_error", "exit_code",
+                  "command", "state_changed_at"]
+        read_only_fields = fields
+
+
 class InstanceSerializer(serializers.ModelSerializer[Instance]):
     deployment: serializers.SlugRelatedField[Deployment] = serializers.SlugRelatedField(
         slug_field="name", read_only=True)
     node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
         slug_field="name", read_only=True)
+    workers = InstanceWorkerSerializer(many=True, read_only=True)
 
     class Meta:
         model = Instance
@@ -281,6 +296,9 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
             "ready_at",
             "state_changed_at",
             "created_at",
+            "master_addr",
+            "master_port",
+            "workers",
         ]
         read_only_fields = fields
 

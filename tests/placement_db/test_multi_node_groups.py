@@ -15,6 +15,7 @@ from serving_app.engine.agent import only_owned
 from serving_app.engine.launch import HEADLESS_SERVE, build_launch_spec
 from serving_app.fleet import service
 from serving_app.models import Instance, InstanceWorker
+from tests.api.helpers import as_user
 from tests.factories import make_base_model, make_deployment, make_tenant
 from tests.placement_db.placement_helpers import h200_gpus, make_node
 
@@ -74,6 +75,18 @@ def test_a_group_wider_than_a_node_is_one_instance_led_from_one_node(model, tena
     assert plan["memory"]["gpus_per_instance"] == 4
     (placement,) = plan["placements"]
     assert [w["node"] for w in placement["workers"]] == [worker.node.name]
+
+
+def test_the_instance_api_shows_the_group(model, tenant, platform_admin):
+    make_node("cpu-a")
+    make_node("cpu-b")
+    deployment = make_deployment(model, [tenant], pipeline_parallel_size=2,
+                                 allow_multi_node=True)
+    (instance,), _ = service.place_replicas(deployment, [0])
+    data = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/").data
+    assert (data["master_addr"], data["master_port"]) == ("127.0.0.1", 29500)
+    assert [(w["node_rank"], w["state"]) for w in data["workers"]] == [(1, "stopped")]
+    assert data["workers"][0]["node"] in {"cpu-a", "cpu-b"} - {data["node"]}
 
 
 def test_a_second_group_led_from_the_same_node_gets_its_own_rendezvous_port(model, tenant):
