@@ -52,7 +52,7 @@ class Outcome:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(i.reserved_bytes_per_gpu * len(i.gpu_indexes) for i in self.placements)
+        return sum(i.reserved_bytes_per_gpu * i.gpu_count for i in self.placements)
 
 
 def fleet_nodes(nodes: Sequence[DeclaredNode]) -> list[P.Node]:
