@@ -367,6 +367,12 @@ ENGINE_PORT_RANGE = (
     env_int("ENGINE_PORT_MIN", 18200, minimum=1024),
     env_int("ENGINE_PORT_MAX", 18999, minimum=1024),
 )
+# The rendezvous ports the console gives multi-node instances (vLLM's --master-port on the
+# leader's node, where the headless workers of other nodes connect).
+ENGINE_RENDEZVOUS_PORT_RANGE = (
+    env_int("ENGINE_RENDEZVOUS_PORT_MIN", 29500, minimum=1024),
+    env_int("ENGINE_RENDEZVOUS_PORT_MAX", 29999, minimum=1024),
+)
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engine-logs")))
 # A start fails when its log has been silent this long (a CUDA engine logs its compile, CUDA
 # graph and KV cache steps as it goes; kernel JIT was seen silent for about 70 s on an H200)...

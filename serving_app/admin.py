@@ -29,6 +29,7 @@ from serving_app.models import (
     Gpu,
     GpuSample,
     Instance,
+    InstanceWorker,
     LoraAdapter,
     Node,
     NodeCacheEntry,
@@ -272,10 +273,28 @@ class AutoscalerAdmin(admin.ModelAdmin):
     readonly_fields = ["last_decision", "last_scaled_at", "last_evaluated_at", "updated_at"]
 
 
+class InstanceWorkerInline(admin.TabularInline):
+    """A multi-node instance's headless workers, one per other node: shown, never edited (their
+    agents move them through their states)."""
+
+    model = InstanceWorker
+    extra = 0
+    fields = readonly_fields = ["node_rank", "node", "state", "pid", "last_error",
+                                "state_changed_at"]
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):
     list_display = ["__str__", "node", "port", "pid", "state", "revision", "restarts",
                     "state_changed_at"]
+    inlines = [InstanceWorkerInline]
     list_filter = ["state", "node", "deployment"]
     # The command and the log tail are shown once each, formatted below; the secret never.
     readonly_fields = [f.name for f in Instance._meta.concrete_fields

@@ -56,6 +56,9 @@ class ServingAppConfig(AppConfig):
         exclude(self.get_model("NodeCacheEntry"),
                 f"what a node's cache holds, {control_plane}")
         exclude(self.get_model("GpuSample"), f"GPU readings, {control_plane}")
+        exclude(self.get_model("InstanceWorker"),
+                f"a multi-node instance's headless workers, made with it at placement and "
+                f"moved through their states by the node agents, {control_plane}")
         exclude(self.get_model("AdapterFileRemoval"),
                 f"files of deleted adapters waiting for removal, {control_plane}")
         for name in ("UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",

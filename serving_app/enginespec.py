@@ -159,7 +159,19 @@ FIELDS: tuple[EngineField, ...] = (
     EngineField(
         "tensor_parallel_size", "Tensor parallel size", "int", 1, group="capacity",
         flag="--tensor-parallel-size", unit="count", minimum=1, maximum=16, memory=True,
-        help_text="GPUs one instance spans (tensor parallel groups).",
+        help_text="GPUs each pipeline stage of one instance spans (tensor parallel groups).",
+    ),
+    EngineField(
+        "pipeline_parallel_size", "Pipeline parallel size", "int", 1, group="capacity",
+        flag="--pipeline-parallel-size", unit="count", minimum=1, maximum=16, memory=True,
+        help_text="Pipeline stages one instance spans: its layers are split over this many "
+                  "groups of tensor_parallel_size GPUs, so an instance takes TP x PP GPUs.",
+    ),
+    EngineField(
+        "allow_multi_node", "Across nodes", "bool", False, group="capacity",
+        help_text="Let one instance's TP x PP GPUs span several nodes: vLLM's multi-node "
+                  "executor, a leader serving the API and a headless worker on each other "
+                  "node, started and stopped as one group. Off: all on one node.",
     ),
     EngineField(
         "max_num_seqs", "Max sequences per batch", "int", 64, group="capacity",
@@ -256,6 +268,8 @@ class EngineSpec:
     mps_thread_percentage: int | None
     gpu_memory_utilization: float
     tensor_parallel_size: int
+    pipeline_parallel_size: int
+    allow_multi_node: bool
     max_num_seqs: int
     max_model_len: int | None
     max_num_batched_tokens: int | None
@@ -300,6 +314,11 @@ class EngineSpec:
             else:
                 argv += [field.flag, str(value)]
         return argv
+
+    @property
+    def world_size(self) -> int:
+        """GPUs (ranks) one instance spans: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def as_dict(self) -> dict[str, Value]:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -20,6 +20,10 @@ CONTROL_QUEUE = "control"
 START_INSTANCE = "serving.start_instance"
 STOP_INSTANCE = "serving.stop_instance"
 SYNC_ADAPTERS = "serving.sync_adapters"
+# A multi-node instance's headless worker, on its own node's queue (started and stopped by the
+# leader's agent, which runs START_INSTANCE and STOP_INSTANCE of the group).
+START_WORKER = "serving.start_worker"
+STOP_WORKER = "serving.stop_worker"
 RECONCILE_DEPLOYMENT = "serving.reconcile_deployment"
 RECONCILE_ALL = "serving.reconcile_all"
 REMOVE_ADAPTER_FILES = "serving.remove_adapter_files"
@@ -37,6 +41,7 @@ PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
 EVALUATE_ALERTS = "alerts.evaluate"
 DELIVER_NOTIFICATION = "alerts.deliver_notification"
 NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
+WORKER_TASKS = (START_WORKER, STOP_WORKER)
 
 
 def enqueue(name: str, *args: Any, queue: str = CONTROL_QUEUE,
@@ -71,6 +76,15 @@ def instance_task(name: str, instance_id: int, node_queue: str) -> None:
     if name not in NODE_TASKS:
         raise ValueError(f"{name} is not a node agent task")
     enqueue(name, instance_id, queue=node_queue)
+
+
+def worker_task(name: str, worker_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` to start or stop (one of WORKER_TASKS) the
+    headless worker of a multi-node instance it runs, once the change that called this
+    commits."""
+    if name not in WORKER_TASKS:
+        raise ValueError(f"{name} is not a worker task")
+    enqueue(name, worker_id, queue=node_queue)
 
 
 def node_folder_import(import_id: int, node_queue: str) -> None:

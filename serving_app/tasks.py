@@ -43,6 +43,16 @@ def stop_instance(instance_id: int) -> str:
     return agent.stop_instance(instance_id)
 
 
+@shared_task(name=lifecycle.START_WORKER, **RETRY)
+def start_worker(worker_id: int) -> str:
+    return agent.start_worker(worker_id)
+
+
+@shared_task(name=lifecycle.STOP_WORKER, **RETRY)
+def stop_worker(worker_id: int) -> str:
+    return agent.stop_worker(worker_id)
+
+
 @shared_task(name=lifecycle.SYNC_ADAPTERS, **RETRY)
 def sync_adapters(instance_id: int) -> dict[str, str]:
     return agent.sync_adapters(instance_id)

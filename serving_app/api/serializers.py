@@ -19,6 +19,7 @@ from serving_app.models import (
     Deployment,
     Gpu,
     Instance,
+    InstanceWorker,
     LoraAdapter,
     Node,
 )
@@ -246,6 +247,19 @@ class NodeSerializer(ValidatedModelSerializer[Node]):
         derived_fields = ["cpu_binding"]  # as normalised by clean(): "0-3,8"
 
 
+class InstanceWorkerSerializer(serializers.ModelSerializer[InstanceWorker]):
+    """A multi-node instance's headless worker on another node (read only)."""
+
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True)
+
+    class Meta:
+        model = InstanceWorker
+        fields = ["node_rank", "node", "gpus", "state", "pid", "last_error", "exit_code",
+                  "command", "state_changed_at"]
+        read_only_fields = fields
+
+
 class InstanceSerializer(serializers.ModelSerializer[Instance]):
     deployment: serializers.SlugRelatedField[Deployment] = serializers.SlugRelatedField(
         slug_field="name", read_only=True)
@@ -255,6 +269,7 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
     # the others (or the base model, while starting) are out (serving_app/engine/canary.py).
     routable_adapters = serializers.ListField(child=serializers.CharField(), read_only=True)
     canary_problems = serializers.ListField(child=serializers.CharField(), read_only=True)
+    workers = InstanceWorkerSerializer(many=True, read_only=True)
 
     class Meta:
         model = Instance
@@ -289,6 +304,9 @@ class InstanceSerializer(serializers.ModelSerializer[Instance]):
             "ready_at",
             "state_changed_at",
             "created_at",
+            "master_addr",
+            "master_port",
+            "workers",
         ]
         read_only_fields = fields
 

@@ -242,7 +242,8 @@ class InstanceViewSet(ScopedReadOnlyModelViewSet[Instance]):
     permission_classes = [IsStaff]
 
     def safely_get_queryset(self, queryset: QuerySet[Instance]) -> QuerySet[Instance]:
-        return queryset.select_related("deployment__base_model", "node").prefetch_related("gpus")
+        return queryset.select_related("deployment__base_model", "node").prefetch_related(
+            "gpus", "workers__node", "workers__gpus")
     filterset_fields = {"deployment__name": ["exact"], "state": ["exact"], "node__name": ["exact"]}
 
 

@@ -22,6 +22,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from serving_app import lifecycle
@@ -75,7 +76,8 @@ def _node_name(instance: Instance) -> str:
 # -- lost nodes ------------------------------------------------------------------------------
 def declare_lost_nodes() -> list[Node]:
     """Declare lost every node whose heartbeat is older than NODE_LOST_SECONDS, and take its
-    instances out of service: each is stopped at once (`rollout.leave_lost_node()`, which takes
+    instances out of service (and the multi-node groups with a worker there, as one): each is
+    stopped at once (`rollout.leave_lost_node()`, which takes
     it out of routing in every gateway worker), and the deployments' round then places
     replacements on the nodes where they fit. The stop tasks wait in the node's queue: an agent
     that was only frozen or cut off stops its replaced engines when it is back, rather than
@@ -93,7 +95,10 @@ def declare_lost_nodes() -> list[Node]:
             node.lost_at = now
             silent = (now - node.last_heartbeat).total_seconds() if node.last_heartbeat else None
             reason = f"node {node.name} lost: no heartbeat for {silent or 0:.0f} s"
-            moved = list(node.instances.select_related("node", "deployment")
+            # Its instances, and the multi-node groups with a worker there: a group is
+            # stopped and replaced as one.
+            moved = list(Instance.objects.filter(Q(node=node) | Q(workers__node=node))
+                         .distinct().select_related("node", "deployment")
                          .exclude(state__in=(State.STOPPED, State.STOPPING)))
             for instance in moved:
                 leave_lost_node(instance, reason)

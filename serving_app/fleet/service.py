@@ -36,6 +36,14 @@ Choices this module makes (docs/placement.md, "Placement against the database"):
   periods.
 - **Lost nodes.** The instances of a node the reconciler declared lost are left out of the
   allocations (they are being replaced), so their replacements fit within the tenant's quota.
+- **Multi-node groups.** An instance whose TP x PP GPUs span nodes (``allow_multi_node``) is one
+  Instance row on its leader's node (node rank 0, the API server) with an ``InstanceWorker`` row
+  per other node (ranks 1 and up, headless). ``Instance.gpus`` holds the GPUs of every node, so
+  the group's whole reservation is accounted for; each worker's ``gpus`` its own node's. The
+  rendezvous (``master_addr``, the leader node's address, and ``master_port``) is chosen here,
+  a port of ``ENGINE_RENDEZVOUS_PORT_RANGE`` that no active group led from that node holds. On
+  CPU hosts (no GPUs to count) such a group takes ``world_size`` hosts, one rank on each, each
+  counting as one of the host's ``max_instances`` engines.
 - **Serialization.** ``place_replicas`` and ``place_instance`` lock every Node row (in pk order)
   for their transaction. Two placements can then never take the same free slot.
 """
@@ -60,7 +68,15 @@ from serving_app.fleet.accounting import (
     entitled_charges,
     measured_charges,
 )
-from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from serving_app.models import (
+    BaseModel,
+    Deployment,
+    Gpu,
+    Instance,
+    InstanceWorker,
+    LoraAdapter,
+    Node,
+)
 from serving_app.models.revisions import DeploymentRevision
 from serving_app.placement import placer as P
 from serving_app.placement.fleetspec import GPU_COMPUTE_SLICES, mig_slices
@@ -394,6 +410,9 @@ def placement_request(
         memory_bytes_per_gpu=plan.needed_bytes,
         replicas=replicas,
         tensor_parallel_size=engine.tensor_parallel_size,
+        pipeline_parallel_size=engine.pipeline_parallel_size,
+        allow_multi_node=engine.allow_multi_node,
+        num_layers=base.num_layers or None,
         num_attention_heads=base.num_attention_heads or None,
         num_kv_heads=base.num_kv_heads or None,
         isolation=engine.isolation_mode,
@@ -403,11 +422,19 @@ def placement_request(
 
 
 def _active_counts(nodes: Sequence[Node], exclude_deployment_id: Any = None) -> dict[int, int]:
+    """Engines per node: active instances (their leaders) and the workers of active groups."""
     active = Instance.objects.active().filter(node__in=list(nodes))
+    workers = InstanceWorker.objects.filter(node__in=list(nodes),
+                                            instance__in=Instance.objects.active())
     if exclude_deployment_id is not None:
         active = active.exclude(deployment_id=exclude_deployment_id)
-    rows = active.values("node_id").annotate(n=Count("pk"))
-    return {row["node_id"]: row["n"] for row in rows}
+        workers = workers.exclude(instance__deployment_id=exclude_deployment_id)
+    counts: dict[int, int] = {}
+    for rows in (active.values("node_id").annotate(n=Count("pk")),
+                 workers.values("node_id").annotate(n=Count("pk"))):
+        for row in rows:
+            counts[row["node_id"]] = counts.get(row["node_id"], 0) + row["n"]
+    return counts
 
 
 def choose_cpu_nodes(
@@ -438,13 +465,44 @@ def choose_cpu_nodes(
     return chosen, ""
 
 
+def choose_cpu_groups(
+    cpu_nodes: Sequence[Node], count: int, world_size: int, exclude_deployment_id: Any = None
+) -> tuple[list[list[Node]], str]:
+    """``count`` groups of ``world_size`` distinct CPU hosts (the leader's first), one rank on
+    each, fewest engines first; or none and the reason."""
+    online = [n for n in cpu_nodes if not n.cordoned and not n.is_lost]
+    active = _active_counts(online, exclude_deployment_id)
+    load = {n.pk: active.get(n.pk, 0) for n in online}
+    groups: list[list[Node]] = []
+    for _ in range(count):
+        free = sorted((n for n in online if load[n.pk] < n.max_instances),
+                      key=lambda n: (load[n.pk], n.name))
+        if len(free) < world_size:
+            return [], (f"A group of {world_size} ranks across nodes needs {world_size} online "
+                        f"CPU hosts with a free engine slot; {len(free)} have one.")
+        group = free[:world_size]
+        for node in group:
+            load[node.pk] += 1
+        groups.append(group)
+    return groups, ""
+
+
+Part = tuple[Node, list[Gpu], dict[str, str]]
+
+
 @dataclass
 class _Choice:
-    """Where new instances go: a CPU host each, or the placer's answer per replica."""
+    """Where new instances go: a CPU host each, or the placer's answer per replica; and for a
+    group that spans nodes, its other nodes (node ranks 1 and up) with their GPUs and
+    environment."""
 
     nodes: list[Node]
     gpus: list[list[Gpu]]
     placements: list[P.InstancePlacement | None]
+    workers: list[list[Part]] = field(default_factory=list)
+
+    def workers_of(self, number: int) -> list[Part]:
+        return self.workers[number] if self.workers else []
 
 
 def _lock_nodes() -> None:
@@ -455,6 +513,12 @@ def _choose(deployment: Deployment, engine: EngineSpec,
             count: int) -> tuple[_Choice | None, str]:
     cluster = load_cluster()
     if not cluster.has_gpu_nodes:
+        if engine.allow_multi_node and engine.world_size > 1:
+            groups, reason = choose_cpu_groups(cluster.cpu_nodes, count, engine.world_size)
+            if not groups:
+                return None, reason
+            return _Choice([g[0] for g in groups], [[] for _ in groups], [None] * len(groups),
+                           [[(node, [], {}) for node in g[1:]] for g in groups]), ""
         nodes, reason = choose_cpu_nodes(cluster.cpu_nodes, count)
         if not nodes:
             return None, reason
@@ -467,12 +531,49 @@ def _choose(deployment: Deployment, engine: EngineSpec,
     result = cluster.placer.place(request, commit=False)
     if not result.ok:
         return None, result.reason or "refused"
-    nodes, gpus = [], []
+    nodes, gpus, workers = [], [], []
     for ip in result.instances:
         nodes.append(cluster.nodes[ip.node])
         uuids = [ip.mig_uuid] if ip.mig_uuid else list(ip.gpu_uuids)
         gpus.append([cluster.gpu_rows[(ip.node, uuid)] for uuid in uuids])
-    return _Choice(nodes, gpus, list(result.instances)), ""
+        workers.append([(cluster.nodes[w.node], [cluster.gpu_rows[(w.node, u)]
+                                                 for u in w.gpu_uuids], dict(w.env))
+                        for w in ip.workers])
+    return _Choice(nodes, gpus, list(result.instances), workers), ""
+
+
+def rendezvous_port(leader: Node) -> int:
+    """A ``--master-port`` for a new group led from ``leader``: the lowest port of
+    ``ENGINE_RENDEZVOUS_PORT_RANGE`` that no active group led from that node holds, nor any
+    engine there serves on (callers hold the node locks, so two placements never pick one)."""
+    taken = set(Instance.objects.active().filter(node=leader, master_port__isnull=False)
+                .values_list("master_port", flat=True))
+    taken |= set(Instance.objects.active().filter(node=leader, port__isnull=False)
+                 .values_list("port", flat=True))
+    low, high = settings.ENGINE_RENDEZVOUS_PORT_RANGE
+    for port in range(low, high + 1):
+        if port not in taken:
+            return port
+    raise PlanningError(f"No free rendezvous port in {low}-{high} on {leader.name}.")
+
+
+def set_group(instance: Instance, node: Node, gpus: list[Gpu], parts: list[Part]) -> None:
+    """Record the instance's group: all its GPUs on the instance, a worker row per other node,
+    and the rendezvous on the leader's node; a single-node instance keeps none of these."""
+    instance.gpus.set([*gpus, *(g for _, part_gpus, _ in parts for g in part_gpus)])
+    instance.workers.all().delete()
+    if not parts:
+        Instance.objects.filter(pk=instance.pk).update(master_addr="", master_port=None)
+        instance.master_addr, instance.master_port = "", None
+        return
+    port = rendezvous_port(node)
+    Instance.objects.filter(pk=instance.pk).update(master_addr=node.address, master_port=port)
+    instance.master_addr, instance.master_port = node.address, port
+    for rank, (worker_node, worker_gpus, env) in enumerate(parts, start=1):
+        worker = InstanceWorker.objects.create(instance=instance, node_rank=rank,
+                                               node=worker_node, environment=env)
+        if worker_gpus:
+            worker.gpus.set(worker_gpus)
 
 
 def _record(deployment: Deployment, reason: str) -> None:
@@ -513,9 +614,9 @@ def place_replicas(
             _record(deployment, reason)
             return [], reason
         created = []
-        for ordinal, node, gpus, ip in zip(
+        for number, (ordinal, node, gpus, ip) in enumerate(zip(
             ordinals, choice.nodes, choice.gpus, choice.placements, strict=True
-        ):
+        )):
             instance = Instance.objects.create(
                 deployment=deployment,
                 ordinal=ordinal,
@@ -525,8 +626,7 @@ def place_replicas(
                 gpu_memory_fraction=ip.gpu_memory_utilization if ip else None,
                 environment=dict(ip.env) if ip else {},
             )
-            if gpus:
-                instance.gpus.set(gpus)
+            set_group(instance, node, gpus, choice.workers_of(number))
             created.append(instance)
         _record(deployment, "")
     return created, ""
@@ -555,7 +655,7 @@ def place_instance(deployment: Deployment, instance: Instance) -> Node | None:
         Instance.objects.filter(pk=instance.pk).update(**fields)
         for name, value in fields.items():
             setattr(instance, name, value)
-        instance.gpus.set(gpus)
+        set_group(instance, node, gpus, choice.workers_of(0))
         _record(deployment, "")
     return node
 
@@ -571,6 +671,8 @@ def _plan_figures(plan: MemoryPlan) -> dict[str, Any]:
         "dtype": plan.dtype,
         "kv_cache_dtype": plan.kv_cache_dtype,
         "tensor_parallel_size": plan.tensor_parallel_size,
+        "pipeline_parallel_size": plan.pipeline_parallel_size,
+        "gpus_per_instance": plan.gpus,
         "max_model_len": plan.max_model_len,
         "max_num_batched_tokens": plan.max_num_batched_tokens,
         "weight_bytes": plan.weight_bytes,
@@ -684,6 +786,12 @@ def dry_run(
                     total, ip.gpu_memory_utilization
                 ),
                 "environment": dict(ip.env),
+                "workers": [
+                    {"node": w.node, "gpus": [cluster.gpu_rows[(w.node, u)].pk
+                                              for u in w.gpu_uuids],
+                     "gpu_indexes": list(w.gpu_indexes), "gpu_uuids": list(w.gpu_uuids)}
+                    for w in ip.workers
+                ],
             }
         )
     out["ok"] = result.ok

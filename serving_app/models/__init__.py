@@ -895,6 +895,9 @@ class Deployment(models.Model):
     mps_thread_percentage = models.PositiveIntegerField(**engine_field("mps_thread_percentage"))
     gpu_memory_utilization = models.FloatField(**engine_field("gpu_memory_utilization"))
     tensor_parallel_size = models.PositiveIntegerField(**engine_field("tensor_parallel_size"))
+    pipeline_parallel_size = models.PositiveIntegerField(
+        **engine_field("pipeline_parallel_size"))
+    allow_multi_node = models.BooleanField(**engine_field("allow_multi_node"))
     max_num_seqs = models.PositiveIntegerField(**engine_field("max_num_seqs"))
     max_model_len = models.PositiveIntegerField(**engine_field("max_model_len"))
     max_num_batched_tokens = models.PositiveIntegerField(**engine_field("max_num_batched_tokens"))
@@ -986,6 +989,11 @@ class Deployment(models.Model):
                     f"{base.name} has {base.num_attention_heads} attention heads, "
                     f"not divisible by {self.tensor_parallel_size}."
                 )
+            if base.num_layers and self.pipeline_parallel_size > base.num_layers:
+                errors["pipeline_parallel_size"] = (
+                    f"{base.name} has {base.num_layers} layers: at most {base.num_layers} "
+                    "pipeline stages."
+                )
         for declared in FIELDS:
             value = getattr(self, declared.name)
             if declared.allowed and value is not None and value not in declared.allowed:
@@ -998,6 +1006,11 @@ class Deployment(models.Model):
             errors["mps_thread_percentage"] = "Only used with MPS isolation."
         if self.isolation_mode == self.Isolation.MIG and self.tensor_parallel_size > 1:
             errors["tensor_parallel_size"] = "A MIG slice runs one GPU's worth: use 1."
+        if self.isolation_mode == self.Isolation.MIG and self.pipeline_parallel_size > 1:
+            errors["pipeline_parallel_size"] = "A MIG slice runs one GPU's worth: use 1."
+        if self.allow_multi_node and self.tensor_parallel_size * self.pipeline_parallel_size < 2:
+            errors["allow_multi_node"] = ("Only an instance of several GPUs (tensor x pipeline "
+                                          "parallel size above 1) can span nodes.")
         if self.pk and self.base_model_id and Deployment.objects.filter(pk=self.pk).exclude(
             base_model_id=self.base_model_id
         ).exists():
@@ -1437,6 +1450,13 @@ class Instance(models.Model):
     cpu_cores = models.CharField(
         max_length=500, blank=True, default="", help_text="The CPU cores its engine is pinned to."
     )
+    master_addr = models.CharField(
+        max_length=100, blank=True, default="",
+        help_text="Multi-node only: where the headless workers meet the leader (vLLM's "
+                  "--master-addr, the leader node's address), chosen at placement.")
+    master_port = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Multi-node only: the rendezvous port on the leader's node (--master-port).")
     started_at = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)
     state_changed_at = models.DateTimeField(default=timezone.now)
@@ -1530,6 +1550,75 @@ class Instance(models.Model):
     def base_url(self) -> str:
         address = self.node.address if self.node is not None else "127.0.0.1"
         return f"http://{address}:{self.port}"
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether its engine spans several nodes: this row's node runs the leader (node rank
+        0, the API server the gateway routes to), each `workers` row a headless worker."""
+        return self.master_port is not None
+
+    @property
+    def nnodes(self) -> int:
+        """Nodes its engine spans (vLLM's --nnodes)."""
+        return 1 + self.workers.count() if self.multi_node else 1
+
+
+class InstanceWorker(models.Model):
+    """A headless worker of a multi-node instance: node rank 1 and up of its engine, on a node
+    of its own, started, supervised and stopped by that node's agent. It serves no API: the
+    leader (its instance's own node) does, and the gateway routes to the leader only. A worker
+    lost is the group's failure: the leader's agent stops the whole group and the reconciler
+    restarts it as one."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        STARTING = "starting", "Starting"
+        RUNNING = "running", "Running"
+        FAILED = "failed", "Failed"
+        STOPPING = "stopping", "Stopping"
+        STOPPED = "stopped", "Stopped"
+
+    # A worker in these states may have a process; the others have none.
+    LIVE_STATES = (State.STARTING, State.RUNNING, State.STOPPING)
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="workers")
+    node_rank = models.PositiveIntegerField()
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instance_workers"
+    )
+    gpus = models.ManyToManyField(Gpu, blank=True, related_name="instance_workers")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.STOPPED)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    command = models.JSONField(default=list, blank=True)
+    environment = models.JSONField(
+        default=dict, blank=True, help_text="The placer's environment for this node's part "
+                                            "(its devices); the rest is the launch spec's.")
+    log_path = models.CharField(max_length=500, blank=True, default="")
+    log_tail = models.TextField(blank=True, default="")
+    last_error = models.TextField(blank=True, default="")
+    exit_code = models.IntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["instance", "node_rank"]
+        constraints = [models.UniqueConstraint(fields=["instance", "node_rank"],
+                                               name="one_worker_per_node_rank")]
+
+    def __str__(self) -> str:
+        return f"{self.instance} rank {self.node_rank}"
+
+    def transition(self, expected: Iterable[str], new: str, **fields: Any) -> bool:
+        """Move to `new` only if the row is still in one of `expected` (Celery may redeliver)."""
+        now = timezone.now()
+        updated = InstanceWorker.objects.filter(pk=self.pk, state__in=list(expected)).update(
+            state=new, state_changed_at=now, **fields)
+        if updated:
+            self.state = new
+            self.state_changed_at = now
+            for name, value in fields.items():
+                setattr(self, name, value)
+        return bool(updated)
 
 
 # Usage metering models and engine metric samples live in their own modules (written by the

@@ -329,6 +329,8 @@ class PlanDeployment:
     replicas: int = 1
     isolation: str = "shared"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    allow_multi_node: bool = False
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -388,7 +390,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _ALLOWED: dict[str, tuple[int, ...]] = {
     f.name: f.allowed for f in map(FIELD.__getitem__, PLAN_ENGINE_FIELDS) if f.allowed
 }
-_BOOLEANS = ("lora_target_mlp", "enforce_eager")
+_BOOLEANS = ("lora_target_mlp", "enforce_eager", "allow_multi_node")
 
 
 def _check_architecture(model: Mapping[str, Any], where: str, errors: list[str]) -> None:
@@ -455,8 +457,9 @@ def _check_deployment(item: Any, number: int, names: set[str], errors: list[str]
     for key, allowed in _ALLOWED.items():
         if key in item and (isinstance(item[key], bool) or item[key] not in allowed):
             errors.append(f"{where}: {key} must be one of {', '.join(map(str, allowed))}")
-    if item.get("isolation") == "mig" and item.get("tensor_parallel_size", 1) not in (1, None):
-        errors.append(f"{where}: a MIG slice runs one GPU's worth: tensor_parallel_size 1")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if item.get("isolation") == "mig" and item.get(key, 1) not in (1, None):
+            errors.append(f"{where}: a MIG slice runs one GPU's worth: {key} 1")
 
 
 def parse_plan_deployments(data: Any) -> list[PlanDeployment]:

@@ -6,9 +6,12 @@ next request sees them. ``Placer.plan()`` is the dry run: same answer, nothing k
 
 Rules:
 
-- **Filters.** The node is ready and not lost; TP GPUs come from one node; the attention heads
-  (and KV heads, when given) divide by the TP size; the GPU memory quota of every tenant the
-  deployment is charged to holds for its share (``PlacementRequest.tenants``).
+- **Filters.** The node is ready and not lost; an instance's TP x PP GPUs (its ``world_size``)
+  come from one node, or, where the request allows it (``allow_multi_node``) and no one node has
+  room, from the fewest nodes that do, the same number of GPUs of one size on each (vLLM's
+  multi-node executor gives every node ``world_size / nnodes`` ranks); the attention heads (and
+  KV heads, when given) divide by the TP size; PP is at most the layers; the GPU memory quota of
+  every tenant the deployment is charged to holds for its share (``PlacementRequest.tenants``).
 - **Fit.** On every GPU the reserved fractions of its memory never exceed ``1 - headroom``
   (default 0.10). Fractions are whole hundredths, as vLLM's ``gpu_memory_utilization`` is given.
   Memory held by processes the console does not manage (``GpuSlot.other_used_bytes``) counts too.
@@ -143,7 +146,8 @@ class TenantShare:
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """One deployment to place: ``replicas`` instances of ``tensor_parallel_size`` GPUs each.
+    """One deployment to place: ``replicas`` instances of ``tensor_parallel_size`` x
+    ``pipeline_parallel_size`` GPUs each (on one node, or with ``allow_multi_node`` on several).
 
     ``memory_bytes_per_gpu`` is the planner's ``MemoryPlan.needed_bytes``. ``tenants`` charges
     the deployment to several tenants by share, each quota checked against its share; empty
@@ -159,10 +163,18 @@ class PlacementRequest:
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
     isolation: str = Isolation.SHARED.value
+    pipeline_parallel_size: int = 1
+    allow_multi_node: bool = False
+    num_layers: int | None = None
     tenant_quota_gib: float | None = None
     tenant_used_gib: float | None = None
     mps_thread_percentage: int | None = None
     tenants: tuple[TenantShare, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        """GPUs one instance spans: TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def charged(self) -> tuple[TenantShare, ...]:
         """The tenants the deployment is charged to, with their shares and quotas."""
@@ -176,8 +188,20 @@ class PlacementRequest:
 
 
 @dataclass(frozen=True)
+class NodePart:
+    """The GPUs of a multi-node instance on one of its other nodes (a headless worker there)."""
+
+    node: str
+    gpu_indexes: tuple[int, ...]
+    gpu_uuids: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class InstancePlacement:
-    """Where one replica goes and how to start it."""
+    """Where one replica goes and how to start it: ``node`` and its GPUs are the leader's (node
+    rank 0, which serves the API); ``workers`` the other nodes of a group that spans several,
+    in node-rank order (empty: all on one node)."""
 
     replica: int
     node: str
@@ -188,6 +212,17 @@ class InstancePlacement:
     isolation: str
     mig_uuid: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    workers: tuple[NodePart, ...] = ()
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs of the whole group, on every node."""
+        return len(self.gpu_indexes) + sum(len(w.gpu_indexes) for w in self.workers)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The group's nodes, the leader's first."""
+        return (self.node, *(w.node for w in self.workers))
 
 
 @dataclass(frozen=True)
@@ -203,7 +238,7 @@ class PlacementResult:
     @property
     def reserved_bytes(self) -> int:
         """Total memory the placement reserves (what counts against the tenant's quota)."""
-        return sum(i.reserved_bytes_per_gpu * len(i.gpu_indexes) for i in self.instances)
+        return sum(i.reserved_bytes_per_gpu * i.gpu_count for i in self.instances)
 
 
 class PlacementError(ValueError):
@@ -476,11 +511,17 @@ class Placer:
         )
 
     def _check_request(self, request: PlacementRequest) -> None:
-        tp = request.tensor_parallel_size
+        tp, pp = request.tensor_parallel_size, request.pipeline_parallel_size
         if request.replicas < 1:
             raise PlacementError("replicas must be at least 1")
         if tp < 1:
             raise PlacementError("tensor_parallel_size must be at least 1")
+        if pp < 1:
+            raise PlacementError("pipeline_parallel_size must be at least 1")
+        if request.num_layers is not None and pp > request.num_layers:
+            raise PlacementError(
+                f"{request.num_layers} layers cannot make {pp} pipeline stages"
+            )
         if request.memory_bytes_per_gpu <= 0:
             raise PlacementError("memory_bytes_per_gpu must be positive")
         try:
@@ -500,23 +541,34 @@ class Placer:
             raise PlacementError(
                 f"{kv} KV heads do not split evenly over tensor_parallel_size {tp}"
             )
-        if isolation is Isolation.MIG and tp > 1:
+        world = request.world_size
+        if isolation is Isolation.MIG and world > 1:
             raise PlacementError(
-                "MIG isolation needs tensor_parallel_size 1: a CUDA process sees one MIG device"
+                "MIG isolation needs tensor_parallel_size 1 and pipeline_parallel_size 1: a "
+                "CUDA process sees one MIG device"
             )
         if not self._ready:
             raise PlacementError("no node is ready (all are not ready or lost)")
         most = self._max_ready_gpus
-        if tp > most:
+        if request.allow_multi_node:
+            ready_gpus = sum(len(states) for _, states in self._ready)
+            if world > ready_gpus:
+                raise PlacementError(
+                    f"needs {world} GPUs (TP {tp} x PP {pp}) across nodes; the ready nodes "
+                    f"have {ready_gpus}"
+                )
+        elif world > most:
+            what = "tensor parallelism" if pp == 1 else f"TP {tp} x PP {pp}"
             raise PlacementError(
-                f"needs {tp} GPUs on one node for tensor parallelism; the most on a ready node "
-                f"is {most}"
+                f"needs {world} GPUs on one node for {what}; the most on a ready node is "
+                f"{most}" + (" (allow_multi_node lets an instance span nodes)"
+                             if world <= sum(len(s) for _, s in self._ready) else "")
             )
         for tenant in request.charged():
             if tenant.quota_gib is None:
                 continue
             used = self._tenant_used(request, tenant)
-            need = int(request.memory_bytes_per_gpu * tp * request.replicas * tenant.share)
+            need = int(request.memory_bytes_per_gpu * world * request.replicas * tenant.share)
             if used + need > tenant.quota_gib * GIB + 1:
                 raise PlacementError(
                     f"{_quota_owner(tenant)} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
@@ -559,13 +611,21 @@ class Placer:
         isolation = Isolation(request.isolation)
         if isolation is Isolation.MIG:
             return self._place_mig(request, replica)
-        if isolation is Isolation.DEDICATED:
-            states, util_pct = self._choose_dedicated(request)
-        elif request.tensor_parallel_size == 1:
-            state, util_pct = self._choose_shared_single(request)
-            states = [state]
-        else:
-            states, util_pct = self._choose_shared_group(request)
+        parts: list[list[_GpuState]]
+        try:
+            if isolation is Isolation.DEDICATED:
+                states, util_pct = self._choose_dedicated(request)
+            elif request.world_size == 1:
+                state, util_pct = self._choose_shared_single(request)
+                states = [state]
+            else:
+                states, util_pct = self._choose_shared_group(request)
+            parts = [states]
+        except PlacementError as exc:
+            if not (request.allow_multi_node and request.world_size > 1):
+                raise
+            parts, util_pct = self._choose_across_nodes(request, str(exc))
+            states = [s for part in parts for s in part]
         exclusive = isolation is Isolation.DEDICATED
         allocs = [
             (
@@ -584,16 +644,22 @@ class Placer:
         ]
         total = min(s.total for s in states)
         reserved = total if exclusive else total * util_pct // 100
-        env = self._env(request, states, util_pct)
+        leader = parts[0]
         instance = InstancePlacement(
             replica=replica,
-            node=states[0].node.name,
-            gpu_indexes=tuple(s.gpu.index for s in states),
-            gpu_uuids=tuple(s.gpu.uuid for s in states),
+            node=leader[0].node.name,
+            gpu_indexes=tuple(s.gpu.index for s in leader),
+            gpu_uuids=tuple(s.gpu.uuid for s in leader),
             gpu_memory_utilization=util_pct / 100,
             reserved_bytes_per_gpu=reserved,
             isolation=isolation.value,
-            env=env,
+            env=self._env(request, leader, util_pct),
+            workers=tuple(
+                NodePart(node=part[0].node.name, gpu_indexes=tuple(s.gpu.index for s in part),
+                         gpu_uuids=tuple(s.gpu.uuid for s in part),
+                         env=self._env(request, part, util_pct))
+                for part in parts[1:]
+            ),
         )
         return instance, allocs
 
@@ -660,7 +726,7 @@ class Placer:
         return [s for s in states if s.free >= needs[s.total] and dep not in s.deployments]
 
     def _choose_shared_group(self, request: PlacementRequest) -> tuple[list[_GpuState], int]:
-        tp = request.tensor_parallel_size
+        tp = request.world_size
         needs = self._needs(request)
         min_need = min(needs.values())
         best: list[_GpuState] | None = None
@@ -696,7 +762,7 @@ class Placer:
         return best, best_pct
 
     def _choose_dedicated(self, request: PlacementRequest) -> tuple[list[_GpuState], int]:
-        tp = request.tensor_parallel_size
+        tp = request.world_size
         best: list[_GpuState] | None = None
         best_score: int | None = None
         binpack = self.policy is Policy.BINPACK
@@ -721,6 +787,61 @@ class Placer:
         if best is None:
             raise PlacementError(self._no_dedicated_reason(request))
         return best, self.cap
+
+    def _choose_across_nodes(
+        self, request: PlacementRequest, one_node_reason: str
+    ) -> tuple[list[list[_GpuState]], int]:
+        """A group of ``world_size`` GPUs over the fewest nodes that hold it: ``nnodes`` nodes
+        (a divisor of the world size) with ``world_size / nnodes`` GPUs of one size each, as
+        vLLM's multi-node executor runs the same number of ranks on every node. Among the
+        nodes that qualify, binpack takes those with the least room left, spread the most.
+        Returns the GPUs per node, the leader's first, and the hundredths each gets."""
+        world = request.world_size
+        dedicated = request.isolation == Isolation.DEDICATED.value
+        needs = self._needs(request)
+        dep = request.deployment_id
+        binpack = self.policy is Policy.BINPACK
+        # Per node and GPU size: the GPUs that can take a rank.
+        usable: list[tuple[Node, dict[int, list[_GpuState]]]] = []
+        for node, states in self._ready:
+            if dedicated:
+                fit = [s for s in states if s.empty and dep not in s.deployments
+                       and needs[s.total] <= self.cap]
+            else:
+                fit = self._candidates(states, request, needs)
+            by_size: dict[int, list[_GpuState]] = {}
+            for state in fit:
+                by_size.setdefault(state.total, []).append(state)
+            if by_size:
+                usable.append((node, by_size))
+        for nnodes in (n for n in range(2, world + 1) if world % n == 0):
+            per = world // nnodes
+            best: list[list[_GpuState]] | None = None
+            best_left: int | None = None
+            for total in sorted(self._sizes):
+                holders = [(node, by_size[total]) for node, by_size in usable
+                           if len(by_size.get(total, ())) >= per]
+                if len(holders) < nnodes:
+                    continue
+                holders.sort(key=lambda h: (len(h[1]) - per, h[0].name), reverse=not binpack)
+                parts = []
+                for _, group in holders[:nnodes]:
+                    if dedicated:
+                        group.sort(key=lambda s: s.gpu.index)
+                    else:
+                        group.sort(key=_by_free, reverse=not binpack)
+                    parts.append(group[:per])
+                left = sum(s.free for part in parts for s in part) * total
+                if best is None or self._better(left, best_left):
+                    best, best_left = parts, left
+            if best is not None:
+                pct = self.cap if dedicated else needs[best[0][0].total]
+                return best, pct
+        gpus = sum(len(g) for _, by_size in usable for g in by_size.values())
+        raise PlacementError(
+            f"{one_node_reason}; across nodes, {gpus} GPU(s) on {len(usable)} node(s) could "
+            f"take a rank, not {world} in equal numbers of one GPU size"
+        )
 
     def _place_mig(
         self, request: PlacementRequest, replica: int
@@ -801,7 +922,7 @@ class Placer:
         )
 
     def _no_group_reason(self, request: PlacementRequest) -> str:
-        tp = request.tensor_parallel_size
+        tp = request.world_size
         need = _gib(request.memory_bytes_per_gpu)
         needs = self._needs(request)
         most, where = 0, ""
@@ -816,7 +937,7 @@ class Placer:
         )
 
     def _no_dedicated_reason(self, request: PlacementRequest) -> str:
-        tp = request.tensor_parallel_size
+        tp = request.world_size
         need = _gib(request.memory_bytes_per_gpu)
         needs = self._needs(request)
         most, where = 0, ""

@@ -1,6 +1,9 @@
 """Memory planner: how much GPU memory one vLLM instance of a deployment needs, before it starts.
 
-Everything is per GPU of one instance (a tensor-parallel group of ``tensor_parallel_size`` GPUs).
+Everything is per GPU of one instance: ``tensor_parallel_size`` (TP) x ``pipeline_parallel_size``
+(PP) GPUs, each pipeline stage holding ``ceil(layers / PP)`` layers (vLLM gives the earlier
+stages no more than that) split over its TP GPUs. The figures are those of the heaviest stage:
+vLLM gives every rank one ``gpu_memory_utilization``, so the busiest GPU sizes them all.
 The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``x``):
 
 1. **Weights.** ``weight_bytes`` is the size of the checkpoint's safetensors files. Parameters are
@@ -9,18 +12,21 @@ The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``
    1 for ``fp8``; 0.5 + 2.5/128 for ``awq``/``gptq`` (4-bit, fp16 scale and packed zero per group
    of 128); 0.5 + 4/64 for ``bitsandbytes`` (NF4, fp32 absmax per block of 64). Embedding and
    LM head (``vocab_size x hidden_size``, once or twice) stay in ``dtype`` when quantizing. A
-   checkpoint already in the requested quantization is taken at its file size. Per GPU: / TP.
-2. **KV cache.** Bytes per token per GPU = ``2 x layers x ceil(kv_heads / TP) x head_dim x
+   checkpoint already in the requested quantization is taken at its file size. Per GPU: the
+   stage's share of the decoder layers (``ceil(layers / PP) / layers``) plus, with PP > 1, one
+   ``vocab x hidden`` matrix (the first stage holds the embedding, the last the LM head; with
+   PP 1 both, or one when tied), / TP.
+2. **KV cache.** Bytes per token per GPU = ``2 x stage layers x ceil(kv_heads / TP) x head_dim x
    B(kv dtype)`` (vLLM replicates KV heads when TP exceeds their count). Tokens needed =
    ``max_num_seqs x max_model_len`` (each sequence rounded up to whole ``block_size`` blocks), or
    the admin's ``target_kv_tokens``.
 3. **LoRA.** vLLM preallocates ``max_loras`` slots of ``max_lora_rank``. Per layer and targeted
    module: ``rank x (in + out) x B(dtype)``; q: hidden -> heads x head_dim, k and v: hidden ->
    kv_heads x head_dim, o: heads x head_dim -> hidden; with MLP targets also gate and up:
-   hidden -> intermediate, down: intermediate -> hidden. Per GPU: / TP.
+   hidden -> intermediate, down: intermediate -> hidden. Per GPU: the stage's layers, / TP.
 4. **Runtime reserve.** ``runtime_overhead_bytes`` (225 MiB: the non-torch memory vLLM 0.26
    logged on an H200) plus ``cuda_graph_bytes`` (315 MiB, 0 with ``enforce_eager``) plus, with
-   TP > 1, ``nccl_bytes`` (256 MiB); plus activations of one forward pass at the token budget,
+   TP x PP > 1, ``nccl_bytes`` (256 MiB); plus activations of one forward pass at the token budget,
    ``max_num_batched_tokens x B(dtype) x (hidden_size x activation_factor + intermediate_size x
    intermediate_factor)`` (0 and 3.125: the MLP's gate/up output dominates the peak), plus fp32
    logits for sampling, ``max_num_seqs x vocab_size x 4``. The constants were fitted to two
@@ -162,6 +168,7 @@ class EngineSettings:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -231,6 +238,13 @@ class MemoryPlan:
     activation_bytes: int
     runtime_overhead_bytes: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    pipeline_parallel_size: int = 1
+    stage_layers: int = 0  # decoder layers on the heaviest pipeline stage (0: all)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one instance spans (TP x PP); each needs ``needed_bytes``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def non_kv_bytes(self) -> int:
@@ -298,14 +312,18 @@ class MemoryPlan:
     def explain(self, gpu_total_bytes: int | None = None) -> list[str]:
         """Human-readable lines, for the admin page and the dry-run plan endpoint."""
         m, e, tp = self.model, self.engine, self.tensor_parallel_size
+        pp = self.pipeline_parallel_size
+        layers = self.stage_layers or m.num_layers
         quant = e.quantization or "none"
+        parallel = f"TP {tp}" + (f" x PP {pp} ({self.gpus} GPUs, {layers} layers on the "
+                                 "heaviest stage)" if pp > 1 else "")
         lines = [
             f"Model: {m.num_layers} layers, hidden {m.hidden_size}, "
             f"{m.num_attention_heads} heads / {m.num_kv_heads} KV heads, head_dim "
-            f"{m.resolved_head_dim}; served in {self.dtype}, quantization {quant}, TP {tp}.",
+            f"{m.resolved_head_dim}; served in {self.dtype}, quantization {quant}, {parallel}.",
             f"Weights: {self.parameters / 1e9:.2f} B parameters -> {gib(self.weight_bytes_total)}"
             f" in total, {gib(self.weight_bytes)} per GPU.",
-            f"KV cache: 2 x {m.num_layers} layers x {math.ceil(m.num_kv_heads / tp)} KV heads/GPU"
+            f"KV cache: 2 x {layers} layers x {math.ceil(m.num_kv_heads / tp)} KV heads/GPU"
             f" x {m.resolved_head_dim} x {dtype_bytes(self.kv_cache_dtype):g} B "
             f"({self.kv_cache_dtype}) = {self.kv_bytes_per_token:,} B per token per GPU.",
         ]
@@ -381,7 +399,8 @@ def _weight_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str) 
     return params, int(loaded)
 
 
-def _lora_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str) -> int:
+def _lora_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str,
+                stage_layers: int) -> int:
     if not engine.enable_lora:
         return 0
     h = model.hidden_size
@@ -392,8 +411,28 @@ def _lora_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str) ->
         inter = model.resolved_intermediate_size
         dims += [(h, inter), (h, inter), (inter, h)]
     per_layer = sum(engine.max_lora_rank * (i + o) for i, o in dims) * dtype_bytes(dtype)
-    total = per_layer * model.num_layers * engine.max_loras
+    total = per_layer * stage_layers * engine.max_loras
     return int(math.ceil(total / engine.tensor_parallel_size))
+
+
+def stage_layers(num_layers: int, pipeline_parallel_size: int) -> int:
+    """Decoder layers on the heaviest pipeline stage: vLLM splits them as evenly as it can."""
+    return -(-num_layers // pipeline_parallel_size)
+
+
+def _weight_bytes_per_gpu(model: ModelArchitecture, engine: EngineSettings, dtype: str,
+                          params: int, weights_total: int, layers: int) -> int:
+    """The heaviest stage's share of the loaded weights, on each of its TP GPUs: its decoder
+    layers' part of what is not embedding, plus the embedding matrices it holds (embeddings stay
+    in ``dtype`` when quantizing)."""
+    tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
+    if pp == 1:
+        return int(math.ceil(weights_total / tp))
+    embedding = int(min(model.embedding_params, params) * dtype_bytes(dtype))
+    stage_embedding = int(min(model.vocab_size * model.hidden_size, params) * dtype_bytes(dtype))
+    decoder = max(0, weights_total - embedding)
+    stage = decoder * layers // model.num_layers + stage_embedding
+    return int(math.ceil(stage / tp))
 
 
 def plan_memory(
@@ -401,10 +440,16 @@ def plan_memory(
     engine: EngineSettings,
     constants: PlannerConstants = DEFAULT_CONSTANTS,
 ) -> MemoryPlan:
-    """Compute the memory plan for one instance (per GPU of its TP group)."""
-    tp = engine.tensor_parallel_size
+    """Compute the memory plan for one instance (per GPU of its heaviest pipeline stage)."""
+    tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
     if tp < 1:
         raise ValueError("tensor_parallel_size must be at least 1")
+    if pp < 1:
+        raise ValueError("pipeline_parallel_size must be at least 1")
+    if pp > model.num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {model.num_layers} "
+                         "layers")
+    layers = stage_layers(model.num_layers, pp)
     if engine.max_num_seqs < 1:
         raise ValueError("max_num_seqs must be at least 1")
     dtype = resolve_dtype(model, engine)
@@ -420,12 +465,13 @@ def plan_memory(
     batched = engine.max_num_batched_tokens or VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     params, weights_total = _weight_bytes(model, engine, dtype)
-    weights = int(math.ceil(weights_total / tp))
+    weights = _weight_bytes_per_gpu(model, engine, dtype, params, weights_total, layers)
 
     head_dim = model.resolved_head_dim
     kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
-    kv_per_token = int(2 * model.num_layers * kv_heads_per_gpu * head_dim * dtype_bytes(kv_dtype))
-    kv_per_token_total = kv_per_token * tp
+    kv_per_token = int(2 * layers * kv_heads_per_gpu * head_dim * dtype_bytes(kv_dtype))
+    kv_per_token_total = int(2 * model.num_layers * kv_heads_per_gpu * head_dim
+                             * dtype_bytes(kv_dtype)) * tp
     if engine.target_kv_tokens is not None:
         kv_tokens = _round_up(engine.target_kv_tokens, engine.block_size)
     else:
@@ -440,7 +486,7 @@ def plan_memory(
     runtime = constants.runtime_overhead_bytes
     if not engine.enforce_eager:
         runtime += constants.cuda_graph_bytes
-    if tp > 1:
+    if tp * pp > 1:
         runtime += constants.nccl_bytes
 
     return MemoryPlan(
@@ -458,8 +504,10 @@ def plan_memory(
         kv_bytes_per_token_total=kv_per_token_total,
         kv_tokens=kv_tokens,
         kv_cache_bytes=kv_cache,
-        lora_bytes=_lora_bytes(model, engine, dtype),
+        lora_bytes=_lora_bytes(model, engine, dtype, layers),
         activation_bytes=activations,
         runtime_overhead_bytes=runtime,
         notes=tuple(notes),
+        pipeline_parallel_size=pp,
+        stage_layers=layers,
     )

@@ -52,7 +52,7 @@ class Outcome:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(i.reserved_bytes_per_gpu * len(i.gpu_indexes) for i in self.placements)
+        return sum(i.reserved_bytes_per_gpu * i.gpu_count for i in self.placements)
 
 
 def fleet_nodes(nodes: Sequence[DeclaredNode]) -> list[P.Node]:
@@ -110,6 +110,9 @@ def place_plan(
             memory_bytes_per_gpu=memory.needed_bytes,
             replicas=spec.replicas,
             tensor_parallel_size=engine.tensor_parallel_size,
+            pipeline_parallel_size=engine.pipeline_parallel_size,
+            allow_multi_node=engine.allow_multi_node,
+            num_layers=planned.model.num_layers,
             num_attention_heads=planned.model.num_attention_heads,
             num_kv_heads=planned.model.num_kv_heads,
             isolation=engine.isolation_mode,

@@ -184,6 +184,29 @@ class TestDeployments:
         assert {"max_model_len", "tensor_parallel_size"} <= set(response.data)
         assert not Deployment.objects.exists()
 
+    def test_parallel_settings_that_cannot_run_give_field_errors(self, platform_admin, acme,
+                                                                 base_model):
+        # The factory's model has 2 layers: at most 2 pipeline stages; a group of one GPU
+        # spans no nodes.
+        response = as_user(platform_admin).post(
+            "/api/v1/deployments/",
+            deployment_body(base_model, pipeline_parallel_size=3, allow_multi_node=True),
+            format="json",
+        )
+        assert response.status_code == 400
+        assert "at most 2 pipeline stages" in str(response.data["pipeline_parallel_size"])
+        response = as_user(platform_admin).post(
+            "/api/v1/deployments/", deployment_body(base_model, allow_multi_node=True),
+            format="json")
+        assert "can span nodes" in str(response.data["allow_multi_node"])
+        response = as_user(platform_admin).post(
+            "/api/v1/deployments/",
+            deployment_body(base_model, pipeline_parallel_size=2, allow_multi_node=True),
+            format="json")
+        assert response.status_code == 201, response.data
+        assert (response.data["pipeline_parallel_size"], response.data["allow_multi_node"]) == (
+            2, True)
+
     def test_adapter_of_an_unserved_tenant_is_refused(
         self, platform_admin, acme, globex, base_model, tmp_path
     ):

@@ -27,7 +27,7 @@ from django.db import connection
 from console.celery import app as celery_app
 from gateway_app import invalidation
 from serving_app.engine import supervisor
-from serving_app.models import Instance, Node
+from serving_app.models import Instance, InstanceWorker, Node
 from tests.redis_server import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,8 +166,11 @@ def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop_all()
-        # Nothing the test started may outlive it: every engine's whole session.
-        for pid in filter(None, Instance.objects.values_list("pid", flat=True)):
+        # Nothing the test started may outlive it: every engine's whole session, the headless
+        # workers of multi-node groups included.
+        pids = [*Instance.objects.values_list("pid", flat=True),
+                *InstanceWorker.objects.values_list("pid", flat=True)]
+        for pid in filter(None, pids):
             for member in supervisor.session_members(pid):
                 with contextlib.suppress(psutil.Error):
                     member.kill()

@@ -271,7 +271,8 @@ def test_tp_wider_than_a_node_is_refused(tmp_path, tenant, cluster):
     instances, reason = service.place_replicas(deployment, [0])
     assert instances == []
     assert reason == (
-        "needs 16 GPUs on one node for tensor parallelism; the most on a ready node is 8"
+        "needs 16 GPUs on one node for tensor parallelism; the most on a ready node is 8 "
+        "(allow_multi_node lets an instance span nodes)"
     )
 
 

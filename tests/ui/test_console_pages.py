@@ -127,7 +127,8 @@ def _deployment_post(base_model, tenants, adapters=(), **extra):
     data = {
         "name": "support-bot", "base_model": base_model.pk, "tenants": [t.pk for t in tenants],
         "adapters": [a.pk for a in adapters], "replicas": 1, "isolation_mode": "shared",
-        "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1, "max_num_seqs": 8,
+        "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+        "max_num_seqs": 8,
         "enable_prefix_caching": "on", "dtype": "auto", "quantization": "",
         "kv_cache_dtype": "auto", "max_loras": 2, "max_lora_rank": 16, "scheduling_policy": "fcfs",
     }

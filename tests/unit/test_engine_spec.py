@@ -39,9 +39,10 @@ SAMPLES: dict[str, Any] = {
 }
 COMPANIONS: dict[str, dict[str, Any]] = {
     "mps_thread_percentage": {"isolation_mode": "mps"},
+    "allow_multi_node": {"pipeline_parallel_size": 2},  # a group of one GPU spans nothing
 }
 # Settings that are not vLLM flags, and how each one reaches the engine (checked below).
-NOT_FLAGS = {"isolation_mode", "mps_thread_percentage", "base_port"}
+NOT_FLAGS = {"isolation_mode", "mps_thread_percentage", "base_port", "allow_multi_node"}
 
 
 def sample(field: EngineField) -> Any:
@@ -123,6 +124,15 @@ def test_each_setting_reaches_the_revision_and_the_engine(field, base_model, ten
         assert field.flag in argv, f"{field.flag} is not passed to the engine"
         shown = f"{value:g}" if isinstance(value, float) else str(value)
         assert argv[argv.index(field.flag) + 1] == shown
+
+
+def test_allow_multi_node_reaches_the_placer(base_model, tenant):
+    deployment = deployment_with(base_model, tenant,
+                                 next(f for f in FIELDS if f.name == "allow_multi_node"))
+    engine = deployment.engine_spec(deployment.applied_revision)
+    request = service.placement_request(deployment, engine,
+                                        service.plan_deployment(deployment), 1, ())
+    assert request.allow_multi_node and request.world_size == 2
 
 
 @pytest.mark.parametrize("field", [f for f in FIELDS if f.memory], ids=lambda f: f.name)
