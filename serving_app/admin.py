@@ -290,6 +290,24 @@ class InstanceWorkerInline(admin.TabularInline):
         return False
 
 
+@admin.register(InstanceWorker)
+class InstanceWorkerAdmin(admin.ModelAdmin):
+    """Every headless worker of the multi-node instances, with its node and state: read only
+    (their agents move them through their states; a group is changed through its instance)."""
+
+    list_display = ["__str__", "instance", "node_rank", "node", "state", "pid", "state_changed_at"]
+    list_filter = ["state", "node"]
+    search_fields = ["instance__deployment__name", "node__name"]
+    fields = readonly_fields = ["instance", "node_rank", "node", "state", "pid", "last_error",
+                                "state_changed_at"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):
     list_display = ["__str__", "node", "port", "pid", "state", "revision", "restarts",
