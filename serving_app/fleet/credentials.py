@@ -14,7 +14,7 @@ do without credentials for both; what it gets is narrowed to what an agent does:
   alerts, guardrail policies or the audit log. Grants are per table, not per row: a node can
   read and update the rows of other nodes' instances too (row-level security is not there yet).
 - **a Redis ACL user of its own** (Redis 6+), allowed its own queue, the shared keys of Celery's
-  Redis transport (`unacked*`, `_kombu.binding.*`, results), to push (not read) the control
+  Redis transport (`unacked*`, `_kombu.binding*`, results), to push (not read) the control
   queue, and no admin or dangerous command (no FLUSHALL, KEYS, CONFIG, ACL, ...).
 - **a node token** (`NODE_FETCH_TOKEN`), stored as its SHA-256 on the node, with which it
   fetches artifacts (`Authorization: Node <name>:<token>`).
@@ -85,7 +85,7 @@ WRITE = {
 # Columns of these it must never change (what it is, where it belongs, its credentials); every
 # other column it may update.
 FIXED_COLUMNS = {
-    Node: ("id", "name", "queue", "fetch_token_hash", "db_role", "redis_user", "draining",
+    Node: ("id", "name", "fetch_token_hash", "db_role", "redis_user", "draining",
            "cordoned", "created_at"),
     Instance: ("id", "deployment_id", "node_id", "revision_id", "secret", "created_at"),
 }
@@ -128,7 +128,7 @@ def _redis_rules(node: Node, password: str) -> list[str | bytes]:
     return [
         "reset", "on", f">{password}",
         f"~{queue}", f"~{queue}{levels}",
-        "~unacked", "~unacked_index", "~unacked_mutex", "~_kombu.binding.*",
+        "~unacked", "~unacked_index", "~unacked_mutex", "~_kombu.binding*",
         "~celery-task-meta-*", "&celery-task-meta-*",
         f"%W~{settings.CELERY_TASK_DEFAULT_QUEUE}",
         f"%W~{settings.CELERY_TASK_DEFAULT_QUEUE}{levels}",
@@ -169,6 +169,20 @@ def revoke(node: Node) -> None:
     if node.db_role:
         _drop_role(node.db_role)
     Node.objects.filter(pk=node.pk).update(fetch_token_hash="", db_role="", redis_user="")
+
+
+def grant_again(node: Node) -> None:
+    """Give the node's role this release's grants (an upgrade whose agent reads or writes a new
+    table or column: `manage.py refresh_node_grants`), and its Redis user this release's rules
+    (its password kept)."""
+    if node.db_role:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for statement in _grants(_identifier(node.db_role)):
+                cursor.execute(statement.as_string(cursor.connection))
+    if node.redis_user:
+        rules = [rule for rule in _redis_rules(node, "") if rule not in ("reset", ">")]
+        _broker().execute_command("ACL", "SETUSER", node.redis_user, "resetkeys",
+                                  "resetchannels", *rules)
 
 
 def _identifier(name: str) -> sql.Identifier:

@@ -4,11 +4,14 @@ removing the node refuses all three from then on, connections already open inclu
 
 from __future__ import annotations
 
+from io import StringIO
+
 import psycopg
 import pytest
 import redis
 from django.contrib.auth.models import User
 from django.contrib.sessions.models import Session
+from django.core.management import call_command
 from django.db import connection
 from knox.models import AuthToken
 from rest_framework.test import APIClient
@@ -80,6 +83,14 @@ def test_a_joined_node_gets_credentials_of_its_own_allowed_only_what_an_agent_do
     # The artifact endpoint's credential.
     header = fetch.auth_header("gpu-b", environment["NODE_FETCH_TOKEN"])["Authorization"]
     assert staging.authenticate(header) == node
+
+    # After an upgrade, the grants are given again; the credentials stay as they were.
+    out = StringIO()
+    call_command("refresh_node_grants", stdout=out)
+    assert "1 node(s)" in out.getvalue()
+    broker.lpush("node.gpu-b", "x")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        broker.lrange("control", 0, -1)
 
 
 def test_removing_a_node_refuses_its_credentials_open_connections_included(
