@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Model
 from psycopg import sql
 
 from audit_app.models import AuditLog
@@ -47,7 +48,6 @@ from serving_app.models import (
     BaseModel,
     Blob,
     Deployment,
-    DeploymentRevision,
     EngineSample,
     Gpu,
     GpuSample,
@@ -57,6 +57,7 @@ from serving_app.models import (
     NodeCacheEntry,
 )
 from serving_app.models.events import Event
+from serving_app.models.revisions import DeploymentRevision
 from tenants_app.models import Tenant
 
 log = logging.getLogger(__name__)
@@ -198,12 +199,14 @@ def _create_role(role: str, password: str) -> None:
             cursor.execute(statement.as_string(cursor.connection))
 
 
-def _tables(models: tuple[type, ...]) -> list[str]:
+def _tables(models: tuple[type[Model], ...]) -> list[str]:
     tables = []
     for model in models:
         tables.append(model._meta.db_table)
-        tables += [field.remote_field.through._meta.db_table
-                   for field in model._meta.local_many_to_many]
+        for field in model._meta.local_many_to_many:
+            through = field.remote_field.through
+            assert through is not None  # resolved once the apps are loaded
+            tables.append(through._meta.db_table)
     return tables
 
 
@@ -211,10 +214,10 @@ def _grants(ident: sql.Identifier) -> list[sql.Composed]:
     grants = [sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
         sql.Identifier(connection.settings_dict["NAME"]), ident)]
     grants.append(sql.SQL("GRANT SELECT ON {} TO {}").format(
-        sql.SQL(", ").join(sql.Identifier(t) for t in sorted(set(_tables(READ)))), ident))
+        sql.SQL(", ").join([sql.Identifier(t) for t in sorted(set(_tables(READ)))]), ident))
     for model, privileges in WRITE.items():
         grants.append(sql.SQL("GRANT {} ON {} TO {}").format(
-            sql.SQL(", ").join(sql.SQL(p) for p in privileges),
+            sql.SQL(", ").join([sql.SQL(p) for p in privileges]),
             sql.Identifier(model._meta.db_table), ident))
     # An insert answers the new row's id (RETURNING): that column must be readable.
     grants.append(sql.SQL("GRANT SELECT (id) ON {} TO {}").format(
@@ -228,7 +231,7 @@ def _grants(ident: sql.Identifier) -> list[sql.Composed]:
     for model, fixed in FIXED_COLUMNS.items():
         columns = [f.column for f in model._meta.concrete_fields if f.column not in fixed]
         grants.append(sql.SQL("GRANT UPDATE ({}) ON {} TO {}").format(
-            sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+            sql.SQL(", ").join([sql.Identifier(c) for c in columns if c]),
             sql.Identifier(model._meta.db_table), ident))
     return grants
 

@@ -149,8 +149,8 @@ def run_join(ns: Namespace, console: str, token: str, env_file: Path):
         timeout=120)
 
 
-def node_of(instance: Instance) -> str:
-    return Node.objects.values_list("name", flat=True).get(pk=instance.node_id)
+def node_of(instance: Instance) -> str | None:
+    return instance.node.name if instance.node_id else None
 
 
 def test_a_host_joins_from_the_console_serves_and_is_drained_and_refused_when_removed(
