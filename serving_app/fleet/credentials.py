@@ -67,7 +67,7 @@ TOKEN_PREFIX = "nt_"
 # What an agent reads (models, with their many-to-many tables).
 READ = (Tenant, BaseModel, LoraAdapter, Deployment, DeploymentRevision, Artifact,
         ArtifactVersion, ArtifactFile, Blob, ArtifactImport, AdapterFileRemoval, Node, Gpu,
-        Instance, NodeCacheEntry)
+        GpuSample, Instance, NodeCacheEntry, EngineSample)
 # Where it writes, and how.
 WRITE = {
     Gpu: ("INSERT", "UPDATE", "DELETE"),
@@ -86,8 +86,9 @@ WRITE = {
 # Columns of these it must never change (what it is, where it belongs, its credentials); every
 # other column it may update.
 FIXED_COLUMNS = {
-    Node: ("id", "name", "fetch_token_hash", "db_role", "redis_user", "draining",
-           "cordoned", "created_at"),
+    # (`created_at` is in the agent's registration's update: Django writes auto_now_add
+    # fields with the others given.)
+    Node: ("id", "name", "fetch_token_hash", "db_role", "redis_user", "draining", "cordoned"),
     Instance: ("id", "deployment_id", "node_id", "revision_id", "secret", "created_at"),
 }
 
@@ -222,9 +223,11 @@ def _grants(ident: sql.Identifier) -> list[sql.Composed]:
     # An insert answers the new row's id (RETURNING): that column must be readable.
     grants.append(sql.SQL("GRANT SELECT (id) ON {} TO {}").format(
         sql.Identifier(AuditLog._meta.db_table), ident))
-    grants.append(sql.SQL("GRANT SELECT (id) ON {}, {} TO {}").format(
-        sql.Identifier(GpuSample._meta.db_table), sql.Identifier(EngineSample._meta.db_table),
-        ident))
+    # The version number of an import of the node's folder is taken under a row lock on its
+    # artifact (serving_app.artifacts.sources.make_version), which PostgreSQL grants only with
+    # an UPDATE privilege: on `created_at`, whose change would mean nothing.
+    grants.append(sql.SQL("GRANT UPDATE (created_at) ON {} TO {}").format(
+        sql.Identifier(Artifact._meta.db_table), ident))
     # Deleting a GPU deletes its links to instances.
     grants.append(sql.SQL("GRANT DELETE ON {} TO {}").format(
         sql.Identifier(Instance.gpus.through._meta.db_table), ident))
