@@ -132,6 +132,10 @@ def _redis_rules(node: Node, password: str) -> list[str | bytes]:
         f"~{queue}", f"~{queue}{levels}",
         "~unacked", "~unacked_index", "~unacked_mutex", "~_kombu.binding*",
         "~celery-task-meta-*", "&celery-task-meta-*",
+        # The gateways' invalidation channel: an instance the agent moves in or out of routing
+        # reaches them at once (gateway_app.invalidation; the agent's REDIS_URL is theirs
+        # unless GATEWAY_REDIS_URL is set apart).
+        "&gw:invalidate",
         f"%W~{settings.CELERY_TASK_DEFAULT_QUEUE}",
         f"%W~{settings.CELERY_TASK_DEFAULT_QUEUE}{levels}",
         "+@all", "-@admin", "-@dangerous",

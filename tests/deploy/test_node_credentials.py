@@ -18,6 +18,7 @@ from rest_framework.test import APIClient
 
 from alerts_app.models import Channel
 from audit_app.models import AuditLog
+from gateway_app import invalidation
 from serving_app.artifacts import fetch, staging
 from serving_app.models import Node, NodeJoinToken, UsageEvent
 from tenants_app.models import ApiKey
@@ -74,9 +75,11 @@ def test_a_joined_node_gets_credentials_of_its_own_allowed_only_what_an_agent_do
     broker = redis.Redis.from_url(environment["REDIS_URL"])
     broker.lpush("node.gpu-b", "x")
     broker.lpush("control", "x")
+    broker.publish(invalidation.CHANNEL, "{}")  # an instance in or out of routing, at once
     for denied in (lambda: broker.lrange("control", 0, -1), lambda: broker.brpop("control", 1),
                    lambda: broker.lpush("node.gpu-a", "x"), lambda: broker.get("other"),
-                   broker.flushdb, lambda: broker.keys("*"), lambda: broker.acl_list()):
+                   broker.flushdb, lambda: broker.keys("*"), lambda: broker.acl_list(),
+                   lambda: broker.publish("/0.celery.pidbox", "x")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             denied()
 
