@@ -225,8 +225,8 @@ def _grants(ident: sql.Identifier) -> list[sql.Composed]:
             sql.SQL(", ").join([sql.SQL(p) for p in privileges]),
             sql.Identifier(model._meta.db_table), ident))
     # An insert answers the new row's id (RETURNING): that column must be readable.
-    grants.append(sql.SQL("GRANT SELECT (id) ON {} TO {}").format(
-        sql.Identifier(AuditLog._meta.db_table), ident))
+    grants.append(sql.SQL("GRANT SELECT (id) ON {}, {} TO {}").format(
+        sql.Identifier(AuditLog._meta.db_table), sql.Identifier(Event._meta.db_table), ident))
     # The version number of an import of the node's folder is taken under a row lock on its
     # artifact (serving_app.artifacts.sources.make_version), which PostgreSQL grants only with
     # an UPDATE privilege: on `created_at`, whose change would mean nothing.
