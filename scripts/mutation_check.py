@@ -74,8 +74,8 @@ BREAKAGES = (
     Breakage(
         "node-role-moves-instances",
         "serving_app/fleet/credentials.py",
-        'Instance: ("id", "deployment_id", "node_id", "revision_id",',
-        'Instance: ("id", "deployment_id", "revision_id",',
+        '("id", "deployment_id", "node_id", "revision_id", "secret",',
+        '("id", "deployment_id", "revision_id", "secret",',
         ("tests/deploy/test_node_credentials.py::test_a_joined_node_gets_credentials_of_its_own_allowed_only_what_an_agent_does",),
     ),
     Breakage(

@@ -7,6 +7,7 @@ from django.db import transaction
 from django.db.models.signals import post_delete
 
 from audit_app.registry import exclude, track
+from serving_app.fleet import credentials
 
 if TYPE_CHECKING:
     from serving_app.models import LoraAdapter, Node
@@ -17,8 +18,6 @@ def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> N
 
 
 def _node_deleted(sender: type, instance: Node, **kwargs: object) -> None:
-    from serving_app.fleet import credentials  # models are loaded only once apps are ready
-
     if instance.db_role or instance.redis_user:
         transaction.on_commit(lambda: credentials.revoke(instance))
 

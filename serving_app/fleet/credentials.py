@@ -31,66 +31,64 @@ import logging
 import secrets
 import urllib.parse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
+from django.apps import apps
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Model
 from psycopg import sql
 
-from audit_app.models import AuditLog
-from serving_app.models import (
-    AdapterFileRemoval,
-    Artifact,
-    ArtifactFile,
-    ArtifactImport,
-    ArtifactVersion,
-    BaseModel,
-    Blob,
-    Deployment,
-    EngineSample,
-    Gpu,
-    GpuSample,
-    Instance,
-    LoraAdapter,
-    Node,
-    NodeCacheEntry,
-)
-from serving_app.models.events import Event
-from serving_app.models.revisions import DeploymentRevision
-from tenants_app.models import Tenant
+if TYPE_CHECKING:
+    from serving_app.models import Node
 
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "nt_"
 
-# What an agent reads (models, with their many-to-many tables).
-READ = (Tenant, BaseModel, LoraAdapter, Deployment, DeploymentRevision, Artifact,
-        ArtifactVersion, ArtifactFile, Blob, ArtifactImport, AdapterFileRemoval, Node, Gpu,
-        GpuSample, Instance, NodeCacheEntry, EngineSample)
+# Models by label, resolved when used: the app's post_delete receiver imports this module
+# while the apps load.
+# What an agent reads (with their many-to-many tables).
+READ = ("tenants_app.Tenant", "serving_app.BaseModel", "serving_app.LoraAdapter",
+        "serving_app.Deployment", "serving_app.DeploymentRevision", "serving_app.Artifact",
+        "serving_app.ArtifactVersion", "serving_app.ArtifactFile", "serving_app.Blob",
+        "serving_app.ArtifactImport", "serving_app.AdapterFileRemoval", "serving_app.Node",
+        "serving_app.Gpu", "serving_app.GpuSample", "serving_app.Instance",
+        "serving_app.NodeCacheEntry", "serving_app.EngineSample")
 # Where it writes, and how.
 WRITE = {
-    Gpu: ("INSERT", "UPDATE", "DELETE"),
-    GpuSample: ("INSERT", "DELETE"),
-    EngineSample: ("INSERT",),
-    NodeCacheEntry: ("INSERT", "UPDATE", "DELETE"),
-    Event: ("INSERT",),
-    AuditLog: ("INSERT",),
+    "serving_app.Gpu": ("INSERT", "UPDATE", "DELETE"),
+    "serving_app.GpuSample": ("INSERT", "DELETE"),
+    "serving_app.EngineSample": ("INSERT",),
+    "serving_app.NodeCacheEntry": ("INSERT", "UPDATE", "DELETE"),
+    "serving_app.Event": ("INSERT",),
+    "audit_app.AuditLog": ("INSERT",),
     # An import of a folder of the node's host makes the version (serving_app.artifacts.sources).
-    ArtifactVersion: ("INSERT",),
-    ArtifactFile: ("INSERT",),
-    Blob: ("INSERT",),
-    ArtifactImport: ("UPDATE",),
-    LoraAdapter: ("UPDATE",),  # last_error, as the agent loads it
+    "serving_app.ArtifactVersion": ("INSERT",),
+    "serving_app.ArtifactFile": ("INSERT",),
+    "serving_app.Blob": ("INSERT",),
+    "serving_app.ArtifactImport": ("UPDATE",),
+    "serving_app.LoraAdapter": ("UPDATE",),  # last_error, as the agent loads it
 }
 # Columns of these it must never change (what it is, where it belongs, its credentials); every
 # other column it may update.
 FIXED_COLUMNS = {
     # (`created_at` is in the agent's registration's update: Django writes auto_now_add
     # fields with the others given.)
-    Node: ("id", "name", "fetch_token_hash", "db_role", "redis_user", "draining", "cordoned"),
-    Instance: ("id", "deployment_id", "node_id", "revision_id", "secret", "created_at"),
+    "serving_app.Node": ("id", "name", "fetch_token_hash", "db_role", "redis_user", "draining",
+                         "cordoned"),
+    "serving_app.Instance": ("id", "deployment_id", "node_id", "revision_id", "secret",
+                             "created_at"),
 }
+
+
+def _model(label: str) -> type[Model]:
+    return apps.get_model(label)
+
+
+def _table(label: str) -> sql.Identifier:
+    return sql.Identifier(_model(label)._meta.db_table)
 
 
 @dataclass
@@ -156,8 +154,8 @@ def issue(node: Node) -> Issued:
     except Exception:
         _drop_role(role)
         raise
-    Node.objects.filter(pk=node.pk).update(db_role=role, redis_user=user,
-                                           fetch_token_hash=token_digest(token))
+    type(node).objects.filter(pk=node.pk).update(db_role=role, redis_user=user,
+                                                 fetch_token_hash=token_digest(token))
     node.db_role, node.redis_user = role, user
     return Issued(database_url=_with_user(settings.NODE_JOIN_DATABASE_URL, role, db_password),
                   redis_url=_with_user(settings.NODE_JOIN_REDIS_URL, user, redis_password),
@@ -174,7 +172,8 @@ def revoke(node: Node) -> None:
             log.exception("node %s: could not delete Redis user %s", node.name, node.redis_user)
     if node.db_role:
         _drop_role(node.db_role)
-    Node.objects.filter(pk=node.pk).update(fetch_token_hash="", db_role="", redis_user="")
+    type(node).objects.filter(pk=node.pk).update(fetch_token_hash="", db_role="",
+                                                 redis_user="")
 
 
 def grant_again(node: Node) -> None:
@@ -204,9 +203,9 @@ def _create_role(role: str, password: str) -> None:
             cursor.execute(statement.as_string(cursor.connection))
 
 
-def _tables(models: tuple[type[Model], ...]) -> list[str]:
+def _tables(labels: tuple[str, ...]) -> list[str]:
     tables = []
-    for model in models:
+    for model in map(_model, labels):
         tables.append(model._meta.db_table)
         for field in model._meta.local_many_to_many:
             through = field.remote_field.through
@@ -220,26 +219,27 @@ def _grants(ident: sql.Identifier) -> list[sql.Composed]:
         sql.Identifier(connection.settings_dict["NAME"]), ident)]
     grants.append(sql.SQL("GRANT SELECT ON {} TO {}").format(
         sql.SQL(", ").join([sql.Identifier(t) for t in sorted(set(_tables(READ)))]), ident))
-    for model, privileges in WRITE.items():
+    for label, privileges in WRITE.items():
         grants.append(sql.SQL("GRANT {} ON {} TO {}").format(
-            sql.SQL(", ").join([sql.SQL(p) for p in privileges]),
-            sql.Identifier(model._meta.db_table), ident))
+            sql.SQL(", ").join([sql.SQL(p) for p in privileges]), _table(label), ident))
     # An insert answers the new row's id (RETURNING): that column must be readable.
     grants.append(sql.SQL("GRANT SELECT (id) ON {}, {} TO {}").format(
-        sql.Identifier(AuditLog._meta.db_table), sql.Identifier(Event._meta.db_table), ident))
+        _table("audit_app.AuditLog"), _table("serving_app.Event"), ident))
     # The version number of an import of the node's folder is taken under a row lock on its
     # artifact (serving_app.artifacts.sources.make_version), which PostgreSQL grants only with
     # an UPDATE privilege: on `created_at`, whose change would mean nothing.
     grants.append(sql.SQL("GRANT UPDATE (created_at) ON {} TO {}").format(
-        sql.Identifier(Artifact._meta.db_table), ident))
+        _table("serving_app.Artifact"), ident))
     # Deleting a GPU deletes its links to instances.
+    links = [t for t in _tables(("serving_app.Instance",)) if t.endswith("_gpus")]
     grants.append(sql.SQL("GRANT DELETE ON {} TO {}").format(
-        sql.Identifier(Instance.gpus.through._meta.db_table), ident))
-    for model, fixed in FIXED_COLUMNS.items():
-        columns = [f.column for f in model._meta.concrete_fields if f.column not in fixed]
+        sql.SQL(", ").join([sql.Identifier(t) for t in links]), ident))
+    for label, fixed in FIXED_COLUMNS.items():
+        table = _model(label)._meta
+        columns = [f.column for f in table.concrete_fields if f.column not in fixed]
         grants.append(sql.SQL("GRANT UPDATE ({}) ON {} TO {}").format(
             sql.SQL(", ").join([sql.Identifier(c) for c in columns if c]),
-            sql.Identifier(model._meta.db_table), ident))
+            sql.Identifier(table.db_table), ident))
     return grants
 
 
