@@ -421,6 +421,13 @@ NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
 NODE_JOIN_TOKEN_TTL_MINUTES = env_int("NODE_JOIN_TOKEN_TTL_MINUTES", 60, minimum=1)
 NODE_JOIN_DATABASE_URL = env_str("NODE_JOIN_DATABASE_URL", env_str("DATABASE_URL", ""))
 NODE_JOIN_REDIS_URL = env_str("NODE_JOIN_REDIS_URL", REDIS_URL)
+# What a joining node's URLs carry: a database role, a Redis user and a token of its own, made
+# by the exchange and dropped with the node ("per-node"; the console's database user needs
+# CREATEROLE and its Redis user the ACL command), or the URLs above as they are ("shared").
+NODE_CREDENTIALS = env_choice("NODE_CREDENTIALS", "per-node", ("per-node", "shared"))
+# Node agents with remote control off accept no broadcast from the broker (a node's Redis user
+# may not use the broadcast channel); the join hands nodes "false".
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = env_bool("CELERY_WORKER_ENABLE_REMOTE_CONTROL", True)
 # How long an instance being stopped keeps running for the requests in flight on it, after it
 # left routing (serving_app/deployments/draining.py); then it is stopped whatever still runs.
 DRAIN_TIMEOUT_SECONDS = env_float("DRAIN_TIMEOUT_SECONDS", 120.0, minimum=0.0)

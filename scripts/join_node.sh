@@ -8,8 +8,9 @@
 # scripts/setup_console.sh). Steps, each reported:
 #   1. check the host (scripts/check_node.py: Python, NVML and GPUs, vLLM, disk, address, console)
 #   2. exchange the token for the node's settings (POST /api/v1/node-join/): the node appears in
-#      the console, the token is spent; the settings go to the env file (mode 0600)
-#   3. check again with the settings got: Redis and PostgreSQL reachable from here
+#      the console, the token is spent; the settings, with the node's own database role, Redis
+#      user and token (docs/security.md), go to the env file (mode 0600)
+#   3. check again with the settings got: Redis (as the node's user) and PostgreSQL reachable
 #   4. install and start the systemd unit llm-console-agent@<name> (unless --no-systemd)
 # Options:
 #   --address ADDR       where engines listen and the gateway reaches them (default: the

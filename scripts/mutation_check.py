@@ -72,6 +72,20 @@ BREAKAGES = (
         ("tests/api/test_node_join.py::test_a_token_used_for_another_name_is_refused_and_stays_open",),
     ),
     Breakage(
+        "node-role-moves-instances",
+        "serving_app/fleet/credentials.py",
+        '("id", "deployment_id", "node_id", "revision_id", "secret",',
+        '("id", "deployment_id", "revision_id", "secret",',
+        ("tests/deploy/test_node_credentials.py::test_a_joined_node_gets_credentials_of_its_own_allowed_only_what_an_agent_does",),
+    ),
+    Breakage(
+        "node-removal-keeps-its-role",
+        "serving_app/fleet/credentials.py",
+        "        _drop_role(node.db_role)\n",
+        "        pass\n",
+        ("tests/deploy/test_node_credentials.py::test_removing_a_node_refuses_its_credentials_open_connections_included",),
+    ),
+    Breakage(
         "cache-hands-out-unverified-files",
         "serving_app/artifacts/cache.py",
         "                    sha256_of(blob) == entry.sha256:\n",

@@ -3,16 +3,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from django.apps import AppConfig
+from django.db import transaction
 from django.db.models.signals import post_delete
 
 from audit_app.registry import exclude, track
+from serving_app.fleet import credentials
 
 if TYPE_CHECKING:
-    from serving_app.models import LoraAdapter
+    from serving_app.models import LoraAdapter, Node
 
 
 def _adapter_deleted(sender: type, instance: LoraAdapter, **kwargs: object) -> None:
     instance.release_files()
+
+
+def _node_deleted(sender: type, instance: Node, **kwargs: object) -> None:
+    if instance.db_role or instance.redis_user:
+        transaction.on_commit(lambda: credentials.revoke(instance))
 
 
 class ServingAppConfig(AppConfig):
@@ -25,6 +32,9 @@ class ServingAppConfig(AppConfig):
         # deleted it (the tenant's cascade too).
         post_delete.connect(_adapter_deleted, sender=self.get_model("LoraAdapter"),
                             dispatch_uid="adapter-files")
+        # A deleted node's database role and Redis user are dropped, whatever deleted it.
+        post_delete.connect(_node_deleted, sender=self.get_model("Node"),
+                            dispatch_uid="node-credentials")
         # What people change is audited; what the control plane writes (agents' heartbeats and
         # readings, placement and load errors) is named here and is no change of its own.
         # docs/architecture.md ("The audit log") says why each exclusion is one.
@@ -35,7 +45,8 @@ class ServingAppConfig(AppConfig):
         track(self.get_model("Autoscaler"), ignore=[
             "recommendations", "last_scaled_at", "last_decision", "last_evaluated_at",
         ])
-        track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"])
+        track(self.get_model("Node"), ignore=["agent_pid", "last_heartbeat", "inventory_source"],
+              secret=["fetch_token_hash"])
         track(self.get_model("NodeJoinToken"), secret=["token_hash"])
         track(self.get_model("Gpu"), ignore=[
             "memory_used_bytes", "utilization_percent", "temperature_c", "power_w", "processes",

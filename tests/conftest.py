@@ -8,12 +8,15 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from django.db import OperationalError
+from django.db import OperationalError, connection
 from django.db.backends.base.operations import BaseDatabaseOperations
 from rest_framework.test import APIClient
 
+from serving_app.fleet import credentials
+from serving_app.models import Node
 from tenants_app.models import Role, Tenant
 from tests.factories import add_member, make_base_model, make_tenant, make_user
+from tests.redis_server import PrivateRedis
 
 
 @dataclass
@@ -80,6 +83,29 @@ def _storage_roots(settings, tmp_path, tmp_path_factory):
     # The console's artifact blob store and node caches: each test's own.
     settings.ARTIFACT_STORE_ROOT = tmp_path_factory.mktemp("artifact-store")
     settings.NODE_CACHE_DIR = tmp_path_factory.mktemp("node-caches")
+
+
+@pytest.fixture
+def per_node_credentials(settings, tmp_path):
+    """Joins make a database role, a Redis user and a token per node (as in production; the
+    test settings make joins hand out the shared URLs), on a broker Redis of the test's own:
+    ACL users are server-wide, and none may be left on the machine's shared Redis. Roles a
+    failed test left are dropped."""
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    server = PrivateRedis(folder)
+    server.start()
+    db = connection.settings_dict
+    settings.NODE_CREDENTIALS = "per-node"
+    settings.CELERY_BROKER_URL = settings.NODE_JOIN_REDIS_URL = server.url
+    settings.NODE_JOIN_DATABASE_URL = (
+        f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}")
+    try:
+        yield server
+    finally:
+        for node in Node.objects.exclude(db_role=""):
+            credentials.revoke(node)
+        server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -21,3 +21,9 @@ STORAGES = {
     **STORAGES,  # noqa: F405
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
+
+# A join makes a database role and a Redis ACL user, both server-wide: on the machine's shared
+# PostgreSQL and Redis they would outlive a failed test and reach other runs. Tests of the join
+# flow itself use the installation's URLs; those of per-node credentials
+# (tests/deploy/conftest.py, `per_node_credentials`) turn them on with a Redis of their own.
+NODE_CREDENTIALS = "shared"

@@ -2,13 +2,15 @@
 exchange a joining host makes (`POST /api/v1/node-join/`, authenticated by the token alone).
 
 What the exchange hands the node is what the trust model of docs/security.md ("What a node is
-trusted with") says a node needs today: the control database's and Redis' URLs (the agent works
-through the ORM and the Celery broker), a `SECRET_KEY` of its own (the agent signs nothing the
-console checks, so the console's key never leaves it), its name, queue and address.
+trusted with") says a node needs: a database role, a Redis user and a node token of its own
+(`serving_app.fleet.credentials`; with `NODE_CREDENTIALS=shared`, the installation's URLs as
+they are), a `SECRET_KEY` of its own (the agent signs nothing the console checks, so the
+console's key never leaves it), its name, queue and address.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import shlex
 from datetime import timedelta
@@ -24,6 +26,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from serving_app.fleet import credentials
 from serving_app.models import Node, NodeJoinToken
 from serving_app.models.joins import JoinRefused
 from tenants_app.api.base import IsStaff, ScopedQuerysetMixin
@@ -48,14 +51,20 @@ def name_problem(node_name: str) -> str | None:
     return None
 
 
-def node_environment(node: Node, gpus: str) -> dict[str, str]:
-    import os
-
+def node_environment(node: Node, gpus: str, console_url: str) -> dict[str, str]:
+    """The node's settings; with per-node credentials, its role, Redis user and token are made
+    now (and dropped again if this fails)."""
     environment = {
         "NODE_NAME": node.name, "NODE_ADDRESS": node.address, "NODE_GPUS": gpus,
+        "NODE_CONSOLE_URL": console_url,
         "DATABASE_URL": settings.NODE_JOIN_DATABASE_URL, "REDIS_URL": settings.NODE_JOIN_REDIS_URL,
         "SECRET_KEY": secrets.token_urlsafe(50),
     }
+    if settings.NODE_CREDENTIALS == "per-node":
+        issued = credentials.issue(node)
+        environment |= {"DATABASE_URL": issued.database_url, "REDIS_URL": issued.redis_url,
+                        "NODE_FETCH_TOKEN": issued.token,
+                        "CELERY_WORKER_ENABLE_REMOTE_CONTROL": "false"}
     environment |= {name: os.environ[name] for name in SHARED_SETTINGS if os.environ.get(name)}
     return environment
 
@@ -190,7 +199,14 @@ class NodeJoinView(APIView):
         except IntegrityError:  # another host took the name between the check and now
             return Response({"detail": f"A node named {data['name']} exists already.",
                              "code": "node_exists"}, status=status.HTTP_409_CONFLICT)
+        try:
+            environment = node_environment(node, data["gpus"], request.build_absolute_uri("/"))
+        except Exception:
+            # No node without its credentials: the name is free again (the token stays spent).
+            node.delete()
+            raise
         NodeJoinToken.objects.filter(pk=token.pk).update(node=node)
-        return Response({"node": node.name, "queue": node.queue,
-                         "environment": node_environment(node, data["gpus"])},
-                        status=status.HTTP_201_CREATED)
+        response = Response({"node": node.name, "queue": node.queue, "environment": environment},
+                            status=status.HTTP_201_CREATED)
+        response["Cache-Control"] = "no-store"
+        return response

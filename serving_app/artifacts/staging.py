@@ -3,10 +3,11 @@ engine starts, import a folder of its host, and say what it holds.
 
 The node's cache folder and quota come from its agent's environment (NODE_CACHE_DIR,
 NODE_CACHE_QUOTA_MB; `NodeCacheConfig.from_environment()`). Files come from the console
-(NODE_CONSOLE_URL) with the node's own token: the agent makes one when it first needs it and
-records its SHA-256 on the node (a node's credential; the packaging issue's join token replaces
-it where that has landed). Every fetch's progress goes on the node's `NodeCacheEntry` and on
-the instance waiting for it; a failure names the artifact and the reason.
+(NODE_CONSOLE_URL) with the node's own token: a joined node's comes in NODE_FETCH_TOKEN, made
+by the join exchange (`serving_app.fleet.credentials`); the agent of a node that did not join
+makes one when it first needs it and records its SHA-256 on the node. Every fetch's progress
+goes on the node's `NodeCacheEntry` and on the instance waiting for it; a failure names the
+artifact and the reason.
 """
 
 from __future__ import annotations
@@ -78,14 +79,15 @@ def hash_token(token: str) -> str:
 
 
 def node_token(node_name: str) -> str:
-    """This agent's token for the console's artifact endpoint (NODE_FETCH_TOKEN, else one made
-    now); its hash is recorded on the node."""
+    """This agent's token for the console's artifact endpoint: NODE_FETCH_TOKEN (a joined
+    node's, whose hash the join exchange recorded: its database role may not change it), else
+    one made now, its hash recorded on the node (a node that did not join)."""
     with _tokens_lock:
         token = _tokens.get(node_name) or os.environ.get("NODE_FETCH_TOKEN") or \
             secrets.token_urlsafe(32)
         _tokens[node_name] = token
-    Node.objects.filter(name=node_name).exclude(fetch_token_hash=hash_token(token)).update(
-        fetch_token_hash=hash_token(token))
+    if not Node.objects.filter(name=node_name, fetch_token_hash=hash_token(token)).exists():
+        Node.objects.filter(name=node_name).update(fetch_token_hash=hash_token(token))
     return token
 
 

@@ -588,7 +588,13 @@ class Node(models.Model):
         help_text="Where other nodes fetch the files of its cache (its agent's peer server).")
     fetch_token_hash = models.CharField(
         max_length=64, blank=True, default="", editable=False,
-        help_text="SHA-256 of the token this node's agent fetches artifacts with.")
+        help_text="SHA-256 of the node's token: what its agent fetches artifacts with (made "
+                  "by the join exchange, or by the agent of a node that did not join).")
+    # The node's own database role and Redis user, made by the join exchange and dropped when
+    # the node is deleted (serving_app/fleet/credentials.py); blank for a node that did not join
+    # (its agent runs with the installation's shared URLs).
+    db_role = models.CharField(max_length=63, blank=True, default="", editable=False)
+    redis_user = models.CharField(max_length=100, blank=True, default="", editable=False)
     agent_pid = models.PositiveIntegerField(null=True, blank=True, editable=False)
     last_heartbeat = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -78,9 +78,10 @@ class RevokeJoinTokenView(StaffPage, View):
 
 class RemoveNodeView(StaffPage, View):
     """Remove a node: one that still runs instances is drained first (remove it again once it
-    runs none); an empty one is deleted, with its open join tokens revoked. Its credentials are
-    the installation's shared ones (docs/security.md, "What a node is trusted with"): the
-    message says to stop its agent and when to rotate them."""
+    runs none); an empty one is deleted, with its open join tokens revoked, and its own
+    credentials with it (the app's post_delete receiver). A node without credentials of its
+    own used the installation's (docs/security.md, "What a node is trusted with"): the
+    message says to stop its agent and when to rotate those."""
 
     def post(self, request: HttpRequest, pk: int) -> HttpResponse:
         node = get_object_or_404(Node, pk=pk)
@@ -94,12 +95,14 @@ class RemoveNodeView(StaffPage, View):
                 messages.warning(request, f"{node.name} still runs {running} instance(s): it is "
                                           "draining now; remove it once it runs none.")
             return redirect("console:node-detail", pk=node.pk)
-        name = node.name
+        name, own_credentials = node.name, bool(node.db_role)
         for token in NodeJoinToken.objects.filter(node_name=name, used_at=None, revoked_at=None):
             token.revoke()
-        node.delete()  # audited (the node's delete entry)
-        messages.success(request, (
-            f"Removed {name}. Stop its agent on the host (systemctl disable --now "
-            f"llm-console-agent@{name}); its database and Redis credentials are the "
-            "installation's: rotate them if the host is no longer trusted."))
+        node.delete()  # audited (the node's delete entry); its own credentials are dropped
+        stop = (f"Removed {name}. Stop its agent on the host (systemctl disable --now "
+                f"llm-console-agent@{name}); ")
+        messages.success(request, stop + (
+            "its database role, Redis user and token are revoked." if own_credentials else
+            "its database and Redis credentials are the installation's: rotate them if the "
+            "host is no longer trusted."))
         return redirect("console:node-list")

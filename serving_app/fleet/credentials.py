@@ -1,0 +1,259 @@
+"""A joined node's own credentials, made by the join exchange and dropped with the node
+(docs/security.md, "What a node is trusted with").
+
+A node agent works through the control database (the ORM) and the Celery broker, so it cannot
+do without credentials for both; what it gets is narrowed to what an agent does:
+
+- **a PostgreSQL role of its own** (`llmnode_<name>_<random>`, a random password) with read
+  access to the serving tables an agent reads (deployments, models, adapters, artifacts,
+  instances, nodes, and tenants' names and limits), and writes only where an agent writes: its
+  GPUs and samples, engine samples, cache entries, events, audit entries (insert only), and
+  the columns of instances and nodes an agent reports (state, port, pid, errors, heartbeat...).
+  It cannot move an instance to another node or deployment, make instances, change any node's
+  token or credentials, or read users, sessions, API tokens and keys, invitations, usage,
+  alerts, guardrail policies or the audit log. Grants are per table, not per row: a node can
+  read and update the rows of other nodes' instances too (row-level security is not there yet).
+- **a Redis ACL user of its own** (Redis 6+), allowed its own queue, the shared keys of Celery's
+  Redis transport (`unacked*`, `_kombu.binding*`, results), to push (not read) the control
+  queue, and no admin or dangerous command (no FLUSHALL, KEYS, CONFIG, ACL, ...).
+- **a node token** (`NODE_FETCH_TOKEN`), stored as its SHA-256 on the node, with which it
+  fetches artifacts (`Authorization: Node <name>:<token>`).
+
+Deleting the node (Remove on its page, the API, the admin) drops the role (ending its
+sessions), deletes the Redis user (which closes its connections) and clears the token: the old
+credentials are refused from then on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import urllib.parse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import redis
+from django.apps import apps
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Model
+from psycopg import sql
+
+if TYPE_CHECKING:
+    from serving_app.models import Node
+
+log = logging.getLogger(__name__)
+
+TOKEN_PREFIX = "nt_"
+
+# Models by label, resolved when used: the app's post_delete receiver imports this module
+# while the apps load.
+# What an agent reads (with their many-to-many tables).
+READ = ("tenants_app.Tenant", "serving_app.BaseModel", "serving_app.LoraAdapter",
+        "serving_app.Deployment", "serving_app.DeploymentRevision", "serving_app.Artifact",
+        "serving_app.ArtifactVersion", "serving_app.ArtifactFile", "serving_app.Blob",
+        "serving_app.ArtifactImport", "serving_app.AdapterFileRemoval", "serving_app.Node",
+        "serving_app.Gpu", "serving_app.GpuSample", "serving_app.Instance",
+        "serving_app.InstanceWorker", "serving_app.NodeCacheEntry", "serving_app.EngineSample")
+# Where it writes, and how.
+WRITE = {
+    "serving_app.Gpu": ("INSERT", "UPDATE", "DELETE"),
+    "serving_app.GpuSample": ("INSERT", "DELETE"),
+    "serving_app.EngineSample": ("INSERT",),
+    "serving_app.NodeCacheEntry": ("INSERT", "UPDATE", "DELETE"),
+    "serving_app.Event": ("INSERT",),
+    "audit_app.AuditLog": ("INSERT",),
+    # An import of a folder of the node's host makes the version (serving_app.artifacts.sources).
+    "serving_app.ArtifactVersion": ("INSERT",),
+    "serving_app.ArtifactFile": ("INSERT",),
+    "serving_app.Blob": ("INSERT",),
+    "serving_app.ArtifactImport": ("UPDATE",),
+    "serving_app.LoraAdapter": ("UPDATE",),  # last_error, as the agent loads it
+}
+# Columns of these it must never change (what it is, where it belongs, its credentials); every
+# other column it may update.
+FIXED_COLUMNS = {
+    # (`created_at` is in the agent's registration's update: Django writes auto_now_add
+    # fields with the others given.)
+    "serving_app.Node": ("id", "name", "fetch_token_hash", "db_role", "redis_user", "draining",
+                         "cordoned"),
+    "serving_app.Instance": ("id", "deployment_id", "node_id", "revision_id", "secret",
+                             "created_at"),
+    # A multi-node instance's headless worker: its agent reports its state and process.
+    "serving_app.InstanceWorker": ("id", "instance_id", "node_id", "node_rank", "created_at"),
+}
+
+
+def _model(label: str) -> type[Model]:
+    return apps.get_model(label)
+
+
+def _table(label: str) -> sql.Identifier:
+    return sql.Identifier(_model(label)._meta.db_table)
+
+
+@dataclass
+class Issued:
+    """What a node is handed: its URLs and token (never stored as they are)."""
+
+    database_url: str
+    redis_url: str
+    token: str
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _with_user(url: str, user: str, password: str) -> str:
+    """`url` with its user and password replaced (both quoted)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = (f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@"
+              f"{host}{f':{parts.port}' if parts.port else ''}")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _broker() -> redis.Redis:
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=5,
+                                socket_connect_timeout=5)
+
+
+def _redis_rules(node: Node, password: str) -> list[str | bytes]:
+    queue = node.queue
+    # kombu's Redis transport keeps a queue's priority levels in lists named
+    # "<queue>\x06\x16<n>"; a node's BRPOP names them all.
+    levels = "\x06\x16*"
+    return [
+        "reset", "on", f">{password}",
+        f"~{queue}", f"~{queue}{levels}",
+        "~unacked", "~unacked_index", "~unacked_mutex", "~_kombu.binding*",
+        "~celery-task-meta-*", "&celery-task-meta-*",
+        # The gateways' invalidation channel: an instance the agent moves in or out of routing
+        # reaches them at once (gateway_app.invalidation; the agent's REDIS_URL is theirs
+        # unless GATEWAY_REDIS_URL is set apart).
+        "&gw:invalidate",
+        f"%W~{settings.CELERY_TASK_DEFAULT_QUEUE}",
+        f"%W~{settings.CELERY_TASK_DEFAULT_QUEUE}{levels}",
+        "+@all", "-@admin", "-@dangerous",
+    ]
+
+
+def issue(node: Node) -> Issued:
+    """Make the node's role, Redis user and token, record them on the node, and answer the
+    URLs it connects with. Raises on failure with nothing left behind."""
+    suffix = secrets.token_hex(3)
+    role = f"llmnode_{node.name.replace('-', '_')}"[:52] + f"_{suffix}"
+    user = f"llmnode:{node.name}:{suffix}"
+    db_password, redis_password = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    _create_role(role, db_password)
+    try:
+        _broker().execute_command("ACL", "SETUSER", user, *_redis_rules(node, redis_password))
+    except Exception:
+        _drop_role(role)
+        raise
+    type(node).objects.filter(pk=node.pk).update(db_role=role, redis_user=user,
+                                                 fetch_token_hash=token_digest(token))
+    node.db_role, node.redis_user = role, user
+    return Issued(database_url=_with_user(settings.NODE_JOIN_DATABASE_URL, role, db_password),
+                  redis_url=_with_user(settings.NODE_JOIN_REDIS_URL, user, redis_password),
+                  token=token)
+
+
+def revoke(node: Node) -> None:
+    """Drop what `issue()` made for the node (each part that exists); its token goes with the
+    node's row, or is cleared here when the row stays."""
+    if node.redis_user:
+        try:
+            _broker().execute_command("ACL", "DELUSER", node.redis_user)
+        except redis.RedisError:
+            log.exception("node %s: could not delete Redis user %s", node.name, node.redis_user)
+    if node.db_role:
+        _drop_role(node.db_role)
+    type(node).objects.filter(pk=node.pk).update(fetch_token_hash="", db_role="",
+                                                 redis_user="")
+
+
+def grant_again(node: Node) -> None:
+    """Give the node's role this release's grants (an upgrade whose agent reads or writes a new
+    table or column: `manage.py refresh_node_grants`), and its Redis user this release's rules
+    (its password kept)."""
+    if node.db_role:
+        with transaction.atomic(), connection.cursor() as cursor:
+            for statement in _grants(_identifier(node.db_role)):
+                cursor.execute(statement.as_string(cursor.connection))
+    if node.redis_user:
+        rules = [rule for rule in _redis_rules(node, "") if rule not in ("reset", ">")]
+        _broker().execute_command("ACL", "SETUSER", node.redis_user, "resetkeys",
+                                  "resetchannels", *rules)
+
+
+def _identifier(name: str) -> sql.Identifier:
+    return sql.Identifier(name)
+
+
+def _create_role(role: str, password: str) -> None:
+    ident = _identifier(role)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+            ident, sql.Literal(password)).as_string(cursor.connection))
+        for statement in _grants(ident):
+            cursor.execute(statement.as_string(cursor.connection))
+
+
+def _tables(labels: tuple[str, ...]) -> list[str]:
+    tables = []
+    for model in map(_model, labels):
+        tables.append(model._meta.db_table)
+        for field in model._meta.local_many_to_many:
+            through = field.remote_field.through
+            assert through is not None  # resolved once the apps are loaded
+            tables.append(through._meta.db_table)
+    return tables
+
+
+def _grants(ident: sql.Identifier) -> list[sql.Composed]:
+    grants = [sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
+        sql.Identifier(connection.settings_dict["NAME"]), ident)]
+    grants.append(sql.SQL("GRANT SELECT ON {} TO {}").format(
+        sql.SQL(", ").join([sql.Identifier(t) for t in sorted(set(_tables(READ)))]), ident))
+    for label, privileges in WRITE.items():
+        grants.append(sql.SQL("GRANT {} ON {} TO {}").format(
+            sql.SQL(", ").join([sql.SQL(p) for p in privileges]), _table(label), ident))
+    # An insert answers the new row's id (RETURNING): that column must be readable.
+    grants.append(sql.SQL("GRANT SELECT (id) ON {}, {} TO {}").format(
+        _table("audit_app.AuditLog"), _table("serving_app.Event"), ident))
+    # The version number of an import of the node's folder is taken under a row lock on its
+    # artifact (serving_app.artifacts.sources.make_version), which PostgreSQL grants only with
+    # an UPDATE privilege: on `created_at`, whose change would mean nothing.
+    grants.append(sql.SQL("GRANT UPDATE (created_at) ON {} TO {}").format(
+        _table("serving_app.Artifact"), ident))
+    # Deleting a GPU deletes its links to instances and to multi-node workers.
+    links = [t for t in _tables(("serving_app.Instance", "serving_app.InstanceWorker"))
+             if t.endswith("_gpus")]
+    grants.append(sql.SQL("GRANT DELETE ON {} TO {}").format(
+        sql.SQL(", ").join([sql.Identifier(t) for t in links]), ident))
+    for label, fixed in FIXED_COLUMNS.items():
+        table = _model(label)._meta
+        columns = [f.column for f in table.concrete_fields if f.column not in fixed]
+        grants.append(sql.SQL("GRANT UPDATE ({}) ON {} TO {}").format(
+            sql.SQL(", ").join([sql.Identifier(c) for c in columns if c]),
+            sql.Identifier(table.db_table), ident))
+    return grants
+
+
+def _drop_role(role: str) -> None:
+    ident = _identifier(role)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role])
+        if cursor.fetchone() is None:
+            return
+        # Its sessions end now, not at their next reconnect.
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE usename = %s", [role])
+        cursor.execute(sql.SQL("DROP OWNED BY {}").format(ident).as_string(cursor.connection))
+        cursor.execute(sql.SQL("DROP ROLE {}").format(ident).as_string(cursor.connection))
