@@ -307,6 +307,9 @@ class InstanceWorkerAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None) -> bool:
         return False
 
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False  # a group's workers go with its instance
+
 
 @admin.register(Instance)
 class InstanceAdmin(admin.ModelAdmin):

@@ -65,6 +65,7 @@ from serving_app.models import (
     Gpu,
     GpuSample,
     Instance,
+    InstanceWorker,
     LoraAdapter,
     Node,
     NodeCacheEntry,
@@ -368,6 +369,11 @@ ADMIN_CASES: dict[str, AdminCase] = {
     "serving_app.Instance": AdminCase(
         make=lambda w: Instance.objects.create(
             deployment=make_deployment(w.base, [w.acme.tenant]))),
+    "serving_app.InstanceWorker": AdminCase(
+        make=lambda w: InstanceWorker.objects.create(
+            instance=Instance.objects.create(deployment=make_deployment(w.base,
+                                                                         [w.acme.tenant])),
+            node_rank=1)),
     "serving_app.GpuSample": AdminCase(make=lambda w: GpuSample.objects.create(gpu=_gpu(w))),
     "serving_app.FleetPlan": AdminCase(
         make=lambda w: FleetPlan.objects.create(name=f"plan{w.n()}", fleet="gpu-a: 1x80GiB",
