@@ -299,6 +299,11 @@ SPECTACULAR_SETTINGS = {
          "description": (
              "An API key's narrowing of its tenant's guardrail policy (stricter only)."
          )},
+        {"name": "guard-models",
+         "description": (
+             "Deployments marked as guard models: the prompt template, the verdicts and which of "
+             "them block (platform admins change them; everyone signed in lists them)."
+         )},
         {"name": "guardrail-patterns",
          "description": (
              "A tenant's own patterns and deny-lists for its guardrail policy."
