@@ -67,15 +67,25 @@ def test_an_adapter_whose_generation_fails_is_never_routed_to(world, gateway, en
         # The gateway knows the model (it is in the tenant's catalog)...
         assert "broken" in {m.id for m in client.models.list().data}
         served_before = engine.metric("vllm:request_success_total")
-        # ...and never sends it to the engine: for three catalog refreshes (0.5 s each here), a
-        # request for it gets an OpenAI-shaped 503, not the engine's NaN-made empty answer.
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
+        # ...and never sends it to the engine: a request for it gets an OpenAI-shaped 503, not
+        # the engine's NaN-made empty answer. Until the gateway's catalog (refreshed every 0.5 s
+        # here) has read the instance's loaded adapters, the 503 says only that no instance is
+        # ready; from then on, for three refreshes, it also says the test generation failed.
+        def refusal() -> str:
             with pytest.raises(openai.APIStatusError) as refused:
                 client.completions.create(model="broken", prompt="Hello", max_tokens=2)
             assert refused.value.status_code == 503
             assert refused.value.code == "model_not_ready", refused.value.body
-            assert "its test generation failed" in refused.value.message
+            return refused.value.message
+
+        noted = "its test generation failed"
+        deadline = time.monotonic() + 10
+        while noted not in refusal():
+            assert time.monotonic() < deadline, "the 503 never named the failed canary"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert noted in refusal()
         assert engine.metric("vllm:request_success_total") == served_before
         # The base model and the good adapters are served as before.
         for model in ("tiny-llama", "style"):
