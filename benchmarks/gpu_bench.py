@@ -44,8 +44,10 @@ is fairness_bench.py's: over the window in which all tenants overlap. The fronti
 customer service's p95 over its p95 alone (same engine) against total output tokens/s over
 FCFS's (`fcfs-8k` in `fcfs` mode). While each point runs, the engine's /metrics are sampled
 (requests running and waiting, KV cache usage) to show the batch it ran. Then two equal
-tenants, both backlogged at different concurrency (48 and 16), FCFS against flow control:
-Jain's index over their weighted served tokens.
+tenants, both backlogged at different concurrency (48 and 16), FCFS against flow control, for
+`--pair-seconds` (60): Jain's index over their weighted served tokens. (The second tenant
+arrives when the first holds every slot and no request is taken back, so it ramps up as slots
+free: a 10 s window measures mostly that ramp.)
 
 Everything it starts is stopped when it ends; `stop` stops the engines.
 """
@@ -443,8 +445,9 @@ def fair(args: argparse.Namespace) -> None:
                     point(f"flow-{budget}", three, "flow", budget)
                 if config == args.pair_config:
                     pair = [("gpu-team-a", args.pair[0]), ("gpu-team-b", args.pair[1])]
-                    point("pair-fcfs", pair, "fcfs")
-                    point(f"pair-flow-{args.pair_budget}", pair, "flow", args.pair_budget)
+                    point("pair-fcfs", pair, "fcfs", seconds=args.pair_seconds)
+                    point(f"pair-flow-{args.pair_budget}", pair, "flow", args.pair_budget,
+                          seconds=args.pair_seconds)
                 results["configs"][config] = out
                 if args.json:  # kept as it goes: a run cut short still leaves its points
                     Path(args.json).write_text(json.dumps(frontier(results), indent=1,
@@ -604,6 +607,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pair-config", default="prio-8k")
     p.add_argument("--pair-clients", default="48,16")
     p.add_argument("--pair-budget", type=int, default=32)
+    # Long against the second tenant's ramp: it arrives when the first holds every slot and
+    # gains them only as requests end (tests/gateway/test_flow_units.py, the closed-loop pair).
+    p.add_argument("--pair-seconds", type=float, default=60.0)
     p.add_argument("--max-prompts", type=int, default=4000)
     p = sub.add_parser("plot")
     p.add_argument("files", nargs="+")
