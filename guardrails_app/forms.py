@@ -30,6 +30,8 @@ RULE_CHOICES = [
     ("block", "block the request"),
 ]
 _NAMED = re.compile(r"`([^`]+)`")
+# A policy's settings beside its rules, in the order the editor shows them.
+SETTINGS = ("restore", *CLASSIFIER_FIELDS, "refuse_non_text")
 
 
 def field_name(direction: Direction | str, detector: str) -> str:
@@ -41,37 +43,18 @@ class PolicyForm(forms.Form):
     back in the answer. `above` is the level above's policy (its rules are shown as what the
     detector must at least do); `detectors` are the ones the policy may name."""
 
-    restore = forms.BooleanField(
-        required=False, label="Restore input values in the answer",
-        help_text="The engine sees placeholders; the tenant's answer gets the original values "
-                  "back (the mapping lives only for the request).")
-
-    classifier = forms.ModelChoiceField(
-        queryset=Deployment.objects.none(), required=False, label="Guard model",
-        empty_label="none", help_text="A deployment marked as a guard model judges each "
-        "request (after redaction) before the tenant's engine sees it.")
-    classifier_timeout_ms = forms.IntegerField(
-        min_value=1, max_value=60000, initial=1000, required=False,
-        label="Guard model timeout (ms)",
-        help_text="How long the gateway waits for the verdict.")
-    classifier_fail_open = forms.BooleanField(
-        required=False, label="Fail open",
-        help_text="Without a verdict in time, let the request through (otherwise it is "
-                  "refused).")
-    refuse_non_text = forms.BooleanField(
-        required=False, label="Refuse non-text content",
-        help_text="Chat messages with image, audio or file parts, which detectors and the "
-                  "guard model cannot read: refuse them (otherwise they pass unread).")
-
     def __init__(self, *args: Any, row: PolicyFields, detectors: dict[str, Detector],
                  above: Policy | None = None, disabled: bool = False, **kwargs: Any) -> None:
-        initial: dict[str, Any] = {"restore": row.restore, "refuse_non_text": row.refuse_non_text,
-                                   **{name: getattr(row, name) for name in CLASSIFIER_FIELDS}}
+        initial: dict[str, Any] = {name: getattr(row, name) for name in SETTINGS}
         for direction in Direction:
             for name, rule in (getattr(row, direction.value) or {}).items():
                 initial[field_name(direction, name)] = str(rule)
         kwargs["initial"] = initial
         super().__init__(*args, **kwargs)
+        # The settings below the detectors' table are the model's fields (their bounds, labels
+        # and help); a blank timeout takes the model's default in save().
+        self.fields.update(forms.fields_for_model(type(row), fields=SETTINGS))
+        self.fields["classifier_timeout_ms"].required = False
         self.row = row
         self.detectors = detectors
         self.above = above
@@ -83,12 +66,12 @@ class PolicyForm(forms.Form):
                     help_text=f"at least {required} (level above)" if required else "",
                     disabled=disabled,
                 )
-        self.fields["restore"].disabled = disabled
         classifier = self.fields["classifier"]
         assert isinstance(classifier, forms.ModelChoiceField)
         classifier.queryset = Deployment.objects.filter(
             pk__in=GuardModel.objects.values("deployment_id")).order_by("name")
-        for name in (*CLASSIFIER_FIELDS, "refuse_non_text"):
+        classifier.empty_label = "none"
+        for name in SETTINGS:
             self.fields[name].disabled = disabled
         if above is not None and above.classifier is not None:
             setting = above.classifier
@@ -104,7 +87,7 @@ class PolicyForm(forms.Form):
 
     def policy_fields(self) -> list[Any]:
         """The settings below the detectors' table, in order."""
-        return [self[name] for name in ("restore", *CLASSIFIER_FIELDS, "refuse_non_text")]
+        return [self[name] for name in SETTINGS]
 
     def rows(self) -> list[dict[str, Any]]:
         """The editor's table: each detector with its description and its two fields."""
@@ -123,11 +106,11 @@ class PolicyForm(forms.Form):
         """Validate through the model (`full_clean()`) and save; a refusal becomes the form's
         errors (on the detector it names) and raises ValidationError, changing nothing."""
         row = self.row
-        names = ("input", "output", "restore", *CLASSIFIER_FIELDS, "refuse_non_text")
+        names = ("input", "output", *SETTINGS)
         before = {name: getattr(row, name) for name in names}
         row.input = self.rules(Direction.INPUT)
         row.output = self.rules(Direction.OUTPUT)
-        for name in ("restore", *CLASSIFIER_FIELDS, "refuse_non_text"):
+        for name in SETTINGS:
             setattr(row, name, self.cleaned_data[name])
         if row.classifier_timeout_ms is None:
             row.classifier_timeout_ms = PolicyFields._meta.get_field(

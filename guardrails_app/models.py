@@ -119,8 +119,9 @@ class PolicyFields(models.Model):
     input = models.JSONField(default=dict, blank=True, help_text=RULES_HELP)
     output = models.JSONField(default=dict, blank=True, help_text=RULES_HELP)
     restore = models.BooleanField(
-        default=True,
-        help_text="Put the tenant's values back in place of input placeholders in the answer.",
+        default=True, verbose_name="restore input values in the answer",
+        help_text="The engine sees placeholders; the tenant's answer gets the original values "
+                  "back (the mapping lives only for the request).",
     )
     classifier = models.ForeignKey(
         Deployment, on_delete=models.PROTECT, null=True, blank=True, related_name="+",
