@@ -36,15 +36,21 @@ MAX_FILES = 10_000
 
 
 def make_version(artifact: Artifact, files: Iterable[FileEntry], source: str,
-                 detail: dict[str, Any] | None = None) -> ArtifactVersion:
+                 detail: dict[str, Any] | None = None,
+                 stored_by_console: bool = False) -> ArtifactVersion:
     """The version holding `files` (each already in the blob store): the latest one if it holds
-    exactly these, else a new one numbered after it."""
+    exactly these, else a new one numbered after it.
+
+    The blob store is checked on this host's disk, which is the console's for every source run
+    by the console; a node agent on another host (its folder import) passes
+    `stored_by_console`: the console answered 201 to each file's PUT, after checking its
+    digest, and its store is not on the agent's disk."""
     files = sorted(files, key=lambda f: f.path)
     if not files:
         raise ValidationError({"files": "An artifact version holds at least one file."})
     store = blobstore.console_store()
     for entry in files:
-        if not store.has(entry.sha256):
+        if not stored_by_console and not store.has(entry.sha256):
             raise ValidationError({"files": f"{entry.path}: its content ({entry.sha256}) is "
                                             "not in the blob store."})
     digest = blobstore.manifest_digest(files)

@@ -305,9 +305,12 @@ def import_node_folder(import_id: int, config: NodeCacheConfig) -> str:
                                    f"{reply.status_code}: {reply.text[:300]}")
             done += entry.size
             ArtifactImport.objects.filter(pk=record.pk).update(bytes_done=done)
+        # Every file reached the console's store (each PUT answered 201), which is not on
+        # this host's disk when the agent runs elsewhere.
         version = sources.make_version(record.artifact, entries,
                                        ArtifactVersion.Source.NODE_FOLDER,
-                                       {"node": config.node, "folder": str(folder)})
+                                       {"node": config.node, "folder": str(folder)},
+                                       stored_by_console=True)
     except (StagingError, OSError, httpx.HTTPError) as exc:
         record.fail(str(exc))
         return "failed"

@@ -7,12 +7,13 @@ names the artifact)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from serving_app import lifecycle
+from serving_app import blobstore, lifecycle
 from serving_app.artifacts import fetch, peer, staging
 from serving_app.artifacts.cache import NodeCache
 from serving_app.blobstore import FileEntry, manifest_digest, manifest_of
@@ -113,8 +114,16 @@ def test_a_node_fetches_a_tenants_adapter_only_while_it_serves_the_tenant(
     assert (folder / "adapter_config.json").is_file()
 
 
-def test_a_folder_on_a_node_is_imported_through_the_console(live_server, node_config, tmp_path):
+def test_a_folder_on_a_node_is_imported_through_the_console(live_server, node_config, tmp_path,
+                                                            monkeypatch):
     config = node_config("node-d")
+    # The agent runs on another host: the console's blob store is not on its disk. The live
+    # server's threads (the console) keep the real one; this thread (the agent) sees an empty one.
+    console_store = blobstore.console_store
+    agents_disk = blobstore.BlobStore(tmp_path / "not-the-console-store")
+    monkeypatch.setattr(blobstore, "console_store", lambda: (
+        agents_disk if threading.current_thread() is threading.main_thread()
+        else console_store()))
     folder = make_model_dir(tmp_path / "on-node-d", "weights")
     artifact = Artifact.objects.create(name="weights", kind="model")
     record = ArtifactImport.objects.create(
