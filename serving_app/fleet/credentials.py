@@ -156,6 +156,7 @@ def issue(node: Node) -> Issued:
     except Exception:
         _drop_role(role)
         raise
+    _keep_users()
     type(node).objects.filter(pk=node.pk).update(db_role=role, redis_user=user,
                                                  fetch_token_hash=token_digest(token))
     node.db_role, node.redis_user = role, user
@@ -172,6 +173,8 @@ def revoke(node: Node) -> None:
             _broker().execute_command("ACL", "DELUSER", node.redis_user)
         except redis.RedisError:
             log.exception("node %s: could not delete Redis user %s", node.name, node.redis_user)
+        else:
+            _keep_users()
     if node.db_role:
         _drop_role(node.db_role)
     type(node).objects.filter(pk=node.pk).update(fetch_token_hash="", db_role="",
@@ -190,6 +193,20 @@ def grant_again(node: Node) -> None:
         rules = [rule for rule in _redis_rules(node, "") if rule not in ("reset", ">")]
         _broker().execute_command("ACL", "SETUSER", node.redis_user, "resetkeys",
                                   "resetchannels", *rules)
+        _keep_users()
+
+
+def _keep_users() -> None:
+    """Write Redis's users to its ACL file (`ACL SAVE`), so that the nodes' users survive a
+    Redis restart. A Redis without an `aclfile` keeps them in memory only: said in the log
+    (docs/security.md says how to give it one); the join itself stands."""
+    try:
+        _broker().execute_command("ACL", "SAVE")
+    except redis.ResponseError as exc:
+        log.warning("Redis keeps the nodes' users only until it restarts (%s): give it an "
+                    "aclfile (docs/security.md)", exc)
+    except redis.RedisError:
+        log.exception("could not save Redis's ACL users")
 
 
 def _identifier(name: str) -> sql.Identifier:

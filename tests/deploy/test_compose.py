@@ -64,7 +64,13 @@ def test_redis_runs_with_the_shipped_configuration():
     config = next(mount for mount in mounts if mount.endswith(":ro"))
     source, target, _ = config.split(":")
     assert (DEPLOY / source).resolve() == DEPLOY / "redis.conf"
-    assert target in COMPOSE["services"]["redis"]["command"]
+    shell, flag, script = COMPOSE["services"]["redis"]["command"]
+    assert (shell, flag) == ("sh", "-c")
+    # The ACL file exists before Redis starts (Redis refuses to start without it) and is used.
+    touch, start = script.split(" && ")
+    assert touch == "touch /data/users.acl"
+    assert start.split() == ["exec", "docker-entrypoint.sh", "redis-server", target, "--dir",
+                             "/data", "--aclfile", "/data/users.acl"]
 
 
 def test_the_node_agent_reserves_the_hosts_gpus():

@@ -243,7 +243,11 @@ def test_the_service_monitor_scrapes_the_consoles_metrics_port(overlay):
 def test_redis_gets_the_shipped_configuration():
     assert (K8S / "base" / "redis.conf").read_text() == (DEPLOY / "redis.conf").read_text()
     redis = one("gpu", "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
-    assert redis["args"][:2] == ["redis-server", "/etc/redis/redis.conf"]
+    assert redis["command"] == ["sh", "-c"]
+    touch, start = redis["args"][0].split(" && ")
+    assert touch == "touch /data/users.acl"  # Redis refuses to start without its ACL file
+    assert start.split() == ["exec", "redis-server", "/etc/redis/redis.conf", "--dir", "/data",
+                             "--aclfile", "/data/users.acl"]
 
 
 def test_every_manifest_file_is_used():

@@ -119,3 +119,23 @@ def test_removing_a_node_refuses_its_credentials_open_connections_included(
         broker.ping()  # its connection was closed; the new one cannot log in
     header = fetch.auth_header("gpu-b", environment["NODE_FETCH_TOKEN"])["Authorization"]
     assert staging.authenticate(header) is None
+
+
+def test_a_nodes_redis_user_survives_a_redis_restart_and_its_removal_too(per_node_credentials,
+                                                                          platform_admin):
+    """The broker has an aclfile (as docs/security.md asks): a join's user is saved to it, so the
+    node logs in again after Redis restarts; a removal is saved too."""
+    environment = joined()
+    per_node_credentials.stop()
+    per_node_credentials.start()
+    broker = redis.Redis.from_url(environment["REDIS_URL"])
+    broker.lpush("node.gpu-b", "x")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        broker.lrange("control", 0, -1)  # its rules came back with it
+
+    node = Node.objects.get(name="gpu-b")
+    assert as_user(platform_admin).delete(f"/api/v1/nodes/{node.pk}/").status_code == 204
+    per_node_credentials.stop()
+    per_node_credentials.start()
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(environment["REDIS_URL"]).ping()
