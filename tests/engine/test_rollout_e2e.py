@@ -46,6 +46,9 @@ class LongStream:
     """A long streamed chat completion through the gateway, read to its end."""
 
     client: Any
+    # Set when it may read on: until then it holds after its first chunk, so that it stays in
+    # flight (the gateway holds the engine back) however fast this machine generates.
+    go_on: threading.Event
     instance: int | None = None  # where the gateway sent it
     chunks: int = 0
     finish_reason: str | None = None
@@ -59,6 +62,8 @@ class LongStream:
                 model="tiny-llama", messages=[{"role": "user", "content": "Tell a long story."}],
                 max_tokens=STREAM_TOKENS, stream=True, extra_body={"ignore_eos": True})
             for chunk in stream:
+                if not self.chunks:
+                    self.go_on.wait(120)
                 self.chunks += 1
                 if chunk.choices and chunk.choices[0].finish_reason:
                     self.finish_reason = chunk.choices[0].finish_reason
@@ -137,13 +142,15 @@ def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stop
         time.sleep(2)
         three = [first_old, second_old, new]
         streams = []
+        go_on = threading.Event()
         for number in range(1, 4):
             before = in_flight(three)
-            streams.append(LongStream(client).start())
+            streams.append(LongStream(client, go_on).start())
             after = wait_for(lambda n=number: (lambda c: c if sum(c.values()) == n else None)(
                 in_flight(three)), 30, f"stream {number} in flight")
             streams[-1].instance = next(pk for pk in after if after[pk] > before[pk])
         assert in_flight(three) == {first_old.pk: 1, second_old.pk: 1, new.pk: 1}
+        go_on.set()
         traffic = Traffic(client).start()
         assert api.post(url + "rollout/resume/").data["state"] == "running"
 
