@@ -151,12 +151,13 @@ def issue(node: Node) -> Issued:
     db_password, redis_password = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     _create_role(role, db_password)
+    broker = _broker()
     try:
-        _broker().execute_command("ACL", "SETUSER", user, *_redis_rules(node, redis_password))
+        broker.execute_command("ACL", "SETUSER", user, *_redis_rules(node, redis_password))
     except Exception:
         _drop_role(role)
         raise
-    _keep_users()
+    _keep_users(broker)
     type(node).objects.filter(pk=node.pk).update(db_role=role, redis_user=user,
                                                  fetch_token_hash=token_digest(token))
     node.db_role, node.redis_user = role, user
@@ -169,12 +170,13 @@ def revoke(node: Node) -> None:
     """Drop what `issue()` made for the node (each part that exists); its token goes with the
     node's row, or is cleared here when the row stays."""
     if node.redis_user:
+        broker = _broker()
         try:
-            _broker().execute_command("ACL", "DELUSER", node.redis_user)
+            broker.execute_command("ACL", "DELUSER", node.redis_user)
         except redis.RedisError:
             log.exception("node %s: could not delete Redis user %s", node.name, node.redis_user)
         else:
-            _keep_users()
+            _keep_users(broker)
     if node.db_role:
         _drop_role(node.db_role)
     type(node).objects.filter(pk=node.pk).update(fetch_token_hash="", db_role="",
@@ -191,17 +193,18 @@ def grant_again(node: Node) -> None:
                 cursor.execute(statement.as_string(cursor.connection))
     if node.redis_user:
         rules = [rule for rule in _redis_rules(node, "") if rule not in ("reset", ">")]
-        _broker().execute_command("ACL", "SETUSER", node.redis_user, "resetkeys",
-                                  "resetchannels", *rules)
-        _keep_users()
+        broker = _broker()
+        broker.execute_command("ACL", "SETUSER", node.redis_user, "resetkeys", "resetchannels",
+                               *rules)
+        _keep_users(broker)
 
 
-def _keep_users() -> None:
+def _keep_users(broker: redis.Redis) -> None:
     """Write Redis's users to its ACL file (`ACL SAVE`), so that the nodes' users survive a
     Redis restart. A Redis without an `aclfile` keeps them in memory only: said in the log
     (docs/security.md says how to give it one); the join itself stands."""
     try:
-        _broker().execute_command("ACL", "SAVE")
+        broker.execute_command("ACL", "SAVE")
     except redis.ResponseError as exc:
         log.warning("Redis keeps the nodes' users only until it restarts (%s): give it an "
                     "aclfile (docs/security.md)", exc)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
+import itertools
+import random
 from collections import Counter
 
 import redis
@@ -14,6 +17,7 @@ from gateway_app import flow
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.metering import Meter
 from serving_app.deployments import inflight
+from serving_app.deployments.sharing import jain_index
 from tests.gateway.conftest import REDIS_URL
 from tests.gateway.test_units import CONFIG
 
@@ -376,11 +380,6 @@ def test_two_equal_closed_loop_tenants_converge_to_equal_service_after_the_ramp(
     settled at the real 256). No slot is taken back from a request, so the second tenant ramps up
     as slots free: over the first 11.6 s after it arrives (the H200 run's window) service is
     uneven, and over 60 s it evens out."""
-    import heapq
-    import random
-
-    from serving_app.deployments.sharing import jain_index
-
     async def scenario(meter):
         rng = random.Random(7)
         engine = Engine(meter, 32)
@@ -388,7 +387,7 @@ def test_two_equal_closed_loop_tenants_converge_to_equal_service_after_the_ramp(
         events: list[tuple[float, int, str]] = []
         timed: set[str] = set()
         now = 0.0
-        seq = iter(range(10**9))
+        seq = itertools.count()
 
         def serve_granted() -> None:
             for rid in engine.running:
@@ -417,16 +416,17 @@ def test_two_equal_closed_loop_tenants_converge_to_equal_service_after_the_ramp(
             await engine.send(t, prompt=1500, completion=256)
             serve_granted()
 
-        def jain(until: float) -> float:
-            counts = [sum(arrival <= s <= until for s in ends) for ends in done.values()]
-            return jain_index(counts) or 0.0
+        def jain(since: float, until: float) -> tuple[float, list[int]]:
+            """Jain's index over the completions in [since, until], and those counts."""
+            counts = [sum(since <= s <= until for s in ends) for ends in done.values()]
+            return jain_index(counts) or 0.0, counts
 
-        short, whole = jain(arrival + 11.6), jain(end)
-        assert short < 0.95, short  # the ramp dominates a short window
-        assert whole >= 0.95, whole
+        short, whole = jain(arrival, arrival + 11.6), jain(arrival, end)
+        assert short[0] < 0.95, short  # the ramp dominates a short window
+        assert whole[0] >= 0.95, whole
         # Once ramped up (the last 30 s), the second holds about 15 of its 16 clients' slots: a
         # slot it frees goes to a waiter of the first before its client has sent again.
-        late = [sum(end - 30 <= s <= end for s in ends) for ends in done.values()]
-        assert (jain_index(late) or 0) >= 0.99, late
+        late = jain(end - 30, end)
+        assert late[0] >= 0.99, late
 
     run(scenario)
