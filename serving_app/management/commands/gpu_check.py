@@ -18,6 +18,7 @@ model's; everything else (layers, heads, KV heads, MLP) is the real shape.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -286,6 +287,41 @@ class Command(BaseCommand):
                 "processes": gpu.get("processes") or [], "cpu_affinity":
                     inventory.cpulist_text(gpu.get("cpu_affinity") or [])}
 
+    @staticmethod
+    def engine_gpu_memory(states: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        """Per deployment: the GPU memory NVML counts for its engine's processes (the server
+        and its children; MPS clients are listed apart from other compute processes), against
+        the engine's `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, both in MiB."""
+        import psutil
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            listed = {}
+            for query in (pynvml.nvmlDeviceGetComputeRunningProcesses,
+                          pynvml.nvmlDeviceGetMPSComputeRunningProcesses):
+                try:
+                    listed.update({p.pid: p.usedGpuMemory or 0 for p in query(handle)})
+                except pynvml.NVMLError:
+                    continue
+        finally:
+            pynvml.nvmlShutdown()
+        out: dict[str, Any] = {}
+        for name, rows in states.items():
+            if not rows or not rows[0]["pid"]:
+                continue
+            pids = {rows[0]["pid"]}
+            with contextlib.suppress(psutil.Error):
+                pids |= {c.pid for c in psutil.Process(rows[0]["pid"]).children(recursive=True)}
+            limit = (rows[0]["environment"] or {}).get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+            on_gpu = sorted(pid for pid in pids if pid in listed)
+            out[name] = {"pids_on_gpu": on_gpu,
+                         "used_mib": sum(listed[pid] for pid in on_gpu) // (1024 * 1024),
+                         "limit_mib": int(limit.split("=")[1].rstrip("M")) if "=" in limit
+                         else None}
+        return out
+
     def chat(self, slug: str, model: str, prompt: str, max_tokens: int = 16,
              timeout: float = 120) -> dict[str, Any]:
         started = time.monotonic()
@@ -526,6 +562,11 @@ class Command(BaseCommand):
         answers = self.at_once([(slug, "llama32-1b-shape", "Hello")
                                 for slug in ("gpu-support", "gpu-code") * 2])
         checks.check("they serve at once", all(a.get("status") == 200 for a in answers), answers)
+        memory = self.engine_gpu_memory(states)
+        checks.check("each engine's GPU memory (NVML) is within its pinned limit",
+                     len(memory) == len(deployments) and all(
+                         m["used_mib"] and m["limit_mib"] and m["used_mib"] <= m["limit_mib"]
+                         for m in memory.values()), memory)
         self.keep_logs(checks, deployments)
         self.stop_all(checks, deployments, "mps")
         time.sleep(2)
