@@ -45,7 +45,8 @@ customer service's p95 over its p95 alone (same engine) against total output tok
 FCFS's (`fcfs-8k` in `fcfs` mode). While each point runs, the engine's /metrics are sampled
 (requests running and waiting, KV cache usage) to show the batch it ran. Then two equal
 tenants, both backlogged at different concurrency (48 and 16), FCFS against flow control, for
-`--pair-seconds` (60): Jain's index over their weighted served tokens. (The second tenant
+`--pair-seconds` (60): Jain's index over their weighted served tokens (`--pair-only`: just
+these two, on `--pair-config`). (The second tenant
 arrives when the first holds every slot and no request is taken back, so it ramps up as slots
 free: a 10 s window measures mostly that ramp.)
 
@@ -433,18 +434,19 @@ def fair(args: argparse.Namespace) -> None:
                     log(f"{config} {name}: CS p95 {cs.get('e2e_p95') or 0:.0f} ms, total "
                         f"{fig['tok_s']:.0f} tok/s, engine {fig['engine']}")
 
+                pair = [("gpu-team-a", args.pair[0]), ("gpu-team-b", args.pair[1])]
                 configure(dep_id, "fcfs", None)
                 log(f"{config}: warming up (not measured)")
-                loads.run(three, args.warmup, 1.0)
-                point("alone", [(CS, args.cs_clients)], "fcfs", seconds=args.alone_seconds,
-                      lead=0.0)
-                point("fcfs", three, "fcfs")
-                if CONFIGS[config]["scheduling_policy"] == "priority":
-                    point("priority", three, "priority")
-                for budget in args.budgets:
-                    point(f"flow-{budget}", three, "flow", budget)
+                loads.run(pair if args.pair_only else three, args.warmup, 1.0)
+                if not args.pair_only:
+                    point("alone", [(CS, args.cs_clients)], "fcfs", seconds=args.alone_seconds,
+                          lead=0.0)
+                    point("fcfs", three, "fcfs")
+                    if CONFIGS[config]["scheduling_policy"] == "priority":
+                        point("priority", three, "priority")
+                    for budget in args.budgets:
+                        point(f"flow-{budget}", three, "flow", budget)
                 if config == args.pair_config:
-                    pair = [("gpu-team-a", args.pair[0]), ("gpu-team-b", args.pair[1])]
                     point("pair-fcfs", pair, "fcfs", seconds=args.pair_seconds)
                     point(f"pair-flow-{args.pair_budget}", pair, "flow", args.pair_budget,
                           seconds=args.pair_seconds)
@@ -518,12 +520,15 @@ def print_frontier(results: dict[str, Any]) -> None:
 # -- the frontier as a picture -----------------------------------------------------------------
 def merged(files: list[str]) -> dict[str, Any]:
     """The configurations of several `fair` runs (one call each on the GPU host: a call there
-    lasts 10 minutes at most) as one result, its frontier computed again over all of them."""
+    lasts 10 minutes at most) as one result, its frontier computed again over all of them.
+    Points merge by name within a configuration, so a `--pair-only` run adds its pair to the
+    configuration's other points."""
     results: dict[str, Any] = {"runs": [], "configs": {}}
     for name in files:
         one = json.loads(Path(name).read_text())
         results["runs"].append({"file": Path(name).name, "args": one.get("args")})
-        results["configs"].update(one["configs"])
+        for config, points in one["configs"].items():  # a later file's point of a name wins
+            results["configs"].setdefault(config, {}).update(points)
     return frontier(results)
 
 
@@ -610,6 +615,8 @@ def parse_args() -> argparse.Namespace:
     # Long against the second tenant's ramp: it arrives when the first holds every slot and
     # gains them only as requests end (tests/gateway/test_flow_units.py, the closed-loop pair).
     p.add_argument("--pair-seconds", type=float, default=60.0)
+    p.add_argument("--pair-only", action="store_true",
+                   help="only the two equal tenants, on --pair-config (a call of its own)")
     p.add_argument("--max-prompts", type=int, default=4000)
     p = sub.add_parser("plot")
     p.add_argument("files", nargs="+")
@@ -624,6 +631,10 @@ def parse_args() -> argparse.Namespace:
             setattr(args, name, items if name == "configs" else [int(x) for x in items])
     if hasattr(args, "pair_clients"):
         args.pair = args.pair_clients
+        if args.pair_config not in CONFIGS:
+            parser.error(f"unknown --pair-config {args.pair_config!r}")
+        if args.pair_only:
+            args.configs = [args.pair_config]
     for config in getattr(args, "configs", []):
         if config not in CONFIGS:
             parser.error(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
