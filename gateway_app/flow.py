@@ -13,16 +13,22 @@ only inside the admission and settlement scripts (`admission.py`), which carry t
 - per deployment, under `gw:{d<id>}:fc`: a list of waiting request ids per tenant (`:q:<t>`),
   each waiter's details (`:w`), the backlogged tenants of each band scored by their virtual
   counter (`:b:<band>`), the bands with waiters (`:bands`), every tenant's virtual counter
-  (`:v`), each band's counter (`:bv`, weighted bands), and per-minute statistics (`:m:<min>`,
-  read for the console by `serving_app.deployments.sharing`, which names these keys).
+  (`:v`), each band's counter (`:bv`, weighted bands), the requests in flight with what each
+  was charged (`:cr`, `:cx` by lease expiry) summed per tenant (`:c`), and per-minute
+  statistics (`:m:<min>`, read for the console by `serving_app.deployments.sharing`, which
+  names these keys).
 
 Fair share within a band is the virtual token counter (VTC, "Fairness in Serving Large Language
 Models", OSDI 2024): a tenant's counter grows by the weighted tokens it is served divided by its
 `fair_share_weight`; the waiter of the backlogged tenant with the smallest counter goes next. A
 request is charged its reservation (prompt bound, every completion at its maximum) when it is
 dispatched, and settlement replaces that by the engine's real count. A tenant that becomes
-backlogged after idling is lifted to the smallest counter of the backlogged tenants of its band
-(or, with none, to the counter of the band's last dispatch), so idling banks no credit.
+backlogged after idling is lifted to the least service settled among the backlogged tenants of
+its band (a counter less the charges of that tenant's requests in flight, `:c`; or, with none,
+the settled service of the band's last dispatch), so idling banks no credit beyond the others'
+requests in flight. Lifted to their counters instead, it would trail them by their
+reservations in flight, which settlement mostly gives back: beside a tenant holding every slot
+it got every other freed slot while the other's refunds kept it ahead (docs/gpu.md).
 Bands are strict (a band is served only while no higher band waits) or weighted (each band has
 its own counter, grown by the weighted tokens it is served divided by the band's weight, and the
 band with the smallest counter goes next, so a low band still progresses). Requests of the
@@ -174,12 +180,60 @@ local function fc_charge(P, band, t, weight, amount, bws)
   redis.call('HINCRBYFLOAT', P .. ':bv', band, amount / bw)
 end
 
--- Dispatch request `rid` of tenant `t` (virtual counter `v`) to `inst`: record it, make `v`
--- the band's floor, charge it, count it and the time it waited.
+-- A request holding a slot is recorded with what it was charged in its tenant's counter
+-- (`:cr`: rid -> "tenant|amount"; `:cx`: rid scored by its lease's expiry), and each tenant's
+-- requests in flight are summed (`:c`). A counter less that sum is the service the tenant has
+-- been settled so far: the level a tenant becoming backlogged is lifted to (`fc_level`).
+local function fc_unhold(P, rid)
+  local e = redis.call('HGET', P .. ':cr', rid)
+  if not e then return end  -- settled already, or its lease expired and it was swept
+  redis.call('HDEL', P .. ':cr', rid)
+  redis.call('ZREM', P .. ':cx', rid)
+  local f = fc_split(e, '|')
+  local left = tonumber(redis.call('HINCRBYFLOAT', P .. ':c', f[1], -tonumber(f[2])))
+  if left <= 1e-6 then redis.call('HDEL', P .. ':c', f[1]) end
+end
+
+-- Holds whose lease expired without a settlement (their gateway died) are let go.
+local function fc_sweep(P, now)
+  for _, rid in ipairs(redis.call('ZRANGEBYSCORE', P .. ':cx', '-inf', now, 'LIMIT', 0, 64)) do
+    fc_unhold(P, rid)
+  end
+end
+
+-- What a tenant of `band` that becomes backlogged is lifted to: the least service settled
+-- among the band's backlogged tenants (counter less what their requests in flight were
+-- charged), or with none, the settled service of the band's last dispatch. Not their counters:
+-- those include the reservations of the requests they have in flight, most of which
+-- settlement gives back, so a tenant arriving beside one that holds every slot would get only
+-- every other freed slot while the other's refunds kept it ahead (the ramp in docs/gpu.md).
+-- What it may bank is bounded by the others' requests in flight.
+local function fc_level(P, band, now)
+  local backlogged = redis.call('ZRANGE', P .. ':b:' .. band, 0, -1, 'WITHSCORES')
+  if #backlogged == 0 then return tonumber(redis.call('HGET', P .. ':floor', band) or '0') end
+  fc_sweep(P, now)
+  local names = {}
+  for i = 1, #backlogged, 2 do names[#names + 1] = backlogged[i] end
+  local held = redis.call('HMGET', P .. ':c', unpack(names))
+  local level = nil
+  for i, _ in ipairs(names) do
+    local settled = tonumber(backlogged[2 * i]) - tonumber(held[i] or '0')
+    if level == nil or settled < level then level = settled end
+  end
+  return level
+end
+
+-- Dispatch request `rid` of tenant `t` (virtual counter `v`) to `inst`: record it and what it
+-- is charged, make `t`'s settled service the band's floor, charge it, count it and the time it
+-- waited.
 local function fc_dispatch(P, now, band, t, v, rid, inst, reserved, lease, weight, charge,
                            waited, bws)
   fc_take(inst, rid, now + lease, reserved)
-  redis.call('HSET', P .. ':floor', band, v)
+  local amount = charge / weight
+  redis.call('HSET', P .. ':cr', rid, t .. '|' .. fc_num(amount))
+  redis.call('ZADD', P .. ':cx', now + lease, rid)
+  local held = tonumber(redis.call('HINCRBYFLOAT', P .. ':c', t, amount)) - amount
+  redis.call('HSET', P .. ':floor', band, fc_num(tonumber(v) - held))
   fc_charge(P, band, t, weight, charge, bws)
   fc_stat(P, now, 'n:' .. t, 1)
   fc_stat(P, now, 'w:' .. t, waited)
@@ -257,8 +311,7 @@ local function fc_enter(fa, rid, now, lease)
   if redis.call('LLEN', P .. ':q:' .. t) == 0 then
     -- Becomes backlogged: lifted so that idling banks no credit.
     local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
-    local low = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')
-    local floor = tonumber(low[2] or redis.call('HGET', P .. ':floor', band) or '0')
+    local floor = fc_level(P, band, now)
     if v < floor then v = floor; redis.call('HSET', P .. ':v', t, fc_num(v)) end
     if redis.call('ZCARD', P .. ':b:' .. band) == 0 then
       local bv = tonumber(redis.call('HGET', P .. ':bv', band) or '0')
@@ -289,6 +342,7 @@ local function fc_settle(fa, rid, now)
   local strict, bws, spec, lease = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
     ARGV[fa + 9], tonumber(ARGV[fa + 10])
   fc_give_back(inst, rid)
+  fc_unhold(P, rid)
   fc_charge(P, band, t, weight, served - charged, bws)
   fc_stat(P, now, 's:' .. t, served)
   fc_pump(P, now, strict, bws, spec, lease, nil)
@@ -325,6 +379,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """ + LUA_LIB + """
 fc_give_back(ARGV[3], ARGV[2])
+fc_unhold(ARGV[1], ARGV[2])
 fc_pump(ARGV[1], now, ARGV[4] == '1', fc_split(ARGV[5], ','), ARGV[6], tonumber(ARGV[7]), nil)
 return 1
 """

@@ -134,8 +134,10 @@ def test_equal_backlogged_tenants_alternate_however_many_each_sends():
         while engine.running:
             await engine.finish()
         order = ["h" if t is heavy else "l" for t in engine.granted]
-        # The first request ran alone; then, while both wait, they alternate.
-        assert order[:9] == ["h", "h", "l", "h", "l", "h", "l", "h", "l"]
+        # The first request ran alone. `light`, backlogged beside it, is lifted to the service
+        # `heavy` has been settled (none yet), not to `heavy`'s counter, which includes that
+        # request in flight: it goes next, then they alternate.
+        assert order[:9] == ["h", "l", "h", "l", "h", "l", "h", "l", "h"]
 
     run(scenario)
 
@@ -367,6 +369,77 @@ def test_a_slot_nobody_waits_for_is_given_back():
         meter.flow.abandon(abandoned, engine.slots[abandoned])
         await settled(lambda: engine.in_flight() == [0])
         assert engine.in_flight() == [0]
+        # Neither given-back slot still counts as a request of `a` in flight.
+        await settled(lambda: not holds(engine)[0])
+        assert holds(engine) == ({}, {}, [])
+
+    run(scenario)
+
+
+def holds(engine: Engine) -> tuple[dict, dict, list]:
+    """The deployment's requests in flight as flow control holds them: per tenant the sum of
+    their charges, per request its tenant and charge, the requests by lease expiry."""
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        key = flow.prefix(engine.deployment)
+        return (client.hgetall(f"{key}:c"), client.hgetall(f"{key}:cr"),
+                client.zrange(f"{key}:cx", 0, -1))
+    finally:
+        client.close()
+
+
+def counter(engine: Engine, t: TenantEntry) -> float:
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return float(client.hget(f"{flow.prefix(engine.deployment)}:v", t.id) or 0)
+    finally:
+        client.close()
+
+
+def test_holds_follow_the_requests_in_flight_and_are_let_go_at_settlement():
+    async def scenario(meter):
+        engine = Engine(meter, 2)
+        a, b = tenant(), tenant(weight=2)
+        first = await engine.send(a, prompt=10, completion=30)
+        await engine.send(b, prompt=10, completion=30)
+        await engine.send(a)  # waits
+        charge = engine.slots[first].charge  # 10 + 2 x 30
+        by_tenant, by_request, expiring = holds(engine)
+        assert by_tenant == {str(a.id): f"{charge:g}", str(b.id): f"{charge / 2:g}"}  # b: weight 2
+        assert by_request[first] == f"{a.id}|{charge:g}" and len(expiring) == 2
+        await engine.finish(first)  # hands the slot to a's waiter, charged 10 + 2 x 10
+        assert holds(engine)[0] == {str(a.id): "30", str(b.id): f"{charge / 2:g}"}
+        while engine.running:
+            await engine.finish()
+        assert holds(engine) == ({}, {}, [])
+
+    run(scenario)
+
+
+def test_a_hold_whose_lease_expired_is_let_go_and_its_late_settlement_changes_nothing():
+    """A gateway that dies never settles its requests: their holds expire with their leases,
+    so the level others are lifted to does not stay low; a settlement that does come later
+    (a request that outlived its lease) is not taken off twice."""
+    async def scenario(meter):
+        engine = Engine(meter, 2)
+        a, b = tenant(), tenant()
+        lost = await engine.send(a)  # charged 30; its gateway "dies"
+        client = redis.Redis.from_url(REDIS_URL)
+        try:  # its lease runs out: the expiry of its slot and of its hold pass
+            client.zadd(inflight.key(engine.instances[0].id), {lost: 1})
+            client.zadd(f"{flow.prefix(engine.deployment)}:cx", {lost: 1})
+        finally:
+            client.close()
+        for _ in range(4):  # two dispatched, two wait: `a` is backlogged, its counter 90
+            await engine.send(a)
+        assert counter(engine, a) == 90
+        assert holds(engine)[0] == {str(a.id): "90"}  # not swept before a lift needs it
+        await engine.send(b)  # lifted to a's settled service: 90 less 60 in flight
+        assert counter(engine, b) == 30
+        assert holds(engine)[0] == {str(a.id): "60"} and lost not in holds(engine)[1]
+        await engine.finish(lost, prompt=10, completion=0)  # settles late, at 10 of its 30
+        assert counter(engine, a) == 70  # its counter is corrected, its holds not again
+        assert holds(engine)[0] == {str(a.id): "60"}
 
     run(scenario)
 
@@ -378,8 +451,12 @@ def test_two_equal_closed_loop_tenants_converge_to_equal_service_after_the_ramp(
     a GPU engine's pace for 256 / 256); admission, settlement and the slot hand-over are the real
     scripts on real Redis, charged as the gateway charges (a byte-based prompt bound of 1,500,
     settled at the real 256). No slot is taken back from a request, so the second tenant ramps up
-    as slots free: over the first 11.6 s after it arrives (the H200 run's window) service is
-    uneven, and over 60 s it evens out."""
+    as slots free. It is lifted to the service the first has been settled, not to the first's
+    counter, which holds the reservations of its 32 requests in flight (most of it given back at
+    settlement): so it takes the freed slots until the two hold as much, and over the first
+    11.6 s after it arrives (the H200 run's window) service is already even. (Lifted to the
+    counter, it took every other freed slot while the first's refunds kept it ahead: Jain 0.875
+    over that window, as the H200 run measured, and 0.984 over 60 s. Now 0.975 and 0.997.)"""
     async def scenario(meter):
         rng = random.Random(7)
         engine = Engine(meter, 32)
@@ -421,9 +498,10 @@ def test_two_equal_closed_loop_tenants_converge_to_equal_service_after_the_ramp(
             counts = [sum(since <= s <= until for s in ends) for ends in done.values()]
             return jain_index(counts) or 0.0, counts
 
+        # The second's requests take 1.5 s: nothing of it can end in the window's first 1.5 s.
         short, whole = jain(arrival, arrival + 11.6), jain(arrival, end)
-        assert short[0] < 0.95, short  # the ramp dominates a short window
-        assert whole[0] >= 0.95, whole
+        assert short[0] >= 0.95, short
+        assert whole[0] >= 0.99, whole
         # Once ramped up (the last 30 s), the second holds about 15 of its 16 clients' slots: a
         # slot it frees goes to a waiter of the first before its client has sent again.
         late = jain(end - 30, end)
