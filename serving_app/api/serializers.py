@@ -439,6 +439,9 @@ class TenantShareSerializer(serializers.Serializer[dict[str, Any]]):
     band = serializers.IntegerField(help_text="The tenant's priority tier (0 critical .. 3 low).")
     weight = serializers.IntegerField(help_text="fair_share_weight")
     queued = serializers.IntegerField(help_text="Requests waiting in the gateway now.")
+    in_flight = serializers.IntegerField(
+        help_text="Requests holding one of the deployment's dispatch slots now."
+    )
     dispatched = serializers.IntegerField()
     waited = serializers.IntegerField(help_text="Dispatched requests that had to wait.")
     left_queue = serializers.IntegerField(help_text="Timed out or disconnected while waiting.")

@@ -2,12 +2,13 @@
 for the console (the keys are named here, in the domain, so that the gateway above and the
 console name the same ones).
 
-The gateway's admission and settlement scripts keep, per deployment, one queue per tenant and
-per-minute counters (`<prefix>:m:<minute>`, kept two hours): per tenant `n:` requests
-dispatched, `w:` milliseconds they waited in all, `b:` requests that had to wait, `x:` requests
-that left the queue without a slot (timeout or disconnect) and `xw:` milliseconds those had
-waited, `s:` weighted tokens served
-(input and output tokens weighted by GATEWAY_FLOW_INPUT/OUTPUT_TOKEN_WEIGHT). `report()` turns
+The gateway's admission and settlement scripts keep, per deployment, one queue per tenant,
+the requests holding a slot with what each was charged (`<prefix>:cr`, their lease expiries
+in `<prefix>:cx`) and per-minute counters (`<prefix>:m:<minute>`, kept two hours): per tenant
+`n:` requests dispatched, `w:` milliseconds they waited in all, `b:` requests that had to
+wait, `x:` requests that left the queue without a slot (timeout or disconnect) and `xw:`
+milliseconds those had waited, `s:` weighted tokens served (input and output tokens weighted
+by GATEWAY_FLOW_INPUT/OUTPUT_TOKEN_WEIGHT). `report()` turns
 the last minutes of them into shares: a tenant's served share against its entitled share
 (its `fair_share_weight` over the weights of the deployment's tenants), and Jain's fairness
 index over the tenants that were backlogged (had a request waiting) in the window, each
@@ -41,6 +42,7 @@ class TenantShare:
     band: int
     weight: int
     queued: int
+    in_flight: int
     dispatched: int
     waited: int
     left_queue: int
@@ -136,6 +138,16 @@ def wait_series(deployment_ids: Iterable[int], end: float, minutes: int,
     return out
 
 
+def in_flight_by_tenant(live: set[bytes], holds: dict[bytes, bytes]) -> dict[int, int]:
+    """Per tenant, its requests holding a slot now: the flow-control holds (`<prefix>:cr`,
+    request id -> "tenant|charge") whose lease has not expired (`live`, from `<prefix>:cx`)."""
+    counts: dict[int, int] = defaultdict(int)
+    for rid, value in holds.items():
+        if rid in live:
+            counts[int(value.split(b"|", 1)[0])] += 1
+    return dict(counts)
+
+
 def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
            tenant_ids: Iterable[int] | None = None) -> FlowReport:
     """The deployment's flow control over the last `minutes`. `tenant_ids` narrows the rows
@@ -152,9 +164,12 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
             pipe.llen(f"{key}:q:{t.pk}")
         for i in instances:
             pipe.zcount(inflight.key(i), now_ms, "+inf")
-        counts = pipe.execute()
+        pipe.zrangebyscore(f"{key}:cx", now_ms, "+inf")
+        pipe.hgetall(f"{key}:cr")
+        *counts, live, holds = pipe.execute()
     queued = dict(zip((t.pk for t in tenants), counts[: len(tenants)], strict=True))
     dispatched_now = dict(zip(instances, counts[len(tenants):], strict=True))
+    in_flight = in_flight_by_tenant(set(live), holds)
     total_weight = sum(t.fair_share_weight for t in tenants) or 1
     total_served = sum(stats[f"s:{t.pk}"] for t in tenants)
     rows = []
@@ -167,6 +182,7 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
             band=int(t.priority_tier),
             weight=t.fair_share_weight,
             queued=queued[t.pk],
+            in_flight=in_flight.get(t.pk, 0),
             dispatched=n,
             waited=waited,
             left_queue=int(stats[f"x:{t.pk}"]),

@@ -43,6 +43,9 @@ def shared(acme, globex, base_model):
     client.zadd(inflight.key(instance.pk), {"r3": now_ms + 60_000,
                                                     "r4": now_ms + 60_000,
                                                     "gone": now_ms - 1})
+    # The same requests as flow control holds them, with their tenants: `gone`'s lease is over.
+    client.hset(f"{key}:cr", mapping={"r3": f"{a}|300", "r4": f"{g}|100", "gone": f"{a}|50"})
+    client.zadd(f"{key}:cx", {"r3": now_ms + 60_000, "r4": now_ms + 60_000, "gone": now_ms - 1})
     yield {"deployment": deployment, "instance": instance}
     for stale in client.scan_iter(key + ":*"):
         client.delete(stale)
@@ -63,6 +66,7 @@ def test_platform_admins_see_every_tenants_share_and_the_fairness_index(shared, 
     assert rows["globex"]["served_share"] == 0.25 and rows["globex"]["entitled_share"] == 0.25
     assert rows["acme"]["mean_wait_ms"] == 100.0 and rows["globex"]["mean_wait_ms"] == 900.0
     assert (rows["globex"]["queued"], rows["globex"]["left_queue"]) == (2, 1)
+    assert (rows["acme"]["in_flight"], rows["globex"]["in_flight"]) == (1, 1)
     # Service per unit of weight is equal (100 each): perfectly fair.
     assert data["jain_index"] == 1.0
 
@@ -85,6 +89,7 @@ def test_a_tenant_member_sees_only_its_own_share_and_waits(shared, globex, role)
     data = response.json()
     assert [r["tenant"] for r in data["tenants"]] == ["globex"]
     assert data["tenants"][0]["entitled_share"] == 0.25
+    assert data["tenants"][0]["in_flight"] == 1
     assert data["jain_index"] is None and data["dispatched_now"] == {}
     assert "acme" not in response.content.decode()
 
