@@ -207,9 +207,11 @@ end
 -- those include the reservations of the requests they have in flight, most of which
 -- settlement gives back, so a tenant arriving beside one that holds every slot would get only
 -- every other freed slot while the other's refunds kept it ahead (the ramp in docs/gpu.md).
--- What it may bank is bounded by the others' requests in flight.
+-- What it may bank is bounded by the others' requests in flight. Read among the 64 lowest
+-- counters, so that the script's time stays bounded however many tenants wait: one further up
+-- would have to hold more in flight than its lead, and missing it only lifts a little higher.
 local function fc_level(P, band, now)
-  local backlogged = redis.call('ZRANGE', P .. ':b:' .. band, 0, -1, 'WITHSCORES')
+  local backlogged = redis.call('ZRANGE', P .. ':b:' .. band, 0, 63, 'WITHSCORES')
   if #backlogged == 0 then return tonumber(redis.call('HGET', P .. ':floor', band) or '0') end
   fc_sweep(P, now)
   local names = {}
