@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -301,8 +302,9 @@ class Command(BaseCommand):
             listed = {}
             for query in (pynvml.nvmlDeviceGetComputeRunningProcesses,
                           pynvml.nvmlDeviceGetMPSComputeRunningProcesses):
-                try:
-                    listed.update({p.pid: p.usedGpuMemory or 0 for p in query(handle)})
+                try:  # NVML's "not available" is the largest 64-bit value: counted as 0
+                    listed.update({p.pid: p.usedGpuMemory if (p.usedGpuMemory or 0) < 2**63
+                                   else 0 for p in query(handle)})
                 except pynvml.NVMLError:
                     continue
         finally:
@@ -314,12 +316,12 @@ class Command(BaseCommand):
             pids = {rows[0]["pid"]}
             with contextlib.suppress(psutil.Error):
                 pids |= {c.pid for c in psutil.Process(rows[0]["pid"]).children(recursive=True)}
-            limit = (rows[0]["environment"] or {}).get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+            limit = re.match(r"0=(\d+)M", (rows[0]["environment"] or {}).get(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
             on_gpu = sorted(pid for pid in pids if pid in listed)
             out[name] = {"pids_on_gpu": on_gpu,
-                         "used_mib": sum(listed[pid] for pid in on_gpu) // (1024 * 1024),
-                         "limit_mib": int(limit.split("=")[1].rstrip("M")) if "=" in limit
-                         else None}
+                         "used_mib": sum(listed[pid] or 0 for pid in on_gpu) // (1024 * 1024),
+                         "limit_mib": int(limit.group(1)) if limit else None}
         return out
 
     def chat(self, slug: str, model: str, prompt: str, max_tokens: int = 16,
