@@ -440,7 +440,9 @@ class TenantShareSerializer(serializers.Serializer[dict[str, Any]]):
     weight = serializers.IntegerField(help_text="fair_share_weight")
     queued = serializers.IntegerField(help_text="Requests waiting in the gateway now.")
     in_flight = serializers.IntegerField(
-        help_text="Requests holding one of the deployment's dispatch slots now."
+        allow_null=True,
+        help_text="Requests holding one of the deployment's dispatch slots now (null without "
+                  "flow control).",
     )
     dispatched = serializers.IntegerField()
     waited = serializers.IntegerField(help_text="Dispatched requests that had to wait.")

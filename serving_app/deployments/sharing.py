@@ -42,7 +42,7 @@ class TenantShare:
     band: int
     weight: int
     queued: int
-    in_flight: int
+    in_flight: int | None  # None without flow control: nothing holds a slot then
     dispatched: int
     waited: int
     left_queue: int
@@ -182,7 +182,7 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
             band=int(t.priority_tier),
             weight=t.fair_share_weight,
             queued=queued[t.pk],
-            in_flight=in_flight.get(t.pk, 0),
+            in_flight=in_flight.get(t.pk, 0) if deployment.flow_controlled else None,
             dispatched=n,
             waited=waited,
             left_queue=int(stats[f"x:{t.pk}"]),

@@ -100,3 +100,13 @@ def test_other_tenants_and_outsiders_get_a_404(shared, outsider):
     add_member(initech, stranger, "owner")
     for user in (outsider, stranger):
         assert as_user(user).get(url(shared)).status_code == 404
+
+
+def test_without_flow_control_nothing_is_counted_in_flight(shared, platform_admin):
+    """Requests to a first-come-first-served deployment hold no slot: their count is unknown
+    here (null), not 0."""
+    shared["deployment"].flow_control = False
+    shared["deployment"].save(update_fields=["flow_control"])
+    data = as_user(platform_admin).get(url(shared)).json()
+    assert data["flow_control"] is False
+    assert [r["in_flight"] for r in data["tenants"]] == [None, None]
