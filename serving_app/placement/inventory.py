@@ -21,7 +21,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
@@ -159,9 +159,12 @@ def _read_memory(
 
 
 def _read_processes(
-    nvml: ModuleType, handle: Any, errors: dict[str, str]
+    nvml: ModuleType, handle: Any, errors: dict[str, str],
+    query: Callable[..., Any] | None = None,
 ) -> list[dict[str, Any]] | None:
-    procs = _query(errors, "processes", nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+    """The processes `query` lists (default: the compute processes) with their memory."""
+    query = query or nvml.nvmlDeviceGetComputeRunningProcesses
+    procs = _query(errors, "processes", query, handle)
     if procs is None:
         return None
     not_available = getattr(nvml, "NVML_VALUE_NOT_AVAILABLE_ulonglong", None)
@@ -281,12 +284,10 @@ def _read_gpu(nvml: ModuleType, index: int) -> dict[str, Any]:
     return gpu
 
 
-def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
-    """Read every GPU on this host through NVML; return a raw, JSON-serializable snapshot.
-
-    ``nvml`` defaults to the ``pynvml`` module; tests pass a stand-in. Raises ``NvmlUnavailable``
-    when NVML cannot be imported or initialised. Only reads: no setting is ever changed.
-    """
+@contextlib.contextmanager
+def _nvml_session(nvml: ModuleType | None) -> Iterator[ModuleType]:
+    """NVML initialised for the block (``nvml`` defaults to the ``pynvml`` module), shut down
+    after it. Raises ``NvmlUnavailable`` when NVML cannot be imported or initialised."""
     if nvml is None:
         try:
             import pynvml  # optional dependency, only on GPU hosts
@@ -298,6 +299,37 @@ def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         raise NvmlUnavailable(f"NVML could not be initialised: {_error_text(exc)}") from exc
     try:
+        yield nvml
+    finally:
+        # Nothing useful can be done if shutdown fails.
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+
+
+def read_process_memory(index: int = 0, nvml: ModuleType | None = None) -> dict[int, int | None]:
+    """The processes on GPU ``index`` and the memory NVML counts for each (None where it cannot
+    tell): its compute processes and the MPS clients, which NVML lists apart from them."""
+    with _nvml_session(nvml) as nvml:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        errors: dict[str, str] = {}
+        listed: dict[int, int | None] = {}
+        for query in (nvml.nvmlDeviceGetComputeRunningProcesses,
+                      getattr(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", None)):
+            if query is None:  # an old pynvml
+                continue
+            for proc in _read_processes(nvml, handle, errors, query) or []:
+                if proc["pid"] is not None:
+                    listed[proc["pid"]] = proc["used_memory"]
+        return listed
+
+
+def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
+    """Read every GPU on this host through NVML; return a raw, JSON-serializable snapshot.
+
+    ``nvml`` defaults to the ``pynvml`` module; tests pass a stand-in. Raises ``NvmlUnavailable``
+    when NVML cannot be imported or initialised. Only reads: no setting is ever changed.
+    """
+    with _nvml_session(nvml) as nvml:
         errors: dict[str, str] = {}
         snapshot: dict[str, Any] = {
             "schema": SNAPSHOT_SCHEMA,
@@ -317,10 +349,6 @@ def read_nvml(nvml: ModuleType | None = None) -> dict[str, Any]:
         snapshot["device_count"] = count
         snapshot["gpus"] = [_read_gpu(nvml, index) for index in range(count)]
         return snapshot
-    finally:
-        # Nothing useful can be done if shutdown fails.
-        with contextlib.suppress(Exception):
-            nvml.nvmlShutdown()
 
 
 # --------------------------------------------------------------------------------------------

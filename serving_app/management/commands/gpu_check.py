@@ -294,21 +294,8 @@ class Command(BaseCommand):
         and its children; MPS clients are listed apart from other compute processes), against
         the engine's `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, both in MiB."""
         import psutil
-        import pynvml
 
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            listed = {}
-            for query in (pynvml.nvmlDeviceGetComputeRunningProcesses,
-                          pynvml.nvmlDeviceGetMPSComputeRunningProcesses):
-                try:  # NVML's "not available" is the largest 64-bit value: counted as 0
-                    listed.update({p.pid: p.usedGpuMemory if (p.usedGpuMemory or 0) < 2**63
-                                   else 0 for p in query(handle)})
-                except pynvml.NVMLError:
-                    continue
-        finally:
-            pynvml.nvmlShutdown()
+        listed = inventory.read_process_memory(0)  # None where NVML cannot tell: counted as 0
         out: dict[str, Any] = {}
         for name, rows in states.items():
             if not rows or not rows[0]["pid"]:
