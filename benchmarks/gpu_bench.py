@@ -60,6 +60,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -267,6 +268,16 @@ class EngineSampler:
         self.stop_event.set()
         self.thread.join(5)
 
+    @classmethod
+    def gauges(cls, text: str) -> dict[str, float]:
+        """The gauges of GAUGES found in a /metrics text."""
+        out = {}
+        for key, name in cls.GAUGES.items():
+            found = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.MULTILINE)
+            if found:
+                out[key] = float(found.group(1))
+        return out
+
     def loop(self) -> None:
         import httpx
 
@@ -276,11 +287,9 @@ class EngineSampler:
                     text = client.get(self.url + "/metrics").text
                 except httpx.HTTPError:
                     continue
-                for key, name in self.GAUGES.items():
-                    found = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text,
-                                      re.MULTILINE)
-                    if found:
-                        self.samples[key].append((time.perf_counter(), float(found.group(1))))
+                now = time.perf_counter()
+                for key, value in self.gauges(text).items():
+                    self.samples[key].append((now, value))
 
     def summary(self, begin: float, end: float) -> dict[str, Any]:
         """Means and maxima of the samples taken between `begin` and `end`."""
@@ -291,6 +300,39 @@ class EngineSampler:
                 out[key] = {"mean": round(statistics.fmean(values), 3),
                             "max": round(max(values), 3), "n": len(values)}
         return out
+
+
+def wait_idle(urls: dict[str, str], seconds: float = 60.0) -> dict[str, dict[str, Any]]:
+    """Until no engine of `urls` (name -> base URL: every bench engine, as they share the GPU)
+    has a request running or waiting, for at most `seconds`; returns what each reported last.
+    A point measured beside someone else's load measures that load as well: on the GPU host a
+    client of a benchmark killed by its call's time limit went on sending 16 concurrent
+    requests through the runs after it (docs/gpu.md). Exits naming the busy engines."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        seen: dict[str, dict[str, Any]] = {}
+        for name, url in urls.items():
+            try:
+                seen[name] = EngineSampler.gauges(httpx.get(url + "/metrics", timeout=5).text)
+            except httpx.HTTPError as exc:
+                seen[name] = {"error": str(exc) or type(exc).__name__}
+        busy = {name: g for name, g in seen.items()
+                if "error" in g or g.get("running", 0) or g.get("waiting", 0)}
+        if not busy:
+            return seen
+        if time.monotonic() > deadline:
+            sys.exit(f"not measured: an engine was not idle before the point after {seconds:.0f} s"
+                     f" ({busy}): another load is still sending to it (a client of a run cut "
+                     f"short?); stop it and run again")
+        time.sleep(1)
+
+
+def bench_engines() -> dict[str, str]:
+    """Every engine `setup` started, by configuration: their base URLs."""
+    return {config: inst.base_url for config in state()["deployments"]
+            for inst in instances(config)[:1]}
 
 
 # -- streaming: direct against the gateway ---------------------------------------------------------
@@ -319,6 +361,7 @@ def stream(args: argparse.Namespace) -> None:
                         "--disable-tqdm", "--save-detailed"]
                 return client.run(argv, key)
 
+            wait_idle(bench_engines())
             log("warming up both sides (not recorded)")
             for side in sides:
                 once(side, 32, 64, 1)
@@ -421,12 +464,15 @@ def fair(args: argparse.Namespace) -> None:
                           budget: int | None = None, seconds: float = args.seconds,
                           lead: float = args.lead, config: str = config, dep_id: int = dep_id,
                           loads: Loads = loads, out: dict[str, Any] = out) -> None:
-                    """One point: `mode`'s rows, the load of `plan`, the engine sampled."""
+                    """One point: `mode`'s rows, the load of `plan`, the engine sampled (every
+                    bench engine idle before it)."""
+                    idle = wait_idle(bench_engines())
                     configure(dep_id, mode, budget)
                     with EngineSampler(instances(config)[0].base_url) as sampler:
                         run = loads.run(plan, seconds, lead)
                     fig = figures([run], DEPARTMENTS)
                     fig["engine"] = sampler.summary(*window_of(run))
+                    fig["engines_before"] = idle
                     if mode == "flow":
                         fig["queue"] = pooled_waits([queue_waits(dep_id)])
                     out[name] = fig
@@ -647,6 +693,8 @@ def main() -> int:
         plot(args)
         return 0
     stream_bench.ENGINE_PYTHON = client_python()
+    # Stopped from outside (`timeout`, Ctrl-C): the load clients are closed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     setup_django()
     {"setup": setup, "wait": wait, "stop": stop, "stream": stream, "fair": fair}[args.action](args)
     return 0

@@ -88,7 +88,7 @@ ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
 TOKENIZER = ROOT / "var" / "models" / "tiny-llama"
 MODELS = {"engine": "tiny-llama", "paced": "paced", "instant": "instant"}
 WHOLE_BACKEND = "openai-chat-whole"
-STOPPED = "stopped: the job's stop file exists"
+STOPPED = "stopped: the job's stop file exists, or the benchmark that sent it has gone"
 
 
 # -- the paced mock upstream ------------------------------------------------------------------
@@ -243,19 +243,27 @@ def _client_main() -> None:
 
     stop: dict[str, str] = {}
     done: list = []  # (start, RequestFuncOutput) of each request sent in the current job
+    # This process runs in a session of its own (a benchmark's `timeout` or Ctrl-C reaches the
+    # benchmark, not it): once the benchmark is gone, whose stop file would never come, it
+    # sends nothing more. A load left running had a GPU run measure beside it (docs/gpu.md).
+    parent = os.getppid()
+
+    def orphaned() -> bool:
+        return os.getppid() != parent
 
     def stoppable(func):
-        """A request that starts once the job's `stop_file` exists is not sent: it fails at
-        once with STOPPED, so a load sized by time ends when the file appears (the requests
-        already sent complete). The first request creates the job's `started_file`, then
-        waits for its `go_file` (prompts are built before: loads start together on cue)."""
+        """A request that starts once the job's `stop_file` exists, or once the benchmark that
+        sent the job has gone, is not sent: it fails at once with STOPPED, so a load sized by
+        time ends when the file appears (the requests already sent complete). The first
+        request creates the job's `started_file`, then waits for its `go_file` (prompts are
+        built before: loads start together on cue)."""
 
         async def request(request_func_input, session, pbar=None):
             if stop.get("started"):
                 Path(stop.pop("started")).touch()
-            while stop.get("go") and not os.path.exists(stop["go"]):
+            while stop.get("go") and not os.path.exists(stop["go"]) and not orphaned():
                 await asyncio.sleep(0.01)
-            if stop.get("file") and os.path.exists(stop["file"]):
+            if (stop.get("file") and os.path.exists(stop["file"])) or orphaned():
                 output = funcs.RequestFuncOutput(prompt_len=request_func_input.prompt_len)
                 output.error = STOPPED
                 done.append((time.perf_counter(), output))

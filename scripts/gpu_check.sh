@@ -80,7 +80,7 @@ run)
     ;;
 bench)
     shift
-    "$PY" benchmarks/gpu_bench.py "$@"
+    exec "$PY" benchmarks/gpu_bench.py "$@"   # a `timeout` reaches it, and it closes its clients
     ;;
 status)
     "$PY" manage.py shell -v0 -c "
