@@ -95,3 +95,42 @@ def test_the_last_launch_is_found_from_the_end_across_blocks(tmp_path):
     empty.write_bytes(b"no marker here\n")
     assert LogFollower.from_last_launch(str(empty), block=4).offset == 0
     assert LogFollower.from_last_launch(str(tmp_path / "missing.log")).offset == 0
+
+
+EAGER = (FIXTURES / "startup_eager_mps_h100.log").read_text().splitlines()
+
+
+def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
+    """`--enforce-eager` (the MPS scenario's 1B engines on an H100): no torch.compile and no
+    CUDA graphs logged; the phases skip them and the figures are those the run recorded
+    (docs/gpu-runs/2026-12-05-h100/mps.json)."""
+    progress = StartupProgress()
+    seen = []
+    for number, line in enumerate(EAGER):
+        progress.feed([line], at=float(number))
+        if not seen or seen[-1] != progress.phase:
+            seen.append(progress.phase)
+    assert seen == ["launching", "loading", "profiling", "warming", "serving"]
+    assert progress.figures == {
+        "weights_gib": 1.84, "weights_seconds": 2.050519, "kv_cache_gib": 2.25,
+        "kv_cache_tokens": 73632, "max_concurrency": 35.95, "init_engine_seconds": 88.16,
+    }
+
+
+def _longest_silence(lines: list[str]) -> float:
+    """The longest time between two consecutive timestamped lines of an engine's log."""
+    import re
+    from datetime import datetime
+
+    stamps = [datetime.strptime(m[1], "%m-%d %H:%M:%S") for line in lines
+              if (m := re.search(r" (\d\d-\d\d \d\d:\d\d:\d\d) \[", line))]
+    return max((b - a).total_seconds() for a, b in zip(stamps, stamps[1:], strict=False))
+
+
+def test_the_default_start_timeout_outlasts_the_longest_silence_of_a_real_gpu_start(settings):
+    """A start fails after ENGINE_START_TIMEOUT_SECONDS of log silence; the longest silences
+    seen on the GPUs were the kernel JIT after the KV cache was sized: 80 s for the eager 1B
+    engine under MPS on the H100. The default leaves at least as much again."""
+    eager = _longest_silence(EAGER)
+    assert eager == 80.0
+    assert max(eager, _longest_silence(LINES)) * 2 <= settings.ENGINE_START_TIMEOUT_SECONDS
