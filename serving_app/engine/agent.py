@@ -979,6 +979,15 @@ def _ensure_mps(node: Node | None) -> None:
         Node.objects.filter(pk=node.pk).update(mps=state)
 
 
+def supervise_mps(config: AgentConfig) -> None:
+    """While the node's MPS daemon is recorded as running, ask it again: the node's page then
+    shows its servers as engines connect (the daemon starts one with its first client, so it
+    has none when it was started: seen on an H100) and a daemon that stopped answering."""
+    node = Node.objects.filter(name=config.name).only("pk", "mps").first()
+    if node is not None and (node.mps or {}).get("running"):
+        Node.objects.filter(pk=node.pk).update(mps=mps.status())
+
+
 def _stop_mps_if_unused(node: Node) -> None:
     """Stop the node's MPS daemon once no `mps` engine of the node runs or starts."""
     still = [i for i in Instance.objects.filter(node=node, state__in=(*RUNNING_STATES,
@@ -1162,6 +1171,7 @@ def supervise_once(config: AgentConfig) -> None:
     """Health-check this node's engines: a dead process or repeated failed checks is a failure."""
     threshold = settings.ENGINE_HEALTH_FAILURES
     supervise_workers(config)
+    supervise_mps(config)
     for instance in Instance.objects.select_related("node").filter(
         node__name=config.name, state__in=(State.READY, State.UNHEALTHY)
     ):

@@ -6,7 +6,8 @@ refusal is real here. Where a daemon's behaviour is needed, `fake_control` stand
 GPU here to run the real one); it behaves as the real one was seen to on an H200
 (docs/gpu-runs/2026-12-05-h200): `-d` starts it, a second `-d` says "An instance of this daemon
 is already running" and exits 1, with CUDA_VISIBLE_DEVICES empty it exits 100, `get_server_list`
-answers while it runs, `quit` stops it."""
+answers while it runs (no server until a client connects, as on an H100: the servers it lists
+are those of `fake-servers`), `quit` stops it."""
 
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ if [ "$1" = "-d" ]; then
 fi
 read -r command
 case "$command" in
-    get_server_list) [ -e "$state" ] || exit 1; echo 4242 ;;
+    get_server_list) [ -e "$state" ] || exit 1
+        servers="$CUDA_MPS_PIPE_DIRECTORY/fake-servers"
+        [ -e "$servers" ] && cat "$servers"
+        exit 0 ;;
     quit) rm -f "$state" ;;
 esac
 """
@@ -86,7 +90,7 @@ def test_the_daemon_is_started_once_checked_and_stopped(fake_control, monkeypatc
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert mps.status()["running"] is False
     started = mps.ensure_running()
-    assert started["running"] is True and started["servers"] == ["4242"]
+    assert started["running"] is True and started["servers"] == []  # no client yet
     assert Path(started["CUDA_MPS_PIPE_DIRECTORY"]).is_dir()
     assert mps.ensure_running()["running"] is True  # already running: nothing started twice
     assert mps.stop()["running"] is False
@@ -118,3 +122,32 @@ def test_the_agent_stops_the_daemon_with_the_last_mps_engine(fake_control, mps_i
     agent._stop_mps_if_unused(node)
     assert Node.objects.get(pk=node.pk).mps["running"] is False
     assert mps.status()["running"] is False
+
+
+def test_the_agent_checks_the_running_daemon_again_as_it_supervises(fake_control, mps_instance,
+                                                                   monkeypatch, settings):
+    """The node's page follows the daemon: its server once an engine connects, and a daemon
+    that stopped answering while its engines ran."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    config = agent.AgentConfig(name="gpu-mps", address="127.0.0.1", engine_env="", gpus="",
+                               engine_python=sys.executable)
+    agent._ensure_mps(mps_instance.node)
+    node = Node.objects.get(pk=mps_instance.node_id)
+    assert node.mps["running"] is True and node.mps["servers"] == []
+    (settings.MPS_PIPE_DIRECTORY / "fake-servers").write_text("1502\n")  # an engine connected
+    agent.supervise_once(config)
+    node.refresh_from_db()
+    assert node.mps["servers"] == ["1502"]
+    (settings.MPS_PIPE_DIRECTORY / "fake-daemon").unlink()  # the daemon is gone
+    agent.supervise_once(config)
+    node.refresh_from_db()
+    assert node.mps["running"] is False
+
+
+def test_a_node_without_a_running_daemon_is_not_asked(mps_instance, monkeypatch):
+    config = agent.AgentConfig(name="gpu-mps", address="127.0.0.1", engine_env="", gpus="",
+                               engine_python=sys.executable)
+    asked = []
+    monkeypatch.setattr(mps, "status", lambda: asked.append(1) or {"running": True})
+    agent.supervise_mps(config)
+    assert asked == [] and Node.objects.get(pk=mps_instance.node_id).mps == {}
