@@ -12,13 +12,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LINES = (FIXTURES / "startup_llama3_8b_shape.log").read_text().splitlines()
 
 
-def test_the_phases_of_an_h200_start_in_order_with_their_figures():
+def read_start(lines: list[str]) -> tuple[StartupProgress, list[str]]:
+    """A start's progress fed line by line (a second apart), and the phases it went through."""
     progress = StartupProgress()
-    seen = []
-    for number, line in enumerate(LINES):
+    seen: list[str] = []
+    for number, line in enumerate(lines):
         progress.feed([line], at=float(number))
         if not seen or seen[-1] != progress.phase:
             seen.append(progress.phase)
+    return progress, seen
+
+
+def test_the_phases_of_an_h200_start_in_order_with_their_figures():
+    progress, seen = read_start(LINES)
     assert seen == ["launching", "loading", "compiling", "profiling", "capturing", "warming",
                     "serving"]
     assert progress.figures == {
@@ -104,12 +110,7 @@ def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
     """`--enforce-eager` (the MPS scenario's 1B engines on an H100): no torch.compile and no
     CUDA graphs logged; the phases skip them and the figures are those the run recorded
     (docs/gpu-runs/2026-12-05-h100/mps.json)."""
-    progress = StartupProgress()
-    seen = []
-    for number, line in enumerate(EAGER):
-        progress.feed([line], at=float(number))
-        if not seen or seen[-1] != progress.phase:
-            seen.append(progress.phase)
+    progress, seen = read_start(EAGER)
     assert seen == ["launching", "loading", "profiling", "warming", "serving"]
     assert progress.figures == {
         "weights_gib": 1.84, "weights_seconds": 2.050519, "kv_cache_gib": 2.25,
