@@ -3,6 +3,8 @@ vLLM 0.26 engine wrote on an H200 (fixtures/, verbatim)."""
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
 from pathlib import Path
 
 from serving_app.engine import scrape
@@ -10,6 +12,7 @@ from serving_app.engine.startup import LAUNCH_MARKER, LogFollower, StartupProgre
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LINES = (FIXTURES / "startup_llama3_8b_shape.log").read_text().splitlines()
+EAGER = (FIXTURES / "startup_eager_mps_h100.log").read_text().splitlines()
 
 
 def read_start(lines: list[str]) -> tuple[StartupProgress, list[str]]:
@@ -103,8 +106,6 @@ def test_the_last_launch_is_found_from_the_end_across_blocks(tmp_path):
     assert LogFollower.from_last_launch(str(tmp_path / "missing.log")).offset == 0
 
 
-EAGER = (FIXTURES / "startup_eager_mps_h100.log").read_text().splitlines()
-
 
 def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
     """`--enforce-eager` (the MPS scenario's 1B engines on an H100): no torch.compile and no
@@ -120,9 +121,6 @@ def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
 
 def _longest_silence(lines: list[str]) -> float:
     """The longest time between two consecutive timestamped lines of an engine's log."""
-    import re
-    from datetime import datetime
-
     stamps = [datetime.strptime(m[1], "%m-%d %H:%M:%S") for line in lines
               if (m := re.search(r" (\d\d-\d\d \d\d:\d\d:\d\d) \[", line))]
     return max((b - a).total_seconds() for a, b in zip(stamps, stamps[1:], strict=False))
