@@ -106,7 +106,6 @@ def test_the_last_launch_is_found_from_the_end_across_blocks(tmp_path):
     assert LogFollower.from_last_launch(str(tmp_path / "missing.log")).offset == 0
 
 
-
 def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
     """`--enforce-eager` (the MPS scenario's 1B engines on an H100): no torch.compile and no
     CUDA graphs logged; the phases skip them and the figures are those the run recorded
