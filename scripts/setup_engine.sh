@@ -25,7 +25,7 @@ PEFT_SPEC="peft"
 REMOVE_PKGS="torchvision torchaudio torchcodec"
 
 # Anything that changes what gets installed must change this string.
-INSTALL_ID="v1 ${TORCH_SPEC} ${VLLM_SPEC} ${PEFT_SPEC} -${REMOVE_PKGS// /,-}"
+INSTALL_ID="v2 ${TORCH_SPEC} ${VLLM_SPEC} ${PEFT_SPEC} -${REMOVE_PKGS// /,-} bytecode"
 MARKER="${ENGINE_VENV}/.engine-install-complete"
 
 log() { printf '[setup_engine] %s\n' "$*"; }
@@ -53,6 +53,14 @@ else
     log "removing ${REMOVE_PKGS} (built for another torch; they break 'import transformers')"
     # shellcheck disable=SC2086
     pipq uninstall --quiet $REMOVE_PKGS >/dev/null || true
+    # Compiled to bytecode once, here (about 14 s on 2 cores; a few files of other Python
+    # versions' syntax fail, as they would on import): each engine start is three processes that
+    # import torch, transformers and vLLM (importing the API server took 13 s of CPU without
+    # bytecode, 7 s with), and engines started at once at the beginning of a parallel test run
+    # would each compile the same modules (docs/testing.md, "What the test run costs").
+    log "compiling the environment to bytecode"
+    site="$("${ENGINE_VENV}/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "${ENGINE_VENV}/bin/python" -m compileall -qq -j 0 "$site" || true
     log "checking imports"
     "${ENGINE_VENV}/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -53,6 +53,13 @@ join() {
     fi
 }
 
+# Python writes bytecode (.pyc) for what it imports, in .venv, the engine environment and the
+# checkout: hundreds of processes start here (gateways, Celery workers, pytest's own in the
+# mutation check and the workers), and where the environment sets PYTHONDONTWRITEBYTECODE (as
+# this machine's does) each compiled Django, Celery and the console from source again: 3.9 s of
+# CPU to start a console process without bytecode, 1.7 s with (docs/testing.md).
+unset PYTHONDONTWRITEBYTECODE
+
 step "services"
 bash scripts/services.sh
 # The engine environment (a 3.5 GB pip install) is needed by pytest only: built meanwhile.
@@ -103,9 +110,16 @@ step "waiting for the engine environment"
 join "engine environment and tiny models"
 step "pytest"
 echo "[test] everything before pytest: ${SECONDS} s"
+# In parallel workers (pytest-xdist; tests/parallel.py says how they are kept apart and how the
+# work is split): TEST_WORKERS, default 3 (1: one process, as before). At the end the run prints
+# each folder's seconds against its budget (docs/testing.md, "Budgets") and the ten slowest tests.
+workers="${TEST_WORKERS:-3}"
+parallel=()
+if [[ "$workers" -gt 1 ]]; then
+    parallel=(-n "$workers" --dist loadgroup)
+fi
 set +e
-# The 25 slowest tests are listed at the end of the run (where CI time goes).
-.venv/bin/pytest --durations=25 "$@"
+.venv/bin/pytest "${parallel[@]}" "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

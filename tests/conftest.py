@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 from serving_app.fleet import credentials
 from serving_app.models import Node
 from tenants_app.models import Role, Tenant
+from tests import parallel
 from tests.factories import add_member, make_base_model, make_tenant, make_user
 from tests.redis_server import PrivateRedis
 
@@ -148,12 +149,48 @@ def engine(tmp_path_factory):
     yield from run_engine(tmp_path_factory.mktemp("engine") / "engine.log")
 
 
+# -- parallel workers and what the run cost (tests/parallel.py) ------------------------------
+_costs = parallel.Costs()
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: the mutation check runs without xdist
+def pytest_xdist_setupnodes(config, specs):
+    parallel.setup_nodes(specs)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") == "loadgroup":
+        return parallel.make_scheduler(config, log)
+    return None
+
+
+def pytest_unconfigure(config):
+    parallel.stop_servers()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    if parallel.under_xdist(config):
+        parallel.group_units(items)
+
+
+def pytest_runtest_logreport(report):
+    _costs.add(report)
+
+
 # -- skips that would hide a layer ------------------------------------------------------------
 def _is_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not hasattr(config, "workerinput"):
+        parallel.report(terminalreporter, _costs)
+    _summarize_skips(terminalreporter)
+
+
+def _summarize_skips(terminalreporter):
     """Say loudly which tests were skipped and why; in CI (CI=true) any skip fails the run: a
     layer the suite is meant to exercise (engine, gateway, browser, PostgreSQL) was not."""
     skipped = terminalreporter.stats.get("skipped", [])

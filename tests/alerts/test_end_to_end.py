@@ -35,10 +35,11 @@ from serving_app.engine import agent
 from serving_app.models import Node
 from tests.alerts.conftest import traffic
 from tests.api.helpers import as_user
+from tests.parallel import redis_url
 
 pytestmark = pytest.mark.celery
 ROOT = Path(__file__).resolve().parents[2]
-BROKER = os.environ.get("TEST_ALERTS_BROKER_URL", "redis://127.0.0.1:6379/9")
+BROKER = os.environ.get("TEST_ALERTS_BROKER_URL", redis_url(9))
 GIB = 2**30
 
 

@@ -18,10 +18,11 @@ from serving_app.models import Instance
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
 from tests.factories import make_base_model, make_deployment
+from tests.parallel import redis_url
 
 pytestmark = pytest.mark.django_db
 
-REDIS_URL = "redis://127.0.0.1:6379/14"
+REDIS_URL = redis_url(14)
 
 
 @pytest.fixture

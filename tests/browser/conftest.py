@@ -25,6 +25,8 @@ import redis
 from django.db import connection
 from django.urls import NoReverseMatch, clear_url_caches, reverse
 
+from tests.parallel import redis_url
+
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests make
 # between browser steps are still plain synchronous code.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -34,8 +36,8 @@ SCREENSHOTS = ROOT / "artifacts" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--disable-gpu"]
-GATEWAY_REDIS_URL = "redis://127.0.0.1:6379/11"
-BROKER_URL = "redis://127.0.0.1:6379/12"
+GATEWAY_REDIS_URL = redis_url(11)
+BROKER_URL = redis_url(12)
 PASSWORD = "pw-12345678"
 
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -80,7 +82,9 @@ def console_server(django_db_setup, django_db_blocker) -> Iterator[str]:
            # Its own artifact blob store (uploads in the browser tests), not var/'s.
            "ARTIFACT_STORE_ROOT": tempfile.mkdtemp(prefix="browser-artifacts-")}
     (ROOT / "artifacts").mkdir(exist_ok=True)
-    log = open(ROOT / "artifacts" / "browser-server.log", "wb")  # noqa: SIM115
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # one server per parallel worker
+    name = f"browser-server-{worker}.log" if worker else "browser-server.log"
+    log = open(ROOT / "artifacts" / name, "wb")  # noqa: SIM115
     url, proc = start_server("tests.browser.asgi:application", env, log,
                              "--no-access-log", "--log-level", "warning")
     try:

@@ -28,12 +28,13 @@ from console.celery import app as celery_app
 from gateway_app import invalidation
 from serving_app.engine import supervisor
 from serving_app.models import Instance, InstanceWorker, Node
+from tests.parallel import redis_url
 from tests.redis_server import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "var" / "models"
 ENGINE_PYTHON = Path(settings.ENGINE_VENV) / "bin" / "python"
-TEST_BROKER = os.environ.get("TEST_CELERY_BROKER_URL", "redis://127.0.0.1:6379/9")
+TEST_BROKER = os.environ.get("TEST_CELERY_BROKER_URL", redis_url(9))
 # The two-agent group test (about 4 minutes) runs on demand only: not collected otherwise, as
 # CI (CI=true) fails a run with any skip.
 collect_ignore = [] if os.environ.get("MULTI_NODE_TESTS") == "1" else ["test_multi_node_group.py"]
@@ -70,8 +71,9 @@ class Cluster:
             "ENGINE_STOP_GRACE_SECONDS": "10",
             "ENGINE_START_TIMEOUT_SECONDS": "280",
             "ENGINE_LOG_DIR": str(tmp / "engine-logs"),
-            "ENGINE_PORT_MIN": "18400",
-            "ENGINE_PORT_MAX": "18499",
+            # This worker's slice of the engine ports under xdist (tests/parallel.py).
+            "ENGINE_PORT_MIN": str(settings.ENGINE_PORT_RANGE[0]),
+            "ENGINE_PORT_MAX": str(settings.ENGINE_PORT_RANGE[1]),
             "CONSOLE_VAR_DIR": str(tmp / "var"),
             # The agents check adapters' folders against the same roots as this process.
             "MODEL_ROOTS": ",".join(str(root) for root in settings.MODEL_ROOTS),

@@ -45,9 +45,13 @@ def ready(deployment_id: int, restarts: int) -> Instance | None:
 
 def test_a_group_across_two_agents_starts_restarts_and_stops_as_one(cluster, platform_admin,
                                                                       acme):
-    # Rendezvous ports of this test's own range, beside the engines'.
-    cluster.env.update(ENGINE_RENDEZVOUS_PORT_MIN="18490", ENGINE_RENDEZVOUS_PORT_MAX="18499",
-                       ENGINE_PORT_MAX="18489")
+    # Rendezvous ports of this test's own range: the last ten of the engines'.
+    low, high = int(cluster.env["ENGINE_PORT_MIN"]), int(cluster.env["ENGINE_PORT_MAX"])
+    rendezvous = (high - 9, high)
+    cluster.env.update(ENGINE_RENDEZVOUS_PORT_MIN=str(rendezvous[0]),
+                       ENGINE_RENDEZVOUS_PORT_MAX=str(rendezvous[1]),
+                       ENGINE_PORT_MAX=str(high - 10))
+    assert low < high - 10
     cluster.start_control()
     cluster.start_agent("cpu-a")
     cluster.start_agent("cpu-b")
@@ -62,7 +66,7 @@ def test_a_group_across_two_agents_starts_restarts_and_stops_as_one(cluster, pla
     assert {first.node.name, worker.node.name} == {"cpu-a", "cpu-b"}
     assert (worker.node_rank, worker.state) == (1, Worker.RUNNING)
     assert "--headless" in worker.command and "--headless" not in first.command
-    assert first.master_port is not None and 18490 <= first.master_port <= 18499
+    assert first.master_port is not None and rendezvous[0] <= first.master_port <= rendezvous[1]
     assert complete(first, "tiny-llama")["choices"][0]["text"] is not None
     # One session per node: the leader's and the worker's.
     assert engine_sessions(first.secret) == {first.pid, worker.pid}

@@ -48,11 +48,12 @@ from serving_app.artifacts import sources
 from serving_app.models import Artifact, FleetPlan, Gpu, GpuSample, Instance, Node
 from tenants_app.models import ApiKey, Invitation
 from tests.factories import make_adapter, make_deployment, make_user
+from tests.parallel import redis_url
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.django_db]
 
 MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", "25"))
-ISOLATED_REDIS = "redis://127.0.0.1:6379/15"
+ISOLATED_REDIS = redis_url(15)
 # Sign-in endpoints are left out: fuzzing them means wrong passwords, which login throttling
 # rightly counts, and they are not what this test is about.
 SKIPPED_PATH_PARTS = ("/auth/",)

@@ -33,10 +33,11 @@ from tests.engines import (  # noqa: F401 (re-exported: the gateway tests import
     Engine,
     wait_until,
 )
+from tests.parallel import redis_url
 from tests.redis_server import PrivateRedis
 
 # DB 9 unless the environment names another (so that parallel checkouts do not share one).
-REDIS_URL = os.environ.get("GATEWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+REDIS_URL = os.environ.get("GATEWAY_TEST_REDIS_URL", redis_url(9))
 MAX_BODY = 64 * 1024
 
 
