@@ -103,7 +103,8 @@ def folder_of(nodeid: str) -> str:
 
 def group_units(items: list[pytest.Item]) -> None:
     """Mark each test with its unit (`xdist_group`) and put the longest units first."""
-    shared = {file_of(item.nodeid) for item in items if "engine" in item.fixturenames}
+    shared = {file_of(item.nodeid) for item in items
+              if "engine" in getattr(item, "fixturenames", ())}
     weights = recorded_seconds()
     unit_of: dict[pytest.Item, str] = {}
     unit_seconds: dict[str, float] = defaultdict(float)
