@@ -368,9 +368,11 @@ RECONCILE_INTERVAL_SECONDS = env_float("RECONCILE_INTERVAL_SECONDS", 5.0, minimu
 
 # Engines and nodes.
 ENGINE_VENV = env_str("ENGINE_VENV", str(BASE_DIR / "var" / "engine-venv"))
+# The default range is also what deploy/'s network policies open to the gateway and agents.
+ENGINE_PORT_DEFAULT_RANGE = (18200, 18999)
 ENGINE_PORT_RANGE = (
-    env_int("ENGINE_PORT_MIN", 18200, minimum=1024),
-    env_int("ENGINE_PORT_MAX", 18999, minimum=1024),
+    env_int("ENGINE_PORT_MIN", ENGINE_PORT_DEFAULT_RANGE[0], minimum=1024),
+    env_int("ENGINE_PORT_MAX", ENGINE_PORT_DEFAULT_RANGE[1], minimum=1024),
 )
 # The rendezvous ports the console gives multi-node instances (vLLM's --master-port on the
 # leader's node, where the headless workers of other nodes connect).

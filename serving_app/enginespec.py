@@ -198,7 +198,8 @@ FIELDS: tuple[EngineField, ...] = (
         flag="--enforce-eager", vllm_default=False, memory=True,
         help_text="Run the model without torch.compile and CUDA graphs: a GPU engine starts "
                   "in a fraction of the time and keeps the graphs' memory for the KV cache, at "
-                  "some cost in per-token latency. No effect on a CPU engine.",
+                  "some cost in per-token latency; a CPU engine skips torch.compile's warm-up "
+                  "(about 0.6 of the start time and CPU for the tiny model).",
     ),
     EngineField(
         "dtype", "Data type", "choice", "auto", group="model", flag="--dtype",

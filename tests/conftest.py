@@ -169,10 +169,14 @@ def pytest_unconfigure(config):
     parallel.stop_servers()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    if parallel.under_xdist(config):
-        parallel.group_units(items)
+    distributed = parallel.under_xdist(config)
+    if distributed:
+        parallel.mark_units(items)  # before xdist reads the marks
+    yield  # pytest-django orders the tests, xdist names their units
+    if distributed:
+        parallel.order_units(items)
 
 
 def pytest_runtest_logreport(report):

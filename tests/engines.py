@@ -88,6 +88,8 @@ def run_engine(log: Path) -> Iterator[Engine]:
              "--lora-modules", f"acme--style={MODELS / 'tiny-llama-lora-a'}",
              f"globex--tone={MODELS / 'tiny-llama-lora-b'}",
              "--scheduling-policy", "priority",
+             # No torch.compile warm-up: 0.64 of a start's CPU (docs/testing.md).
+             "--enforce-eager",
              "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )

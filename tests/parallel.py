@@ -42,7 +42,7 @@ MEASURED = Path(os.environ.get("TEST_DURATIONS_FILE", ROOT / "var" / "test-durat
 SHARED_ENGINE_UNIT = "shared-engine"
 UNKNOWN_FILE_SECONDS = 5.0
 # Each worker's slice of the engine ports (ENGINE_PORT_MIN/MAX), inside the settings' default
-# range 18200-18999.
+# range (console/settings.py, ENGINE_PORT_DEFAULT_RANGE: 18200-18999).
 PORTS_PER_WORKER = 100
 FIRST_ENGINE_PORT = 18200
 MAX_WORKERS = 8
@@ -101,24 +101,57 @@ def folder_of(nodeid: str) -> str:
     return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
 
 
-def group_units(items: list[pytest.Item]) -> None:
-    """Mark each test with its unit (`xdist_group`) and put the longest units first."""
+TRANSACTIONAL = "tx:"  # the prefix of a unit with a transactional test (see `order_units`)
+
+
+def transactional(item: pytest.Item) -> bool:
+    """Whether the test runs with real transactions. pytest-django flushes the database after
+    such a test, which removes the rows the migrations wrote: the tests on the rolled-back `db`
+    that rely on those rows must run before any such test in the same process, as pytest-django
+    orders them."""
+    from pytest_django.plugin import validate_django_db
+
+    fixtures = getattr(item, "fixturenames", ())
+    if "transactional_db" in fixtures or "live_server" in fixtures:
+        return True
+    marker = item.get_closest_marker("django_db")
+    if marker is None:
+        return False
+    transaction, reset_sequences, *_ = validate_django_db(marker)
+    return bool(transaction or reset_sequences)
+
+
+def mark_units(items: list[pytest.Item]) -> None:
+    """Mark each test with its unit (`xdist_group`), before xdist reads the marks: its file,
+    or `shared-engine` for every file with a test on the session's engine; `tx:` before the
+    name of a unit with a transactional test."""
     shared = {file_of(item.nodeid) for item in items
               if "engine" in getattr(item, "fixturenames", ())}
+    units = {item: SHARED_ENGINE_UNIT if file_of(item.nodeid) in shared else file_of(item.nodeid)
+             for item in items}
+    with_transactions = {units[item] for item in items if transactional(item)}
+    for item, unit in units.items():
+        prefix = TRANSACTIONAL if unit in with_transactions else ""
+        item.add_marker(pytest.mark.xdist_group(prefix + unit))
+
+
+def order_units(items: list[pytest.Item]) -> None:
+    """After pytest-django has ordered the tests (rolled-back ones before transactional ones)
+    and xdist has named each test's unit after an `@`: units with transactional tests first,
+    then the others, each part longest first (the scheduler's front workers take from the
+    first end, its back worker from the last). A stable sort: inside a unit pytest-django's
+    order stays."""
     weights = recorded_seconds()
-    unit_of: dict[pytest.Item, str] = {}
-    unit_seconds: dict[str, float] = defaultdict(float)
-    for item in items:
-        path = file_of(item.nodeid)
-        unit = SHARED_ENGINE_UNIT if path in shared else path
-        unit_of[item] = unit
-    for path in {file_of(item.nodeid) for item in items}:
-        unit = SHARED_ENGINE_UNIT if path in shared else path
-        unit_seconds[unit] += weights.get(path, UNKNOWN_FILE_SECONDS)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(unit_of[item]))
-    # A stable sort: within a unit (and between equal weights), the collection order stays.
-    items.sort(key=lambda item: -unit_seconds[unit_of[item]])
+    seconds: dict[str, float] = defaultdict(float)
+    for path, unit in {(file_of(item.nodeid), unit_of(item.nodeid)) for item in items}:
+        seconds[unit] += weights.get(path, UNKNOWN_FILE_SECONDS)
+    items.sort(key=lambda item: (not unit_of(item.nodeid).startswith(TRANSACTIONAL),
+                                 -seconds[unit_of(item.nodeid)]))
+
+
+def unit_of(nodeid: str) -> str:
+    """A test's unit: what xdist put after the `@` of its node id."""
+    return nodeid.rpartition("@")[2] if "@" in nodeid else file_of(nodeid)
 
 
 def recorded_seconds() -> dict[str, float]:
@@ -139,12 +172,25 @@ def make_scheduler(config: pytest.Config, log):
         engines run at the idle scheduling class (serving_app/engine/launch.py) and so get the
         CPU that nothing else asks for; the short ones are Django tests that keep one core
         busy. One worker working through those from the short end while the others run the
-        chains leaves the chains the other core, and the two ends meet when all is sent."""
+        chains leaves the chains the other core, and the two ends meet when all is sent.
+        Units with transactional tests are the front part of the queue (`order_units`): a
+        front worker that ran one takes no unit without, it stops instead."""
+
+        flushed: set = set()  # front workers that ran a unit with transactional tests
 
         def _assign_work_unit(self, node) -> None:
             from_the_back = len(self.nodes) >= 3 and node is self.nodes[-1]
+            assigned = self.assigned_work.setdefault(node, {})
+            if not from_the_back:
+                if next(iter(self.workqueue)).startswith(TRANSACTIONAL):
+                    self.flushed.add(node)
+                elif node in self.flushed:
+                    # What is left relies on the migrations' rows, which this worker's
+                    # transactional tests flushed: the back worker runs it.
+                    node.shutdown()
+                    return
             scope, work_unit = self.workqueue.popitem(last=from_the_back)
-            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            assigned[scope] = work_unit
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(nodeid)
                                     for nodeid, done in work_unit.items() if not done])
@@ -158,9 +204,16 @@ class Costs:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        # Under xdist: each worker's units, with when the first test began and the last ended.
+        self.units: dict[str, dict[str, list[float]]] = defaultdict(dict)
 
     def add(self, report: pytest.TestReport) -> None:
-        self.seconds[report.nodeid.split("@", 1)[0]] += report.duration
+        nodeid, _, unit = report.nodeid.partition("@")
+        self.seconds[nodeid] += report.duration
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        if worker is not None and unit:
+            span = self.units[worker.id].setdefault(unit, [report.start, report.stop])
+            span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
 
     def by(self, key) -> dict[str, float]:
         totals: dict[str, float] = defaultdict(float)
@@ -215,6 +268,16 @@ def report(terminal, costs: Costs) -> None:
     terminal.section("the ten slowest tests")
     for nodeid, seconds in sorted(costs.seconds.items(), key=lambda kv: -kv[1])[:10]:
         terminal.line(f"{seconds:8.1f} s  {nodeid}")
+    if costs.units:
+        began = min(span[0] for units in costs.units.values() for span in units.values())
+        terminal.section("each worker's units (from, to: seconds into the run)")
+        for worker, units in sorted(costs.units.items()):
+            spans = sorted(units.items(), key=lambda kv: kv[1][0])
+            long_ones = [f"{unit.rsplit('/', 1)[-1]} {a - began:.0f}-{b - began:.0f}"
+                         for unit, (a, b) in spans if b - a >= 20]
+            until = max(b for _, (_, b) in spans) - began
+            terminal.line(f"{worker}: {len(units)} units, busy until {until:.0f} s; the longer "
+                          f"ones: {', '.join(long_ones) or 'none'}")
     files = costs.by(file_of)
     MEASURED.parent.mkdir(parents=True, exist_ok=True)
     MEASURED.write_text(json.dumps({k: round(v, 1) for k, v in sorted(files.items())},

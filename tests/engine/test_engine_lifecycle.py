@@ -74,8 +74,12 @@ def register_adapter(user, tenant: str, name: str, path) -> dict:
 
 
 def create_deployment(admin, **fields) -> dict:
+    """A deployment of the tiny model, eager: a CPU engine then skips torch.compile's warm-up,
+    which nothing here is about (a start took 0.64 of the CPU seconds and 0.58 of the wall
+    time: benchmarks/engine_start_bench.py, docs/testing.md)."""
     body = {"name": "chat", "base_model": "tiny-llama", "tenants": ["acme"], "max_model_len": 512,
-            "max_num_seqs": 8, "dtype": "float32", "max_loras": 4, "max_lora_rank": 16, **fields}
+            "max_num_seqs": 8, "dtype": "float32", "max_loras": 4, "max_lora_rank": 16,
+            "enforce_eager": True, **fields}
     response = as_user(admin).post("/api/v1/deployments/", body, format="json")
     assert response.status_code == 201, response.data
     return response.data

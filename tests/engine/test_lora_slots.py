@@ -61,6 +61,7 @@ def test_base_model_outputs_do_not_change_when_adapters_fill_the_slots(settings,
                                         path=str(MODELS / "tiny-llama-lora-b"))
     deployment = make_deployment(base, [acme, globex], name="slots", max_loras=2,
                                  max_model_len=512, max_num_seqs=16, dtype="float32",
+                                 enforce_eager=True,
                                  adapters=[first])
     instance = Instance.objects.create(deployment=deployment, node=node)
     try:

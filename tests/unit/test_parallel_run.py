@@ -27,7 +27,8 @@ def test_workers_get_disjoint_engine_ports_inside_the_settings_range():
         assert env["REDIS_URL"] == f"redis://127.0.0.1:{7000 + index}/0"
     ports = [port for r in ranges for port in r]
     assert len(ports) == len(set(ports))
-    assert min(ports) >= 18200 and max(ports) <= 18999
+    low, high = settings.ENGINE_PORT_DEFAULT_RANGE
+    assert min(ports) >= low and max(ports) <= high
 
 
 def test_two_workers_run_on_redis_servers_of_their_own(tmp_path):
@@ -72,45 +73,57 @@ def probe_worker_environment(probe):
 
 # -- units ------------------------------------------------------------------------------------
 class Item:
-    """What `group_units` reads of a pytest item."""
+    """What `mark_units` and `order_units` read of a pytest item."""
 
-    def __init__(self, nodeid: str, *fixtures: str) -> None:
+    def __init__(self, nodeid: str, *fixtures: str, transaction: bool | None = None) -> None:
         self.nodeid = nodeid
         self.fixturenames = ["db", *fixtures]
         self.marks: list[pytest.Mark] = []
+        if transaction is not None:
+            self.marks.append(pytest.mark.django_db(transaction=transaction).mark)
 
     def add_marker(self, mark) -> None:
         self.marks.append(mark.mark)
 
+    def get_closest_marker(self, name: str):
+        return next((m for m in self.marks if m.name == name), None)
+
     @property
     def unit(self) -> str:
-        (mark,) = self.marks
+        (mark,) = [m for m in self.marks if m.name == "xdist_group"]
         return mark.args[0]
 
 
-def test_files_on_the_shared_engine_are_one_unit_and_the_longest_units_go_first(monkeypatch):
+def test_units_with_transactions_go_first_the_shared_engine_is_one_and_longest_lead(
+        monkeypatch):
     monkeypatch.setattr(parallel, "recorded_seconds", lambda: {
         "tests/engine/test_rollout_e2e.py": 300, "tests/gateway/test_flow.py": 150,
         "tests/gateway/test_units.py": 5, "tests/browser/test_engine_metrics.py": 200,
-        "tests/api/test_tenants_api.py": 40})
+        "tests/api/test_tenants_api.py": 40, "tests/fuzz/test_api_fuzz.py": 400})
     items = [
-        Item("tests/api/test_tenants_api.py::test_a"),
-        Item("tests/api/test_tenants_api.py::test_b"),
-        Item("tests/browser/test_engine_metrics.py::test_page", "engine"),
-        Item("tests/engine/test_rollout_e2e.py::test_rollout"),
-        Item("tests/gateway/test_flow.py::test_flow", "engine"),
-        Item("tests/gateway/test_units.py::test_plain"),  # no engine, its own unit
-        Item("tests/unknown/test_new.py::test_new"),
+        Item("tests/api/test_tenants_api.py::test_a", transaction=False),
+        Item("tests/api/test_tenants_api.py::test_b", "transactional_db"),
+        Item("tests/browser/test_engine_metrics.py::test_page", "engine", "transactional_db"),
+        Item("tests/engine/test_rollout_e2e.py::test_rollout", transaction=True),
+        Item("tests/fuzz/test_api_fuzz.py::test_fuzz", transaction=False),  # long, rolled back
+        Item("tests/gateway/test_flow.py::test_flow", "engine", "transactional_db"),
+        Item("tests/gateway/test_units.py::test_plain"),  # no engine: a unit of its own
+        Item("tests/unknown/test_new.py::test_new", transaction=False),
     ]
-    parallel.group_units(items)
-    units = [item.unit for item in items]
-    # The shared engine's files (350 s) before the rollout (300 s), the API file (40 s), and the
-    # unknown and small files last; a unit's tests stay in collection order.
-    assert units == ["shared-engine", "shared-engine", "tests/engine/test_rollout_e2e.py",
-                     "tests/api/test_tenants_api.py", "tests/api/test_tenants_api.py",
-                     "tests/gateway/test_units.py", "tests/unknown/test_new.py"]
-    assert [i.nodeid for i in items[:2]] == ["tests/browser/test_engine_metrics.py::test_page",
-                                             "tests/gateway/test_flow.py::test_flow"]
+    parallel.mark_units(items)
+    for item in items:  # as xdist names the units
+        item.nodeid = f"{item.nodeid}@{item.unit}"
+    parallel.order_units(items)
+    assert [parallel.unit_of(item.nodeid) for item in items] == [
+        # With transactional tests, longest first: the shared engine's files (350 s), the
+        # rollout (300 s), the API file (40 s; its rolled-back test first, as collected).
+        "tx:shared-engine", "tx:shared-engine", "tx:tests/engine/test_rollout_e2e.py",
+        "tx:tests/api/test_tenants_api.py", "tx:tests/api/test_tenants_api.py",
+        # Without, longest first: the fuzz test (400 s), then the small and unknown files.
+        "tests/fuzz/test_api_fuzz.py", "tests/gateway/test_units.py",
+        "tests/unknown/test_new.py"]
+    assert [i.nodeid.split("@")[0] for i in items[:2]] == [
+        "tests/browser/test_engine_metrics.py::test_page", "tests/gateway/test_flow.py::test_flow"]
 
 
 def test_the_recorded_durations_name_only_files_that_exist():
