@@ -173,8 +173,8 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     distributed = parallel.under_xdist(config)
     if distributed:
-        parallel.mark_units(items)  # before xdist reads the marks
-    yield  # pytest-django orders the tests, xdist names their units
+        parallel.mark_units(items)
+    yield  # pytest-django orders the tests
     if distributed:
         parallel.order_units(items)
 

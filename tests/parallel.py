@@ -63,11 +63,14 @@ def setup_nodes(specs) -> None:
     is applied in the worker before pytest (and so Django's settings) loads there."""
     if len(specs) > MAX_WORKERS:
         raise pytest.UsageError(f"at most {MAX_WORKERS} workers (the engine port slices)")
+    units_file = Path(tempfile.mkdtemp(prefix="test-units-")) / "units.json"
+    os.environ[UNITS_FILE] = str(units_file)  # for the scheduler, in this process
     for index, spec in enumerate(specs):
         server = PrivateRedis(Path(tempfile.mkdtemp(prefix=f"test-worker{index}-redis-")))
         server.start()
         _servers.append(server)
         spec.env.update(worker_environment(index, server.port))
+        spec.env[UNITS_FILE] = str(units_file)
 
 
 def worker_environment(index: int, redis_port: int) -> dict[str, str]:
@@ -102,6 +105,8 @@ def folder_of(nodeid: str) -> str:
 
 
 TRANSACTIONAL = "tx:"  # the prefix of a unit with a transactional test (see `order_units`)
+UNITS_FILE = "TEST_UNITS_FILE"  # where workers tell the controller each test's unit
+_UNIT = pytest.StashKey[str]()
 
 
 def transactional(item: pytest.Item) -> bool:
@@ -122,36 +127,39 @@ def transactional(item: pytest.Item) -> bool:
 
 
 def mark_units(items: list[pytest.Item]) -> None:
-    """Mark each test with its unit (`xdist_group`), before xdist reads the marks: its file,
-    or `shared-engine` for every file with a test on the session's engine; `tx:` before the
-    name of a unit with a transactional test."""
+    """Give each test its unit: its file, or `shared-engine` for every file with a test on the
+    session's engine; `tx:` before the name of a unit with a transactional test."""
     shared = {file_of(item.nodeid) for item in items
               if "engine" in getattr(item, "fixturenames", ())}
     units = {item: SHARED_ENGINE_UNIT if file_of(item.nodeid) in shared else file_of(item.nodeid)
              for item in items}
     with_transactions = {units[item] for item in items if transactional(item)}
     for item, unit in units.items():
-        prefix = TRANSACTIONAL if unit in with_transactions else ""
-        item.add_marker(pytest.mark.xdist_group(prefix + unit))
+        item.stash[_UNIT] = (TRANSACTIONAL if unit in with_transactions else "") + unit
 
 
 def order_units(items: list[pytest.Item]) -> None:
-    """After pytest-django has ordered the tests (rolled-back ones before transactional ones)
-    and xdist has named each test's unit after an `@`: units with transactional tests first,
-    then the others, each part longest first (the scheduler's front workers take from the
-    first end, its back worker from the last). A stable sort: inside a unit pytest-django's
-    order stays."""
+    """After pytest-django has ordered the tests (rolled-back ones before transactional ones):
+    units with transactional tests first, then the others, each part longest first (the
+    scheduler's front workers take from the first end, its back worker from the last). A
+    stable sort: inside a unit pytest-django's order stays. Then each test's unit goes to the
+    controller's scheduler, through the file it named (`UNITS_FILE`): xdist 3.8's own groups
+    (`xdist_group` marks) do nothing under pytest 9, whose node ids it can no longer rename."""
     weights = recorded_seconds()
     seconds: dict[str, float] = defaultdict(float)
-    for path, unit in {(file_of(item.nodeid), unit_of(item.nodeid)) for item in items}:
+    for path, unit in {(file_of(item.nodeid), item.stash[_UNIT]) for item in items}:
         seconds[unit] += weights.get(path, UNKNOWN_FILE_SECONDS)
-    items.sort(key=lambda item: (not unit_of(item.nodeid).startswith(TRANSACTIONAL),
-                                 -seconds[unit_of(item.nodeid)]))
+    items.sort(key=lambda item: (not item.stash[_UNIT].startswith(TRANSACTIONAL),
+                                 -seconds[item.stash[_UNIT]]))
+    target = os.environ.get(UNITS_FILE)
+    if target:  # every worker writes the same; the last rename wins
+        scratch = Path(f"{target}.{os.getpid()}")
+        scratch.write_text(json.dumps({item.nodeid: item.stash[_UNIT] for item in items}))
+        scratch.replace(target)
 
 
-def unit_of(nodeid: str) -> str:
-    """A test's unit: what xdist put after the `@` of its node id."""
-    return nodeid.rpartition("@")[2] if "@" in nodeid else file_of(nodeid)
+def unit_of(item: pytest.Item) -> str:
+    return item.stash[_UNIT]
 
 
 def recorded_seconds() -> dict[str, float]:
@@ -163,10 +171,11 @@ def recorded_seconds() -> dict[str, float]:
 
 
 def make_scheduler(config: pytest.Config, log):
-    """`--dist loadgroup` with both ends of the queue in use (see `TwoEndedScheduling`)."""
-    from xdist.scheduler import LoadGroupScheduling
+    """`--dist loadgroup`: the units of `mark_units`, both ends of the queue in use (see
+    `TwoEndedScheduling`)."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    class TwoEndedScheduling(LoadGroupScheduling):
+    class TwoEndedScheduling(LoadScopeScheduling):
         """The workers take units longest first, except the last one (with three workers or
         more), which takes them shortest first. The long units are the engine chains, whose
         engines run at the idle scheduling class (serving_app/engine/launch.py) and so get the
@@ -177,6 +186,9 @@ def make_scheduler(config: pytest.Config, log):
         front worker that ran one takes no unit without, it stops instead."""
 
         flushed: set = set()  # front workers that ran a unit with transactional tests
+
+        def _split_scope(self, nodeid: str) -> str:
+            return units_of_run().get(nodeid, file_of(nodeid))
 
         def _assign_work_unit(self, node) -> None:
             from_the_back = len(self.nodes) >= 3 and node is self.nodes[-1]
@@ -195,7 +207,19 @@ def make_scheduler(config: pytest.Config, log):
             node.send_runtest_some([collection.index(nodeid)
                                     for nodeid, done in work_unit.items() if not done])
 
+    config.option.loadscopereorder = False  # the order is order_units'
     return TwoEndedScheduling(config, log)
+
+
+_units: dict[str, str] = {}
+
+
+def units_of_run() -> dict[str, str]:
+    """Each test's unit as the workers wrote it (the controller reads it once they have all
+    collected, before the first test is sent)."""
+    if not _units and os.environ.get(UNITS_FILE):
+        _units.update(json.loads(Path(os.environ[UNITS_FILE]).read_text()))
+    return _units
 
 
 # -- what the run cost (the controller, or the only process) ------------------------------------
@@ -208,10 +232,11 @@ class Costs:
         self.units: dict[str, dict[str, list[float]]] = defaultdict(dict)
 
     def add(self, report: pytest.TestReport) -> None:
-        nodeid, _, unit = report.nodeid.partition("@")
+        nodeid = report.nodeid
         self.seconds[nodeid] += report.duration
         worker = getattr(getattr(report, "node", None), "gateway", None)
-        if worker is not None and unit:
+        if worker is not None:
+            unit = units_of_run().get(nodeid, file_of(nodeid))
             span = self.units[worker.id].setdefault(unit, [report.start, report.stop])
             span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
 

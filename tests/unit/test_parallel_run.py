@@ -41,7 +41,8 @@ def test_two_workers_run_on_redis_servers_of_their_own(tmp_path):
     if "DATABASE_URL" in env:
         env["DATABASE_URL"] = env["DATABASE_URL"].rsplit("/", 1)[0] + "/parallel_probe"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q",
+        # `each`: every worker runs the probe (it is one unit, which loadgroup keeps whole).
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "each", "-q",
          "-p", "no:cacheprovider", "-o", "python_functions=probe_*",
          str(Path(__file__).relative_to(ROOT))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
@@ -59,8 +60,7 @@ def test_two_workers_run_on_redis_servers_of_their_own(tmp_path):
             redis.Redis.from_url(s["redis"], socket_connect_timeout=1).ping()
 
 
-@pytest.mark.parametrize("probe", [0, 1])
-def probe_worker_environment(probe):
+def probe_worker_environment():
     """Collected only by the test above (`-o python_functions=probe_*`), two at once."""
     folder = os.environ["PARALLEL_PROBE_DIR"]
     worker = os.environ["PYTEST_XDIST_WORKER"]
@@ -79,23 +79,17 @@ class Item:
         self.nodeid = nodeid
         self.fixturenames = ["db", *fixtures]
         self.marks: list[pytest.Mark] = []
+        self.stash = pytest.Stash()
         if transaction is not None:
             self.marks.append(pytest.mark.django_db(transaction=transaction).mark)
-
-    def add_marker(self, mark) -> None:
-        self.marks.append(mark.mark)
 
     def get_closest_marker(self, name: str):
         return next((m for m in self.marks if m.name == name), None)
 
-    @property
-    def unit(self) -> str:
-        (mark,) = [m for m in self.marks if m.name == "xdist_group"]
-        return mark.args[0]
-
 
 def test_units_with_transactions_go_first_the_shared_engine_is_one_and_longest_lead(
-        monkeypatch):
+        monkeypatch, tmp_path):
+    monkeypatch.setenv(parallel.UNITS_FILE, str(tmp_path / "units.json"))
     monkeypatch.setattr(parallel, "recorded_seconds", lambda: {
         "tests/engine/test_rollout_e2e.py": 300, "tests/gateway/test_flow.py": 150,
         "tests/gateway/test_units.py": 5, "tests/browser/test_engine_metrics.py": 200,
@@ -111,10 +105,8 @@ def test_units_with_transactions_go_first_the_shared_engine_is_one_and_longest_l
         Item("tests/unknown/test_new.py::test_new", transaction=False),
     ]
     parallel.mark_units(items)
-    for item in items:  # as xdist names the units
-        item.nodeid = f"{item.nodeid}@{item.unit}"
     parallel.order_units(items)
-    assert [parallel.unit_of(item.nodeid) for item in items] == [
+    assert [parallel.unit_of(item) for item in items] == [
         # With transactional tests, longest first: the shared engine's files (350 s), the
         # rollout (300 s), the API file (40 s; its rolled-back test first, as collected).
         "tx:shared-engine", "tx:shared-engine", "tx:tests/engine/test_rollout_e2e.py",
@@ -122,8 +114,11 @@ def test_units_with_transactions_go_first_the_shared_engine_is_one_and_longest_l
         # Without, longest first: the fuzz test (400 s), then the small and unknown files.
         "tests/fuzz/test_api_fuzz.py", "tests/gateway/test_units.py",
         "tests/unknown/test_new.py"]
-    assert [i.nodeid.split("@")[0] for i in items[:2]] == [
+    assert [i.nodeid for i in items[:2]] == [
         "tests/browser/test_engine_metrics.py::test_page", "tests/gateway/test_flow.py::test_flow"]
+    # What the controller's scheduler reads: every test's unit.
+    written = json.loads((tmp_path / "units.json").read_text())
+    assert written == {item.nodeid: parallel.unit_of(item) for item in items}
 
 
 def test_the_recorded_durations_name_only_files_that_exist():
@@ -159,8 +154,8 @@ def test_a_folder_past_its_budget_is_named_in_the_report(monkeypatch, tmp_path):
     monkeypatch.setattr(parallel, "MEASURED", tmp_path / "durations.json")
     monkeypatch.setattr(parallel, "budgets", lambda: {"tests/api": 100.0, "tests/unit": 50.0})
     costs = parallel.Costs()
-    for nodeid, seconds in [("tests/api/test_a.py::test_one@tests/api/test_a.py", 60.0),
-                            ("tests/api/test_a.py::test_one@tests/api/test_a.py", 1.0),
+    for nodeid, seconds in [("tests/api/test_a.py::test_one", 60.0),
+                            ("tests/api/test_a.py::test_one", 1.0),
                             ("tests/unit/test_b.py::test_slow", 45.0),
                             ("tests/unit/test_b.py::test_new", 10.0)]:
         costs.add(Report(nodeid, seconds))
