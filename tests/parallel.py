@@ -10,9 +10,11 @@ gateways, Chromium):
   database is pytest-django's (`test_<name>_gw<N>`). Node names, engine secrets and PostgreSQL
   roles are already per test or random.
 - **Work units that keep shared fixtures whole.** Every test file is one unit, so module
-  fixtures start once; every file with a test on the session's shared CPU engine (`engine`,
-  tests/conftest.py) is in one unit, `shared-engine`, so that one worker starts that engine
-  (an engine here is about 3 GB and 50-100 s of CPU to start).
+  fixtures start once; every file with a test on one of the session's servers (the shared CPU
+  engine `engine`, the gateways `gateways`, the browser tests' `console_server`) is in one
+  unit, `session-servers`, so that one worker starts them: an engine here is about 3 GB and
+  20-30 s of CPU to start, and a gateway's workers re-read their catalog every 0.5 s for as
+  long as they live, which is until the worker's session ends.
 - **The longest units first.** Units are sent longest first (by `tests/durations.json`, the
   seconds each file took in a recorded run; unknown files count a few seconds), so no long
   engine chain starts last.
@@ -39,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DURATIONS = ROOT / "tests" / "durations.json"
 BUDGETS_DOC = ROOT / "docs" / "testing.md"
 MEASURED = Path(os.environ.get("TEST_DURATIONS_FILE", ROOT / "var" / "test-durations.json"))
-SHARED_ENGINE_UNIT = "shared-engine"
+SESSION_SERVERS_UNIT = "session-servers"
+SESSION_SERVERS = frozenset({"engine", "gateways", "console_server"})  # session fixtures
 UNKNOWN_FILE_SECONDS = 5.0
 # Each worker's slice of the engine ports (ENGINE_PORT_MIN/MAX), inside the settings' default
 # range (console/settings.py, ENGINE_PORT_DEFAULT_RANGE: 18200-18999).
@@ -127,12 +130,12 @@ def transactional(item: pytest.Item) -> bool:
 
 
 def mark_units(items: list[pytest.Item]) -> None:
-    """Give each test its unit: its file, or `shared-engine` for every file with a test on the
-    session's engine; `tx:` before the name of a unit with a transactional test."""
+    """Give each test its unit: its file, or `session-servers` for every file with a test on
+    one of the session's servers; `tx:` before the name of a unit with a transactional test."""
     shared = {file_of(item.nodeid) for item in items
-              if "engine" in getattr(item, "fixturenames", ())}
-    units = {item: SHARED_ENGINE_UNIT if file_of(item.nodeid) in shared else file_of(item.nodeid)
-             for item in items}
+              if SESSION_SERVERS.intersection(getattr(item, "fixturenames", ()))}
+    units = {item: SESSION_SERVERS_UNIT if file_of(item.nodeid) in shared
+             else file_of(item.nodeid) for item in items}
     with_transactions = {units[item] for item in items if transactional(item)}
     for item, unit in units.items():
         item.stash[_UNIT] = (TRANSACTIONAL if unit in with_transactions else "") + unit

@@ -87,7 +87,7 @@ class Item:
         return next((m for m in self.marks if m.name == name), None)
 
 
-def test_units_with_transactions_go_first_the_shared_engine_is_one_and_longest_lead(
+def test_units_with_transactions_go_first_the_session_servers_are_one_longest_lead(
         monkeypatch, tmp_path):
     monkeypatch.setenv(parallel.UNITS_FILE, str(tmp_path / "units.json"))
     monkeypatch.setattr(parallel, "recorded_seconds", lambda: {
@@ -101,21 +101,25 @@ def test_units_with_transactions_go_first_the_shared_engine_is_one_and_longest_l
         Item("tests/engine/test_rollout_e2e.py::test_rollout", transaction=True),
         Item("tests/fuzz/test_api_fuzz.py::test_fuzz", transaction=False),  # long, rolled back
         Item("tests/gateway/test_flow.py::test_flow", "engine", "transactional_db"),
-        Item("tests/gateway/test_units.py::test_plain"),  # no engine: a unit of its own
+        Item("tests/gateway/test_units.py::test_plain"),  # no server: a unit of its own
+        Item("tests/gateway/test_streaming.py::test_slow_reader", "gateways", "transactional_db"),
         Item("tests/unknown/test_new.py::test_new", transaction=False),
     ]
     parallel.mark_units(items)
     parallel.order_units(items)
     assert [parallel.unit_of(item) for item in items] == [
-        # With transactional tests, longest first: the shared engine's files (350 s), the
-        # rollout (300 s), the API file (40 s; its rolled-back test first, as collected).
-        "tx:shared-engine", "tx:shared-engine", "tx:tests/engine/test_rollout_e2e.py",
+        # With transactional tests, longest first: the files on the session's engine and
+        # gateways (350 s and 5 s unknown), the rollout (300 s), the API file (40 s; its
+        # rolled-back test first, as collected).
+        "tx:session-servers", "tx:session-servers", "tx:session-servers",
+        "tx:tests/engine/test_rollout_e2e.py",
         "tx:tests/api/test_tenants_api.py", "tx:tests/api/test_tenants_api.py",
         # Without, longest first: the fuzz test (400 s), then the small and unknown files.
         "tests/fuzz/test_api_fuzz.py", "tests/gateway/test_units.py",
         "tests/unknown/test_new.py"]
-    assert [i.nodeid for i in items[:2]] == [
-        "tests/browser/test_engine_metrics.py::test_page", "tests/gateway/test_flow.py::test_flow"]
+    assert [i.nodeid for i in items[:3]] == [
+        "tests/browser/test_engine_metrics.py::test_page", "tests/gateway/test_flow.py::test_flow",
+        "tests/gateway/test_streaming.py::test_slow_reader"]
     # What the controller's scheduler reads: every test's unit.
     written = json.loads((tmp_path / "units.json").read_text())
     assert written == {item.nodeid: parallel.unit_of(item) for item in items}
