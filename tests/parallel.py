@@ -1,8 +1,8 @@
 """The suite in parallel workers (pytest-xdist), and what each part of it costs.
 
-`scripts/test.sh` runs pytest with `-n WORKERS --dist loadgroup`. Three things make that safe and
-worth it on a 2-core machine whose tests mostly wait on processes (engines, Celery workers,
-gateways, Chromium):
+`scripts/test.sh` runs pytest with `-n WORKERS --dist loadgroup`, which here means the scheduler
+below. What makes that safe and worth it on a 2-core machine whose tests mostly wait on processes
+(engines, Celery workers, gateways, Chromium):
 
 - **Nothing shared between workers.** Each worker gets a redis-server of its own (started by the
   controller before the workers, stopped after them) and a slice of the engine port range, both
@@ -15,9 +15,12 @@ gateways, Chromium):
   unit, `session-servers`, so that one worker starts them: an engine here is about 3 GB and
   20-30 s of CPU to start, and a gateway's workers re-read their catalog every 0.5 s for as
   long as they live, which is until the worker's session ends.
-- **The longest units first.** Units are sent longest first (by `tests/durations.json`, the
-  seconds each file took in a recorded run; unknown files count a few seconds), so no long
-  engine chain starts last.
+- **The longest units first, from both ends.** Units are sent longest first (by
+  `tests/durations.json`, the seconds each file took in a recorded run; unknown files count a
+  few seconds), so no long engine chain starts last, and the last worker takes the shortest
+  from the other end (`TwoEndedScheduling`).
+- **Transactional tests after the rolled-back ones in each worker**, as pytest-django orders
+  them in one process (`transactional`, `order_units`).
 
 After the run, `report()` prints each folder's total against its budget (the table under
 "Budgets" in docs/testing.md) and the ten slowest tests, and writes every file's seconds to
@@ -34,6 +37,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from pytest_django.plugin import validate_django_db
+from xdist.scheduler import LoadScopeScheduling
 
 from tests.redis_server import PrivateRedis
 
@@ -117,8 +122,6 @@ def transactional(item: pytest.Item) -> bool:
     such a test, which removes the rows the migrations wrote: the tests on the rolled-back `db`
     that rely on those rows must run before any such test in the same process, as pytest-django
     orders them."""
-    from pytest_django.plugin import validate_django_db
-
     fixtures = getattr(item, "fixturenames", ())
     if "transactional_db" in fixtures or "live_server" in fixtures:
         return True
@@ -152,7 +155,10 @@ def order_units(items: list[pytest.Item]) -> None:
     seconds: dict[str, float] = defaultdict(float)
     for path, unit in {(file_of(item.nodeid), item.stash[_UNIT]) for item in items}:
         seconds[unit] += weights.get(path, UNKNOWN_FILE_SECONDS)
-    items.sort(key=lambda item: (not item.stash[_UNIT].startswith(TRANSACTIONAL),
+    # Without a back worker every worker takes from the front: units without transactional
+    # tests go first then, so that no worker runs one after a flush.
+    tx_first = has_back_worker(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "3")))
+    items.sort(key=lambda item: (item.stash[_UNIT].startswith(TRANSACTIONAL) != tx_first,
                                  -seconds[item.stash[_UNIT]]))
     target = os.environ.get(UNITS_FILE)
     if target:  # every worker writes the same; the last rename wins
@@ -173,45 +179,49 @@ def recorded_seconds() -> dict[str, float]:
         return {}
 
 
-def make_scheduler(config: pytest.Config, log):
-    """`--dist loadgroup`: the units of `mark_units`, both ends of the queue in use (see
-    `TwoEndedScheduling`)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class TwoEndedScheduling(LoadScopeScheduling):
-        """The workers take units longest first, except the last one (with three workers or
-        more), which takes them shortest first. The long units are the engine chains, whose
-        engines run at the idle scheduling class (serving_app/engine/launch.py) and so get the
-        CPU that nothing else asks for; the short ones are Django tests that keep one core
-        busy. One worker working through those from the short end while the others run the
-        chains leaves the chains the other core, and the two ends meet when all is sent.
-        Units with transactional tests are the front part of the queue (`order_units`): a
-        front worker that ran one takes no unit without, it stops instead."""
-
-        flushed: set = set()  # front workers that ran a unit with transactional tests
-
-        def _split_scope(self, nodeid: str) -> str:
-            return units_of_run().get(nodeid, file_of(nodeid))
-
-        def _assign_work_unit(self, node) -> None:
-            from_the_back = len(self.nodes) >= 3 and node is self.nodes[-1]
-            assigned = self.assigned_work.setdefault(node, {})
-            if not from_the_back:
-                if next(iter(self.workqueue)).startswith(TRANSACTIONAL):
-                    self.flushed.add(node)
-                elif node in self.flushed:
-                    # What is left relies on the migrations' rows, which this worker's
-                    # transactional tests flushed: the back worker runs it.
-                    node.shutdown()
-                    return
-            scope, work_unit = self.workqueue.popitem(last=from_the_back)
-            assigned[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(nodeid)
-                                    for nodeid, done in work_unit.items() if not done])
-
+def make_scheduler(config: pytest.Config, log) -> TwoEndedScheduling:
+    """`--dist loadgroup`, with the units of `mark_units` in the order of `order_units`."""
     config.option.loadscopereorder = False  # the order is order_units'
     return TwoEndedScheduling(config, log)
+
+
+class TwoEndedScheduling(LoadScopeScheduling):
+    """The workers take units longest first, except the last one (with three workers or more),
+    which takes them shortest first. The long units are the engine chains, whose engines run at
+    the idle scheduling class (serving_app/engine/launch.py) and so get the CPU that nothing
+    else asks for; the short ones are Django tests that keep one core busy. One worker working
+    through those from the short end while the others run the chains, the two ends meet when
+    all is sent. Units with transactional tests are the front part of the queue (`order_units`):
+    a front worker that ran one takes no unit without, it stops instead, and the back worker
+    runs what is left."""
+
+    def __init__(self, config: pytest.Config, log=None) -> None:
+        super().__init__(config, log)
+        self.flushed: set[object] = set()  # front workers that ran a unit with transactions
+
+    def _split_scope(self, nodeid: str) -> str:
+        return units_of_run().get(nodeid, file_of(nodeid))
+
+    def _assign_work_unit(self, node) -> None:
+        from_the_back = has_back_worker(len(self.nodes)) and node is self.nodes[-1]
+        assigned = self.assigned_work.setdefault(node, {})
+        if not from_the_back and has_back_worker(len(self.nodes)):
+            if next(iter(self.workqueue)).startswith(TRANSACTIONAL):
+                self.flushed.add(node)
+            elif node in self.flushed:
+                # What is left relies on the migrations' rows, which this worker's
+                # transactional tests flushed: the back worker runs it.
+                node.shutdown()
+                return
+        scope, work_unit = self.workqueue.popitem(last=from_the_back)
+        assigned[scope] = work_unit
+        collection = self.registered_collections[node]
+        node.send_runtest_some([collection.index(nodeid)
+                                for nodeid, done in work_unit.items() if not done])
+
+
+def has_back_worker(workers: int) -> bool:
+    return workers >= 3
 
 
 _units: dict[str, str] = {}

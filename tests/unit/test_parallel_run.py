@@ -90,6 +90,7 @@ class Item:
 def test_units_with_transactions_go_first_the_session_servers_are_one_longest_lead(
         monkeypatch, tmp_path):
     monkeypatch.setenv(parallel.UNITS_FILE, str(tmp_path / "units.json"))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
     monkeypatch.setattr(parallel, "recorded_seconds", lambda: {
         "tests/engine/test_rollout_e2e.py": 300, "tests/gateway/test_flow.py": 150,
         "tests/gateway/test_units.py": 5, "tests/browser/test_engine_metrics.py": 200,
@@ -182,3 +183,20 @@ def test_budgets_are_read_from_the_table_under_its_heading():
             "| `tests/engine` | 1,500 | 1,380 |\n| tests/api | 90 | 70 |\n\n"
             "## Other\n\n| tests/unit | 5 |\n")
     assert parallel.budgets(text) == {"tests/engine": 1500.0, "tests/api": 90.0}
+
+
+def test_with_no_back_worker_units_without_transactions_go_first(monkeypatch, tmp_path):
+    """Two workers both take from the front: a unit without transactional tests after a flush
+    would find the migrations' rows gone, so those units lead."""
+    monkeypatch.setenv(parallel.UNITS_FILE, str(tmp_path / "units.json"))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.setattr(parallel, "recorded_seconds", lambda: {
+        "tests/engine/test_rollout_e2e.py": 300, "tests/api/test_a.py": 10,
+        "tests/api/test_b.py": 20})
+    items = [Item("tests/api/test_a.py::test_a", transaction=False),
+             Item("tests/engine/test_rollout_e2e.py::test_rollout", transaction=True),
+             Item("tests/api/test_b.py::test_b", transaction=False)]
+    parallel.mark_units(items)
+    parallel.order_units(items)
+    assert [parallel.unit_of(item) for item in items] == [
+        "tests/api/test_b.py", "tests/api/test_a.py", "tx:tests/engine/test_rollout_e2e.py"]
