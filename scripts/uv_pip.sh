@@ -15,10 +15,6 @@ uv_pip() {
     fi
     if [[ ! -x "${venv}/bin/uv" ]]; then
         echo "[uv_pip] uv not installable: pip instead"
-        # pip compiles bytecode by default: uv's flag for it means nothing to pip.
-        local args=() arg
-        for arg in "$@"; do [[ "$arg" == "--compile-bytecode" ]] || args+=("$arg"); done
-        set -- "${args[@]}"
         if [[ "$1" == "uninstall" ]]; then
             "${venv}/bin/python" -m pip "$@" --yes
         else
