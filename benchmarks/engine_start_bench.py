@@ -2,22 +2,22 @@
 
     .venv/bin/python benchmarks/engine_start_bench.py --pairs 3 --b-args=--enforce-eager
 
-Starts the tiny model the way the test suite's engines start (`chrt --idle 0`, the test
-environment), A then B, `--pairs` times, each until `/health` answers 200, then stops it. CPU
-seconds are the user and system time of every process of the engine's session (the API server,
-EngineCore and its worker), read every 0.2 s while it starts: on a 2-core machine running the
-suite in parallel workers, an engine's start costs what it takes from the others, so CPU seconds
-are the figure that matters, wall seconds the one that is felt. Prints each start and the ratios
-B / A of the medians (these machines are noisy: compare only within one run).
+Starts the tiny model as the benchmarks start it (`gateway_bench.start_engine`: under
+`chrt --idle 0`, as node agents and the test suite start CPU engines), A then B, `--pairs`
+times, each until `/health` answers 200, then stops it. CPU seconds are the user and system time
+of every process of the engine's session (the API server, EngineCore and its worker), read every
+0.2 s while it starts: on a 2-core machine running the suite in parallel workers, an engine's
+start costs what it takes from the others, so CPU seconds are the figure that matters, wall
+seconds the one that is felt. Prints each start and the ratios B / A of the medians (these
+machines are noisy: compare only within one run).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,38 +29,25 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gateway_bench import free_port, kill_group  # noqa: E402
-
-ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
-MODEL = ROOT / "var" / "models" / "tiny-llama"
+from benchmarks.gateway_bench import free_port, kill_group, start_engine  # noqa: E402
+from serving_app.engine.supervisor import session_members  # noqa: E402
 
 
 def start_once(extra: list[str], env_extra: dict[str, str], log: Path) -> tuple[float, float]:
     """One start: (wall seconds, CPU seconds) until /health answers 200."""
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_API_KEY": "bench", **env_extra}
-    for name in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH"):
-        env.pop(name, None)
-    argv = ["chrt", "--idle", "0", str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(MODEL), "--dtype", "float32", "--max-model-len", "1024",
-            "--host", "127.0.0.1", "--port", str(port), *extra]
     began = time.monotonic()
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_engine(port, extra=tuple(extra), env=env_extra, log=out)
     seen: dict[int, float] = {}
     try:
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"the engine exited with {proc.returncode}: see {log}")
-            for process in psutil.process_iter():
-                try:
-                    if os.getsid(process.pid) == proc.pid:
-                        t = process.cpu_times()
-                        seen[process.pid] = t.user + t.system
-                except (OSError, psutil.Error):
-                    continue
+            for process in session_members(proc.pid):
+                with contextlib.suppress(psutil.Error):
+                    times = process.cpu_times()
+                    seen[process.pid] = times.user + times.system
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     return time.monotonic() - began, sum(seen.values())

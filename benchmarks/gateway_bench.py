@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BODY = {"prompt": "Hello, my name is", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
@@ -451,12 +451,15 @@ def start_redis(rt: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def start_engine(port: int, scheduling: str = "idle",
-                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_engine(port: int, scheduling: str = "idle", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, log: IO[bytes] | None = None
+                 ) -> subprocess.Popen:
     """The real CPU engine (tiny model) as node agents launch it: under SCHED_IDLE unless
     `scheduling` is "normal" (serving_app.engine.launch.CPU_IDLE_PREFIX). `extra`: more vLLM
-    flags (benchmarks/fairness_bench.py: `--scheduling-policy priority`)."""
-    engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    flags (benchmarks/fairness_bench.py: `--scheduling-policy priority`); `env`: more of its
+    environment; `log`: where its output goes (nowhere by default)."""
+    engine_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+                  **(env or {})}
     sched = ["chrt", "--idle", "0"] if scheduling == "idle" else []
     return subprocess.Popen(
         [*sched, str(ROOT / "var/engine-venv/bin/python"), "-m",
@@ -464,8 +467,8 @@ def start_engine(port: int, scheduling: str = "idle",
          str(ROOT / "var/models/tiny-llama"), "--served-model-name", "tiny-llama",
          "--dtype", "float32", "--max-model-len", "1024", "--api-key", ENGINE_SECRET,
          "--host", "127.0.0.1", "--port", str(port), *extra],
-        env=engine_env, start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        env=engine_env, start_new_session=True, stdout=log or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if log else subprocess.DEVNULL)
 
 
 USAGE_STREAM = "gw:bench-usage"  # the gateways' usage events (nothing consumes them here)
