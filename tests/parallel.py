@@ -37,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from pytest_django.plugin import validate_django_db
 from xdist.scheduler import LoadScopeScheduling
 
@@ -50,10 +51,10 @@ SESSION_SERVERS_UNIT = "session-servers"
 SESSION_SERVERS = frozenset({"engine", "gateways", "console_server"})  # session fixtures
 UNKNOWN_FILE_SECONDS = 5.0
 # Each worker's slice of the engine ports (ENGINE_PORT_MIN/MAX), inside the settings' default
-# range (console/settings.py, ENGINE_PORT_DEFAULT_RANGE: 18200-18999).
+# range (ENGINE_PORT_DEFAULT_RANGE, which deploy/'s network policies open): 8 slices of 100.
 PORTS_PER_WORKER = 100
-FIRST_ENGINE_PORT = 18200
-MAX_WORKERS = 8
+FIRST_ENGINE_PORT, LAST_ENGINE_PORT = settings.ENGINE_PORT_DEFAULT_RANGE
+MAX_WORKERS = (LAST_ENGINE_PORT - FIRST_ENGINE_PORT + 1) // PORTS_PER_WORKER
 
 
 def under_xdist(config: pytest.Config) -> bool:
@@ -200,7 +201,7 @@ class TwoEndedScheduling(LoadScopeScheduling):
         self.flushed: set[object] = set()  # front workers that ran a unit with transactions
 
     def _split_scope(self, nodeid: str) -> str:
-        return units_of_run().get(nodeid, file_of(nodeid))
+        return unit_in_run(nodeid)
 
     def _assign_work_unit(self, node) -> None:
         from_the_back = has_back_worker(len(self.nodes)) and node is self.nodes[-1]
@@ -227,12 +228,12 @@ def has_back_worker(workers: int) -> bool:
 _units: dict[str, str] = {}
 
 
-def units_of_run() -> dict[str, str]:
-    """Each test's unit as the workers wrote it (the controller reads it once they have all
-    collected, before the first test is sent)."""
+def unit_in_run(nodeid: str) -> str:
+    """A test's unit as the workers wrote it (the controller reads the file once they have all
+    collected, before the first test is sent); its file outside a parallel run."""
     if not _units and os.environ.get(UNITS_FILE):
         _units.update(json.loads(Path(os.environ[UNITS_FILE]).read_text()))
-    return _units
+    return _units.get(nodeid, file_of(nodeid))
 
 
 # -- what the run cost (the controller, or the only process) ------------------------------------
@@ -249,8 +250,8 @@ class Costs:
         self.seconds[nodeid] += report.duration
         worker = getattr(getattr(report, "node", None), "gateway", None)
         if worker is not None:
-            unit = units_of_run().get(nodeid, file_of(nodeid))
-            span = self.units[worker.id].setdefault(unit, [report.start, report.stop])
+            span = self.units[worker.id].setdefault(unit_in_run(nodeid),
+                                                    [report.start, report.stop])
             span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
 
     def by(self, key) -> dict[str, float]:
