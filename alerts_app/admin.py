@@ -18,6 +18,7 @@ from alerts_app.models import (
     Notification,
     Silence,
 )
+from audit_app.admin import SecretsAdmin
 
 
 class ReadOnly(admin.ModelAdmin):
@@ -83,10 +84,10 @@ class AlertTransitionAdmin(ReadOnly):
 
 
 @admin.register(Channel)
-class ChannelAdmin(admin.ModelAdmin):
-    list_display = ["name", "tenant", "kind", "url", "email_to", "min_severity", "enabled"]
+class ChannelAdmin(SecretsAdmin):
+    list_display = ["name", "tenant", "kind", "url_shown", "email_to", "min_severity", "enabled"]
     list_filter = ["kind", "enabled", "tenant"]
-    search_fields = ["name", "url", "email_to"]
+    search_fields = ["name", "email_to"]  # the URL is encrypted: not searchable
     actions = ["send_test"]
 
     @admin.action(description="Send a test notification")

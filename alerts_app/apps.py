@@ -16,7 +16,7 @@ class AlertsAppConfig(AppConfig):
         # evaluator and the delivery task write is the alerts' own history, not a change.
         # docs/architecture.md ("The audit log") says why each exclusion is one.
         track(self.get_model("AlertRule"))
-        track(self.get_model("Channel"), secret=["secret"])
+        track(self.get_model("Channel"))
         track(self.get_model("Silence"))
         evaluator = "written by the evaluator, never by a person; its own history is the record"
         exclude(self.get_model("Alert"), f"alert states, {evaluator}")

@@ -42,7 +42,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 from alerts_app.models import Alert
-from serving_app.fleet import service
+from serving_app.fleet.report import allocation
 from serving_app.metering import health
 from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
 from serving_app.models.engine_metrics import EngineSample
@@ -288,7 +288,7 @@ class ConsoleCollector:
                                    "GPU memory reserved by the tenants' deployments.",
                                    labels=["tenant"])
         per_tenant: dict[str, float] = defaultdict(float)
-        for row in service.allocation():
+        for row in allocation():
             for part in row["by_tenant"]:
                 if part["slug"]:
                     per_tenant[part["slug"]] += part["reserved_bytes"]

@@ -38,6 +38,7 @@ class Metric(models.TextChoices):
     GATEWAY_QUEUE_WAIT = "gateway_queue_wait", "Gateway queue wait"
     ROLLOUT_FAILED = "rollout_failed", "Failed rollouts"
     GUARDRAIL_BLOCKED = "guardrail_blocked", "Requests blocked by guardrails"
+    MONEY_SOFT = "money_budget_soft", "Money budget's soft threshold reached"
 
 
 class Source(models.TextChoices):
@@ -53,6 +54,7 @@ class Source(models.TextChoices):
     FLOW = "flow", "The gateway's flow-control counters"
     ROLLOUTS = "rollouts", "Rollout states"
     GUARDRAILS = "guardrails", "Guardrail counts"
+    MONEY = "money", "Spend against money budgets"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ REGISTRY: dict[str, MetricSpec] = {
         MetricSpec(Metric.ERROR_RATE, "%", _TRAFFIC, Source.USAGE, tenant_allowed=True),
         MetricSpec(Metric.RATE_LIMITED, "%", _TRAFFIC, Source.USAGE, tenant_allowed=True),
         MetricSpec(Metric.BUDGET_USED, "%", (Scope.TENANT,), Source.BUDGET, tenant_allowed=True,
+                   windowed=False),
+        # 100: the budget's soft threshold is reached (its period's spend, per budget).
+        MetricSpec(Metric.MONEY_SOFT, "%", (Scope.TENANT,), Source.MONEY, tenant_allowed=True,
                    windowed=False),
         MetricSpec(Metric.CRASH_LOOP, "instances", _ENGINES, Source.INSTANCES, windowed=False),
         MetricSpec(Metric.NODE_LOST, "nodes", _HOSTS, Source.NODES, windowed=False),

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode, urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -38,6 +39,7 @@ from alerts_app.metrics import (
 )
 from alerts_app.targets import literal_target_error
 from audit_app import recording
+from audit_app.encryption import EncryptedTextField
 from serving_app.models import Deployment, Node
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
@@ -295,6 +297,30 @@ class Alert(models.Model):
                     f" in the last {rule.window_seconds // 60 or 1} min: nothing to judge")
         return f"no readings from {spec.source.label.lower()} in the window"
 
+    def request_filter(self) -> str:
+        """The request log's query string for the requests behind this alert (its tenant,
+        model or deployment, the failures its metric counts, from its window before it
+        changed state); "" for a metric that is not about requests."""
+        rule = self.rule
+        if rule.spec.source not in (Source.USAGE, Source.GUARDRAILS, Source.FLOW):
+            return ""
+        since = self.state_changed_at - timedelta(seconds=rule.window_seconds or 300)
+        query = {"since": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        kind, _, value = self.scope_key.partition(":")
+        if self.tenant is not None:
+            query["tenant"] = self.tenant.slug
+        if kind == "model":
+            query["model"] = value
+        elif kind == "deployment" and value.isdigit():
+            query["deployment"] = value
+        status = {Metric.ERROR_RATE: "error", Metric.RATE_LIMITED: "429"}.get(
+            Metric(rule.metric))
+        if status:
+            query["status"] = status
+        if rule.metric == Metric.GUARDRAIL_BLOCKED:
+            query["error_code"] = "guardrail_blocked"
+        return urlencode(query)
+
     def acknowledge(self, user: AbstractBaseUser | AnonymousUser) -> bool:
         """Mark a firing alert as seen; False when it is not firing (or already acknowledged).
         The acknowledgement ends with the episode: a new firing needs a new one."""
@@ -342,6 +368,18 @@ def new_channel_secret() -> str:
     return secrets.token_hex(32)
 
 
+URL_MAX_LENGTH = 500  # a channel's URL, before encryption
+
+
+def masked_url(url: str) -> str:
+    """A webhook URL as it may be shown: its scheme and host (the path and query often hold
+    the credential)."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}/…"
+
+
 class Channel(models.Model):
     """Where notifications go: a webhook (signed JSON), a Slack-compatible webhook, or email.
 
@@ -361,13 +399,17 @@ class Channel(models.Model):
     )
     name = models.CharField(max_length=100)
     kind = models.CharField(max_length=16, choices=Kind.choices)
-    url = models.URLField(max_length=500, blank=True, help_text="Webhooks: where to POST.")
+    url = EncryptedTextField(
+        blank=True,
+        help_text="Webhooks: where to POST. Encrypted at rest and never shown whole (a "
+                  "Slack-compatible webhook's URL is its credential): its scheme and host only.",
+    )
     email_to = models.CharField(
         max_length=500, blank=True, help_text="Email: addresses, separated by commas.",
     )
-    secret = models.CharField(
-        max_length=64, default=new_channel_secret, editable=False,
-        help_text="Signs each webhook body (HMAC-SHA256); shown once.",
+    secret = EncryptedTextField(
+        default=new_channel_secret, editable=False,
+        help_text="Signs each webhook body (HMAC-SHA256); encrypted, shown once.",
     )
     min_severity = models.CharField(
         max_length=16, choices=Severity.choices, default=Severity.WARNING,
@@ -393,6 +435,11 @@ class Channel(models.Model):
         return self.name
 
     @property
+    def url_shown(self) -> str:
+        """What pages, the API and the admin show of the URL: its scheme and host."""
+        return masked_url(self.url)
+
+    @property
     def recipients(self) -> list[str]:
         return [a.strip() for a in self.email_to.split(",") if a.strip()]
 
@@ -401,6 +448,8 @@ class Channel(models.Model):
         if self.kind in (self.Kind.WEBHOOK, self.Kind.SLACK):
             if not self.url:
                 errors["url"] = "A webhook needs a URL."
+            elif len(self.url) > URL_MAX_LENGTH:
+                errors["url"] = f"At most {URL_MAX_LENGTH} characters."
             elif not self.url.lower().startswith(("http://", "https://")):
                 errors["url"] = "Only http:// and https:// URLs."
             elif self.tenant_id is not None or not self.allow_private_targets:

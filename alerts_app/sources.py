@@ -31,7 +31,7 @@ from alerts_app.metrics import Metric, Scope, Source
 from alerts_app.models import AlertRule
 from serving_app.deployments import sharing
 from serving_app.metering import health
-from serving_app.models import Deployment, Gpu, GpuSample, Instance, Node
+from serving_app.models import Deployment, Gpu, GpuSample, Instance, KeyUsage, Node
 from serving_app.models.engine_metrics import EngineSample
 from serving_app.models.revisions import Rollout
 from serving_app.models.usage import (
@@ -44,7 +44,7 @@ from serving_app.models.usage import (
     UsageTenSecond,
     histogram_quantile,
 )
-from tenants_app.models import Tenant
+from tenants_app.models import MoneyBudget, Tenant
 
 # The layout of one usage vector: request counts, then the two histograms.
 _REQUESTS, _SERVER_ERRORS, _RATE_LIMITED, _ROUTED, _LATENCY_MAX, _TTFT_COUNT, _TTFT_MAX = range(7)
@@ -246,6 +246,19 @@ class Snapshot:
             }
         return self._budgets
 
+    def money_soft(self) -> list[tuple[MoneyBudget, float]]:
+        """Each money budget with a soft threshold, and how far its period's spend is towards
+        it (100: reached). Its period's spend drops back at the period's start, so its alert
+        resolves then and fires at most once a period."""
+        found = []
+        for budget in MoneyBudget.objects.filter(soft_threshold_percent__isnull=False)\
+                .select_related("api_key"):
+            start, _ = budget.bounds(self.now)
+            spent = KeyUsage.objects.spend(budget.tenant_id, start, key_id=budget.api_key_id)
+            soft = budget.amount * (budget.soft_threshold_percent or 100) / 100
+            found.append((budget, float(100 * spent / soft)))
+        return found
+
     def metering_lag(self) -> float | None:
         if self._lag is False:
             client = redis.Redis.from_url(
@@ -387,6 +400,8 @@ class Reader:
             budgets = self.s.budgets()
             return [Reading(*self.tenant_key(t), t, budgets.get(t))
                     for t in self._tenant_ids(rule)]
+        if source == Source.MONEY:
+            return self._money(rule)
         if source == Source.GPU:
             return self._gpu(rule)
         if source == Source.NODES:
@@ -413,6 +428,20 @@ class Reader:
             return [Reading(*self.deployment_key(d), None, 1.0 if failed.get(d) else 0.0)
                     for d in ids]
         return []
+
+    def _money(self, rule: AlertRule) -> list[Reading]:
+        """One reading per money budget of the rule's tenants (a key's budget apart)."""
+        tenants = set(self._tenant_ids(rule))
+        readings = []
+        for budget, value in self.s.money_soft():
+            if budget.tenant_id not in tenants:
+                continue
+            key, label = self.tenant_key(budget.tenant_id)
+            if budget.api_key is not None:
+                key, label = f"{key}:key:{budget.api_key_id}", f"{label}, key {budget.api_key}"
+            readings.append(Reading(key, label, budget.tenant_id, value,
+                                    {"amount": str(budget.amount), "period": budget.period}))
+        return readings
 
     def _guardrail_blocks(self, rule: AlertRule) -> list[Reading]:
         """Blocks are counted: a tenant without any in the window reads 0, not "no data"."""

@@ -7,7 +7,7 @@ from django.apps import AppConfig, apps
 from django.core import checks
 
 from audit_app import context
-from audit_app.checks import every_model_is_classified
+from audit_app.checks import every_model_is_classified, secrets_are_hidden_in_the_admin
 from audit_app.registry import exclude, track
 
 # Framework and library models that are not audited, and why.
@@ -36,6 +36,7 @@ class AuditAppConfig(AppConfig):
 
     def ready(self) -> None:
         checks.register(every_model_is_classified, checks.Tags.models)
+        checks.register(secrets_are_hidden_in_the_admin, checks.Tags.admin)
         task_prerun.connect(context.task_started, weak=False, dispatch_uid="audit:task")
         task_postrun.connect(context.task_finished, weak=False, dispatch_uid="audit:task")
 

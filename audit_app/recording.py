@@ -33,6 +33,8 @@ SECRET_FIELDS = frozenset({"password", "secret", "secret_hash", "cache_secret", 
 SECRET_MARK = "(secret)"
 # Changed by every save; never a change of its own.
 IGNORED_FIELDS = frozenset({"updated_at"})
+# What a change or an operator action changed, {field: [before, after]}: an entry's changes.
+Changes = dict[str, list[Any]]
 
 
 def _label(obj: models.Model) -> str:
@@ -130,7 +132,7 @@ def public(data: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in data.items() if not isinstance(value, Hidden)}
 
 
-def diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
+def diff(before: dict[str, Any], after: dict[str, Any]) -> Changes:
     """{field: [before, after]} for the fields that changed; a secret reads `SECRET_MARK`."""
     return {
         name: [_shown(before.get(name)), _shown(value)]

@@ -2,8 +2,9 @@
 
 Every model of every installed app is classified once, in its app's `AppConfig.ready()`:
 `track(Model, ...)`, naming the fields the control plane writes (which are no change of their
-own) and any secret beyond the usual names, or `exclude(Model, reason)`. A model that is
-neither fails the `audit_app.E001` system check, so a new model cannot slip past the log.
+own) and any secret beyond the usual names and the model's encrypted fields (secrets by their
+type, `audit_app.encryption`), or `exclude(Model, reason)`. A model that is neither fails the
+`audit_app.E001` system check, so a new model cannot slip past the log.
 
 Why signals and not django-pghistory: pghistory records through PostgreSQL triggers into one
 event table per model, while this console also runs on SQLite (the embedded default) and keeps
@@ -25,7 +26,7 @@ from django.apps import apps
 from django.db import models
 from django.db.models.signals import m2m_changed, post_delete, post_save, pre_delete, pre_save
 
-from audit_app import recording
+from audit_app import encryption, recording
 from audit_app.recording import EVENTS, POLICIES, Policy
 
 EXCLUDED: dict[type[models.Model], str] = {}
@@ -53,8 +54,9 @@ def track(
         raise ValueError(f"{model._meta.label}: events are some of {sorted(EVENTS)}")
     if events != EVENTS and not reason:
         raise ValueError(f"{model._meta.label}: say why only {sorted(events)} are audited")
-    policy = Policy(events=events, ignored=frozenset(ignore), secret=frozenset(secret),
-                    reason=reason)
+    # A model's encrypted fields are its secrets (audit_app.encryption): never copied.
+    policy = Policy(events=events, ignored=frozenset(ignore),
+                    secret=frozenset(secret) | encryption.secret_fields(model), reason=reason)
     if describe is not None:
         policy = replace(policy, describe=describe)
     if identify is not None:

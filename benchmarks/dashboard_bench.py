@@ -218,7 +218,7 @@ def measure(repeat: int) -> int:
     from django.test import RequestFactory
 
     from tenants_app.models import Tenant
-    from ui_app.console import views
+    from ui_app.console import dashboards
     from ui_app.portal import views as portal_views
 
     t = _tables()
@@ -243,7 +243,7 @@ def measure(repeat: int) -> int:
                 response = portal_views.TenantDashboardDataView.as_view()(
                     request, slug=tenant.slug, name=name)
             else:
-                response = views.DashboardDataView.as_view()(request, name=name)
+                response = dashboards.DashboardDataView.as_view()(request, name=name)
             assert response.status_code == 200, response.status_code
         return call
 

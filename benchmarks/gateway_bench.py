@@ -138,9 +138,12 @@ class InstantUpstream(asyncio.Protocol):
         )
 
 
-async def serve_instant(port: int, status: int = 200) -> asyncio.AbstractServer:
+async def serve_instant(port: int, status: int = 200, ssl: Any = None) -> asyncio.AbstractServer:
+    """`InstantUpstream` on `port`; with `ssl` (an `ssl.SSLContext`), over TLS as engines are
+    (the tests' stand-in engines: `tests.engines.engine_tls()`)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: InstantUpstream(status), "127.0.0.1", port)
+    return await loop.create_server(lambda: InstantUpstream(status), "127.0.0.1", port,
+                                    ssl=ssl)
 
 
 def _instant_main(port: int) -> None:
@@ -480,7 +483,9 @@ def gateway_env(redis_url: str, database_url: str, code: Path = ROOT) -> dict[st
     return {"DEBUG": "true", **os.environ, "DJANGO_SETTINGS_MODULE": "console.settings",
             "PYTHONPATH": str(code), "DATABASE_URL": database_url,
             "MODEL_ROOTS": str(ROOT / "var" / "models"), "GATEWAY_REDIS_URL": redis_url,
-            "LOG_LEVEL": "WARNING", "GATEWAY_USAGE_STREAM": USAGE_STREAM}
+            "LOG_LEVEL": "WARNING", "GATEWAY_USAGE_STREAM": USAGE_STREAM,
+            # The benchmarks' upstreams speak plain HTTP (stream_bench.py --tls: TLS as well).
+            "ENGINE_TLS": "false"}
 
 
 def seed_gateway_db(env: dict[str, str], upstreams: dict[str, int],

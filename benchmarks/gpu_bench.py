@@ -50,6 +50,14 @@ these two, on `--pair-config`). (The second tenant
 arrives when the first holds every slot and no request is taken back, so it ramps up as slots
 free: a 10 s window measures mostly that ramp.)
 
+`fair --bursty` (issue 44; not yet run on a GPU): after customer service alone, customer service
+in bursts (`--burst-on` 15 s on, `--burst-off` 35 s off) beside the flood and the code assistant
+for `--bursty-seconds` (300), three times, one after the other on the same engine: FCFS, the
+static budget `--bursty-budget`, and the shipped default budget with customer service's latency
+objectives (`--cs-ttft-ms`, `--cs-tpot-ms`) held by the gateway's admission controller. The
+figures (`benchmarks/bursts.py`): customer service's p95 after each burst's first 4 s over its
+p95 alone, total tokens/s over FCFS's, tokens/s in the 2 s after each burst over FCFS's.
+
 Everything it starts is stopped when it ends; `stop` stops the engines.
 """
 
@@ -73,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project's packages
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import stream_bench  # noqa: E402
+from benchmarks import bursts, stream_bench  # noqa: E402
 from benchmarks.fairness_bench import (  # noqa: E402
     HIGH,
     LOW,
@@ -281,15 +289,17 @@ class EngineSampler:
     def loop(self) -> None:
         import httpx
 
-        with httpx.Client(timeout=2) as client:
-            while not self.stop_event.wait(self.interval):
-                try:
-                    text = client.get(self.url + "/metrics").text
-                except httpx.HTTPError:
-                    continue
-                now = time.perf_counter()
-                for key, value in self.gauges(text).items():
-                    self.samples[key].append((now, value))
+        from serving_app.engine.client import engine_http  # the console CA's certificate
+
+        client = engine_http()
+        while not self.stop_event.wait(self.interval):
+            try:
+                text = client.get(self.url + "/metrics", timeout=2).text
+            except httpx.HTTPError:
+                continue
+            now = time.perf_counter()
+            for key, value in self.gauges(text).items():
+                self.samples[key].append((now, value))
 
     def summary(self, begin: float, end: float) -> dict[str, Any]:
         """Means and maxima of the samples taken between `begin` and `end`."""
@@ -310,12 +320,15 @@ def wait_idle(urls: dict[str, str], seconds: float = 60.0) -> dict[str, dict[str
     requests through the runs after it (docs/gpu.md). Exits naming the busy engines."""
     import httpx
 
+    from serving_app.engine.client import engine_http
+
     deadline = time.monotonic() + seconds
     while True:
         seen: dict[str, dict[str, Any]] = {}
         for name, url in urls.items():
             try:
-                seen[name] = EngineSampler.gauges(httpx.get(url + "/metrics", timeout=5).text)
+                seen[name] = EngineSampler.gauges(
+                    engine_http().get(url + "/metrics", timeout=5).text)
             except httpx.HTTPError as exc:
                 seen[name] = {"error": str(exc) or type(exc).__name__}
         busy = {name: g for name, g in seen.items()
@@ -487,11 +500,18 @@ def fair(args: argparse.Namespace) -> None:
                 if not args.pair_only:
                     point("alone", [(CS, args.cs_clients)], "fcfs", seconds=args.alone_seconds,
                           lead=0.0)
+                if not args.pair_only and not args.bursty:
                     point("fcfs", three, "fcfs")
                     if CONFIGS[config]["scheduling_policy"] == "priority":
                         point("priority", three, "priority")
                     for budget in args.budgets:
                         point(f"flow-{budget}", three, "flow", budget)
+                    if args.objectives_point:  # the controller's point on the frontier
+                        objectives(args.cs_ttft_ms, args.cs_tpot_ms)
+                        point("flow-objectives", three, "flow")
+                        objectives(None, None)
+                if args.bursty:
+                    out.update(bursty(args, loads, dep_id, out["alone"]))
                 if config == args.pair_config:
                     point("pair-fcfs", pair, "fcfs", seconds=args.pair_seconds)
                     point(f"pair-flow-{args.pair_budget}", pair, "flow", args.pair_budget,
@@ -510,6 +530,39 @@ def fair(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1, default=list))
 
 
+def objectives(ttft_ms: int | None, tpot_ms: int | None) -> None:
+    """Customer service's streamed latency objectives (None: none), before `configure`."""
+    from tenants_app.models import Tenant
+
+    Tenant.objects.filter(slug=CS).update(ttft_objective_ms=ttft_ms, tpot_objective_ms=tpot_ms)
+
+
+def bursty(args: argparse.Namespace, loads: Loads, dep_id: int,
+           alone: dict[str, Any]) -> dict[str, Any]:
+    """Bursty customer service under `--bursty-modes` (FCFS, the static budget, the admission
+    controller), one after the other (every bench engine idle before each): points named
+    `bursty-<mode>`, compared by `frontier()`."""
+    background = [(CONTENT, args.flood_clients), (CODE, args.code_clients)]
+    alone_p95 = alone["tenants"].get(CS, {}).get("e2e_p95")
+    modes: dict[str, dict[str, Any]] = {}
+    for name, mode, budget, held in (
+            ("fcfs", "fcfs", None, False),
+            ("static", "flow", args.bursty_budget, False),
+            ("objectives", "flow", None, True)):
+        if name not in args.bursty_modes:
+            continue
+        wait_idle(bench_engines())
+        objectives(args.cs_ttft_ms if held else None, args.cs_tpot_ms if held else None)
+        configure(dep_id, mode, budget)
+        flood, cs = bursts.run(loads.run, background, (CS, args.cs_clients),
+                               args.bursty_seconds, args.burst_on, args.burst_off)
+        modes[f"bursty-{name}"] = bursts.figures(flood, cs, alone_p95)
+        modes[f"bursty-{name}"]["budget"] = budget
+        log(f"bursty {name}: {modes[f'bursty-{name}']}")
+    objectives(None, None)
+    return modes
+
+
 def frontier(results: dict[str, Any]) -> dict[str, Any]:
     """Each point: customer service's p95 over its p95 alone on the same engine, and total
     output tokens/s over FCFS's (the reference engine in fcfs mode, or failing that the
@@ -521,9 +574,9 @@ def frontier(results: dict[str, Any]) -> dict[str, Any]:
         alone = points.get("alone", {}).get("tenants", {}).get(CS)
         base = reference or points.get("fcfs")
         for name, fig in points.items():
-            cs = fig["tenants"].get(CS)
-            if name == "alone" or name.startswith("pair"):
+            if name == "alone" or name.startswith(("pair", "bursty")):
                 continue
+            cs = fig["tenants"].get(CS)
             if not cs or not alone or cs["e2e_p95"] is None or not alone["e2e_p95"]:
                 # No customer-service request started and ended inside the window: a window
                 # too short for this engine's speed. Shown, not plotted.
@@ -545,6 +598,10 @@ def frontier(results: dict[str, Any]) -> dict[str, Any]:
             if name.startswith("pair"):
                 pairs[f"{config} {name}"] = fig["jain"]
     results["pair_jain"] = pairs
+    results["bursty"] = {
+        config: bursts.versus({name[len("bursty-"):]: fig for name, fig in points.items()
+                               if name.startswith("bursty-")})
+        for config, points in configs.items() if any(n.startswith("bursty-") for n in points)}
     return results
 
 
@@ -561,6 +618,12 @@ def print_frontier(results: dict[str, Any]) -> None:
               f"{'  (FCFS)' if r['fcfs_reference'] else ''}")
     for name, jain in results["pair_jain"].items():
         print(f"two equal backlogged tenants, {name}: Jain {jain:.3f}")
+    for config, modes in results.get("bursty", {}).items():
+        for mode, fig in modes.items():
+            print(f"bursty customer service, {config} {mode}: CS p95 / alone "
+                  f"{fig['cs_p95_vs_alone'] or 0:.2f}, tok/s / FCFS {fig['vs_fcfs'] or 0:.2f}, "
+                  f"after bursts / FCFS {fig['after_vs_fcfs'] or 0:.2f}, "
+                  f"{'met' if fig['target_met'] else 'not met'}")
 
 
 # -- the frontier as a picture -----------------------------------------------------------------
@@ -664,6 +727,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pair-only", action="store_true",
                    help="only the two equal tenants, on --pair-config (a call of its own)")
     p.add_argument("--max-prompts", type=int, default=4000)
+    p.add_argument("--objectives-point", action="store_true",
+                   help="also the shipped budget with customer service's objectives held")
+    p.add_argument("--bursty", action="store_true",
+                   help="also customer service in bursts: FCFS, static budget, objectives")
+    p.add_argument("--bursty-modes", default="fcfs,static,objectives",
+                   help="which of the three to run (each takes --bursty-seconds: one or two "
+                        "per call of 10 minutes; `plot` merges the files)")
+    p.add_argument("--bursty-seconds", type=float, default=300.0)
+    p.add_argument("--burst-on", type=float, default=15.0)
+    p.add_argument("--burst-off", type=float, default=35.0)
+    p.add_argument("--bursty-budget", type=int, default=16,
+                   help="the static budget compared (the best measured point: docs/gpu.md)")
+    # Starting points from the H100's figures (ENGINE.md: 4.7 ms a token alone, 5.9 ms at 64).
+    p.add_argument("--cs-ttft-ms", type=int, default=300)
+    p.add_argument("--cs-tpot-ms", type=int, default=6)
     p = sub.add_parser("plot")
     p.add_argument("files", nargs="+")
     p.add_argument("--json", default="")
@@ -671,6 +749,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--title", default="")
     p.add_argument("--chromium", default="/usr/bin/chromium")
     args = parser.parse_args()
+    if isinstance(getattr(args, "bursty_modes", None), str):
+        args.bursty_modes = [m.strip() for m in args.bursty_modes.split(",") if m.strip()]
     for name in ("configs", "budgets", "concurrency", "pair_clients"):
         if isinstance(getattr(args, name, None), str):
             items = [x.strip() for x in getattr(args, name).split(",") if x.strip()]

@@ -26,6 +26,22 @@ policy: 11 input detectors including a three-term deny-list, 7 on output).
    tokens of completed streams over the slices' time) as a ratio on / off (the issue's target:
    at least 0.9), and TTFT (the first content byte) p50 added by the hold-back. The `on`
    answers are checked: no entity may reach the client (a leak is printed and fails the run).
+3. A small request beside an adversarial one: a guarded 1 KB request's latency, one at a time,
+   alone and while another client sends, back to back, `--adversary-mb` MB prompts of phone
+   numbers (every one a match to validate) to the same worker, in alternating slices: p50 and
+   p99 of each and their ratio (the issue's target: within 1.1x), and how the adversarial
+   requests were answered (a 400 block, or the guard's time bound).
+
+The run ends with one table of every row against its baseline in the same run (unguarded,
+or the small request alone), the ratio, the issue's target and whether it is met:
+
+    measure                          baseline    guarded   ratio  target  met
+    1 KB without PII, p50 ms             1.23       1.36    1.11  <= 1.1  no
+    ...
+
+`--profile FOLDER` samples the gateway's worker with py-spy (500 Hz) through the sections it
+runs and prints where its time went (own time, and including callees in the gateway and the
+guardrails), the raw stacks kept in FOLDER.
 """
 
 from __future__ import annotations
@@ -56,7 +72,7 @@ from benchmarks.gateway_bench import (  # noqa: E402
     wait_http,
 )
 from benchmarks.guardrails_bench import FLOOR, PII, TENANT, prose, with_pii  # noqa: E402
-from benchmarks.stream_bench import PacedUpstream, serve_upstream  # noqa: E402
+from benchmarks.stream_bench import PacedUpstream, Profiler, serve_upstream  # noqa: E402
 from guardrails_app.policy import effective  # noqa: E402
 
 CODENAMES = ["Project Falcon", "Bluebird", "Orca-7"]
@@ -202,6 +218,87 @@ async def streams(sides: dict[str, tuple[str, dict]], body: dict, concurrency: i
     return out
 
 
+async def beside_adversary(url: str, headers: dict, small: dict, big: dict, seconds: float,
+                           slices: int) -> dict[str, Any]:
+    """`small` one at a time, in alternating slices alone and while another client sends
+    `big` back to back: the small requests' latencies per slice kind, the big ones' statuses."""
+    import aiohttp
+
+    small_payload, big_payload = json.dumps(small).encode(), json.dumps(big).encode()
+    latencies: dict[str, list[float]] = {"alone": [], "beside": []}
+    statuses: dict[int, int] = {}
+    async with aiohttp.ClientSession() as session:
+
+        async def one(payload: bytes) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            async with session.post(url, data=payload, headers=headers) as response:
+                await response.read()
+                return response.status, time.perf_counter() - t0
+
+        async def adversary(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                status, _ = await one(big_payload)
+                statuses[status] = statuses.get(status, 0) + 1
+
+        for _ in range(4):
+            await one(small_payload)
+        for i in range(slices * 2):
+            kind = "alone" if i % 2 == 0 else "beside"
+            stop = asyncio.Event()
+            task = asyncio.create_task(adversary(stop)) if kind == "beside" else None
+            if task is not None:
+                await asyncio.sleep(0.2)  # the first adversarial request is in the guard
+            end = time.perf_counter() + seconds / slices
+            while time.perf_counter() < end:
+                status, took = await one(small_payload)
+                if status == 200:
+                    latencies[kind].append(took)
+            if task is not None:
+                stop.set()
+                await task
+    return {"p50_ms": {k: pct(v, 0.5) for k, v in latencies.items()},
+            "p99_ms": {k: pct(v, 0.99) for k, v in latencies.items()},
+            "requests": {k: len(v) for k, v in latencies.items()},
+            "adversary_statuses": statuses}
+
+
+# (measure, baseline, guarded, target ratio or NaN, whether a higher ratio is better)
+Row = tuple[str, float, float, float, bool]
+
+
+def summary(results: dict[str, Any]) -> list[Row]:
+    """Every measured row against its baseline of the same run: (measure, baseline, guarded,
+    target ratio, whether a higher ratio is better)."""
+    rows: list[Row] = []
+    for name, got in results.items():
+        if name == "small beside adversary":
+            p50, p99 = got["p50_ms"], got["p99_ms"]
+            rows.append(("1 KB beside 1 MB adversary, p50 ms", p50["alone"], p50["beside"],
+                         1.1, False))
+            rows.append(("1 KB beside 1 MB adversary, p99 ms", p99["alone"], p99["beside"],
+                         float("nan"), False))
+        elif name.startswith("stream "):
+            rate = got["tokens_per_s"]
+            rows.append((f"{name}, tokens/s", rate["off"], rate["on"], 0.9, True))
+        else:
+            target = 1.1 if "without PII" in name else float("nan")
+            rows.append((f"{name.replace('KB', ' KB')}, p50 ms", got["off"]["p50_ms"],
+                         got["on"]["p50_ms"], target, False))
+    return rows
+
+
+def print_summary(rows: list[Row]) -> None:
+    print(f"\n{'measure':<36} {'baseline':>9} {'guarded':>9} {'ratio':>6} {'target':>7}  met")
+    for label, base, guarded, target, higher in rows:
+        ratio = guarded / base if base else float("nan")
+        if target != target:  # no target for this row
+            aim, met = "", ""
+        else:
+            aim = f"{'>=' if higher else '<='} {target:g}"
+            met = "yes" if (ratio >= target if higher else ratio <= target) else "no"
+        print(f"{label:<36} {base:>9.2f} {guarded:>9.2f} {ratio:>6.2f} {aim:>7}  {met}")
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else 0.0
@@ -217,8 +314,16 @@ def main() -> int:
     parser.add_argument("--slices", type=int, default=4)
     parser.add_argument("--pace-ms", type=float, nargs="+", default=[0.0, 10.0],
                         help="time between streamed chunks, one row each (0: all at once)")
+    parser.add_argument("--sections", default="latency,streams,adversary",
+                        help="which of latency, streams, adversary to run")
+    parser.add_argument("--adversary-mb", type=float, default=1.0)
+    parser.add_argument("--adversary-seconds", type=float, default=10.0,
+                        help="of small requests, per kind (alone, beside the adversary)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default="", help="also write the figures to this file")
+    parser.add_argument("--profile", default="",
+                        help="sample the gateway's worker with py-spy into this folder and "
+                             "print its top functions")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     policy = effective(FLOOR, TENANT)
@@ -251,7 +356,8 @@ def main() -> int:
             cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
         keys.update(json.loads(seeded.strip().splitlines()[-1]))
         gw_port = free_port()
-        procs.append(start_gateway(env, gw_port, 1))
+        gateway = start_gateway(env, gw_port, 1)  # one worker: uvicorn runs it in-process
+        procs.append(gateway)
         url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
         headers = {side: {"Authorization": f"Bearer {keys[key]}",
                           "Content-Type": "application/json"}
@@ -259,13 +365,19 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{gw_port}/v1/models", 60, headers["off"])
         sides = {side: (url, headers[side]) for side in ("off", "on")}
         time.sleep(2)  # the catalog's first refresh has compiled the policy
+        profiler = None
+        if args.profile:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            profiler = Profiler(gateway.pid, Path(args.profile))
+            profiler.start()
 
         print(f"policy: {len(policy.input)} input rules, {len(policy.output)} output rules; "
               f"{args.seconds:g} s per side and prompt, one request at a time (ms)")
         print(f"{'prompt':<16} {'off p50 / p99':>16} {'on p50 / p99':>16} {'ratio p50':>9} "
               f"{'ratio p99':>9} {'added p50':>9}")
         model = f"prose-clean-{args.pace_ms[0]:g}"
-        for size in (1024, 8192):
+        sections = set(args.sections.split(","))
+        for size in (1024, 8192) if "latency" in sections else ():
             clean = prose(rng, size)
             for label, prompt in (("without PII", clean), ("with PII", with_pii(rng, clean))):
                 got = asyncio.run(paired(sides, {**chat(prompt), "model": model}, args.seconds))
@@ -284,7 +396,7 @@ def main() -> int:
               f"{args.stream_requests} per side")
         print(f"{'answer':<22} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} "
               f"{'TTFT off p50':>12} {'on p50':>8} {'added':>8} {'e2e added p50':>13}")
-        for (label, pace) in upstreams:
+        for (label, pace) in upstreams if "streams" in sections else ():
             body = chat("Tell me about our customer.", max_tokens=args.stream_tokens,
                         stream=True, model=f"prose-{label}-{pace:g}")
             got = asyncio.run(streams(sides, body, args.concurrency, args.stream_requests,
@@ -306,6 +418,30 @@ def main() -> int:
                   f"   (failed {row['failed']['off']}/{row['failed']['on']})", flush=True)
             if leaked:
                 print(f"   LEAK: {len(leaked)} entities reached the client on the guarded side")
+
+        if "adversary" in sections:
+            size = int(args.adversary_mb * 1024 * 1024)
+            big = {**chat(("+1 415 555 2671 " * (size // 16 + 1))[:size]), "model": model}
+            small = {**chat(prose(rng, 1024)), "model": model}
+            got = asyncio.run(beside_adversary(url, headers["on"], small, big,
+                                               args.adversary_seconds, args.slices))
+            p50, p99 = got["p50_ms"], got["p99_ms"]
+            got["ratio_p50"] = p50["beside"] / p50["alone"] if p50["alone"] else float("nan")
+            got["ratio_p99"] = p99["beside"] / p99["alone"] if p99["alone"] else float("nan")
+            results["small beside adversary"] = got
+            print(f"\na guarded 1 KB request, alone and beside {args.adversary_mb:g} MB "
+                  "adversarial prompts to the same worker (ms)")
+            print(f"alone p50 / p99 {p50['alone']:.2f} / {p99['alone']:.2f}   beside p50 / p99 "
+                  f"{p50['beside']:.2f} / {p99['beside']:.2f}   ratio p50 {got['ratio_p50']:.2f} "
+                  f"p99 {got['ratio_p99']:.2f}   ({got['requests']['alone']}/"
+                  f"{got['requests']['beside']} requests; adversarial answers by status "
+                  f"{got['adversary_statuses']})", flush=True)
+        print_summary(summary(results))
+        if profiler is not None:
+            profiler.stop()
+            print("\nwhere the gateway's worker spent its time (py-spy):")
+            print("\n".join(profiler.report(20, wanted=("gateway_app/", "guardrails_app/",
+                                                        "json/", "re2/"))))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
     finally:

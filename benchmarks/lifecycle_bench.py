@@ -57,6 +57,7 @@ def main() -> None:
     from rest_framework.test import APIClient
 
     from serving_app.engine import supervisor
+    from serving_app.engine.client import engine_http
     from serving_app.engine.launch import build_launch_spec
     from serving_app.models import BaseModel, Deployment, Instance, Node
     from tenants_app.models import Tenant
@@ -96,7 +97,7 @@ def main() -> None:
                 raise SystemExit("node agent did not register; see /tmp/lifecycle-bench-logs")
             time.sleep(0.2)
         manual, console, own = [], [], []
-        http = httpx.Client()  # one pooled client: both paths poll /health at the same cost
+        http = engine_http()  # one pooled client: both paths poll /health at the same cost
         for round_no in range(1, args.rounds + 1):
             # 1. By hand: the same command line and environment the node agent would use.
             probe = Instance(deployment=deployment, port=18990)
@@ -106,7 +107,7 @@ def main() -> None:
                                          logs / f"manual-{round_no}.log")
             while True:
                 try:
-                    if http.get("http://127.0.0.1:18990/health", timeout=1).status_code == 200:
+                    if http.get(f"{probe.base_url}/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass

@@ -32,12 +32,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving_app.placement.placer import GpuSlot, Node, PlacementRequest, Placer  # noqa: E402
+from serving_app.placement.cluster import GpuSlot, Node  # noqa: E402
+from serving_app.placement.placer import Placer  # noqa: E402
 from serving_app.placement.planner import (  # noqa: E402
     EngineSettings,
     ModelArchitecture,
     plan_memory,
 )
+from serving_app.placement.request import PlacementRequest  # noqa: E402
 
 MIB = 1024**2
 GPU_KINDS = [  # (name, total bytes as NVML reports it, share of nodes)

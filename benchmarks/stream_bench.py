@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/stream_bench.py                       # engine + paced mock, c=1, 32
     .venv/bin/python benchmarks/stream_bench.py --compare ca779e4     # the same, against a commit
     .venv/bin/python benchmarks/stream_bench.py --full                # the whole matrix (long)
+    .venv/bin/python benchmarks/stream_bench.py --upstreams paced --tls --no-relay
+                                     # the gateway to TLS upstreams against plain HTTP
 
 The load is `vllm.benchmarks.serve` (what `vllm bench serve` runs), imported once in a client
 process of the engine's virtual environment (the only one that has vLLM) and called once per
@@ -21,6 +23,9 @@ other round, because this machine's speed drifts by 2x over minutes):
   and TPM limits (admission and settlement: two Redis round trips) or none (one); flow
   control on (the default), and with `--flow on off` also a gateway with it off
   (`GATEWAY_FLOW_CONTROL`, sides named `... noflow`): what it costs, measured in the same run;
+- with `--tls`, the same gateways reaching the same mock upstream processes on a second port
+  where each serves TLS as an engine does (a client certificate of the benchmark's CA
+  required), sides named `tls ...`; their ratio to the plain-HTTP gateway is printed;
 - with `--compare COMMIT`, the same gateways running that commit's code, from a git worktree
   the benchmark creates in a temporary folder (and removes), on their own database.
 
@@ -177,12 +182,14 @@ class PacedUpstream(InstantUpstream):
             asyncio.get_running_loop().call_later(self.interval, self._tick, events)
 
 
-def _paced_main(port: int, interval: float) -> None:
-    serve_upstream(lambda: PacedUpstream(interval), port)
+def _paced_main(port: int, interval: float, tls_port: int = 0, tls_dir: str = "") -> None:
+    serve_upstream(lambda: PacedUpstream(interval), port, tls_port, tls_dir)
 
 
-def serve_upstream(factory: Any, port: int) -> None:
-    """Serve the protocol `factory` makes on 127.0.0.1:`port` until killed (uvloop if any)."""
+def serve_upstream(factory: Any, port: int, tls_port: int = 0, tls_dir: str = "") -> None:
+    """Serve the protocol `factory` makes on 127.0.0.1:`port` until killed (uvloop if any);
+    with `tls_port`, the same upstream also on that port as an engine serves (TLS with the
+    certificate in `tls_dir`, a client certificate of its CA required)."""
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -191,10 +198,34 @@ def serve_upstream(factory: Any, port: int) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(factory, "127.0.0.1", port)
+        if tls_port:
+            # Here, not at the top: the client process imports this module in the engine's
+            # environment, which has no Django.
+            from serving_app import pki
+
+            await loop.create_server(factory, "127.0.0.1", tls_port,
+                                     ssl=pki.engine_server_context(Path(tls_dir)))
         async with server:
             await server.serve_forever()
 
     asyncio.run(main())
+
+
+def make_tls_dir(folder: Path) -> Path:
+    """A console CA of the benchmark's own: the upstreams' certificate (`node`) and the
+    gateway's (`console`), as `ENGINE_TLS_DIR` holds them on a console host (no CA key: the
+    gateway makes nothing)."""
+    # Here, not at the top: the client process imports this module in the engine's
+    # environment, which has no Django.
+    from serving_app import pki
+
+    folder.mkdir(mode=0o700)
+    ca = pki.make_ca("stream_bench CA")
+    (folder / "ca.pem").write_text(ca.cert_pem)
+    pki.write_pair(folder, "node", pki.issue(ca, "node:bench", names=pki.LOCAL_NAMES,
+                                             server=True))
+    pki.write_pair(folder, "console", pki.issue(ca, "console"))
+    return folder
 
 
 # -- the load: vLLM's client, in the engine's environment -------------------------------------
@@ -403,9 +434,12 @@ class Profiler:
                 kill_group(self.proc, grace=1)
             self.proc = None
 
-    def report(self, top: int = 15) -> list[str]:
+    def report(self, top: int = 15, wanted: tuple[str, ...] = (
+            "gateway_app/", "uvicorn/", "httptools", "asyncio/", "uvloop", "resp.py")
+               ) -> list[str]:
         """The functions the worker spent its (on-CPU) samples in: by own time (the leaf of
-        each stack) and including callees, as percentages of all samples."""
+        each stack) and including callees (those whose file matches one of `wanted`), as
+        percentages of all samples."""
         own: Counter[str] = Counter()
         inclusive: Counter[str] = Counter()
         total = 0
@@ -427,8 +461,7 @@ class Profiler:
             return ["(no samples)"]
         lines = [f"{total} samples; own time:"]
         lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in own.most_common(top)]
-        lines.append("including callees (gateway_app, uvicorn, httptools, asyncio):")
-        wanted = ("gateway_app/", "uvicorn/", "httptools", "asyncio/", "uvloop", "resp.py")
+        lines.append(f"including callees ({', '.join(w.strip('/') for w in wanted)}):")
         picked = [(name, n) for name, n in inclusive.most_common()
                   if any(w in name for w in wanted)][:top]
         lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in picked]
@@ -561,6 +594,11 @@ def summarize(cell: tuple, sides: list[Side]) -> dict[str, Any]:
                     row[f"added_{metric}"] = row[metric] - direct[metric]
         if relay and relay["rps"]:
             row["vs_relay"] = row["rps"] / relay["rps"]
+    for name, row in pooled.items():  # a TLS gateway against the same gateway over plain HTTP
+        plain = pooled.get("gateway " + name.removeprefix("tls ")) if name.startswith(
+            "tls ") else None
+        if plain and plain["rps"]:
+            row["vs_plain"] = row["rps"] / plain["rps"]
     return pooled
 
 
@@ -581,6 +619,9 @@ def print_summary(cell: tuple, pooled: dict[str, Any], chunks: int) -> None:
               f"{row['failed']:4d} {'' if cpu is None else f'{cpu:.3f}':>10} "
               f"{'' if chunk is None else f'{chunk:.1f}':>8} "
               f"{'' if redis is None else f'{redis:.3f}':>6}  {row['rounds_rps']}")
+    for name, row in pooled.items():
+        if "vs_plain" in row:
+            print(f"{name}: {row['vs_plain']:.3f} of the plain-HTTP gateway's requests/s")
     print(flush=True)
 
 
@@ -631,6 +672,10 @@ def parse_args() -> argparse.Namespace:
                         help="run the client, relay, gateways, mocks and Redis on the last core "
                              "only, off the core the engine computes on")
     parser.add_argument("--no-relay", action="store_true", help="leave out the bare TCP relay")
+    parser.add_argument("--tls", action="store_true",
+                        help="also gateways (sides `tls ...`) reaching the mock upstreams over "
+                             "TLS with the console's client certificate, as engines are reached; "
+                             "printed as a ratio to the same gateway over plain HTTP")
     parser.add_argument("--compare", default="", metavar="COMMIT",
                         help="also measure the gateway of this commit (a git worktree)")
     parser.add_argument("--full", action="store_true",
@@ -655,6 +700,9 @@ def parse_args() -> argparse.Namespace:
     if args.full:
         args.upstreams, args.modes = list(MODELS), ["stream", "whole"]
         args.concurrency, args.workers, args.limits = [1, 32, 64], [1, 2], ["on", "off"]
+    if args.tls and "engine" in args.upstreams:
+        parser.error("--tls measures the mock upstreams (paced, instant): an engine listens "
+                     "with TLS or without, not both, so no same upstream serves both sides")
     return args
 
 
@@ -678,11 +726,14 @@ def main() -> int:
         upstreams: dict[str, int] = {kind: free_port() for kind in args.upstreams}
         if "engine" in upstreams:
             procs.append(start_engine(upstreams["engine"]))
-        if "paced" in upstreams:
-            procs.append(spawn("stream_bench._paced_main", upstreams["paced"],
-                               args.pace_ms / 1000, rt=rt))
-        if "instant" in upstreams:
-            procs.append(spawn("stream_bench._paced_main", upstreams["instant"], 0.0, rt=rt))
+        # `--tls`: each mock upstream also listens with TLS, as engines do; the TLS gateways
+        # reach the same upstream processes there.
+        tls_dir = make_tls_dir(tmp / "engine-tls") if args.tls else None
+        tls_ports = {kind: free_port() for kind in upstreams} if args.tls else {}
+        for kind, interval in (("paced", args.pace_ms / 1000), ("instant", 0.0)):
+            if kind in upstreams:
+                procs.append(spawn("stream_bench._paced_main", upstreams[kind], interval,
+                                   tls_ports.get(kind, 0), str(tls_dir or ""), rt=rt))
         sides = [Side("direct", {k: f"http://127.0.0.1:{p}" for k, p in upstreams.items()},
                       ENGINE_SECRET)]
         if not args.no_relay:
@@ -693,16 +744,18 @@ def main() -> int:
                 relay.urls[kind] = f"http://127.0.0.1:{relay_port}"
                 relay.pids[kind] = procs[-1].pid
             sides.append(relay)
-        codes = [("gateway", ROOT)]
+        codes: list[tuple[str, Path, dict[str, str]]] = [("gateway", ROOT, {})]
+        if tls_dir is not None:
+            codes.append(("tls", ROOT, {"ENGINE_TLS": "true", "ENGINE_TLS_DIR": str(tls_dir)}))
         if args.compare:
             label = subprocess.run(["git", "rev-parse", "--short", args.compare], cwd=ROOT,
                                    check=True, capture_output=True, text=True).stdout.strip()
-            codes.append((label, stack.enter_context(worktree(args.compare, tmp / label))))
+            codes.append((label, stack.enter_context(worktree(args.compare, tmp / label)), {}))
         gateways = []
-        for label, code in codes:
+        for label, code, extra_env in codes:
             env = {**gateway_env(redis_url, f"sqlite:///{tmp / label}.sqlite3", code),
-                   "CONSOLE_VAR_DIR": str(tmp / f"{label}-var")}
-            keys = seed_gateway_db(env, upstreams, code)
+                   "CONSOLE_VAR_DIR": str(tmp / f"{label}-var"), **extra_env}
+            keys = seed_gateway_db(env, tls_ports if extra_env else upstreams, code)
             for workers, flow in itertools.product(args.workers, args.flow):
                 port = free_port()
                 proc = start_gateway({**env, "GATEWAY_FLOW_CONTROL": str(flow == "on").lower()},

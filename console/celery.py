@@ -61,3 +61,12 @@ def _schedule(sender: Celery, **kwargs) -> None:
                          options={"expires": settings.ENGINE_METRICS_INTERVAL_SECONDS}),
         name="autoscale deployments",
     )
+    # Dumps of the console's database (backups_app); BACKUP_INTERVAL_MINUTES=0 turns them off.
+    if settings.BACKUP_INTERVAL_MINUTES:
+        interval = settings.BACKUP_INTERVAL_MINUTES * 60.0
+        sender.add_periodic_task(
+            interval,
+            sender.signature(lifecycle.BACK_UP_DATABASE, queue=lifecycle.CONTROL_QUEUE,
+                             options={"expires": interval}),
+            name="back up the console's database",
+        )

@@ -7,9 +7,13 @@ process at start with a message an operator can act on. `NAME_FILE`, when set, i
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
+import warnings
 from pathlib import Path
 
+from cryptography.fernet import Fernet
 from django.core.exceptions import ImproperlyConfigured
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -81,3 +85,25 @@ def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ImproperlyConfigured(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
+
+
+def field_encryption_keys(keys: list[str], *, debug: bool, secret_key: str) -> list[str]:
+    """`FIELD_ENCRYPTION_KEYS`, each checked to be a Fernet key. Required in production; with
+    DEBUG a key derived from SECRET_KEY stands in, with a warning."""
+    for key in keys:
+        try:
+            Fernet(key.encode())
+        except ValueError as exc:
+            raise ImproperlyConfigured(
+                "FIELD_ENCRYPTION_KEYS: each key is 32 url-safe base64-encoded bytes "
+                "(python -c 'from cryptography.fernet import Fernet; "
+                "print(Fernet.generate_key().decode())')") from exc
+    if keys:
+        return keys
+    if not debug:
+        raise ImproperlyConfigured("FIELD_ENCRYPTION_KEYS must be set when DEBUG is false (set "
+                                   "FIELD_ENCRYPTION_KEYS or FIELD_ENCRYPTION_KEYS_FILE)")
+    warnings.warn("FIELD_ENCRYPTION_KEYS is not set: secrets are encrypted with a key derived "
+                  "from SECRET_KEY (development only).", stacklevel=2)
+    digest = hashlib.sha256(b"field-encryption:" + secret_key.encode()).digest()
+    return [base64.urlsafe_b64encode(digest).decode()]

@@ -15,7 +15,15 @@ import dj_database_url
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
 
-from console.env import env_bool, env_choice, env_float, env_int, env_list, env_str
+from console.env import (
+    env_bool,
+    env_choice,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    field_encryption_keys,
+)
 
 # The pages name their model and form in type arguments (`ListView[Tenant]`), which django-stubs
 # reads; this lets Python accept them on Django's generic views and forms (it adds only
@@ -36,6 +44,11 @@ if not SECRET_KEY:
             "SECRET_KEY must be set when DEBUG is false (set SECRET_KEY or SECRET_KEY_FILE)"
         )
     SECRET_KEY = "insecure-development-key-do-not-use-in-production"
+# Secrets stored encrypted (audit_app.encryption): Fernet keys, comma-separated; the first
+# encrypts, all decrypt (rotation: docs/security.md). Never given to a node (its process reads
+# ciphertext only, NODE_NAME set); DEBUG derives one from SECRET_KEY, with a warning.
+FIELD_ENCRYPTION_KEYS = [] if env_str("NODE_NAME", "") else field_encryption_keys(
+    env_list("FIELD_ENCRYPTION_KEYS", []), debug=DEBUG, secret_key=SECRET_KEY)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -57,6 +70,8 @@ INSTALLED_APPS = [
     "gateway_app",
     "guardrails_app",
     "alerts_app",
+    "backups_app",
+    "billing_app",
     "ui_app",
 ]
 
@@ -96,6 +111,11 @@ TEMPLATES = [
 ]
 
 
+# A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
+# its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
+NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
+
+
 def _database() -> dj_database_url.DBConfig:
     url = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'console.sqlite3'}")
     try:
@@ -112,6 +132,16 @@ def _database() -> dj_database_url.DBConfig:
             "transaction_mode": "IMMEDIATE",
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
         }
+    elif env_str("NODE_NAME", ""):
+        # A node agent frozen or cut off inside one of its transactions would hold its rows
+        # (its node's among them) until its connection dies, which TCP may take hours to see:
+        # PostgreSQL ends such a session after half the time that declares the node lost, so
+        # the reconciler can declare it lost and replace its instances (no agent transaction
+        # waits on anything but the database).
+        idle_ms = max(1000, round(NODE_LOST_SECONDS * 500))
+        options = config.setdefault("OPTIONS", {})  # the URL's own (sslmode...) kept
+        options["options"] = " ".join(filter(None, [
+            options.get("options", ""), f"-c idle_in_transaction_session_timeout={idle_ms}"]))
     return config
 
 
@@ -129,11 +159,15 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = Path(env_str("STATIC_ROOT", str(VAR_DIR / "staticfiles")))
 # `collectstatic` (scripts/demo.sh; docs/operations.md for production) writes every file under a
 # content-hashed name with gzip and brotli copies beside it; whitenoise serves those with a
-# year's immutable caching, so a browser fetches plotly.js once, compressed. (With DEBUG on the
-# plain names are served from static/ as they change.)
+# year's immutable caching, so a browser fetches plotly.js once, compressed. STATIC_HASHED (on
+# unless DEBUG is; scripts/demo.sh turns it on with DEBUG) serves those copies; off, the plain
+# names are served from static/ as they change (development).
+STATIC_HASHED = env_bool("STATIC_HASHED", not DEBUG)
+WHITENOISE_USE_FINDERS = not STATIC_HASHED
+WHITENOISE_AUTOREFRESH = not STATIC_HASHED
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+    "staticfiles": {"BACKEND": "console.staticfiles.ConsoleStaticFilesStorage"},
 }
 
 LOGIN_URL = "/login/"
@@ -326,10 +360,40 @@ SPECTACULAR_SETTINGS = {
              "Silences: no notifications for matching alerts for a while."
          )},
         {"name": "alert-deliveries", "description": "Every notification sent, with its outcome."},
+        {"name": "backups",
+         "description": (
+             "Dumps of the console's database (platform admins): state, file, size, SHA-256 "
+             "and error; back up now."
+         )},
+        {"name": "price-cards",
+         "description": (
+             "Token prices per base model or adapter (input, cached input, output per million "
+             "tokens), effective-dated and versioned; the card in force at a moment."
+         )},
+        {"name": "gpu-price-cards",
+         "description": (
+             "Prices per GPU-second by GPU model or MIG profile, effective-dated and versioned."
+         )},
+        {"name": "money-budgets",
+         "description": (
+             "Budgets in money per tenant or API key and period, with a soft threshold that "
+             "alerts and a hard limit the gateway enforces (insufficient_quota)."
+         )},
+        {"name": "statements",
+         "description": (
+             "Statements per tenant and month: token and GPU capacity costs side by side, the "
+             "billed one by the tenant's basis, the fleet's idle capacity (platform admins) and "
+             "the FOCUS 1.0 export, paged."
+         )},
+        {"name": "requests",
+         "description": (
+             "The request log: each request's route, stages, tokens, guardrail findings and "
+             "error, filterable (a tenant's users see their own)."
+         )},
     ],
     # One name per choice set where several models' fields share a name ("state", "kind").
     "ENUM_NAME_OVERRIDES": {
-        "InstanceStateEnum": "serving_app.models.Instance.State",
+        "InstanceStateEnum": "serving_app.models.instances.Instance.State",
         "ArtifactSourceEnum": "serving_app.models.artifacts.ArtifactVersion.Source",
         "ImportStateEnum": "serving_app.models.artifacts.ArtifactImport.State",
         "CacheEntryStateEnum": "serving_app.models.artifacts.NodeCacheEntry.State",
@@ -342,6 +406,7 @@ SPECTACULAR_SETTINGS = {
         "TransitionKindEnum": "alerts_app.models.AlertTransition.Kind",
         "SeverityEnum": "alerts_app.models.Severity",
         "RolloutStateEnum": "serving_app.models.revisions.Rollout.State",
+        "BackupStateEnum": "backups_app.models.Backup.State",
     },
 }
 
@@ -380,6 +445,15 @@ ENGINE_RENDEZVOUS_PORT_RANGE = (
     env_int("ENGINE_RENDEZVOUS_PORT_MIN", 29500, minimum=1024),
     env_int("ENGINE_RENDEZVOUS_PORT_MAX", 29999, minimum=1024),
 )
+# Engines answer only callers with a certificate of the console's CA (serving_app/pki.py,
+# docs/security.md): off only for a plain-HTTP development setup.
+ENGINE_TLS = env_bool("ENGINE_TLS", True)
+# The CA's certificate, this host's engine certificate and key, and on the console's hosts the
+# CA's key and the console's client certificate (made on first use; keys 0600).
+ENGINE_TLS_DIR = Path(env_str("ENGINE_TLS_DIR", str(VAR_DIR / "engine-tls")))
+# Where the CA's certificate and key are, if not there: a folder every console process mounts
+# (Kubernetes: the Secret that `manage.py engine_ca` fills). Empty: ENGINE_TLS_DIR.
+ENGINE_CA_DIR = env_str("ENGINE_CA_DIR", "")
 ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engine-logs")))
 # A start fails when its log has been silent this long (a CUDA engine logs its compile, CUDA
 # graph and KV cache steps as it goes; kernel JIT was seen silent for about 70 s on an H200)...
@@ -419,9 +493,6 @@ ENGINE_ROLLUP_RETENTION_DAYS = env_float("ENGINE_ROLLUP_RETENTION_DAYS", 31.0, m
 NODE_INVENTORY_SECONDS = env_float(
     "NODE_INVENTORY_SECONDS", ENGINE_METRICS_INTERVAL_SECONDS, minimum=1.0
 )
-# A node whose agent has not sent a heartbeat for this long is declared lost by the reconciler:
-# its instances are replaced on other nodes (several heartbeats: one late beat is not a loss).
-NODE_LOST_SECONDS = env_float("NODE_LOST_SECONDS", 30.0, minimum=1.0)
 # Joining a host from the Nodes page (docs/install.md, "Joining a GPU host"): how long a join
 # token is open, and the database and Redis URLs handed to a joining node (default: the
 # console's own DATABASE_URL and REDIS_URL, which must then be reachable from the node).
@@ -445,6 +516,9 @@ GPU_SAMPLE_RETENTION_HOURS = env_float("GPU_SAMPLE_RETENTION_HOURS", 24.0, minim
 USAGE_TEN_SECOND_RETENTION_HOURS = env_float(
     "USAGE_TEN_SECOND_RETENTION_HOURS", 24.0, minimum=0.1
 )
+# A latency row whose share of failed requests is above this is never "met", however fast its
+# successes were (the latency dashboard's objective column).
+OBJECTIVE_MAX_ERROR_RATE = env_float("OBJECTIVE_MAX_ERROR_RATE", 0.05, minimum=0.0)
 
 # Where model and adapter files may live (serving_app/storage.py). Tenants never name a host
 # path: their uploads go to their own area under TENANT_STORAGE_ROOT (`tenant-<id>/`); platform
@@ -474,6 +548,10 @@ ARTIFACT_UPLOAD_MAX_FILE_BYTES = (
     env_int("ARTIFACT_UPLOAD_MAX_FILE_MB", 200 * 1024, minimum=1) * 1024 * 1024
 )
 NODE_CONSOLE_URL = env_str("NODE_CONSOLE_URL", "http://127.0.0.1:8000")
+# The console's address as other hosts reach it (e.g. https://console.example.com): what the
+# "Add a node" page and the join-token API put in the join command. Unset: the address the
+# admin's request came to (or NODE_CONSOLE_URL when that is a loopback one and this is not).
+CONSOLE_EXTERNAL_URL = env_str("CONSOLE_EXTERNAL_URL", "")
 NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
 NODE_CACHE_QUOTA_BYTES = env_int("NODE_CACHE_QUOTA_MB", 100 * 1024, minimum=1) * 1024 * 1024
 
@@ -597,6 +675,11 @@ GATEWAY: dict[str, Any] = {
     "REDIS_TIMEOUT_SECONDS": env_float("GATEWAY_REDIS_TIMEOUT_SECONDS", 1.0, minimum=0.01),
     # Largest request body accepted (bytes); larger ones get 413 without reaching an engine.
     "MAX_BODY_BYTES": env_int("GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024),
+    # Guardrail detection on a large request runs in this many threads per worker (off the event
+    # loop), and fails the request (or lets it through unchecked under a policy whose classifier
+    # fails open) when it takes longer than the timeout.
+    "GUARD_PROCESSES": env_int("GATEWAY_GUARD_PROCESSES", 2, minimum=1),
+    "GUARD_TIMEOUT_SECONDS": env_float("GATEWAY_GUARD_TIMEOUT_SECONDS", 2.0, minimum=0.01),
     # How long a worker trusts a cached key before re-reading it in the background. Revocations
     # and tenant changes arrive sooner, through Redis pub/sub; this bounds a missed message.
     "KEY_CACHE_SECONDS": env_float("GATEWAY_KEY_CACHE_SECONDS", 60.0, minimum=0.0),
@@ -641,6 +724,7 @@ GATEWAY: dict[str, Any] = {
     # use: a request of an upper band finds a slot at once rather than waiting behind a flood of
     # a lower one (the engine orders it first by its priority). 0: the budget holds for all.
     "FLOW_RESERVED_SLOTS": env_int("GATEWAY_FLOW_RESERVED_SLOTS", 2, minimum=0),
+    "FLOW_SETTLED_HOLD_MS": env_int("GATEWAY_FLOW_SETTLED_HOLD_MS", 50, minimum=0),
     # Fair share counts weighted tokens: prompt tokens times the first, completion tokens times
     # the second (a generated token costs the engine more than a prompt token).
     "FLOW_INPUT_TOKEN_WEIGHT": env_float("GATEWAY_FLOW_INPUT_TOKEN_WEIGHT", 1.0, minimum=0.0),
@@ -683,6 +767,24 @@ DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "alerts@localhost")
 # `/metrics` (Prometheus) answers only requests with `Authorization: Bearer <this>`; empty: the
 # endpoint is off (404).
 METRICS_SCRAPE_TOKEN = env_str("METRICS_SCRAPE_TOKEN", "")
+
+# --- Backups of the console's database (backups_app; docs/operations.md, "Backups") ---
+# Beat runs a dump every this many minutes on the control worker; 0 turns the schedule off
+# (`manage.py backup_database` still runs one).
+BACKUP_INTERVAL_MINUTES = env_int("BACKUP_INTERVAL_MINUTES", 15, minimum=0)
+# How many successful dumps to keep (the newest); older files are deleted after each new one.
+# The default keeps a day at the default interval.
+BACKUP_RETENTION = env_int("BACKUP_RETENTION", 96, minimum=1)
+# Where the dumps go (each `console-<time>.dump` with its `.sha256` beside it). Copy them off
+# the host: a dump on the database's own disk does not survive losing that disk.
+BACKUP_DIR = Path(env_str("BACKUP_DIR", str(VAR_DIR / "backups")))
+# A dump that takes longer than this is stopped and recorded as failed.
+BACKUP_TIMEOUT_SECONDS = env_int("BACKUP_TIMEOUT_SECONDS", 480, minimum=1)
+if BACKUP_TIMEOUT_SECONDS >= CELERY_TASK_SOFT_TIME_LIMIT:
+    raise ImproperlyConfigured(
+        f"BACKUP_TIMEOUT_SECONDS ({BACKUP_TIMEOUT_SECONDS}) must be below "
+        f"CELERY_TASK_SOFT_TIME_LIMIT ({CELERY_TASK_SOFT_TIME_LIMIT}): the task would be "
+        "stopped before the dump's own time limit")
 
 # --- Health (/healthz, /readyz, /api/v1/health/, the console's "degraded" banner) ---
 # The usage writer counts as unhealthy once the oldest event not yet stored is older than this.

@@ -10,6 +10,8 @@ from rest_framework.routers import APIRootView, DefaultRouter
 
 from alerts_app import exporter
 from alerts_app.api import views as alert_views
+from backups_app.api.views import BackupViewSet
+from billing_app.api.views import StatementViewSet
 from guardrails_app.api import views as guardrail_views
 from serving_app.api import artifacts as artifact_views
 from serving_app.api import fleet as fleet_views
@@ -17,6 +19,8 @@ from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
 from serving_app.api.fleetplans import FleetPlanViewSet
 from serving_app.api.joins import NodeJoinTokenViewSet, NodeJoinView
+from serving_app.api.prices import GpuPriceCardViewSet, PriceCardViewSet
+from serving_app.api.requests import RequestViewSet
 from tenants_app.api import views as tenant_views
 from tenants_app.api.auth import TokenLoginView, TokenLogoutAllView, TokenLogoutView
 from ui_app.console import views as console_views
@@ -63,6 +67,12 @@ router.register("tenant-guardrails", guardrail_views.TenantPolicyViewSet)
 router.register("key-guardrails", guardrail_views.KeyPolicyViewSet)
 router.register("guardrail-patterns", guardrail_views.TenantPatternViewSet)
 router.register("guard-models", guardrail_views.GuardModelViewSet)
+router.register("backups", BackupViewSet)
+router.register("price-cards", PriceCardViewSet)
+router.register("money-budgets", tenant_views.MoneyBudgetViewSet)
+router.register("gpu-price-cards", GpuPriceCardViewSet)
+router.register("requests", RequestViewSet)
+router.register("statements", StatementViewSet, basename="statement")
 
 urlpatterns = [
     path("healthz", public(console_views.healthz, "the liveness probe (says only 'ok')"),

@@ -16,6 +16,11 @@ Per tenant (keys share the `{t<id>}` hash tag):
   Redis restart does not hand a tenant its month's tokens again.
 The clock is Redis's own (`TIME`), so every worker and host agrees on the window.
 
+- money budgets (`money.py`): a counter per budget's period or rolling window, the request's
+  worst-case cost reserved on its key's and its tenant's, the actual cost settled. Their keys
+  follow the others (`KEYS[9]` on) and their arguments come last, so a request without them
+  sends nothing more.
+
 Per instance, the same scripts keep the requests in flight (`serving_app.deployments.inflight`):
 admission adds the request to the instance it will be sent to, settlement removes it, so the control
 plane reads how many requests each instance still serves (to finish a drain) at no extra round trip.
@@ -35,21 +40,23 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from gateway_app import flow
+from gateway_app import flow, money
 from gateway_app.catalog import TenantEntry
 from gateway_app.errors import GatewayError
+from gateway_app.resp import Arg
 
 ADMIT = 0
 RPM = 1
 TPM = 2
 CONCURRENCY = 3
 BUDGET = 4
+MONEY = 5
 
 # `#!lua` (Redis 7 script flags): a full Redis (noeviction) refuses the whole script up front, so
 # admission fails as the failure policy says. Without flags Redis would let a script that has
 # already run one write (ZREMRANGEBYSCORE) go on writing, depending on the tenant's limits.
 ADMIT_LUA = """#!lua flags=allow-cross-slot-keys
-""" + flow.LUA_LIB + """
+""" + flow.LUA_LIB + money.LUA_LIB + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
@@ -117,6 +124,19 @@ if conc > 0 then
   end
 end
 
+-- Money budgets: KEYS[9..] their counters; ARGV ends with the worst case, the counters'
+-- lifetime, then each counter's limit, seed, span and bucket (money.ticket).
+local mk = #KEYS - 8
+local ma = #ARGV - 4 * mk - 1
+for i = 1, mk do
+  local a = ma + 4 * i - 2
+  local spent = money_spent(KEYS[8 + i], ARGV[a + 1], tonumber(ARGV[a + 2]),
+    tonumber(ARGV[a + 3]), ARGV[ma + 1])
+  if spent + tonumber(ARGV[ma]) > tonumber(ARGV[a]) then
+    return {5, rpm_count, 0, used, 0, -1, -1, i, spent}
+  end
+end
+
 if budget > 0 then
   if redis.call('EXISTS', KEYS[6]) == 0 then
     local unwritten = math.max(0, tonumber(redis.call('GET', KEYS[7]) or '0'))
@@ -133,6 +153,15 @@ if budget > 0 then
   redis.call('PEXPIRE', KEYS[3], window + lease)
 end
 
+if mk > 0 then
+  for i = 1, mk do
+    local a = ma + 4 * i - 2
+    money_add(KEYS[8 + i], tonumber(ARGV[a + 2]), ARGV[a + 3], ARGV[ma], ARGV[ma + 1])
+  end
+  -- What the counters hold for this request, taken back by its settlement (not after a loss).
+  redis.call('HSET', KEYS[3], 'm:' .. rid, ARGV[ma])
+  redis.call('PEXPIRE', KEYS[3], window + lease)
+end
 if rpm > 0 then
   redis.call('ZADD', KEYS[1], now, rid)
   redis.call('PEXPIRE', KEYS[1], window + 1000)
@@ -168,9 +197,13 @@ return {0, rpm_count, rpm_reset, used, tpm_reset, 0, granted}
 # `allow-oom`: a request admitted before Redis filled up still settles and appends its event
 # (Redis grows past maxmemory by at most the requests in flight; admission stops new ones).
 SETTLE_LUA = """#!lua flags=allow-oom,allow-cross-slot-keys
-""" + flow.LUA_LIB + """
+""" + flow.LUA_LIB + money.LUA_LIB + """
 local rid = ARGV[1]
 local actual = tonumber(ARGV[2])
+-- Money budgets: KEYS[9..] their counters; ARGV ends with the actual cost, then each
+-- counter's span and bucket.
+local mk = #KEYS - 8
+if mk > 0 then money_settle_request(KEYS[2], rid, 8, #ARGV - 2 * mk, mk) end
 if ARGV[4] == '1' then
   local old = tonumber(redis.call('HGET', KEYS[2], rid))
   if old then
@@ -194,11 +227,12 @@ if ARGV[6] == '1' and actual > 0 then
 else
   redis.call('XADD', KEYS[6], '*', 'e', ARGV[7])
 end
+local held = 0
 if ARGV[10] == '1' then
   local t = redis.call('TIME')
-  fc_settle(11, rid, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+  held = fc_settle(11, rid, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
-return 1
+return held
 """
 
 
@@ -275,6 +309,8 @@ class Decision:
     tpm_reset_ms: int
     wait_ms: int
     instance: int = -1  # flow control: the instance granted, 0 while waiting, -1 not used
+    money_at: int = 0  # a money budget refused: its place among the ticket's (1-based)
+    money_spent: int = 0  # and its spend (nano)
 
 
 def duration(ms: float) -> str:
@@ -348,13 +384,15 @@ def refusal(tenant: TenantEntry, decision: Decision, need: int) -> GatewayError:
 
 
 def admit_args(tenant: TenantEntry, request_id: str, need: int, window_ms: int, lease_ms: int,
-               count_in_flight: bool = False):
+               count_in_flight: bool = False, limits: bool = True) -> list[Arg]:
+    """The admission script's arguments; `limits` False: none of the tenant's limits is charged
+    (they were, by an admission before: only the in-flight count and flow control remain)."""
     return [
         request_id,
-        tenant.rpm or 0,
-        tenant.tpm or 0,
-        tenant.concurrency or 0,
-        tenant.budget or 0,
+        (tenant.rpm or 0) if limits else 0,
+        (tenant.tpm or 0) if limits else 0,
+        (tenant.concurrency or 0) if limits else 0,
+        (tenant.budget or 0) if limits else 0,
         need,
         window_ms,
         lease_ms,

@@ -38,7 +38,7 @@ class GatewayCache:
         self.config = config
         self.snapshot = Snapshot()
         self.keys: dict[str, KeyEntry] = {}
-        self._key_loads: dict[str, asyncio.Task] = {}
+        self._key_loads: dict[str, asyncio.Task[KeyEntry]] = {}
         # Changes learnt from messages, with when they arrived, so that an older re-read that
         # lands afterwards cannot bring back what they removed.
         self._key_changed_at: dict[str, float] = {}
@@ -46,9 +46,9 @@ class GatewayCache:
         self._catalog_changed_at = 0.0  # the last catalog or tenant message
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-db")
         self._refresh_wanted = asyncio.Event()
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: list[asyncio.Future[None]] = []
         self._first_snapshot = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.subscribed = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -89,7 +89,7 @@ class GatewayCache:
                 return entry
         return await self._load_key(secret, digest)
 
-    def _load_key(self, secret: str, digest: str) -> asyncio.Task:
+    def _load_key(self, secret: str, digest: str) -> asyncio.Task[KeyEntry]:
         task = self._key_loads.get(digest)
         if task is None:
             task = asyncio.create_task(self._read_key(secret, digest))
@@ -130,7 +130,7 @@ class GatewayCache:
     # -- snapshot ---------------------------------------------------------------------------
     async def refresh_now(self, timeout: float = 5.0) -> None:
         """Re-read the catalog and wait for it (used when something is missing from it)."""
-        done = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
         self._refresh_wanted.set()
         with contextlib.suppress(TimeoutError):

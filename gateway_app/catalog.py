@@ -12,15 +12,19 @@ they answer exactly like unknown models.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from functools import lru_cache
 
+from django.conf import settings
 from django.db import connection
 
+from gateway_app.money import MoneyLimit, load_limits
 from guardrails_app.classifier import ClassifierError
 from guardrails_app.classifier import GuardModel as GuardSpec
 from guardrails_app.models import (
@@ -34,8 +38,9 @@ from guardrails_app.models import (
 )
 from guardrails_app.policy import Direction, Guard, Policy, PolicyError
 from serving_app.deployments.catalog import served_models
+from serving_app.engine.launch import computes_prompt_logprobs, lora_enabled
 from serving_app.enginespec import EngineSpec
-from serving_app.models import Autoscaler, Deployment, Instance
+from serving_app.models import Autoscaler, Deployment, Instance, PriceTable
 from serving_app.models.usage import UsageHour
 from tenants_app.models import ApiKey, Tenant, prefix_cache_salt
 
@@ -60,6 +65,9 @@ class TenantEntry:
     max_prompt: int | None
     month_used: int = 0
     weight: int = 1  # fair share within its band; the band is `priority` (the tier)
+    # Streamed latency objectives, held on shared engines (gateway_app/objectives.py).
+    ttft_objective_ms: int | None = None
+    tpot_objective_ms: int | None = None
     cache_secret: str = field(default="", repr=False)
     cache_salt: str = field(default="", repr=False)
 
@@ -68,6 +76,10 @@ class TenantEntry:
         if client_salt is None:
             return self.cache_salt
         return prefix_cache_salt(self.cache_secret, client_salt)
+
+    @property
+    def has_objective(self) -> bool:
+        return bool(self.ttft_objective_ms or self.tpot_objective_ms)
 
     @property
     def admission_needed(self) -> bool:
@@ -84,6 +96,8 @@ class Target:
     priority: bool
     max_model_len: int
     flow: bool = False  # flow control: requests beyond the instances' budgets wait in the gateway
+    base_model_id: int = 0  # what prices it (serving_app.models.prices)
+    adapter_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +114,13 @@ class Route:
 @dataclass(frozen=True, slots=True)
 class InstanceEntry:
     """A ready engine: where it listens, its secret and the adapters it serves (loaded, and
-    their canary generation passed)."""
+    their canary generation passed).
+
+    `prompt_logprobs` is False for a CPU engine with LoRA on, which dies when it computes one
+    request's prompt logprobs beside another request (`serving_app.engine.launch.
+    computes_prompt_logprobs`): the gateway sends such a request only to an engine where it is
+    True, else refuses it (400). Per instance, not per target: whether an engine runs on GPUs is
+    the placement's choice for each instance of a deployment."""
 
     id: int
     deployment_id: int
@@ -110,6 +130,7 @@ class InstanceEntry:
     budget: int = 0  # dispatch budget: requests flow control sends it at a time
     # Loaded adapters whose canary has not passed: not routed here, named in the 503's message.
     unproven: frozenset[str] = frozenset()
+    prompt_logprobs: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +151,9 @@ class GuardEntry:
 
     guard: Guard
     salt: bytes = field(repr=False)
+    # What `guard` was compiled from (`compiled(*source)`: the policy's JSON and the tenant's
+    # patterns), for a guard process, where the compiled guard cannot be sent.
+    source: tuple[str, tuple[tuple[str, str, str, str, str, bool], ...]] = ("", ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +182,20 @@ class Snapshot:
     # Guard models (classifier stage) by deployment id; their ready instances are in
     # `instances` like any deployment's.
     guard_models: dict[int, GuardTarget] = field(default_factory=dict)
+    # Hard money budgets by (tenant id, key id or 0), and the price cards (gateway_app/money.py).
+    money: dict[tuple[int, int], MoneyLimit] = field(default_factory=dict)
+    prices: PriceTable = field(default_factory=lambda: PriceTable([]))
+    # Flow-controlled deployments serving tenants with streamed latency objectives: their ids
+    # (the admission controller's, gateway_app/objectives.py).
+    objectives: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def money_limits(self, tenant_id: int, key_id: int | None) -> list[MoneyLimit]:
+        """The hard budgets a request charges: its key's, then its tenant's."""
+        if not self.money:
+            return []
+        found = [self.money.get((tenant_id, key_id or 0)) if key_id else None,
+                 self.money.get((tenant_id, 0))]
+        return [limit for limit in found if limit is not None]
 
     def guard_for(self, tenant_id: int, key_id: int | None) -> GuardEntry | None:
         if self.key_guards and key_id is not None:
@@ -178,6 +216,72 @@ def load_snapshot() -> Snapshot:
 
 
 def _load_snapshot() -> Snapshot:
+    tenants = _load_tenants()
+    routes: dict[int, dict[str, Route]] = {}
+    dispatch_budgets: dict[int, int] = {}
+    # What the engines run (an edit waiting to be applied changes nothing here yet).
+    applied: dict[int, EngineSpec] = {}
+    lora: dict[int, bool] = {}  # whether the deployment's engines start with LoRA on
+    for served in served_models(Deployment.objects.all()):
+        dep = served.deployment
+        engine = applied.get(dep.pk) or dep.engine_spec(dep.applied_revision)
+        applied[dep.pk] = engine
+        lora[dep.pk] = lora_enabled(engine, dep.adapters.all())  # prefetched
+        dispatch_budgets[dep.pk] = dep.dispatch_budget_for(engine)
+        priority = engine.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
+        flow = dep.flow_controlled
+        created = int(dep.created_at.timestamp())
+        context = engine.max_model_len or 0
+        if served.adapter is None:
+            target = Target(dep.pk, served.public_name, "", priority, context, flow,
+                            dep.base_model_id)
+            owner = "platform"
+        else:
+            engine_name = served.adapter.engine_name
+            target = Target(dep.pk, engine_name, engine_name, priority, context, flow,
+                            dep.base_model_id, served.adapter.pk)
+            owner = served.adapter.tenant.slug
+        _add(routes.setdefault(served.tenant_id, {}),
+             Route(served.public_name, (target,), owner, served.parent, created))
+
+    guard_models = _load_guard_models(applied, dispatch_budgets)
+    instances: dict[int, list[InstanceEntry]] = {}
+    ready = Instance.objects.filter(
+        state=Instance.State.READY, deployment_id__in=dispatch_budgets, port__isnull=False
+    ).select_related("node").prefetch_related("gpus")
+    for inst in ready:
+        instances.setdefault(inst.deployment_id, []).append(
+            InstanceEntry(
+                id=inst.pk,
+                deployment_id=inst.deployment_id,
+                url=inst.base_url,
+                secret=inst.secret,
+                # Loaded is not enough: an adapter whose canary generation has not passed on
+                # this engine is never routed here (serving_app/engine/canary.py).
+                adapters=frozenset(inst.routable_adapters),
+                budget=dispatch_budgets[inst.deployment_id],
+                unproven=frozenset(inst.loaded_adapters or ()) - set(inst.routable_adapters),
+                # A guard model's deployment that serves no tenant is not in `lora`: every
+                # engine the console starts has LoRA slots (`max_loras` is at least 1).
+                prompt_logprobs=computes_prompt_logprobs(
+                    inst.gpus.all(), lora.get(inst.deployment_id, True)),
+            )
+        )
+    wakeable = frozenset(Autoscaler.objects.filter(
+        enabled=True, min_replicas=0, deployment_id__in=dispatch_budgets,
+    ).values_list("deployment_id", flat=True))
+    guards, key_guards = _load_guards(tenants)
+    money = load_limits(datetime.now(UTC))
+    return Snapshot(tenants=tenants, routes=routes,
+                    instances={k: tuple(v) for k, v in instances.items()}, wakeable=wakeable,
+                    loaded_at=time.monotonic(), guards=guards, key_guards=key_guards,
+                    guard_models=guard_models, money=money,
+                    prices=PriceTable.load() if money else PriceTable([]),
+                    objectives=_objectives(tenants, routes))
+
+
+def _load_tenants() -> dict[int, TenantEntry]:
+    """Every tenant's limits, objectives and prefix-cache salt (two queries)."""
     budgets = UsageHour.objects.month_tokens(
         Tenant.objects.filter(monthly_token_budget__isnull=False)
     )
@@ -197,66 +301,25 @@ def _load_snapshot() -> Snapshot:
             max_prompt=t.max_prompt_tokens,
             month_used=budgets.get(t.pk, 0),
             weight=t.fair_share_weight,
+            ttft_objective_ms=t.ttft_objective_ms, tpot_objective_ms=t.tpot_objective_ms,
             cache_secret=secret,
             cache_salt=_tenant_salt(secret),
         )
+    return tenants
 
-    routes: dict[int, dict[str, Route]] = {}
-    dispatch_budgets: dict[int, int] = {}
-    # What the engines run (an edit waiting to be applied changes nothing here yet).
-    applied: dict[int, EngineSpec] = {}
-    for served in served_models(Deployment.objects.all()):
-        dep = served.deployment
-        engine = applied.get(dep.pk) or dep.engine_spec(dep.applied_revision)
-        applied[dep.pk] = engine
-        dispatch_budgets[dep.pk] = dep.dispatch_budget_for(engine)
-        priority = engine.scheduling_policy == Deployment.SchedulingPolicy.PRIORITY
-        flow = dep.flow_controlled
-        created = int(dep.created_at.timestamp())
-        context = engine.max_model_len or 0
-        if served.adapter is None:
-            target = Target(dep.pk, served.public_name, "", priority, context, flow)
-            owner = "platform"
-        else:
-            engine_name = served.adapter.engine_name
-            target = Target(dep.pk, engine_name, engine_name, priority, context, flow)
-            owner = served.adapter.tenant.slug
-        _add(routes.setdefault(served.tenant_id, {}),
-             Route(served.public_name, (target,), owner, served.parent, created))
 
-    guard_models = _load_guard_models(applied, dispatch_budgets)
-    instances: dict[int, list[InstanceEntry]] = {}
-    ready = Instance.objects.filter(
-        state=Instance.State.READY, deployment_id__in=dispatch_budgets, port__isnull=False
-    ).select_related("node")
-    for inst in ready:
-        instances.setdefault(inst.deployment_id, []).append(
-            InstanceEntry(
-                id=inst.pk,
-                deployment_id=inst.deployment_id,
-                url=inst.base_url,
-                secret=inst.secret,
-                # Loaded is not enough: an adapter whose canary generation has not passed on
-                # this engine is never routed here (serving_app/engine/canary.py).
-                adapters=frozenset(inst.routable_adapters),
-                budget=dispatch_budgets[inst.deployment_id],
-                unproven=frozenset(inst.loaded_adapters or ()) - set(inst.routable_adapters),
-            )
-        )
-    wakeable = frozenset(Autoscaler.objects.filter(
-        enabled=True, min_replicas=0, deployment_id__in=dispatch_budgets,
-    ).values_list("deployment_id", flat=True))
-    guards, key_guards = _load_guards(tenants)
-    return Snapshot(
-        tenants=tenants,
-        routes=routes,
-        instances={k: tuple(v) for k, v in instances.items()},
-        wakeable=wakeable,
-        loaded_at=time.monotonic(),
-        guards=guards,
-        key_guards=key_guards,
-        guard_models=guard_models,
-    )
+def _objectives(tenants: dict[int, TenantEntry], routes: dict[int, dict[str, Route]]
+                ) -> dict[int, tuple[int, ...]]:
+    """The flow-controlled deployments serving tenants with streamed latency objectives, and
+    those tenants' ids."""
+    found: dict[int, set[int]] = {}
+    for tenant_id, named in routes.items():
+        if tenants[tenant_id].has_objective:
+            for route in named.values():
+                for target in route.targets:
+                    if target.flow:
+                        found.setdefault(target.deployment_id, set()).add(tenant_id)
+    return {d: tuple(sorted(ids)) for d, ids in found.items()}
 
 
 def _load_guard_models(applied: dict[int, EngineSpec], dispatch_budgets: dict[int, int]
@@ -311,12 +374,21 @@ def _load_guards(tenants: dict[int, TenantEntry]
 def _entry(policy: Policy, patterns: Sequence[TenantPattern], tenant: TenantEntry) -> GuardEntry:
     shapes = tuple((p.name, p.kind, p.pattern, json.dumps(p.terms), p.category, p.ignore_case)
                    for p in patterns)
-    salt = hashlib.sha256(b"guardrails:" + tenant.cache_secret.encode()).digest()
-    return GuardEntry(_compiled(json.dumps(policy.to_dict(), sort_keys=True), shapes), salt)
+    source = (json.dumps(policy.to_dict(), sort_keys=True), shapes)
+    return GuardEntry(compiled(*source), hash_salt(tenant.cache_secret), source)
+
+
+def hash_salt(cache_secret: str) -> bytes:
+    """The salt of a tenant's `redact:hash` values: an HMAC of its `cache_secret` (a column no
+    node may read) keyed with the console's `SECRET_KEY` (which no node is given), so neither a
+    node nor a copy of the database alone can recompute it and reverse a small value space
+    (phone numbers, ID numbers) by trying every value."""
+    key = hashlib.sha256(b"guardrails-hash-key:" + settings.SECRET_KEY.encode()).digest()
+    return hmac.new(key, b"guardrails:" + cache_secret.encode(), hashlib.sha256).digest()
 
 
 @lru_cache(maxsize=4096)
-def _compiled(policy_json: str, shapes: tuple[tuple[str, str, str, str, str, bool], ...]
+def compiled(policy_json: str, shapes: tuple[tuple[str, str, str, str, str, bool], ...]
               ) -> Guard:
     """A compiled guard, reused between refreshes while the policy and patterns stay alike.
     Rules naming a detector that no longer exists (a pattern deleted) are dropped."""

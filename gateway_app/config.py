@@ -28,7 +28,10 @@ class GatewayConfig:
     flow_input_weight: float = 1.0
     flow_output_weight: float = 2.0
     flow_reserved_slots: int = 0
+    flow_settled_hold_ms: int = 0
     wake_timeout: float = 180.0
+    guard_processes: int = 2
+    guard_timeout: float = 2.0
     window_ms: int = 60_000
 
     @property
@@ -59,5 +62,8 @@ class GatewayConfig:
             flow_input_weight=settings.GATEWAY["FLOW_INPUT_TOKEN_WEIGHT"],
             flow_output_weight=settings.GATEWAY["FLOW_OUTPUT_TOKEN_WEIGHT"],
             flow_reserved_slots=settings.GATEWAY["FLOW_RESERVED_SLOTS"],
+            flow_settled_hold_ms=settings.GATEWAY["FLOW_SETTLED_HOLD_MS"],
             wake_timeout=settings.GATEWAY["WAKE_TIMEOUT_SECONDS"],
+            guard_processes=settings.GATEWAY["GUARD_PROCESSES"],
+            guard_timeout=settings.GATEWAY["GUARD_TIMEOUT_SECONDS"],
         )

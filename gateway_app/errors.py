@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 # HTTP status -> OpenAI error type.
 _TYPES = {
@@ -44,11 +45,31 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.error_type, self.code, self.param)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled whole (a guard process's refusal comes back to its worker this way).
+        return _rebuilt, (self.status, self.message, self.code, self.param, self.error_type,
+                          self.headers)
+
+
+def _rebuilt(status: int, message: str, code: str | None, param: str | None,
+             error_type: str, headers: dict[str, str]) -> GatewayError:
+    return GatewayError(status, message, code=code, param=param, error_type=error_type,
+                        headers=headers)
+
 
 def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> bytes:
     return json.dumps(
         {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     ).encode()
+
+
+def message_of(body: bytes) -> str:
+    """The message of an error body in OpenAI's shape (`error_body`'s), or "" if it has none."""
+    try:
+        inner = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(inner.get("message") or "") if isinstance(inner, dict) else ""
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> GatewayError:

@@ -37,6 +37,11 @@ budget when it is full, so that a flood of a lower band never makes them wait fo
 to end; the slots within the budget are shared by band and fair share as before, so the reserve
 takes nothing from the lower bands.
 
+Where tenants with streamed latency objectives share the deployment, the admission controller
+(`gateway_app/objectives.py`) keeps `:slo`: while one of them is active, a request of any other
+tenant is dispatched only where the instance runs fewer requests than the controller's budget
+(`fc_cap`); a waiter held back so lets a waiting objective tenant's request go first.
+
 An admission while nobody waits in the deployment (the usual case) takes a shorter path in the
 same script: with a slot free it is dispatched at once, charged and counted as queueing and then
 dispatching it would have done, in less than half the Redis calls.
@@ -63,8 +68,8 @@ from typing import Any
 
 from gateway_app.catalog import InstanceEntry, TenantEntry
 from gateway_app.config import GatewayConfig
-from gateway_app.resp import PipelinedRedis, RedisReplyError, RedisUnavailable, Script
-from serving_app.deployments.sharing import STATS_KEPT_SECONDS, prefix
+from gateway_app.resp import Arg, PipelinedRedis, RedisReplyError, RedisUnavailable, Script
+from serving_app.deployments.sharing import OBJECTIVE_IDLE_SECONDS, STATS_KEPT_SECONDS, prefix
 
 __all__ = ["FlowControl", "Slot", "prefix"]
 
@@ -74,6 +79,9 @@ BLOCK_SECONDS = 1
 _DEPLOYMENT = re.compile(r"gw:\{d(\d+)\}:fc$")
 WAKE_TTL_MS = 300_000  # a dead worker's list is dropped after this
 STATS_TTL_MS = STATS_KEPT_SECONDS * 1000
+# An objective tenant with nothing in flight for this long is idle: the others' budget is whole
+# again (the admission controller, gateway_app/objectives.py).
+OBJECTIVE_IDLE_MS = int(OBJECTIVE_IDLE_SECONDS * 1000)
 
 # Shared by the admission and settlement scripts. `fa` is the index in ARGV of the first flow
 # argument (see `enter_args()` / `settle_args()`).
@@ -89,8 +97,9 @@ local function fc_num(v) return string.format('%.17g', v) end
 -- loaded first, and whether it is one of its `extra` reserved slots; `cands` (",id,id,")
 -- narrows it to instances that can serve the request. The requests on reserved slots (in
 -- `gw:{i<id>}:reserve` as well) do not count against the budget; `reserve` is how many an
--- instance may have (0: none, nothing to read).
-local function fc_free(spec, cands, now, extra, reserve)
+-- instance may have (0: none, nothing to read). `cap`, when not nil, lowers every budget to
+-- it (the admission controller's budget for tenants without objectives, `fc_cap`).
+local function fc_free(spec, cands, now, extra, reserve, cap)
   local best, best_n, best_r = nil, nil, false
   for _, item in ipairs(fc_split(spec, ',')) do
     local id, budget = string.match(item, '(%d+):(%d+)')
@@ -104,7 +113,9 @@ local function fc_free(spec, cands, now, extra, reserve)
         redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
         r = redis.call('ZCARD', rkey)
       end
-      local in_budget = n - r < tonumber(budget)
+      local limit = tonumber(budget)
+      if cap and cap < limit then limit = cap end
+      local in_budget = n - r < limit
       if (in_budget or r < extra) and (best_n == nil or n < best_n) then
         best, best_n, best_r = id, n, not in_budget
       end
@@ -133,6 +144,10 @@ end
 -- wait for a lower band's requests to end (the engine then runs them first, by priority).
 local function fc_reserve(bws)
   return tonumber(bws[5] or '0')
+end
+
+local function fc_settled_hold(bws)
+  return tonumber(bws[6] or '0')
 end
 
 local function fc_extra(bws, band)
@@ -201,6 +216,55 @@ local function fc_sweep(P, now)
   end
 end
 
+-- The admission controller's state (gateway_app/objectives.py, which steps it): `:slo` holds
+-- the deployment's tenants with streamed objectives (",id,id,"), the budget per instance it
+-- allows the others, and when an objective tenant's request last settled (`seen`). It expires
+-- when no gateway reports it any more (no such tenant left): then nothing is capped.
+local function fc_slo(P)
+  local s = redis.call('HMGET', P .. ':slo', 'tenants', 'budget', 'seen')
+  if not s[1] or not s[2] then return nil end
+  return {tenants = s[1], budget = math.floor(tonumber(s[2])), seen = tonumber(s[3] or '0')}
+end
+
+local function fc_has_objective(slo, t)
+  return string.find(slo.tenants, ',' .. t .. ',', 1, true) ~= nil
+end
+
+-- An objective tenant is active while one of its requests holds a slot (`:c`, swept of dead
+-- gateways' holds) or settled less than OBJECTIVE_IDLE ms ago (a client between two requests
+-- is not idle). Idle, the others get the instances' whole budget back at once.
+local function fc_slo_active(P, slo, now)
+  if now - slo.seen < OBJECTIVE_IDLE then return true end
+  fc_sweep(P, now)
+  local held = redis.call('HMGET', P .. ':c', unpack(fc_split(slo.tenants, ',')))
+  for _, h in ipairs(held) do
+    if h and tonumber(h) > 1e-6 then return true end
+  end
+  return false
+end
+
+-- The budget a request of tenant `t` is held to below the instances' own: nil for none (no
+-- objectives here, `t` has one, or their tenants are idle).
+local function fc_cap(P, t, now)
+  local slo = fc_slo(P)
+  if not slo or fc_has_objective(slo, t) or not fc_slo_active(P, slo, now) then return nil end
+  return slo.budget
+end
+
+-- The best waiting tenant with an objective: the first of the bands in their order, and of
+-- its 64 lowest counters. Asked when the best waiter overall is capped and finds no slot.
+local function fc_slo_waiter(P)
+  local slo = fc_slo(P)
+  if not slo then return nil end
+  for _, b in ipairs(redis.call('ZRANGE', P .. ':bands', 0, -1)) do
+    local tops = redis.call('ZRANGE', P .. ':b:' .. b, 0, 63, 'WITHSCORES')
+    for i = 1, #tops, 2 do
+      if fc_has_objective(slo, tops[i]) then return b, {tops[i], tops[i + 1]} end
+    end
+  end
+  return nil
+end
+
 -- What a tenant of `band` that becomes backlogged is lifted to: the least service settled
 -- among the band's backlogged tenants (counter less what their requests in flight were
 -- charged), or with none, the settled service of the band's last dispatch. Not their counters:
@@ -225,6 +289,46 @@ local function fc_level(P, band, now)
   return level
 end
 
+-- A slot settled by a tenant below its share (its settled service under the least of its
+-- band's backlogged tenants) while others wait and none of its own requests does (its clients
+-- are between two requests) is held for it `fc_settled_hold` ms. On a saturated engine the
+-- slot would go to a waiter before that tenant's client has sent again, and since requests of
+-- one length end in waves its next request would then wait for the next wave (docs/gpu.md):
+-- the tenant would hold fewer slots than its share. The hold is a member of the instance's
+-- in-flight set that expires like a lease (`hold:<rid>`) and an entry in the tenant's holds
+-- (`:h:<t>`); the tenant's next request takes it (`fc_take_hold`). Returns the hold's length,
+-- 0 when none: the settling worker pumps the waiters once it has passed, in case nothing else
+-- does.
+local function fc_hold(P, band, t, inst, rid, now, bws)
+  local ms = fc_settled_hold(bws)
+  if ms <= 0 or redis.call('LLEN', P .. ':q:' .. t) > 0 then return 0 end
+  if redis.call('ZCARD', P .. ':b:' .. band) == 0 then return 0 end
+  local settled = tonumber(redis.call('HGET', P .. ':v', t) or '0')
+    - tonumber(redis.call('HGET', P .. ':c', t) or '0')
+  if settled >= fc_level(P, band, now) then return 0 end
+  local member = 'hold:' .. rid
+  redis.call('ZADD', 'gw:{i' .. inst .. '}:inflight', now + ms, member)
+  redis.call('ZADD', P .. ':h:' .. t, now + ms, inst .. ' ' .. member)
+  redis.call('PEXPIRE', P .. ':h:' .. t, ms + 1000)
+  return ms
+end
+
+-- The instance of a slot held for tenant `t` that can serve its request (`cands`), taken; nil
+-- when none. A hold it cannot use is let go (the pump that follows hands it on).
+local function fc_take_hold(P, t, now, cands)
+  local key = P .. ':h:' .. t
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  for _, entry in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    redis.call('ZREM', key, entry)
+    local inst, member = string.match(entry, '(%d+) (.+)')
+    local held = redis.call('ZREM', 'gw:{i' .. inst .. '}:inflight', member) == 1
+    if held and (cands == '' or string.find(cands, ',' .. inst .. ',', 1, true)) then
+      return inst
+    end
+  end
+  return nil
+end
+
 -- Dispatch request `rid` of tenant `t` (virtual counter `v`) to `inst`: record it and what it
 -- is charged, make `t`'s settled service the band's floor, charge it, count it and the time it
 -- waited.
@@ -245,17 +349,23 @@ end
 -- `self_rid` (the request being admitted) is returned instead of pushed to its worker.
 local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
   local mine = nil
-  local upper_only = false  -- a lower band found no slot: only the upper bands' reserve is left
+  -- nil: every waiter; 'upper': a lower band found no slot, only the upper bands' reserve is
+  -- left; 'slo': a waiter held to the controller's budget found none, only the tenants with
+  -- objectives may still take one.
+  local only = nil
   for _ = 1, 10000 do
-    local band
-    if upper_only then
+    local band, top
+    if only == 'upper' then
       band = redis.call('ZRANGE', P .. ':bands', 0, 0)[1]
       if not band or tonumber(band) >= 2 then break end
+    elseif only == 'slo' then
+      band, top = fc_slo_waiter(P)
+      if not band then break end
     else
       band = fc_band(P, strict)
       if not band then break end
     end
-    local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')
+    top = top or redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')
     local t = top[1]
     local rid = redis.call('LINDEX', P .. ':q:' .. t, 0)
     local info = rid and redis.call('HGET', P .. ':w', rid)
@@ -269,10 +379,17 @@ local function fc_pump(P, now, strict, bws, spec, lease, self_rid)
       if tonumber(f[4]) < now then
         fc_unqueue(P, band, t, rid)  -- its worker answers 503 (it has left, or will)
       else
-        local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws))
+        local cap = fc_cap(P, t, now)
+        local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws),
+                                       cap)
         if not inst then
-          if tonumber(band) < 2 or fc_reserve(bws) == 0 then break end
-          upper_only = true
+          if cap and only == nil then
+            only = 'slo'
+          elseif only ~= nil or tonumber(band) < 2 or fc_reserve(bws) == 0 then
+            break
+          else
+            only = 'upper'
+          end
         else
           fc_unqueue(P, band, t, rid)
           fc_dispatch(P, now, band, t, top[2], rid, inst, reserved, lease, tonumber(f[2]),
@@ -297,10 +414,19 @@ local function fc_enter(fa, rid, now, lease)
   local charge, wake, timeout = ARGV[fa + 4], ARGV[fa + 5], tonumber(ARGV[fa + 6])
   local strict, bws, spec, cands = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
     ARGV[fa + 9], ARGV[fa + 10]
+  if tonumber(ARGV[fa + 11] or '0') > 0 then now = tonumber(ARGV[fa + 11]) end
+  local held = redis.call('EXISTS', P .. ':h:' .. t) == 1 and fc_take_hold(P, t, now, cands)
+  if held then
+    -- Its own slot, kept since its last request settled: no lift (it was below the others).
+    fc_dispatch(P, now, band, t, redis.call('HGET', P .. ':v', t) or '0', rid, held, false,
+                lease, weight, tonumber(charge), 0, bws)
+    return tonumber(held)
+  end
   if redis.call('EXISTS', P .. ':bands') == 0 then
     -- Nobody waits (the usual case): with a slot free, what queueing then the pump would do,
     -- in less than half the calls.
-    local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws))
+    local inst, reserved = fc_free(spec, cands, now, fc_extra(bws, band), fc_reserve(bws),
+                                   fc_cap(P, t, now))
     if inst then
       local v = tonumber(redis.call('HGET', P .. ':v', t) or '0')
       local floor = tonumber(redis.call('HGET', P .. ':floor', band) or '0')
@@ -337,19 +463,28 @@ local function fc_enter(fa, rid, now, lease)
 end
 
 -- Settlement of a request that held a slot: free it, replace the dispatch charge by the real
--- weighted tokens, hand the slot on.
+-- weighted tokens, hold it for its tenant (`fc_hold`) or hand it on. Returns the hold's ms.
 local function fc_settle(fa, rid, now)
   local P, t, band, weight = ARGV[fa], ARGV[fa + 1], ARGV[fa + 2], tonumber(ARGV[fa + 3])
   local charged, served, inst = tonumber(ARGV[fa + 4]), tonumber(ARGV[fa + 5]), ARGV[fa + 6]
   local strict, bws, spec, lease = ARGV[fa + 7] == '1', fc_split(ARGV[fa + 8], ','),
     ARGV[fa + 9], tonumber(ARGV[fa + 10])
+  if tonumber(ARGV[fa + 11] or '0') > 0 then now = tonumber(ARGV[fa + 11]) end
+  -- A slot of the upper bands' reserve is not held: it is not one of the budget's.
+  local reserved = redis.call('ZSCORE', 'gw:{i' .. inst .. '}:reserve', rid)
   fc_give_back(inst, rid)
   fc_unhold(P, rid)
+  local slo = fc_slo(P)
+  if slo and fc_has_objective(slo, t) then redis.call('HSET', P .. ':slo', 'seen', now) end
   fc_charge(P, band, t, weight, served - charged, bws)
   fc_stat(P, now, 's:' .. t, served)
+  local held = 0
+  if not reserved then held = fc_hold(P, band, t, inst, rid, now, bws) end
   fc_pump(P, now, strict, bws, spec, lease, nil)
+  return held
 end
-""".replace("STATS_TTL", str(STATS_TTL_MS)).replace("WAKE_TTL", str(WAKE_TTL_MS))
+""".replace("STATS_TTL", str(STATS_TTL_MS)).replace("WAKE_TTL", str(WAKE_TTL_MS)).replace(
+    "OBJECTIVE_IDLE", str(OBJECTIVE_IDLE_MS))
 
 # A waiter that timed out or whose client went away: 0 when it left the queue, the instance when
 # it had been granted one meanwhile, -1 when neither (dropped past its deadline).
@@ -386,6 +521,17 @@ fc_pump(ARGV[1], now, ARGV[4] == '1', fc_split(ARGV[5], ','), ARGV[6], tonumber(
 return 1
 """
 RELEASE_SCRIPT = Script(RELEASE_LUA)
+
+# Hand free slots to waiters: after a settled slot's hold has passed (`fc_hold`).
+PUMP_LUA = """#!lua flags=allow-cross-slot-keys
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+""" + LUA_LIB + """
+if tonumber(ARGV[6]) > 0 then now = tonumber(ARGV[6]) end
+fc_pump(ARGV[1], now, ARGV[2] == '1', fc_split(ARGV[3], ','), ARGV[4], tonumber(ARGV[5]), nil)
+return 1
+"""
+PUMP_SCRIPT = Script(PUMP_LUA)
 
 
 def spec(instances: Iterable[InstanceEntry]) -> str:
@@ -424,9 +570,13 @@ class FlowControl:
         self.instances_of: Callable[[int], Iterable[InstanceEntry]] = lambda _: ()
         self._background: set[asyncio.Task[Any]] = set()
         self._task: asyncio.Task[None] | None = None
-        # The bands' weights, then the upper bands' reserve (`fc_reserve`).
+        # The bands' weights, then the upper bands' reserve (`fc_reserve`), then how long a
+        # settled slot is held for a tenant below its share (`fc_hold`).
         self._bands = ",".join(f"{w:g}" for w in (*config.flow_band_weights,
-                                                    config.flow_reserved_slots))
+                                                    config.flow_reserved_slots,
+                                                    config.flow_settled_hold_ms))
+        # Tests replaying simulated time set this (ms, Redis's clock's scale); None: Redis's.
+        self.clock: Callable[[], int] | None = None
         self._strict = "1" if config.flow_strict else "0"
 
     def start(self) -> None:
@@ -502,19 +652,42 @@ class FlowControl:
             str(i.id) for i in able) + ","
         return Slot(deployment_id, tenant, charge, spec(every), narrowed)
 
-    def enter_args(self, slot: Slot) -> list:
+    def enter_args(self, slot: Slot) -> list[Arg]:
         t = slot.tenant
         return [prefix(slot.deployment_id), t.id, t.priority, t.weight, f"{slot.charge:g}",
                 self.wake_key, int(self.config.flow_queue_timeout * 1000), self._strict,
-                self._bands, slot.spec, slot.cands]
+                self._bands, slot.spec, slot.cands, self.now()]
 
-    def settle_args(self, slot: Slot, prompt: int, completion: int) -> list:
+    def settle_args(self, slot: Slot, prompt: int, completion: int) -> list[Arg]:
         t = slot.tenant
         served = (self.config.flow_input_weight * prompt
                   + self.config.flow_output_weight * completion)
         return [prefix(slot.deployment_id), t.id, t.priority, t.weight, f"{slot.charge:g}",
                 f"{served:g}", slot.instance_id, self._strict, self._bands, slot.spec,
-                self.config.lease_ms]
+                self.config.lease_ms, self.now()]
+
+    def now(self) -> int:
+        """The scripts' clock: 0 for Redis's own (`clock` is set only by simulations)."""
+        return self.clock() if self.clock is not None else 0
+
+    def pump_after(self, slot: Slot, hold_ms: int) -> None:
+        """A settled slot is held for its tenant (`fc_hold`): once the hold has passed, hand
+        it on if that tenant did not take it and nothing else did (in the background)."""
+        async def work() -> None:
+            await asyncio.sleep(hold_ms / 1000)
+            try:
+                await self.pump(slot)
+            except (RedisUnavailable, RedisReplyError) as exc:
+                log.warning("flow-control waiters not pumped after a hold: %s", exc)
+
+        self._spawn(work())
+
+    async def pump(self, slot: Slot) -> None:
+        """Hand the free slots of `slot`'s deployment to its waiters."""
+        instances = spec(self.instances_of(slot.deployment_id)) or slot.spec
+        await self.redis_for_scripts.run_script(PUMP_SCRIPT, [], [
+            prefix(slot.deployment_id), self._strict, self._bands, instances,
+            self.config.lease_ms, self.now()])
 
     def expect(self, request_id: str) -> asyncio.Future[int]:
         """Register before admission: a grant may arrive before the admission's reply."""
@@ -530,8 +703,8 @@ class FlowControl:
         caller then uses or gives back through its settlement. With Redis unreachable: 0 (a
         waiter left behind is dropped once past its deadline)."""
         future = self.waiters.pop(request_id, None)
-        args = [prefix(slot.deployment_id), request_id, slot.tenant.id, slot.tenant.priority,
-                slot.spec]
+        args: list[Arg] = [prefix(slot.deployment_id), request_id, slot.tenant.id,
+                           slot.tenant.priority, slot.spec]
         try:
             result = int(await self.redis_for_scripts.run_script(LEAVE_SCRIPT, [], args))
         except (RedisUnavailable, RedisReplyError) as exc:

@@ -5,7 +5,8 @@ sees it, streamed or not.
 The key's effective policy is compiled when the catalog is read (`catalog.GuardEntry`), never
 per request; a request without a policy never reaches this module. Per request there is one
 `RequestGuard` with one `Vault`. What it did is counted per direction, action and category for
-the usage event (`counts`); the matched text is never recorded, logged or answered.
+the usage event (`counts`), and per field of the request or answer (`fields`: which detector
+fired where, its category and action); the matched text is never recorded, logged or answered.
 """
 
 from __future__ import annotations
@@ -13,12 +14,58 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway_app.catalog import GuardEntry
 from gateway_app.errors import GatewayError
-from guardrails_app.policy import Direction, Finding, Result, Vault
+from gateway_app.extraction import Extraction, TextField, extract
+from guardrails_app.policy import (
+    Action,
+    Direction,
+    Finding,
+    Result,
+    Vault,
+    blocked_error,
+)
 from guardrails_app.streaming import OutputStream
+from guardrails_app.texts import apply_texts
+from serving_app.models.usage import GUARDRAIL_FIELDS_KEPT
+
+# Request fields that make the engine answer with token ids (the text's, or each
+# logprob token's), which decode to the answer before the guardrails rewrote it.
+TOKEN_ID_FIELDS = ("return_token_ids", "return_tokens_as_token_ids")
+
+# The refusals before any detector, counted as categories of their own.
+_REFUSAL_CATEGORIES = {"guardrail_non_text_refused": "NON_TEXT",
+                       "guardrail_field_refused": "FIELD"}
+
+
+class FieldFindings(Counter[tuple[str, str, str, str, str]]):
+    """How many findings each field had: (direction, field path, detector, category, action)
+    -> count. A field is named as an error's `param` names it (`messages[2].tool_calls[0].
+    function.arguments.to`; `choices[0].message.content` on output); never its value."""
+
+    def add(self, direction: Direction, path: str, finding: Finding) -> None:
+        self[(str(direction), path, finding.detector, finding.category, str(finding.action))] += 1
+
+    def records(self) -> list[dict[str, Any]]:
+        """The usage event's form: one dict per entry, in the order they were first found."""
+        return [{"direction": d, "field": f, "detector": det, "category": c, "action": a,
+                 "count": n}
+                for (d, f, det, c, a), n in list(self.items())[:GUARDRAIL_FIELDS_KEPT]]
+
+
+@dataclass(slots=True)
+class InputCheck:
+    """What the input rules decided about a request (`RequestGuard.read_input`)."""
+
+    vault: Vault  # the redactions' (a vault of its own: the thread may be late)
+    fields: list[TextField] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # the fields' texts after redaction
+    counts: Counter[str] = field(default_factory=Counter)
+    fields_found: FieldFindings = field(default_factory=FieldFindings)
+    error: GatewayError | None = None
 
 
 class RequestGuard:
@@ -29,6 +76,8 @@ class RequestGuard:
         self.guard = entry.guard
         self.vault = Vault(salt=entry.salt)
         self.counts: Counter[str] = Counter()
+        self.judged: str | None = None  # the text the guard model judges
+        self.fields = FieldFindings()  # per field, input and output; never the value
 
     # -- input ---------------------------------------------------------------------------------
     def check_stream(self) -> None:
@@ -40,84 +89,98 @@ class RequestGuard:
                 "send the request without `stream`.", code="guardrail_stream_refused",
                 param="stream")
 
-    def input(self, endpoint: str, body: dict[str, Any]) -> None:
-        """Check and redact the request's text in place; a `block` finding raises the 400.
-
-        A chat message's content parts that are not text (`image_url`, `input_audio`, `file`,
-        ...) cannot be read by the detectors nor the guard model: they pass unread, or, when
-        the policy says `refuse_non_text`, the request is refused (400,
-        `guardrail_non_text_refused`) before anything else is checked."""
-        if endpoint == "chat.completions":
-            self._non_text(body)
-        elif self.guard.input.detectors or self.guard.policy.classifier is not None:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
-                # Token ids cannot be checked: they would pass the input rules unseen.
+    def check_output_fields(self, body: dict[str, Any]) -> None:
+        """A policy that may rewrite the answer (output rules, or input placeholders restored)
+        refuses the fields that would return it as token ids: they decode to the text before
+        the rewrite."""
+        restores = self.guard.policy.restore and any(
+            rule.action is Action.REDACT for rule in self.guard.input.rules)
+        if not (self.guard.output.detectors or restores):
+            return
+        for name in TOKEN_ID_FIELDS:
+            if body.get(name):
                 raise GatewayError(
-                    400, "This key's guardrail policy checks prompts as text; send the "
-                    "prompt as text rather than token ids.", code="guardrail_needs_text",
-                    param="prompt")
-        if not self.guard.input.detectors:
-            return
-        if endpoint == "chat.completions":
-            for message in body.get("messages") or ():
-                if not isinstance(message, dict):
-                    continue
-                content = message.get("content")
-                if isinstance(content, str):
-                    message["content"] = self._input(content)
-                elif isinstance(content, list):
-                    for part in content:
-                        if isinstance(part, dict) and isinstance(part.get("text"), str):
-                            part["text"] = self._input(part["text"])
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, str):
-                body["prompt"] = self._input(prompt)
-            elif isinstance(prompt, list):
-                body["prompt"] = [self._input(p) for p in prompt]
+                    400, f"This key's guardrail policy rewrites answers; `{name}` would "
+                    "return them as token ids, which it cannot rewrite. Send the request "
+                    f"without `{name}`.", code="guardrail_token_ids_refused", param=name)
 
-    def _non_text(self, body: dict[str, Any]) -> None:
-        if not self.guard.policy.refuse_non_text:
+    def input(self, endpoint: str, body: dict[str, Any]) -> None:
+        """Check and redact the request's text in place; a `block` finding raises the 400
+        (`read_input`, then `take_input`)."""
+        self.take_input(self.read_input(endpoint, body))
+
+    def read_input(self, endpoint: str, body: dict[str, Any]) -> InputCheck:
+        """What the input rules decide about the request's texts (`extraction.extract`),
+        without changing the body or this guard: safe to run in a worker thread.
+
+        A chat message's content parts that are not text by their `type` (`image_url`,
+        `input_audio`, `file`, ...) cannot be read by the detectors nor the guard model: they
+        pass unread, or, when the policy says `refuse_non_text`, the request is refused (400,
+        `guardrail_non_text_refused`). Texts are read normalised (`guardrails_app.normalise`),
+        each on its own and across the boundaries between them (`guardrails_app.texts`)."""
+        check = InputCheck(Vault(salt=self.entry.salt))
+        reads = bool(self.guard.input.detectors) or self.guard.policy.classifier is not None
+        if not reads and not (endpoint == "chat.completions"
+                              and self.guard.policy.refuse_non_text):
+            return check
+        try:
+            found = extract(endpoint, body)
+            self._non_text(found)
+        except GatewayError as exc:
+            check.error = exc
+            if exc.code in _REFUSAL_CATEGORIES:
+                category = _REFUSAL_CATEGORIES[exc.code]
+                check.counts[f"{Direction.INPUT}:block:{category}"] += 1
+                check.fields_found[(str(Direction.INPUT), exc.param or "", "", category,
+                                    str(Action.BLOCK))] += 1
+            return check
+        check.fields, check.texts = found.fields, found.texts()
+        if not self.guard.input.detectors:
+            return check
+        result = apply_texts(self.guard.input, check.texts, check.vault)
+        for found_in in result.findings:
+            f = found_in.finding
+            check.counts[f"{Direction.INPUT}:{f.action}:{f.category}"] += 1
+            check.fields_found.add(Direction.INPUT, check.fields[found_in.text].path, f)
+        if result.blocked is not None:
+            check.error = refusal(blocked_error(result.blocked))
+        else:
+            check.texts = result.texts
+        return check
+
+    def take_input(self, check: InputCheck, endpoint: str = "",
+                   body: dict[str, Any] | None = None) -> None:
+        """Apply what `read_input` decided: count it, raise its refusal or write its
+        redactions into the body. A check from a guard process comes without its fields:
+        they are found again in `body` (the same extraction, in the same order)."""
+        self.counts.update(check.counts)
+        self.fields.update(check.fields_found)
+        self.vault = check.vault
+        if check.error is not None:
+            raise check.error
+        if check.texts and not check.fields and body is not None:
+            check.fields = extract(endpoint, body).fields
+        # Last first: a dict key is renamed after its value is written.
+        for where, text in reversed(list(zip(check.fields, check.texts, strict=True))):
+            if text != where.text:
+                where.set(text)
+        self.judged = "\n\n".join(check.texts)
+
+    def _non_text(self, found: Extraction) -> None:
+        if not self.guard.policy.refuse_non_text or not found.non_text:
             return
-        for i, message in enumerate(body.get("messages") or ()):
-            content = message.get("content") if isinstance(message, dict) else None
-            if not isinstance(content, list):
-                continue
-            for part in content:
-                if isinstance(part, dict) and not isinstance(part.get("text"), str):
-                    self.counts[f"{Direction.INPUT}:block:NON_TEXT"] += 1
-                    kind = str(part.get("type") or "unknown")[:40]
-                    raise GatewayError(
-                        400, f"This key's guardrail policy accepts text content only; "
-                        f"messages[{i}] has a `{kind}` part, which it cannot check.",
-                        code="guardrail_non_text_refused", param=f"messages[{i}].content")
+        path, kind = found.non_text[0]
+        raise GatewayError(
+            400, f"This key's guardrail policy accepts text content only; {path} is a "
+            f"`{kind}` part, which it cannot check.",
+            code="guardrail_non_text_refused", param=path.rsplit("[", 1)[0])
 
     def judged_text(self, endpoint: str, body: dict[str, Any]) -> str:
-        """What the guard model judges: the request's text as the engine will see it
-        (after redaction), a chat's messages' text one after another, a completion's
-        prompts likewise. Non-text parts are not part of it."""
-        texts: list[str] = []
-        if endpoint == "chat.completions":
-            for message in body.get("messages") or ():
-                content = message.get("content") if isinstance(message, dict) else None
-                if isinstance(content, str):
-                    texts.append(content)
-                elif isinstance(content, list):
-                    texts.extend(part["text"] for part in content
-                                 if isinstance(part, dict) and isinstance(part.get("text"), str))
-        else:
-            prompt = body.get("prompt")
-            prompts = [prompt] if isinstance(prompt, str) else prompt or ()
-            texts.extend(p for p in prompts if isinstance(p, str))
-        return "\n\n".join(texts)
-
-    def _input(self, text: str) -> str:
-        result = self.guard.apply(text, Direction.INPUT, self.vault)
-        self.count(Direction.INPUT, result.findings)
-        if result.blocked is not None:
-            raise blocked(result)
-        return result.text
+        """What the guard model judges: the texts the input rules read, as the engine will
+        see them (after redaction), one after another. Non-text parts are not part of it."""
+        if self.judged is None:
+            self.judged = "\n\n".join(extract(endpoint, body).texts())
+        return self.judged
 
     # -- output --------------------------------------------------------------------------------
     @property
@@ -127,9 +190,10 @@ class RequestGuard:
 
     def output_body(self, endpoint: str, raw: bytes) -> bytes:
         """A whole answer: each choice's text and its tool calls' arguments redacted with the
-        output rules, then the input's placeholders restored. A blocked choice ends with
-        `finish_reason: content_filter`, without text or tool calls. A choice whose text the
-        policy changed loses its `logprobs` (its tokens are the original text)."""
+        output rules (read normalised, as input is), then the input's placeholders restored.
+        A blocked choice ends with `finish_reason: content_filter`, without text or tool
+        calls. A choice whose text the policy changed loses its `logprobs` (its tokens are the
+        original text). An answer nothing changed goes out as the engine wrote it."""
         try:
             data = json.loads(raw)
         except ValueError:
@@ -137,33 +201,43 @@ class RequestGuard:
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list):
             return raw
-        for choice in choices:
+        rewritten = False
+        for i, choice in enumerate(choices):
             if not isinstance(choice, dict):
                 continue
             holder, field = _text_of(endpoint, choice, "message")
-            texts = [(holder, field)] if holder is not None else []
-            texts += _arguments_of(choice.get("message"))
+            at = f"choices[{choice.get('index', i)}]"
+            texts = [(holder, field, f"{at}.{_text_path(endpoint, 'message')}")
+                     ] if holder is not None else []
+            texts += [(where, key, f"{at}.message.{path}")
+                      for where, key, path in _arguments_of(choice.get("message"))]
             changed = False
-            for where, key in texts:
-                result = self.guard.apply(where[key], Direction.OUTPUT, self.vault)
-                self.count(Direction.OUTPUT, result.findings)
+            for where, key, path in texts:
+                result = apply_texts(self.guard.output, [where[key]], self.vault)
+                self.count(Direction.OUTPUT, (f.finding for f in result.findings), path)
                 if result.blocked is not None:
                     _block(choice, holder, field)
+                    rewritten = True
                     break
-                text = (result.restore(result.text) if self.guard.policy.restore
-                        else result.text)
+                text = (self.vault.restore(result.texts[0]) if self.guard.policy.restore
+                        else result.texts[0])
                 changed = changed or text != where[key]
                 where[key] = text
             if changed:
                 choice["logprobs"] = None
+                rewritten = True
+        if not rewritten:
+            return raw
         return json.dumps(data, separators=(",", ":")).encode()
 
     def stream(self, endpoint: str) -> StreamGuard:
         return StreamGuard(self, endpoint)
 
-    def count(self, direction: Direction, findings: Iterable[Finding]) -> None:
+    def count(self, direction: Direction, findings: Iterable[Finding], path: str) -> None:
+        """Count findings in the field at `path`."""
         for f in findings:
             self.counts[f"{direction}:{f.action}:{f.category}"] += 1
+            self.fields.add(direction, path, f)
 
 
 def blocked(result: Result) -> GatewayError:
@@ -176,16 +250,22 @@ def refusal(body: dict[str, Any]) -> GatewayError:
     return GatewayError(400, error["message"], code=error["code"], error_type=error["type"])
 
 
-def _arguments_of(message: Any) -> list[tuple[dict[str, Any], str]]:
+def _arguments_of(message: Any) -> list[tuple[dict[str, Any], str, str]]:
     """Where a chat message (or delta) holds tool-call arguments: each `tool_calls[].function`
-    and the legacy `function_call`, as (dict, "arguments")."""
+    and the legacy `function_call`, as (dict, "arguments", its path in the message)."""
     if not isinstance(message, dict):
         return []
-    functions = [call.get("function") for call in message.get("tool_calls") or ()
+    functions = [(call.get("function"), f"tool_calls[{k}].function.arguments")
+                 for k, call in enumerate(message.get("tool_calls") or ())
                  if isinstance(call, dict)]
-    functions.append(message.get("function_call"))
-    return [(f, "arguments") for f in functions
+    functions.append((message.get("function_call"), "function_call.arguments"))
+    return [(f, "arguments", path) for f, path in functions
             if isinstance(f, dict) and isinstance(f.get("arguments"), str)]
+
+
+def _text_path(endpoint: str, key: str) -> str:
+    """A choice's text field, as a path inside the choice (`message.content`, `text`)."""
+    return f"{key}.content" if endpoint == "chat.completions" else "text"
 
 
 def _block(choice: dict[str, Any], holder: dict[str, Any] | None, field: str) -> None:
@@ -250,6 +330,12 @@ class StreamGuard:
             stream = self.streams[key] = OutputStream(self.request.guard, self.request.vault)
         return stream
 
+    def _path(self, key: tuple[int, int | None]) -> str:
+        index, call_index = key
+        if call_index is None:
+            return f"choices[{index}].{_text_path(self.endpoint, 'delta')}"
+        return f"choices[{index}].delta.tool_calls[{call_index}].function.arguments"
+
     def _pass(self, key: tuple[int, int | None], text: str, finishing: bool
               ) -> tuple[str, str | None]:
         """Feed one piece of a choice's text (or a tool call's arguments); with `finishing`
@@ -262,7 +348,7 @@ class StreamGuard:
             findings += last.findings
             released += last.text
             piece = last
-        self.request.count(Direction.OUTPUT, findings)
+        self.request.count(Direction.OUTPUT, findings, self._path(key))
         return released, piece.blocked
 
     def _event(self, event: bytes) -> bytes:
@@ -328,7 +414,7 @@ class StreamGuard:
             if owner != index or call_index is None or call_index in seen:
                 continue
             piece = stream.flush()
-            self.request.count(Direction.OUTPUT, piece.findings)
+            self.request.count(Direction.OUTPUT, piece.findings, self._path((owner, call_index)))
             if piece.blocked is not None:
                 _block(choice, None, "content")
                 return
@@ -353,7 +439,7 @@ class StreamGuard:
             if index in self.stopped:
                 continue
             piece = stream.flush()
-            self.request.count(Direction.OUTPUT, piece.findings)
+            self.request.count(Direction.OUTPUT, piece.findings, self._path((index, call_index)))
             if not piece.text and piece.blocked is None:
                 continue
             choice: dict[str, Any] = {"index": index}

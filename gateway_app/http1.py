@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from typing import Protocol
+from collections.abc import AsyncIterator
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -34,6 +35,9 @@ MAX_IDLE_PER_ENGINE = 256
 # and one taken just as it does so would cost a retry.
 IDLE_SECONDS = 4.0
 READ_HIGH_WATER = 256 * 1024  # body bytes buffered for a reader before reading the engine pauses
+
+# An engine's connections: (scheme, host, port).
+EngineKey = tuple[str, str, int]
 
 
 class Sink(Protocol):
@@ -67,8 +71,8 @@ class Response:
         self._conn: _Connection | None = conn
         self._chunks: list[bytes] = []
         self._size = 0
-        self._waiter: asyncio.Future | None = None
-        self._head = asyncio.get_running_loop().create_future()
+        self._waiter: asyncio.Future[None] | None = None
+        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._done = False
         self._error: BaseException | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -78,12 +82,12 @@ class Response:
 
     # -- what the caller uses -------------------------------------------------------------------
     async def read(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         async for chunk in self.chunks():
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def chunks(self):
+    async def chunks(self) -> AsyncIterator[bytes]:
         while True:
             if self._chunks:
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
@@ -213,7 +217,7 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: Pool, key: tuple) -> None:
+    def __init__(self, pool: Pool, key: EngineKey) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -226,8 +230,9 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     # -- asyncio --------------------------------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream connection's (create_connection): a Transport.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self.response is None:  # nothing was asked: the engine is not speaking HTTP to us
@@ -317,12 +322,16 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Idle keep-alive connections per engine (`scheme://host:port`), most recent first."""
 
-    def __init__(self, connect_timeout: float, timeout: float) -> None:
+    def __init__(self, connect_timeout: float, timeout: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context`: what `https://` engines are called with (the gateway's: the console
+        CA and its client certificate, `serving_app.pki`); one context for every connection,
+        so a TLS handshake happens only when a connection opens, never per request."""
         self.connect_timeout = connect_timeout
         self.timeout = timeout
-        self._idle: dict[tuple, deque[_Connection]] = {}
-        self._targets: dict[str, tuple] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._idle: dict[EngineKey, deque[_Connection]] = {}
+        self._targets: dict[str, tuple[EngineKey, bytes, bytes]] = {}
+        self._ssl = ssl_context
 
     async def post(self, url: str, headers: bytes, body: bytes) -> Response:
         """Send `POST url` with `headers` (already encoded `Name: value\\r\\n` lines); returns
@@ -364,7 +373,7 @@ class Pool:
                 idle.pop().close()
 
     # -- connections ----------------------------------------------------------------------------
-    def _take(self, key: tuple) -> _Connection | None:
+    def _take(self, key: EngineKey) -> _Connection | None:
         idle = self._idle.get(key)
         if not idle:
             return None
@@ -378,7 +387,7 @@ class Pool:
                 return conn
         return None
 
-    async def _open(self, key: tuple) -> _Connection:
+    async def _open(self, key: EngineKey) -> _Connection:
         scheme, host, port = key
         loop = asyncio.get_running_loop()
         conn = _Connection(self, key)
@@ -411,7 +420,7 @@ def _expire(response: Response) -> None:
         conn.abort()
 
 
-def _split(url: str) -> tuple[tuple, bytes, bytes]:
+def _split(url: str) -> tuple[EngineKey, bytes, bytes]:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an engine URL: {url!r}")

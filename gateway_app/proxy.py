@@ -9,10 +9,13 @@ import json
 import time
 import types
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, NamedTuple
+
+from django.conf import settings
 
 from gateway_app.config import GatewayConfig
 from gateway_app.http1 import Pool, Response
+from serving_app import pki
 
 # Failures before the engine answered, which are safe to retry on another instance: refused,
 # unreachable, closed before answering (`http1.UpstreamDisconnected`), and timeouts.
@@ -25,7 +28,9 @@ class Upstream:
         self.pool: Pool | None = None
 
     async def start(self) -> None:
-        self.pool = Pool(self.config.connect_timeout, self.config.upstream_timeout)
+        # Engines answer only a caller with the console's certificate (docs/security.md).
+        context = pki.shared_client_context() if settings.ENGINE_TLS else None
+        self.pool = Pool(self.config.connect_timeout, self.config.upstream_timeout, context)
 
     async def stop(self) -> None:
         if self.pool is not None:
@@ -63,7 +68,25 @@ class Upstream:
 _DECODER = json.JSONDecoder()
 
 
-def read_usage(body: bytes) -> tuple[int, int] | None:
+class Usage(NamedTuple):
+    """The engine's token counts for one request; `cached`: prompt tokens served from the
+    prefix cache (`prompt_tokens_details.cached_tokens`, which engines report when started with
+    `--enable-prompt-tokens-details`), part of `prompt`."""
+
+    prompt: int
+    completion: int
+    cached: int = 0
+
+    @classmethod
+    def of(cls, usage: dict[str, Any]) -> Usage:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        prompt = int(usage.get("prompt_tokens") or 0)
+        return cls(prompt, int(usage.get("completion_tokens") or 0),
+                   min(prompt, max(0, int(cached or 0))))
+
+
+def read_usage(body: bytes) -> Usage | None:
     """The engine's token counts from a completion body. Only the `usage` object is decoded
     (the last `"usage":` in the body: inside a JSON string its quotes would be escaped)."""
     at = body.rfind(b'"usage":')
@@ -75,7 +98,7 @@ def read_usage(body: bytes) -> tuple[int, int] | None:
         return None
     if not isinstance(usage, dict):
         return None
-    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    return Usage.of(usage)
 
 
 DONE = b"data: [DONE]\n\n"
@@ -109,9 +132,10 @@ class StreamRelay:
         self._rewrite = rewrite  # guardrails' output redaction of whole events, if any
         self.strip_usage = strip_usage
         self.pending = b""
-        self.usage: tuple[int, int] | None = None
+        self.usage: Usage | None = None
         self.events = 0  # events relayed (an estimate of tokens if the engine's usage never came)
         self.first_at: float | None = None  # when the first body bytes arrived
+        self.last_at: float | None = None  # when the last events were relayed
         self.final = b""
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._from = f'"model":"{engine_model}"'.encode()
@@ -189,9 +213,7 @@ class StreamRelay:
         usage = data.get("usage") if isinstance(data, dict) else None
         if not isinstance(usage, dict):
             return event + b"\n\n"
-        self.usage = (
-            int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-        )
+        self.usage = Usage.of(usage)
         if not self.strip_usage:
             return event + b"\n\n"
         if not data.get("choices"):
@@ -209,6 +231,7 @@ class StreamRelay:
         if not out:
             return
         self.events += out.count(b"\n\ndata: ") + 1
+        self.last_at = time.perf_counter()
         if out.endswith(DONE):
             # Complete: the caller answers now rather than at the engine's end of message.
             self.final = out

@@ -19,13 +19,22 @@ import asyncio
 import hashlib
 import ssl
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 import hiredis
 
 CLIENT_NAME = b"llm-console-gateway"
 GRACE_SECONDS = 0.05
+
+# A command's word or argument: hiredis sends str as UTF-8 and numbers as their text (anything
+# else fails with TypeError).
+Arg = str | int | float | bytes
+
+# hiredis's stub types pack_command's argument as a one-element tuple (it takes the whole
+# command, any length) and leaves the bytes it returns untyped. The same function, typed.
+_pack_command = cast("Callable[[tuple[Arg, ...]], bytes]", hiredis.pack_command)
 
 
 class RedisUnavailable(Exception):
@@ -45,19 +54,21 @@ class Script:
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, on_lost) -> None:
+    def __init__(self, on_lost: Callable[[_Protocol], None]) -> None:
         self.reader = hiredis.Reader()
-        self.waiting: deque[asyncio.Future] = deque()
+        # A reply's shape is its command's (a Lua script's: its table's); callers convert it.
+        self.waiting: deque[asyncio.Future[Any]] = deque()
         self.transport: asyncio.Transport | None = None
         self.received = 0  # replies so far: a timed-out command checks whether the peer is alive
         self.closed = False
         self._on_lost = on_lost
         self._out: list[bytes] = []
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream connection's (create_connection, create_unix_connection): a Transport.
+        self.transport = cast(asyncio.Transport, transport)
 
-    def send(self, data: bytes, future: asyncio.Future) -> None:
+    def send(self, data: bytes, future: asyncio.Future[Any]) -> None:
         if self.closed:
             future.set_exception(RedisUnavailable("connection lost"))
             return
@@ -117,24 +128,28 @@ class PipelinedRedis:
         self._username = unquote(parts.username) if parts.username else None
         self._password = unquote(parts.password) if parts.password else None
         self._conn: _Protocol | None = None
-        self._connecting: asyncio.Future | None = None
+        self._connecting: asyncio.Future[_Protocol] | None = None
 
     # -- commands -----------------------------------------------------------------------------
-    async def execute(self, *args: Any) -> Any:
+    async def execute(self, *args: Arg) -> Any:
         conn = self._conn if self._conn is not None else await self._connect()
-        return await self._send(conn, hiredis.pack_command(args))
+        return await self._send(conn, _pack_command(args))
 
-    async def run_script(self, script: Script, keys: list, args: list) -> Any:
+    async def run_script(self, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """EVALSHA `script` (EVAL when Redis lost its script cache)."""
         conn = self._conn if self._conn is not None else await self._connect()
         try:
             return await self._send(
-                conn, hiredis.pack_command((b"EVALSHA", script.sha, len(keys), *keys, *args))
+                conn, _pack_command((b"EVALSHA", script.sha, len(keys), *keys, *args))
             )
         except RedisReplyError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
         # Redis lost its script cache (a restart, SCRIPT FLUSH): EVAL caches it again.
-        return await self.execute(b"EVAL", script.source, len(keys), *keys, *args)
+        conn = self._conn if self._conn is not None else await self._connect()
+        return await self._send(
+            conn, _pack_command((b"EVAL", script.source, len(keys), *keys, *args))
+        )
 
     async def aclose(self) -> None:
         conn, self._conn = self._conn, None
@@ -153,7 +168,7 @@ class PipelinedRedis:
         finally:
             timer.cancel()
 
-    def _expire(self, conn: _Protocol, future: asyncio.Future, seen: int,
+    def _expire(self, conn: _Protocol, future: asyncio.Future[Any], seen: int,
                 second_look: bool = False) -> None:
         if future.done():
             return
@@ -197,11 +212,11 @@ class PipelinedRedis:
             if self._password is not None:
                 auth = [self._password] if self._username is None else [
                     self._username, self._password]
-                await self._send(protocol, hiredis.pack_command((b"AUTH", *auth)))
+                await self._send(protocol, _pack_command((b"AUTH", *auth)))
             if self._db:
-                await self._send(protocol, hiredis.pack_command((b"SELECT", self._db)))
+                await self._send(protocol, _pack_command((b"SELECT", self._db)))
             # So that operators can tell the gateway's connections apart in CLIENT LIST.
-            await self._send(protocol, hiredis.pack_command((b"CLIENT", b"SETNAME", self.name)))
+            await self._send(protocol, _pack_command((b"CLIENT", b"SETNAME", self.name)))
         except RedisReplyError as exc:
             protocol.abort()
             raise RedisUnavailable(f"Redis refused the connection: {exc}") from exc

@@ -62,6 +62,10 @@ def connect_receivers() -> None:
     group = "tenants_app.PrefixCacheGroup"
     post_save.connect(_catalog_changed, sender=group, dispatch_uid="gw-cache-group-saved")
     post_delete.connect(_catalog_changed, sender=group, dispatch_uid="gw-cache-group-deleted")
+    # Money budgets and prices are read with the catalog.
+    for label in ("tenants_app.MoneyBudget", "serving_app.PriceCard"):
+        post_save.connect(_catalog_changed, sender=label, dispatch_uid=f"gw-{label}-saved")
+        post_delete.connect(_catalog_changed, sender=label, dispatch_uid=f"gw-{label}-deleted")
     for model in ("Deployment", "LoraAdapter", "Instance", "Node", "BaseModel"):
         post_save.connect(
             _catalog_changed, sender=f"serving_app.{model}", dispatch_uid=f"gw-{model}-saved"

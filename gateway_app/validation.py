@@ -16,6 +16,7 @@ below the real count. The estimate reserves tokens at admission; the engine's us
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,10 @@ class ParsedRequest:
     n: int
     num_prompts: int
     prompt_upper: int
+    size: int = 0  # the body's bytes
+    # The field that has the engine compute the prompt's logprobs (`prompt_logprobs_field`),
+    # None when nothing does: not every engine can (dispatch sends it only to one that can).
+    prompt_logprobs: str | None = None
 
 
 def _unparsable(reason: str) -> GatewayError:
@@ -157,6 +162,8 @@ def _unparsable(reason: str) -> GatewayError:
 
 
 _TOO_DEEP = "it is nested too deeply"
+# A \\uD800-\\uDFFF escape: half of a UTF-16 pair, or a lone one (checked then).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -168,6 +175,12 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise _unparsable(str(exc)) from exc
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        try:  # a lone surrogate (half a UTF-16 pair) is no character: it cannot be encoded
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise _unparsable("a string holds a lone UTF-16 surrogate, which is not a "
+                              "character") from None
     return body
 
 
@@ -280,6 +293,19 @@ def _completion_prompts(prompt: Any) -> tuple[int, int]:
     )
 
 
+def prompt_logprobs_field(chat: bool, body: dict[str, Any]) -> str | None:
+    """The field through which a request has the engine compute its prompt's logprobs, as
+    vLLM's OpenAI server decides (`to_sampling_params` of its chat and completion requests):
+    `prompt_logprobs` set; or `echo` with the completions API's `logprobs` set; or `echo` on a
+    chat, whose `top_logprobs` becomes the prompt's logprobs (default 0, null read as 0).
+    None when the engine computes none."""
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    if body.get("echo") and (chat or body.get("logprobs") is not None):
+        return "echo"
+    return None
+
+
 def parse_request(endpoint: str, raw: bytes) -> ParsedRequest:
     """Check a chat or completions body; raise a GatewayError (400) for a bad one."""
     try:
@@ -362,4 +388,6 @@ def _parse_request(endpoint: str, raw: bytes) -> ParsedRequest:
         n=n,
         num_prompts=num_prompts,
         prompt_upper=prompt_upper,
+        size=len(raw),
+        prompt_logprobs=prompt_logprobs_field(chat, body),
     )

@@ -23,14 +23,16 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
-from django.db.models import Q
+from django.db.models import Model, Q
 
+from serving_app.models import Deployment, LoraAdapter, PriceTable
 from serving_app.models.usage import (
+    GUARDRAIL_FIELDS_KEPT,
     LATENCY_FIELDS,
     ROLLUP_COUNTERS,
     TOTAL_BUCKET,
@@ -38,21 +40,33 @@ from serving_app.models.usage import (
     GuardrailHour,
     GuardrailMinute,
     GuardrailTotal,
+    KeyUsage,
     UsageEvent,
     UsageHour,
     UsageMinute,
     UsageTenSecond,
     UsageTotal,
     bucket_index,
+    key_usage_bucket,
 )
 from tenants_app.models import ApiKey
+
+if TYPE_CHECKING:  # redis-py's reply types (not in every redis-py the project allows)
+    from redis.typing import XReadGroupResponse
 
 log = logging.getLogger(__name__)
 
 _COUNTERS = ROLLUP_COUNTERS
 _MAXIMA = ("latency_ms_max", "ttft_ms_max")
+# A usage rollup's row: (bucket, tenant, model, deployment or 0).
+RollupKey = tuple[datetime, int, str, int]
+# A guardrail rollup's row: (bucket, tenant, direction, action, category).
+GuardrailKey = tuple[datetime, int, str, str, str]
+GuardrailCounts = tuple[int, int]  # findings, requests
+# A stream entry as the writer's client reads it (bytes, not decoded): its id and its fields.
+Entry = tuple[bytes, dict[bytes, bytes]]
 # Each rollup and how it truncates an event's time to its bucket.
-_ROLLUPS: tuple[tuple[type, Callable[[datetime], datetime]], ...] = (
+_ROLLUPS: tuple[tuple[type[Model], Callable[[datetime], datetime]], ...] = (
     (UsageTenSecond, lambda d: d.replace(second=d.second - d.second % 10, microsecond=0)),
     (UsageMinute, lambda d: d.replace(second=0, microsecond=0)),
     (UsageHour, lambda d: d.replace(minute=0, second=0, microsecond=0)),
@@ -60,7 +74,7 @@ _ROLLUPS: tuple[tuple[type, Callable[[datetime], datetime]], ...] = (
 )
 CLAIM_IDLE_MS = 60_000
 # The guardrail rollups and their buckets (the usage rollups' truncations).
-_GUARDRAIL_ROLLUPS: tuple[tuple[type, Callable[[datetime], datetime]], ...] = (
+_GUARDRAIL_ROLLUPS: tuple[tuple[type[Model], Callable[[datetime], datetime]], ...] = (
     (GuardrailMinute, _ROLLUPS[1][1]),
     (GuardrailHour, _ROLLUPS[2][1]),
     (GuardrailTotal, _ROLLUPS[3][1]),
@@ -101,6 +115,18 @@ def _group_lost(exc: redis.ResponseError) -> bool:
     return str(exc).startswith("NOGROUP")
 
 
+def _read_entries(reply: XReadGroupResponse) -> list[Entry]:
+    """The entries of an XREADGROUP reply for the writer's one stream. redis-py types the reply
+    of either protocol; the writer's client speaks RESP2: `[[stream, [(id, fields), ...]]]`,
+    or nothing when no entry came."""
+    if not reply:
+        return []
+    if not isinstance(reply, list):
+        raise TypeError(f"XREADGROUP replied with a {type(reply).__name__}, not RESP2's list")
+    entries: list[Entry] = reply[0][1]
+    return entries
+
+
 def _event_row(event: dict[str, Any]) -> UsageEvent:
     return UsageEvent(
         request_id=str(event["id"])[:64],
@@ -114,14 +140,27 @@ def _event_row(event: dict[str, Any]) -> UsageEvent:
         instance_id=event.get("instance"),
         status_code=int(event.get("status") or 0),
         error_code=str(event.get("error") or "")[:64],
+        error_message=str(event.get("message") or "")[:500],
         stream=bool(event.get("stream")),
         prompt_tokens=max(0, int(event.get("prompt") or 0)),
         completion_tokens=max(0, int(event.get("completion") or 0)),
         reserved_tokens=max(0, int(event.get("reserved") or 0)),
+        cached_tokens=max(0, int(event.get("cached") or 0)),
         ttft_ms=event.get("ttft_ms"),
         latency_ms=float(event.get("latency_ms") or 0.0),
         guardrails=_guardrail_counts(event.get("guardrails")),
+        guardrail_fields=_guardrail_fields(event.get("guardrail_fields")),
+        stages=_stage_times(event.get("stages")),
     )
+
+
+def _stage_times(value: Any) -> list[list[str | float]]:
+    """The event's stages, keeping only `[name, milliseconds]` pairs."""
+    if not isinstance(value, list):
+        return []
+    return [[str(pair[0])[:32], float(pair[1])] for pair in value
+            if isinstance(pair, list | tuple) and len(pair) == 2
+            and isinstance(pair[1], int | float) and not isinstance(pair[1], bool)]
 
 
 def _guardrail_counts(value: Any) -> dict[str, int]:
@@ -132,9 +171,32 @@ def _guardrail_counts(value: Any) -> dict[str, int]:
             if isinstance(v, int) and v > 0 and str(k).count(":") == 2}
 
 
-def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:
+# An entry of an event's `guardrail_fields`: these keys, strings of at most these lengths.
+_FIELD_KEYS = {"direction": 16, "field": 200, "detector": 64, "category": 64, "action": 16}
+
+
+def _guardrail_fields(value: Any) -> list[dict[str, str | int]]:
+    """The event's per-field findings, keeping only well-formed entries (strings cut to their
+    limits, a positive count), at most `GUARDRAIL_FIELDS_KEPT`."""
+    if not isinstance(value, list):
+        return []
+    out: list[dict[str, str | int]] = []
+    for entry in value[:GUARDRAIL_FIELDS_KEPT]:
+        if not isinstance(entry, dict):
+            continue
+        count = entry.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            continue
+        kept: dict[str, str | int] = {k: str(entry.get(k) or "")[:n]
+                                      for k, n in _FIELD_KEYS.items()}
+        kept["count"] = count
+        out.append(kept)
+    return out
+
+
+def _rollups(rows: list[UsageEvent]) -> list[dict[RollupKey, dict[str, Any]]]:
     """For each of _ROLLUPS: counters and maxima per (bucket, tenant, model, deployment)."""
-    groups: list[dict[tuple, dict[str, float]]] = [{} for _ in _ROLLUPS]
+    groups: list[dict[RollupKey, dict[str, Any]]] = [{} for _ in _ROLLUPS]
     over = len(LATENCY_FIELDS)  # above the last bound: counted in the requests, in no bucket
     for row in rows:
         if row.tenant_id is None:
@@ -154,6 +216,8 @@ def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:
             g["rate_limited"] += row.status_code == 429
             g["prompt_tokens"] += row.prompt_tokens
             g["completion_tokens"] += row.completion_tokens
+            g["cached_tokens"] += row.cached_tokens
+            g["cost"] += row.cost or 0
             g["latency_ms_total"] += row.latency_ms
             g["latency_ms_max"] = max(g["latency_ms_max"], row.latency_ms)
             if latency_bucket < over:
@@ -167,10 +231,71 @@ def _rollups(rows: list[UsageEvent]) -> list[dict[tuple, dict[str, float]]]:
     return groups
 
 
-def _guardrail_rollups(rows: list[UsageEvent]) -> list[dict[tuple, int]]:
-    """For each of _GUARDRAIL_ROLLUPS: counts per (bucket, tenant, direction, action,
-    category), from the events' `direction:action:CATEGORY` counts."""
-    groups: list[dict[tuple, int]] = [{} for _ in _GUARDRAIL_ROLLUPS]
+def _price(rows: list[UsageEvent]) -> None:
+    """Each event's cost at the price card in force when it arrived (its adapter's card, else
+    its base model's), exact in Decimal; none when no card was in force. Three queries a batch:
+    the cards, the batch's deployments' base models, its adapters."""
+    table = PriceTable.load()
+    if not table:
+        return
+    deployments = {row.deployment_id for row in rows if row.deployment_id}
+    base_of = dict(Deployment.objects.filter(pk__in=deployments)
+                   .values_list("pk", "base_model_id"))
+    named = {(row.tenant_id, row.adapter.partition("--")[2]) for row in rows if row.adapter}
+    adapters: dict[tuple[int | None, str], int] = {}
+    if named:
+        found = LoraAdapter.objects.filter(
+            tenant_id__in={t for t, _ in named}, name__in={n for _, n in named})
+        adapters = {(t, n): pk for pk, t, n in found.values_list("pk", "tenant_id", "name")}
+    for row in rows:
+        if not row.deployment_id:
+            continue
+        adapter_id = adapters.get((row.tenant_id, row.adapter.partition("--")[2])) \
+            if row.adapter else None
+        price = table.price_at(base_of.get(row.deployment_id), adapter_id,
+                               row.created_at.timestamp())
+        if price is not None:
+            row.cost = price.cost(row.prompt_tokens, row.cached_tokens, row.completion_tokens)
+            row.price_card_id = price.card_id
+
+
+def _upsert_key_usage(rows: list[UsageEvent]) -> None:
+    """Requests, tokens and cost per (15-minute bucket, tenant, key): a key's spend is a sum
+    of its buckets."""
+    groups: dict[tuple[datetime, int, int], dict[str, Any]] = {}
+    for row in rows:
+        if row.tenant_id is None:
+            continue
+        key = (key_usage_bucket(row.created_at), row.tenant_id, row.api_key_id or 0)
+        g = groups.setdefault(key, dict.fromkeys(KeyUsage.COUNTERS, 0))
+        g["requests"] += 1
+        g["prompt_tokens"] += row.prompt_tokens
+        g["cached_tokens"] += row.cached_tokens
+        g["completion_tokens"] += row.completion_tokens
+        g["cost"] += row.cost or 0
+    if not groups:
+        return
+    qn = connection.ops.quote_name
+    table = qn(KeyUsage._meta.db_table)
+    keys = ["bucket", "tenant_id", "api_key_id"]
+    counters = list(KeyUsage.COUNTERS)
+    sql = (
+        f"INSERT INTO {table} ({', '.join(qn(c) for c in [*keys, *counters])}) "
+        f"VALUES ({', '.join(['%s'] * (len(keys) + len(counters)))}) "
+        f"ON CONFLICT ({', '.join(qn(c) for c in keys)}) DO UPDATE SET "
+        + ", ".join(f"{qn(c)} = {table}.{qn(c)} + EXCLUDED.{qn(c)}" for c in counters)
+    )
+    params = [[connection.ops.adapt_datetimefield_value(bucket), tenant_id, key_id,
+               *(values[c] for c in counters)]
+              for (bucket, tenant_id, key_id), values in sorted(groups.items())]
+    with connection.cursor() as cursor:
+        cursor.executemany(sql, params)
+
+
+def _guardrail_rollups(rows: list[UsageEvent]) -> list[dict[GuardrailKey, GuardrailCounts]]:
+    """For each of _GUARDRAIL_ROLLUPS: (findings, requests) per (bucket, tenant, direction,
+    action, category), from the events' `direction:action:CATEGORY` counts."""
+    groups: list[dict[GuardrailKey, GuardrailCounts]] = [{} for _ in _GUARDRAIL_ROLLUPS]
     for row in rows:
         if row.tenant_id is None or not row.guardrails:
             continue
@@ -179,29 +304,33 @@ def _guardrail_rollups(rows: list[UsageEvent]) -> list[dict[tuple, int]]:
             for (_, truncate), by_key in zip(_GUARDRAIL_ROLLUPS, groups, strict=True):
                 key = (truncate(row.created_at), row.tenant_id, direction[:8], action[:8],
                        category[:60])
-                by_key[key] = by_key.get(key, 0) + count
+                found, requests = by_key.get(key, (0, 0))
+                by_key[key] = (found + count, requests + 1)
     return groups
 
 
-def _upsert_guardrails(model: type, groups: dict[tuple, int]) -> None:
+def _upsert_guardrails(model: type[Model], groups: dict[GuardrailKey, GuardrailCounts]) -> None:
     if not groups:
         return
     qn = connection.ops.quote_name
     table = qn(model._meta.db_table)
     keys = ["bucket", "tenant_id", "direction", "action", "category"]
+    counters = ["count", "requests"]
     sql = (
-        f"INSERT INTO {table} ({', '.join(qn(c) for c in [*keys, 'count'])}) "
-        f"VALUES ({', '.join(['%s'] * (len(keys) + 1))}) "
-        f"ON CONFLICT ({', '.join(qn(c) for c in keys)}) "
-        f"DO UPDATE SET {qn('count')} = {table}.{qn('count')} + EXCLUDED.{qn('count')}"
+        f"INSERT INTO {table} ({', '.join(qn(c) for c in [*keys, *counters])}) "
+        f"VALUES ({', '.join(['%s'] * (len(keys) + len(counters)))}) "
+        f"ON CONFLICT ({', '.join(qn(c) for c in keys)}) DO UPDATE SET "
+        + ", ".join(f"{qn(c)} = {table}.{qn(c)} + EXCLUDED.{qn(c)}" for c in counters)
     )
-    params = [[connection.ops.adapt_datetimefield_value(bucket), *rest, count]
-              for (bucket, *rest), count in sorted(groups.items())]
+    params = [[connection.ops.adapt_datetimefield_value(bucket), tenant_id, direction, action,
+               category, count, requests]
+              for (bucket, tenant_id, direction, action, category), (count, requests)
+              in sorted(groups.items())]
     with connection.cursor() as cursor:
         cursor.executemany(sql, params)
 
 
-def _upsert(model: type, groups: dict[tuple, dict[str, float]]) -> None:
+def _upsert(model: type[Model], groups: dict[RollupKey, dict[str, Any]]) -> None:
     if not groups:
         return
     qn = connection.ops.quote_name
@@ -216,7 +345,7 @@ def _upsert(model: type, groups: dict[tuple, dict[str, float]]) -> None:
         f"ON CONFLICT ({qn('bucket')}, {qn('tenant_id')}, {qn('model')}, {qn('deployment_id')}) "
         f"DO UPDATE SET {', '.join(updates)}"
     )
-    params = []
+    params: list[list[str | int | float | None]] = []
     # Sorted, so that two writers lock the rows they share in the same order (no deadlock).
     for (bucket, tenant_id, name, deployment_id), values in sorted(groups.items()):
         params.append([
@@ -241,7 +370,9 @@ def persist(events: list[dict[str, Any]]) -> int:
             )
         )
         new = [row for rid, row in rows.items() if rid not in existing]
+        _price(new)
         UsageEvent.objects.bulk_create(new, batch_size=1000)
+        _upsert_key_usage(new)
         for (rollup, _), groups in zip(_ROLLUPS, _rollups(new), strict=True):
             _upsert(rollup, groups)
         for (rollup, _), counts in zip(_GUARDRAIL_ROLLUPS, _guardrail_rollups(new), strict=True):
@@ -296,12 +427,11 @@ class UsageWriter:
         self.group_recreated += 1
         self._ensure_group()
 
-    def _next_batch(self, block_ms: int) -> list[tuple[bytes, dict]]:
+    def _next_batch(self, block_ms: int) -> list[Entry]:
         # 1. Our own pending entries (read before, not stored yet: the database was down).
-        got = self.redis.xreadgroup(
+        entries = _read_entries(self.redis.xreadgroup(
             self.group, self.consumer, {self.stream: "0"}, count=self.batch_size
-        )
-        entries = got[0][1] if got else []
+        ))
         if entries:
             return entries
         # 2. Entries left pending by a writer that died.
@@ -311,11 +441,10 @@ class UsageWriter:
         if claimed and claimed[1]:
             return [e for e in claimed[1] if e and e[1] is not None]
         # 3. New entries.
-        got = self.redis.xreadgroup(
+        return _read_entries(self.redis.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=self.batch_size,
             block=block_ms or None,
-        )
-        return got[0][1] if got else []
+        ))
 
     def run_once(self, block_ms: int = 1000) -> int:
         """Persist one batch; returns the number of stream entries handled. Raises on a

@@ -10,7 +10,7 @@ without structured output, an error body). `decide()` turns a verdict, or none w
 policy's timeout, into the request's fate: a blocking verdict blocks (the same OpenAI 400 as a
 detector's block, category `CLASSIFIER`), no verdict blocks only when the policy fails closed.
 
-The gateway's side (`gateway_app.app.GatewayApp._classify`): a policy's `Classifier` names
+The gateway's side (`gateway_app.screen.Screen.classify`): a policy's `Classifier` names
 the guard deployment (a deployment marked with `guardrails_app.models.GuardModel`), the wait and
 fail-open/closed; the call is metered to the tenant whose request it judged. See
 docs/guardrails.md.

@@ -289,6 +289,26 @@ def _email_valid(value: str) -> bool:
     return bool(parts.suffix and parts.domain)
 
 
+# The regions whose national formats the `phone` detector reads (besides "+" numbers of any
+# country): the North American numbering plan's and the United Kingdom's.
+PHONE_REGIONS = ("US", "CA", "GB")
+
+
+def _phone_valid(value: str) -> bool:
+    """An E.164 number valid in its country, or a national number valid in one of
+    `PHONE_REGIONS`."""
+    if value.startswith("+"):
+        return _e164_valid(value)
+    for region in ("US", "GB"):  # the numbering plans of PHONE_REGIONS (CA shares the US')
+        try:
+            number = phonenumbers.parse(value, region)
+        except phonenumbers.NumberParseException:
+            continue
+        if any(phonenumbers.is_valid_number_for_region(number, r) for r in PHONE_REGIONS):
+            return True
+    return False
+
+
 def _e164_valid(value: str) -> bool:
     try:
         number = phonenumbers.parse(value, None)
@@ -369,102 +389,136 @@ class PrivateKeyDetector(Detector):
 
 @functools.cache
 def builtin() -> dict[str, Detector]:
-    """The platform's detectors by name, in the order overlapping redactions prefer."""
+    """The platform's detectors by name, in the order overlapping redactions prefer (each
+    declared by a function of its own below)."""
     _SUFFIXES("example.com")  # builds its suffix trie now (~30 ms), not in a request
     detectors = [
-        PrivateKeyDetector(),
-        Detector(
-            "api_key", "SECRET",
-            r"(?:lc)?sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,200}"
-            r"|(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}"
-            r"|gh[pousr]_[A-Za-z0-9]{36}|github_pat_[A-Za-z0-9_]{60,100}"
-            r"|AIza[0-9A-Za-z_-]{35}|xox[abprs]-[A-Za-z0-9-]{10,100}",
-            description="API keys and tokens: sk-... (OpenAI style, this console's lcsk-...), "
-            "AWS access key ids (AKIA...), GitHub (ghp_..., github_pat_...), Google (AIza...), "
-            "Slack (xox.-...).",
-            needle=r"sk-|A(?:KIA|SIA|GPA|IDA|ROA|NPA|NVA|IPA)|gh[pousr]_|github_pat_|AIza|xox[abprs]-",
-            boundary=_ALNUM + "_-",
-            validate=_secret_valid,
-        ),
-        Detector(
-            "email", "EMAIL",
-            r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-            r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?){0,6}\.[A-Za-z]{2,24}",
-            description="Email addresses whose domain ends in a public suffix.",
-            needle=r"[A-Za-z0-9._%+-]@[A-Za-z0-9]",
-            boundary=(_ALNUM + "._%+-@", _ALNUM + "_%+-@"),
-            validate=_email_valid,
-        ),
-        Detector(
-            "cn_resident_id", "ID_NUMBER",
-            r"[1-9][0-9]{5}(?:18|19|20)[0-9]{2}(?:0[1-9]|1[0-2])(?:0[1-9]|[12][0-9]|3[01])"
-            r"[0-9]{3}[0-9Xx]",
-            description="Mainland-China resident ID numbers (18 characters): a province code, a "
-            "real birth date and the ISO 7064 MOD 11-2 check character.",
-            needle=r"[0-9]{10}",
-            boundary=_ALNUM,
-            validate=resident_id_valid,
-        ),
-        Detector(
-            "cn_uscc", "CREDIT_CODE",
-            r"[0-9A-HJ-NPQRTUWXY]{2}[0-9]{6}[0-9A-HJ-NPQRTUWXY]{10}",
-            description="Unified social credit codes of Chinese organisations (18 characters, "
-            "GB 32100-2015 check character).",
-            needle=r"[0-9]{6}",
-            boundary=_ALNUM,
-            validate=uscc_valid,
-        ),
-        Detector(
-            "bank_card", "BANK_CARD",
-            r"[2-6][0-9]{12,18}|[2-6][0-9]{3}(?:[ -][0-9]{4}){3}(?:[ -]?[0-9]{1,3})?"
-            r"|3[0-9]{3}[ -][0-9]{6}[ -][0-9]{4,5}",
-            description="Payment card numbers (13-19 digits, grouped or not) that pass the "
-            "Luhn check.",
-            needle=r"[0-9]{4}",
-            boundary=_ALNUM,
-            trim=" -",
-            validate=_card_valid,
-        ),
-        Detector(
-            "cn_mobile", "PHONE", r"(?:\+?86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}",
-            description="Mainland-China mobile numbers (11 digits, optionally +86), in a range "
-            "allocated to mobile networks.",
-            needle=r"1[3-9][0-9](?:[ -]?[0-9]){4}",
-            boundary=string.digits,
-            validate=_cn_mobile_valid,
-        ),
-        Detector(
-            "phone", "PHONE", r"\+[1-9](?:[ .-]?[0-9]){6,14}",
-            description="International phone numbers in E.164 form (+ and 7-15 digits, "
-            "separators allowed) that are valid numbers of their country.",
-            needle=r"\+[1-9]",
-            boundary=string.digits,
-            trim=" .-",
-            validate=_e164_valid,
-        ),
-        Detector(
-            "iban", "IBAN", r"[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?",
-            description="International bank account numbers: the country's format and the "
-            "mod-97 check (Presidio's validator).",
-            needle=r"[A-Z]{2}[0-9]{2}",
-            boundary=_ALNUM,
-            trim=" ",
-            validate=_iban_valid,
-        ),
-        Detector(
-            "ip_address", "IP_ADDRESS",
-            r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}(?:/[0-9]{1,2})?"
-            r"|(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?:/[0-9]{1,3})?",
-            description="IPv4 and IPv6 addresses (and networks) that parse as such.",
-            needle=r"[0-9]\.[0-9]{1,3}\.[0-9]|[0-9A-Fa-f]?:[0-9A-Fa-f]{0,4}:",
-            boundary=_ALNUM,
-            after=2,
-            before=2,
-            validate=_ip_valid,
-            context=_ip_context,
-        ),
+        PrivateKeyDetector(), _api_key(), _email(), _cn_resident_id(), _cn_uscc(), _bank_card(),
+        _cn_mobile(), _phone(), _iban(), _ip_address(),
     ]
     return {detector.name: detector for detector in detectors}
+
+
+def _api_key() -> Detector:
+    return Detector(
+        "api_key", "SECRET",
+        r"(?:lc)?sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,200}"
+        r"|(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA)[A-Z0-9]{16}"
+        r"|gh[pousr]_[A-Za-z0-9]{36}|github_pat_[A-Za-z0-9_]{60,100}"
+        r"|AIza[0-9A-Za-z_-]{35}|xox[abprs]-[A-Za-z0-9-]{10,100}",
+        description="API keys and tokens: sk-... (OpenAI style, this console's lcsk-...), "
+        "AWS access key ids (AKIA...), GitHub (ghp_..., github_pat_...), Google (AIza...), "
+        "Slack (xox.-...).",
+        needle=r"sk-|A(?:KIA|SIA|GPA|IDA|ROA|NPA|NVA|IPA)|gh[pousr]_|github_pat_|AIza|xox[abprs]-",
+        boundary=_ALNUM + "_-",
+        validate=_secret_valid,
+    )
+
+
+def _email() -> Detector:
+    return Detector(
+        "email", "EMAIL",
+        r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?){0,6}\.[A-Za-z]{2,24}",
+        description="Email addresses whose domain ends in a public suffix.",
+        needle=r"[A-Za-z0-9._%+-]@[A-Za-z0-9]",
+        boundary=(_ALNUM + "._%+-@", _ALNUM + "_%+-@"),
+        validate=_email_valid,
+    )
+
+
+def _cn_resident_id() -> Detector:
+    return Detector(
+        "cn_resident_id", "ID_NUMBER",
+        r"[1-9][0-9]{5}(?:18|19|20)[0-9]{2}(?:0[1-9]|1[0-2])(?:0[1-9]|[12][0-9]|3[01])"
+        r"[0-9]{3}[0-9Xx]",
+        description="Mainland-China resident ID numbers (18 characters): a province code, a "
+        "real birth date and the ISO 7064 MOD 11-2 check character.",
+        needle=r"[0-9]{10}",
+        boundary=_ALNUM,
+        validate=resident_id_valid,
+    )
+
+
+def _cn_uscc() -> Detector:
+    return Detector(
+        "cn_uscc", "CREDIT_CODE",
+        r"[0-9A-HJ-NPQRTUWXY]{2}[0-9]{6}[0-9A-HJ-NPQRTUWXY]{10}",
+        description="Unified social credit codes of Chinese organisations (18 characters, "
+        "GB 32100-2015 check character).",
+        needle=r"[0-9]{6}",
+        boundary=_ALNUM,
+        validate=uscc_valid,
+    )
+
+
+def _bank_card() -> Detector:
+    return Detector(
+        "bank_card", "BANK_CARD",
+        r"[2-6][0-9]{12,18}|[2-6][0-9]{3}(?:[ -][0-9]{4}){3}(?:[ -]?[0-9]{1,3})?"
+        r"|3[0-9]{3}[ -][0-9]{6}[ -][0-9]{4,5}",
+        description="Payment card numbers (13-19 digits, grouped or not) that pass the "
+        "Luhn check.",
+        needle=r"[0-9]{4}",
+        boundary=_ALNUM,
+        trim=" -",
+        validate=_card_valid,
+    )
+
+
+def _cn_mobile() -> Detector:
+    return Detector(
+        "cn_mobile", "PHONE", r"(?:\+?86[ -]?)?1[3-9][0-9](?:[ -]?[0-9]{4}){2}",
+        description="Mainland-China mobile numbers (11 digits, optionally +86), in a range "
+        "allocated to mobile networks.",
+        needle=r"1[3-9][0-9](?:[ -]?[0-9]){4}",
+        boundary=string.digits,
+        validate=_cn_mobile_valid,
+    )
+
+
+def _phone() -> Detector:
+    return Detector(
+        "phone", "PHONE",
+        r"\+[1-9](?:[ .-]?[0-9]){6,14}"
+        r"|(?:1[ .-]?)?\(?[2-9][0-9]{2}\)?[ .-]?[2-9][0-9]{2}[ .-]?[0-9]{4}"
+        r"|\(?0[1-9][0-9]{1,4}\)?[ -]?[0-9]{3,4}[ -]?[0-9]{3,4}",
+        description="Phone numbers: international ones (+ and 7-15 digits, separators "
+        "allowed) valid in their country, and national ones of the US and Canada "
+        "((415) 555-2671, 415-555-2671, 1 415 555 2671) and the UK (020 7946 0958, "
+        "07400 123456) valid there.",
+        needle=r"\+[1-9]|[0-9]{3}",
+        boundary=string.digits,
+        trim=" .-",
+        validate=_phone_valid,
+    )
+
+
+def _iban() -> Detector:
+    return Detector(
+        "iban", "IBAN", r"[A-Z]{2}[0-9]{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?",
+        description="International bank account numbers: the country's format and the "
+        "mod-97 check (Presidio's validator).",
+        needle=r"[A-Z]{2}[0-9]{2}",
+        boundary=_ALNUM,
+        trim=" ",
+        validate=_iban_valid,
+    )
+
+
+def _ip_address() -> Detector:
+    return Detector(
+        "ip_address", "IP_ADDRESS",
+        r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}(?:/[0-9]{1,2})?"
+        r"|(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?:/[0-9]{1,3})?",
+        description="IPv4 and IPv6 addresses (and networks) that parse as such.",
+        needle=r"[0-9]\.[0-9]{1,3}\.[0-9]|[0-9A-Fa-f]?:[0-9A-Fa-f]{0,4}:",
+        boundary=_ALNUM,
+        after=2,
+        before=2,
+        validate=_ip_valid,
+        context=_ip_context,
+    )
 
 
 def category_label(category: str) -> str:

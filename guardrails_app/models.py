@@ -344,6 +344,14 @@ class TenantPattern(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def named_by(self) -> list[str]:
+        """The policies (the tenant's, its keys') whose rules name this pattern: while any
+        does, it cannot be deleted (the rules would silently lose their detector)."""
+        levels = [TenantPolicy.objects.for_tenant(self.tenant).first(),
+                  *KeyPolicy.objects.for_tenant(self.tenant).select_related("api_key")]
+        return [str(level) for level in levels
+                if level is not None and self.name in {*level.input, *level.output}]
+
     def detector(self) -> Detector:
         if self.kind == self.Kind.DENY_LIST:
             return deny_list(self.name, [str(t) for t in self.terms or ()],

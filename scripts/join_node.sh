@@ -2,17 +2,24 @@
 # Join this host to a console as a node, with the one-time token made on the console's
 # "Add a node" page (Nodes -> Add a node, or POST /api/v1/node-join-tokens/):
 #
-#   sudo bash scripts/join_node.sh --console https://console.example.com --name gpu-a --token nj_...
+#   sudo bash scripts/join_node.sh --console https://console.example.com --name gpu-a
+#   Join token: (pasted, not echoed)
+#
+# The token is never an argument (arguments show in `ps` and the shell's history): it is asked
+# for on the terminal, or read from a file (`--token-file PATH`, `-` for standard input:
+# `... --token-file - < token.txt`).
 #
 # Run from a checkout of the console (default /opt/llm-console, with its .venv:
 # scripts/setup_console.sh). Steps, each reported:
 #   1. check the host (scripts/check_node.py: Python, NVML and GPUs, vLLM, disk, address, console)
 #   2. exchange the token for the node's settings (POST /api/v1/node-join/): the node appears in
 #      the console, the token is spent; the settings, with the node's own database role, Redis
-#      user and token (docs/security.md), go to the env file (mode 0600)
+#      user and token (docs/security.md), go to the env file (mode 0600), its engines'
+#      certificates (the console CA's, its own and its key) to engine-tls/ beside it
 #   3. check again with the settings got: Redis (as the node's user) and PostgreSQL reachable
 #   4. install and start the systemd unit llm-console-agent@<name> (unless --no-systemd)
 # Options:
+#   --token-file PATH    read the token from PATH ("-": standard input) instead of asking
 #   --address ADDR       where engines listen and the gateway reaches them (default: the
 #                        address this host uses to reach the console)
 #   --gpus nvml|""|DECL  NODE_GPUS (default nvml; "" for a CPU host)
@@ -25,13 +32,17 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 CHECKOUT="$(pwd)"
 
-CONSOLE="" NAME="" TOKEN="" ADDRESS="" GPUS="nvml" INSTALL_ENGINE=0 SYSTEMD=1
+CONSOLE="" NAME="" TOKEN="" TOKEN_FILE="" ADDRESS="" GPUS="nvml" INSTALL_ENGINE=0 SYSTEMD=1
 ENGINE_VENV="$CHECKOUT/var/engine-venv" ENV_FILE="/etc/llm-console/agent.env" MIN_DISK=50
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --console) CONSOLE="${2%/}"; shift ;;
         --name) NAME="$2"; shift ;;
-        --token) TOKEN="$2"; shift ;;
+        --token-file) TOKEN_FILE="$2"; shift ;;
+        --token|--token=*)
+            echo "join_node: the token is not taken on the command line (ps and the shell's" \
+                "history show it): run without it and paste it when asked, or use" \
+                "--token-file PATH (- for standard input)" >&2; exit 2 ;;
         --address) ADDRESS="$2"; shift ;;
         --gpus) GPUS="$2"; shift ;;
         --engine-venv) ENGINE_VENV="$2"; shift ;;
@@ -43,8 +54,21 @@ while [[ $# -gt 0 ]]; do
     esac
     shift
 done
-[[ -n "$CONSOLE" && -n "$NAME" && -n "$TOKEN" ]] || {
-    echo "join_node: --console, --name and --token are required" >&2; exit 2; }
+[[ -n "$CONSOLE" && -n "$NAME" ]] || {
+    echo "join_node: --console and --name are required" >&2; exit 2; }
+if [[ -n "$TOKEN_FILE" ]]; then
+    if [[ "$TOKEN_FILE" == "-" ]]; then
+        IFS= read -r TOKEN || true
+    else
+        IFS= read -r TOKEN < "$TOKEN_FILE" || true
+    fi
+elif [[ -t 0 ]]; then
+    IFS= read -rsp "Join token (from the console's Add a node page; not echoed): " TOKEN || true
+    echo >&2
+fi
+TOKEN="${TOKEN//[[:space:]]/}"
+[[ -n "$TOKEN" ]] || {
+    echo "join_node: no join token (paste it when asked, or --token-file PATH)" >&2; exit 2; }
 say() { printf '[join_node] %s\n' "$*"; }
 
 if [[ -z "$ADDRESS" ]]; then  # the address this host reaches the console from
@@ -73,9 +97,12 @@ python3 scripts/check_node.py --console "$CONSOLE" --gpus "$GPUS" --engine-venv 
 say "2/4 joining $CONSOLE as $NAME (engines on $ADDRESS)"
 mkdir -p "$(dirname "$ENV_FILE")"
 umask 077
-python3 - "$CONSOLE" "$NAME" "$TOKEN" "$ADDRESS" "$GPUS" "$ENGINE_VENV" "$ENV_FILE" <<'PY'
-import json, sys, urllib.error, urllib.request
-console, name, token, address, gpus, engine_venv, env_file = sys.argv[1:]
+# The token goes in the environment of this one process (readable by its own user only), not
+# in its arguments.
+JOIN_TOKEN="$TOKEN" python3 - "$CONSOLE" "$NAME" "$ADDRESS" "$GPUS" "$ENGINE_VENV" "$ENV_FILE" <<'PY'
+import json, os, sys, urllib.error, urllib.request
+console, name, address, gpus, engine_venv, env_file = sys.argv[1:]
+token = os.environ.pop("JOIN_TOKEN")
 body = json.dumps({"token": token, "name": name, "address": address, "gpus": gpus}).encode()
 request = urllib.request.Request(console + "/api/v1/node-join/", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -91,6 +118,16 @@ except urllib.error.HTTPError as exc:
           f"{detail.get('detail') or detail}", file=sys.stderr)
     sys.exit(1)
 environment = {**answer["environment"], "ENGINE_VENV": engine_venv}
+# The engines' certificates (the console CA's, the node's own and its key): files of their own
+# beside the env file, the key readable by this user alone (umask 077).
+tls_files = answer.get("engine_tls") or {}
+if tls_files:
+    tls_dir = os.path.join(os.path.dirname(os.path.abspath(env_file)), "engine-tls")
+    os.makedirs(tls_dir, mode=0o700, exist_ok=True)
+    for file_name, text in tls_files.items():
+        with open(os.path.join(tls_dir, os.path.basename(file_name)), "w") as out:
+            out.write(text)
+    environment["ENGINE_TLS_DIR"] = tls_dir
 with open(env_file, "w") as out:
     out.write(f"# Written by scripts/join_node.sh: node {answer['node']}, queue {answer['queue']}.\n")
     for key, value in environment.items():
@@ -116,6 +153,9 @@ say "4/4 installing and starting llm-console-agent@$NAME"
 id llm-console >/dev/null 2>&1 || useradd --system --home-dir /var/lib/llm-console \
     --shell /usr/sbin/nologin llm-console
 chgrp llm-console "$ENV_FILE" && chmod 0640 "$ENV_FILE"
+# The engines' certificates and key: the agent's user's own (its engines read them too).
+TLS_DIR="$(dirname "$ENV_FILE")/engine-tls"
+[[ -d "$TLS_DIR" ]] && chown -R llm-console:llm-console "$TLS_DIR"
 sed "s#/opt/llm-console#$CHECKOUT#g" deploy/systemd/llm-console-agent@.service \
     > /etc/systemd/system/llm-console-agent@.service
 if [[ "$ENV_FILE" != /etc/llm-console/agent.env ]]; then

@@ -86,6 +86,14 @@ BREAKAGES = (
         ("tests/deploy/test_node_credentials.py::test_removing_a_node_refuses_its_credentials_open_connections_included",),
     ),
     Breakage(
+        "node-row-policy-dropped",
+        "serving_app/fleet/rowsecurity.py",
+        '    "serving_app_instance": {\n'
+        '        "own": (("ALL",), f"node_id = {MY_NODE} OR id IN {GROUP_OF_MY_WORKERS}")},\n',
+        "",
+        ("tests/deploy/test_node_credentials.py::test_a_node_role_reads_and_changes_only_its_own_rows_and_no_tenants_cache_secret",),
+    ),
+    Breakage(
         "cache-hands-out-unverified-files",
         "serving_app/artifacts/cache.py",
         "                    sha256_of(blob) == entry.sha256:\n",
@@ -122,7 +130,7 @@ BREAKAGES = (
     ),
     Breakage(
         "no-orphan-cleanup",
-        "serving_app/engine/agent.py",
+        "serving_app/engine/failures.py",
         "        supervisor.stop(pid, grace_seconds=ORPHAN_GRACE_SECONDS)\n",
         "        pass\n",
         (
@@ -147,6 +155,25 @@ BREAKAGES = (
         ("tests/guardrails/test_streaming.py::test_entities_split_at_every_boundary_never_leak",),
     ),
     Breakage(
+        # One request field left out of the guardrails' extraction: `documents` carries no
+        # text, so a value in a document reaches the engine (and the guard model) unread.
+        "extraction-leaves-out-documents",
+        "gateway_app/extraction.py",
+        '"documents": Rule.TEXT,',
+        '"documents": Rule.NO_TEXT,',
+        ("tests/guardrails/test_extraction.py::test_a_value_anywhere_in_the_request_is_redacted_and_never_judged[documents]",),
+    ),
+    Breakage(
+        # Normalisation skipped: full-width digits, zero-width characters and one digit per
+        # group pass the detectors.
+        "guardrail-normalisation-skipped",
+        "guardrails_app/normalise.py",
+        '    """`text` as the detectors read it (see the module\'s docstring)."""\n',
+        '    """`text` as the detectors read it (see the module\'s docstring)."""\n'
+        "    return Normalised(text, text)\n",
+        ("tests/guardrails/test_extraction.py::test_normalised_forms_are_caught_and_the_written_span_replaced",),
+    ),
+    Breakage(
         # The level above is not consulted: a tenant (or key) policy weaker than the floor is
         # accepted by the model, hence by the admin, the API and the portal.
         "tenant-policy-may-weaken-the-floor",
@@ -158,10 +185,23 @@ BREAKAGES = (
     Breakage(
         # The gateway asks the guard model but ignores its verdict: every request is admitted.
         "classifier-verdict-ignored",
-        "gateway_app/app.py",
+        "gateway_app/screen.py",
         "        if decision.blocked is not None:\n            raise refusal(decision.blocked)\n",
         "        if decision.blocked is not None:\n            pass\n",
         ("tests/guardrails/test_gateway.py::test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed",),
+        engine=True,
+    ),
+    Breakage(
+        # The guard runs before the sender's limits are charged: a request the guard refuses
+        # never counts against them (the charge rides on dispatch's admission, after the guard).
+        "guard-before-limits",
+        "gateway_app/pipeline.py",
+        "        charge = Charge(tenant, need, prompt_tokens,\n"
+        "                        pending=tenant.admission_needed and not guarded)\n"
+        "        if tenant.admission_needed and guarded:\n"
+        "            await self.dispatcher.charge(ctx, charge)\n",
+        "        charge = Charge(tenant, need, prompt_tokens, pending=tenant.admission_needed)\n",
+        ("tests/gateway/test_pipeline.py::test_a_prompt_the_guard_blocks_has_counted_against_the_senders_limits",),
         engine=True,
     ),
     Breakage(
@@ -204,6 +244,29 @@ BREAKAGES = (
         ("tests/gateway/test_units.py::test_token_window_reserves_then_settles_to_the_real_count",),
     ),
     Breakage(
+        "money-no-reservation",
+        "gateway_app/admission.py",
+        "    money_add(KEYS[8 + i], tonumber(ARGV[a + 2]), ARGV[a + 3], ARGV[ma], ARGV[ma + 1])",
+        "",
+        ("tests/gateway/test_money_budgets.py::"
+         "test_concurrent_requests_on_three_workers_overspend_by_at_most_one_worst_case",),
+    ),
+    Breakage(
+        "money-settles-the-reservation",
+        "gateway_app/dispatch.py",
+        "            cost = money.nano(reserved.price.cost(",
+        "            cost = reserved.reserved or money.nano(reserved.price.cost(",
+        ("tests/gateway/test_money_budgets.py::"
+         "test_settlement_counts_the_actual_cost_not_the_reservation",),
+    ),
+    Breakage(
+        "money-key-budget-ignores-its-tenants",
+        "gateway_app/catalog.py",
+        "        return [limit for limit in found if limit is not None]",
+        "        return [limit for limit in found if limit is not None][:1]",
+        ("tests/gateway/test_money_budgets.py::test_a_keys_budget_is_inside_its_tenants",),
+    ),
+    Breakage(
         "flow-control-ignores-the-budget",
         "gateway_app/flow.py",
         "      if (in_budget or r < extra) and (best_n == nil or n < best_n) then",
@@ -211,10 +274,32 @@ BREAKAGES = (
         ("tests/gateway/test_flow_units.py::test_requests_beyond_the_budget_wait_and_get_the_freed_slot",),
     ),
     Breakage(
+        "admission-controller-never-restores",
+        "gateway_app/flow.py",
+        "  if not slo or fc_has_objective(slo, t) or not fc_slo_active(P, slo, now) then"
+        " return nil end",
+        "  if not slo or fc_has_objective(slo, t) then return nil end",
+        ("tests/gateway/test_admission_control.py::test_the_floods_budget_falls_near_the_objective_holds_in_the_band_and_returns_when_idle",),
+    ),
+    Breakage(
+        "admission-controller-ignores-objectives",
+        "gateway_app/objectives.py",
+        "    if pending > HIGH then",
+        "    if false then",
+        ("tests/gateway/test_admission_control.py::test_the_floods_budget_falls_near_the_objective_holds_in_the_band_and_returns_when_idle",),
+    ),
+    Breakage(
+        "flow-control-no-settled-slot-hold",
+        "gateway_app/flow.py",
+        "  if ms <= 0 or redis.call('LLEN', P .. ':q:' .. t) > 0 then return 0 end",
+        "  if true then return 0 end",
+        ("tests/gateway/test_flow_units.py::test_a_saturated_pair_with_waves_and_client_gaps_shares_equally_at_full_throughput",),
+    ),
+    Breakage(
         "flow-control-largest-counter-first",
         "gateway_app/flow.py",
-        "    local top = redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')",
-        "    local top = redis.call('ZRANGE', P .. ':b:' .. band, -1, -1, 'WITHSCORES')",
+        "    top = top or redis.call('ZRANGE', P .. ':b:' .. band, 0, 0, 'WITHSCORES')",
+        "    top = top or redis.call('ZRANGE', P .. ':b:' .. band, -1, -1, 'WITHSCORES')",
         ("tests/gateway/test_flow_units.py::test_equal_backlogged_tenants_alternate_however_many_each_sends",),
     ),
     Breakage(
@@ -261,7 +346,7 @@ BREAKAGES = (
     ),
     Breakage(
         "shared-deployment-charged-to-one-tenant",
-        "serving_app/fleet/service.py",
+        "serving_app/fleet/read.py",
         "                    shares=pairs.get(dep.pk, ()),\n",
         "                    shares=(),\n",
         ("tests/placement_db/test_gpu_accounting.py::test_an_idle_shared_deployment_is_charged_by_weight",),
@@ -275,17 +360,47 @@ BREAKAGES = (
     ),
     Breakage(
         "runtime-load-into-spare-slot",
-        "serving_app/engine/agent.py",
+        "serving_app/engine/adapters.py",
         "        if capacity is not None and len(loaded) >= capacity:\n",
         "        if False:\n",
         ("tests/unit/test_adapter_slots.py::test_a_runtime_load_that_would_fill_the_spare_slot_is_refused",),
     ),
     Breakage(
         "engine-runtime-load-into-spare-slot",
-        "serving_app/engine/agent.py",
+        "serving_app/engine/adapters.py",
         "        if capacity is not None and len(loaded) >= capacity:\n",
         "        if False:\n",
         ("tests/engine/test_lora_slots.py",),
+        engine=True,
+    ),
+    Breakage(
+        # A CPU engine with LoRA on counted as computing prompt logprobs: the gateway would
+        # send them to engines that die computing them in a batch (issue 40).
+        "cpu-lora-engine-computes-prompt-logprobs",
+        "serving_app/engine/launch.py",
+        "    return gpus_given(gpus) or not lora\n",
+        "    return True\n",
+        ("tests/gateway/test_catalog.py::"
+         "test_only_an_instance_on_real_gpus_computes_prompt_logprobs",),
+    ),
+    Breakage(
+        # The gateway's check removed: a tenant's prompt_logprobs beside another request kills
+        # the run's own engine (never the shared one of a normal run: this is a scratch copy).
+        "engine-prompt-logprobs-sent-to-a-cpu-lora-engine",
+        "gateway_app/dispatch.py",
+        "        if prompt_logprobs is not None:\n",
+        "        if False:\n",
+        ("tests/gateway/test_prompt_logprobs.py",),
+        engine=True,
+    ),
+    Breakage(
+        # An engine that accepts a caller without a certificate: TLS, but no client
+        # certificate asked for (vLLM's default, ssl.CERT_NONE).
+        "engine-accepts-callers-without-certificate",
+        "serving_app/engine/launch.py",
+        '            "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED))]\n',
+        "            ]\n",
+        ("tests/engine/test_engine_tls.py",),
         engine=True,
     ),
     Breakage(
@@ -296,6 +411,28 @@ BREAKAGES = (
         "    return judge(reply)\n",
         "    return CanaryResult(client.healthy())\n",
         ("tests/gateway/test_canary.py::test_an_adapter_whose_generation_fails_is_never_routed_to",),
+        engine=True,
+    ),
+    Breakage(
+        # The console's scheduler plugin never preempts: the urgent request shares the full
+        # batch (issue 45).
+        "engine-urgent-scheduler-never-preempts",
+        "vllm_plugins/console_scheduler.py",
+        "        if excess <= 0:\n",
+        "        if True:\n",
+        ("tests/engine/test_urgent_scheduler.py::test_an_urgent_request_preempts_the_others_beyond_the_cap_and_they_resume",),
+        engine=True,
+    ),
+    Breakage(
+        # An adapter applied to another tenant's request: the gateway sends every adapter
+        # request to the instance's last adapter by name (issue 41's isolation check).
+        "engine-adapter-of-another-tenant",
+        "gateway_app/pipeline.py",
+        '        body["model"] = dispatched.route.targets[0].upstream_model\n',
+        '        body["model"] = (max(dispatched.first[0].adapters)\n'
+        '                         if dispatched.route.targets[0].adapter\n'
+        '                         else dispatched.route.targets[0].upstream_model)\n',
+        ("tests/gateway/test_adapter_isolation.py::test_each_tenants_adapter_scores_its_text_alone_and_batched_as_the_engine_does",),
         engine=True,
     ),
     Breakage(
@@ -327,7 +464,7 @@ BREAKAGES = (
     # three-process tree of tests/unit/test_process_groups.py catches it.
     Breakage(
         "engine-no-orphan-cleanup",
-        "serving_app/engine/agent.py",
+        "serving_app/engine/failures.py",
         "        supervisor.stop(pid, grace_seconds=ORPHAN_GRACE_SECONDS)\n",
         "        pass\n",
         ("tests/engine/test_engine_lifecycle.py::test_deployment_lifecycle_end_to_end",),
@@ -358,19 +495,59 @@ BREAKAGES = (
     ),
     Breakage(
         "compiling-engine-restarted-as-unhealthy",
-        "serving_app/engine/agent.py",
-        "                silent_deadline = time.monotonic() + quiet_limit\n",
-        "                silent_deadline = silent_deadline  # progress ignored\n",
+        "serving_app/engine/readiness.py",
+        "            self.silent_deadline = time.monotonic() + self.quiet_limit\n",
+        "            self.silent_deadline = self.silent_deadline  # progress ignored\n",
         ("tests/gpu/test_start_on_gpu.py::"
          "test_a_start_that_keeps_logging_outlives_the_silence_timeout",),
     ),
     Breakage(
         "mps-engine-started-without-its-daemon",
-        "serving_app/engine/agent.py",
-        "            _ensure_mps(instance.node)\n",
+        "serving_app/engine/starting.py",
+        "            ensure_mps(instance.node)\n",
         "            pass  # no daemon checked\n",
         ("tests/gpu/test_mps.py::"
          "test_without_a_daemon_an_mps_engine_is_refused_with_the_reason_and_never_launched",),
+    ),
+    Breakage(
+        "backup-retention-never-prunes",
+        "backups_app/dumps.py",
+        "    old = list(rows.filter(state=Backup.State.SUCCEEDED)[keep:])\n",
+        "    old = list(rows.filter(state=Backup.State.SUCCEEDED)[keep:keep])\n",
+        ("tests/backups/test_backups.py::test_retention_keeps_the_newest_dumps_and_deletes_the_older_files",),
+    ),
+    Breakage(
+        "restore-skips-checksum",
+        "backups_app/restore.py",
+        "    if actual != expected:\n",
+        "    if False:\n",
+        ("tests/backups/test_backups.py::test_restoring_a_damaged_dump_is_refused_before_anything_is_written",),
+    ),
+    Breakage(
+        "encrypted-field-left-out-of-the-audit-scrubbing",
+        "audit_app/registry.py",
+        "secret=frozenset(secret) | encryption.secret_fields(model), reason=reason)",
+        "secret=frozenset(secret), reason=reason)",
+        ("tests/api/test_secrets.py::test_every_encrypted_field_is_scrubbed_from_the_audit_log",
+         "tests/api/test_secrets.py::test_an_imports_secret_is_encrypted_and_never_shown"),
+    ),
+    Breakage(
+        "secret-field-readable-through-the-api",
+        "tenants_app/api/base.py",
+        "write_only=True, required=False, allow_blank=True, max_length=2000,\n",
+        "write_only=False, required=False, allow_blank=True, max_length=2000,\n",
+        ("tests/api/test_secrets.py::"
+         "test_an_update_without_the_secret_keeps_it_and_one_with_it_replaces_it",),
+    ),
+    Breakage(
+        # The reconciler waits on a node row its frozen agent holds: every reconciling thread
+        # stalls with it (the CI failure of 2026-12-06's stop).
+        "reconcile-waits-on-a-frozen-agents-lock",
+        "serving_app/deployments/reconcile.py",
+        "select_for_update(skip_locked=True)",
+        "select_for_update()",
+        ("tests/placement_db/test_lost_node_locks.py::"
+         "test_a_node_row_held_by_its_frozen_agent_is_skipped_then_declared_once_the_server_ends_it",),
     ),
 )
 

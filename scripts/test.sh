@@ -92,7 +92,7 @@ step "type check (mypy) beside duplicate code (pylint duplicate-code)"
 overlap "type check (mypy)" env PYTHONPATH=. .venv/bin/mypy --cache-dir "$mypy_cache"
 overlap "duplicate code (pylint duplicate-code)" \
     .venv/bin/pylint --jobs 2 --disable=all --enable=duplicate-code --score=n \
-    console ui_app audit_app tenants_app serving_app gateway_app guardrails_app alerts_app tests \
+    console ui_app audit_app tenants_app serving_app gateway_app guardrails_app alerts_app backups_app billing_app tests \
     benchmarks scripts \
     manage.py
 join "type check (mypy)"

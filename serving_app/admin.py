@@ -12,6 +12,7 @@ from django.contrib import admin, messages
 from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
+from audit_app.admin import SecretsAdmin
 from serving_app.forms import DeploymentForm, FleetPlanForm
 from serving_app.models import (
     AdapterFileRemoval,
@@ -27,13 +28,16 @@ from serving_app.models import (
     EngineSample,
     FleetPlan,
     Gpu,
+    GpuPriceCard,
     GpuSample,
     Instance,
     InstanceWorker,
+    KeyUsage,
     LoraAdapter,
     Node,
     NodeCacheEntry,
     NodeJoinToken,
+    PriceCard,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -371,10 +375,11 @@ class GpuSampleAdmin(ReadOnlyAdmin):
 
 @admin.register(UsageEvent)
 class UsageEventAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "tenant", "model", "adapter", "status_code", "prompt_tokens",
-                    "completion_tokens", "latency_ms", "ttft_ms"]
-    list_filter = ["tenant", "status_code", "stream"]
-    search_fields = ["request_id", "model"]
+    list_display = ["created_at", "request_id", "tenant", "model", "adapter", "status_code",
+                    "error_code", "prompt_tokens", "cached_tokens", "completion_tokens", "cost",
+                    "latency_ms", "ttft_ms"]
+    list_filter = ["tenant", "status_code", "error_code", "stream"]
+    search_fields = ["request_id", "model", "error_code", "error_message"]
     date_hierarchy = "created_at"
 
 
@@ -390,8 +395,18 @@ class GuardrailRollupAdmin(ReadOnlyAdmin):
 @admin.register(UsageTenSecond, UsageMinute, UsageHour, UsageTotal)
 class UsageRollupAdmin(ReadOnlyAdmin):
     list_display = ["bucket", "tenant", "model", "deployment_id", "requests", "errors",
-                    "server_errors", "rate_limited", "prompt_tokens", "completion_tokens"]
+                    "server_errors", "rate_limited", "prompt_tokens", "cached_tokens",
+                    "completion_tokens", "cost"]
     list_filter = ["tenant", "model"]
+
+
+@admin.register(KeyUsage)
+class KeyUsageAdmin(ReadOnlyAdmin):
+    """Requests, tokens and cost per tenant and API key over 15 minutes (what budgets sum)."""
+
+    list_display = ["bucket", "tenant", "api_key_id", "requests", "prompt_tokens",
+                    "cached_tokens", "completion_tokens", "cost"]
+    list_filter = ["tenant"]
 
 
 @admin.register(AdapterFileRemoval)
@@ -529,7 +544,7 @@ class ArtifactVersionAdmin(ReadOnlyAdmin):
 
 
 @admin.register(ArtifactImport)
-class ArtifactImportAdmin(ReadOnlyAdmin):
+class ArtifactImportAdmin(SecretsAdmin, ReadOnlyAdmin):
     list_display = ["artifact", "source", "state", "bytes_done", "bytes_total", "node",
                     "created_at"]
     list_filter = ["state", "source"]
@@ -555,3 +570,21 @@ class BlobAdmin(ReadOnlyAdmin):
 
     list_display = ["sha256", "size", "created_at"]
     search_fields = ["sha256"]
+
+
+@admin.register(PriceCard)
+class PriceCardAdmin(admin.ModelAdmin):
+    """Token prices; a card in force refuses changes (`PriceCard.clean()`): add a new one."""
+
+    list_display = ["base_model", "adapter", "version", "effective_from", "currency",
+                    "input_per_million", "cached_input_per_million", "output_per_million"]
+    list_filter = ["currency", "base_model"]
+    readonly_fields = ["version"]
+
+
+@admin.register(GpuPriceCard)
+class GpuPriceCardAdmin(admin.ModelAdmin):
+    list_display = ["gpu_model", "mig_profile", "version", "effective_from", "currency",
+                    "per_gpu_second"]
+    list_filter = ["currency"]
+    readonly_fields = ["version"]

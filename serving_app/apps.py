@@ -40,6 +40,8 @@ class ServingAppConfig(AppConfig):
         # docs/architecture.md ("The audit log") says why each exclusion is one.
         track(self.get_model("BaseModel"))
         track(self.get_model("FleetPlan"))
+        track(self.get_model("PriceCard"))
+        track(self.get_model("GpuPriceCard"))
         track(self.get_model("LoraAdapter"), ignore=["last_error"])
         track(self.get_model("Deployment"), ignore=["placement_error"])
         track(self.get_model("Autoscaler"), ignore=[
@@ -73,7 +75,7 @@ class ServingAppConfig(AppConfig):
         exclude(self.get_model("AdapterFileRemoval"),
                 f"files of deleted adapters waiting for removal, {control_plane}")
         for name in ("UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",
-                     "GuardrailMinute", "GuardrailHour", "GuardrailTotal"):
+                     "GuardrailMinute", "GuardrailHour", "GuardrailTotal", "KeyUsage"):
             exclude(self.get_model(name), f"metering, {control_plane}")
         for name in ("EngineSample", "EngineHour"):
             exclude(self.get_model(name), f"engine metric samples, {control_plane}")

@@ -10,9 +10,14 @@ the settings again:
   (`ENGINE_FIELDS` are the form's and the serializer's engine fields);
 - a revision's `spec` holds the values of `ENGINE_FIELDS` (`serving_app.models.revisions`); a
   name it lacks (a revision recorded before the setting was declared) means the declared default;
-- the memory planner takes the `memory` fields (`placement.planner.EngineSettings.of()`) and
-  what-if plans accept them (`fleetspec`);
+- the memory planner takes the `memory` fields (`placement.planner.EngineSettings.of()`), and
+  where it is given no value plans with vLLM's own default (`vllm_default`); what-if plans
+  accept the fields with their declared defaults (`fleetspec.PlanDeployment`): both read them
+  here (`default_of()`, `vllm_default_of()`);
 - the engine's command line is `EngineSpec.arguments()` (`engine.launch`).
+
+`MAX_REPLICAS`, the most instances one deployment runs, is declared here too, for the same
+layers: the model's validators, the forms, the API, the autoscaler and what-if plans.
 
 An `EngineSpec` is one set of values with what depends on the base model already resolved:
 `dtype` "auto" becomes the model's own setting, an empty quantization the model's, an empty
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 Unit = Literal["bytes", "GiB", "tokens", "fraction", "count", "percent"]
 Kind = Literal["int", "float", "bool", "choice"]
@@ -53,10 +58,13 @@ class EngineField:
     the setting is not a flag; it changes where and how the engine runs: placement, its
     environment (`env`, the variable it sets), its port). `group`: the form's section.
     `shown_when`: (setting, value) where the setting applies only while another has that value
-    (MPS's thread percentage only with MPS isolation). The flag is left out where the
-    value is None or `vllm_default` (vLLM then does the same without it). A "bool" setting is
-    passed as `--flag` or `--no-flag`. `memory`: the memory planner reads it (it changes the GPU
-    memory an instance needs). `allowed`: the only values vLLM accepts, beyond the range.
+    (MPS's thread percentage only with MPS isolation). `vllm_default`: what vLLM runs with when
+    the flag is not given, where the memory planner needs it (None: not declared, or vLLM's
+    is None too). The flag is left out where the value is None, or `vllm_default` with
+    `omit_vllm_default` (vLLM then does the same without it on every host); other flags are
+    always passed. A "bool" setting is passed as `--flag` or `--no-flag`. `memory`: the memory
+    planner reads it (it changes the GPU memory an instance needs). `allowed`: the only values
+    vLLM accepts, beyond the range.
     """
 
     name: str
@@ -74,6 +82,7 @@ class EngineField:
     help_text: str = ""
     memory: bool = False
     vllm_default: Value = None
+    omit_vllm_default: bool = False
     shown_when: tuple[str, str] | None = None
 
     @property
@@ -159,11 +168,13 @@ FIELDS: tuple[EngineField, ...] = (
     EngineField(
         "tensor_parallel_size", "Tensor parallel size", "int", 1, group="capacity",
         flag="--tensor-parallel-size", unit="count", minimum=1, maximum=16, memory=True,
+        vllm_default=1,
         help_text="GPUs each pipeline stage of one instance spans (tensor parallel groups).",
     ),
     EngineField(
         "pipeline_parallel_size", "Pipeline parallel size", "int", 1, group="capacity",
         flag="--pipeline-parallel-size", unit="count", minimum=1, maximum=16, memory=True,
+        vllm_default=1,
         help_text="Pipeline stages one instance spans: its layers are split over this many "
                   "groups of tensor_parallel_size GPUs, so an instance takes TP x PP GPUs.",
     ),
@@ -176,6 +187,9 @@ FIELDS: tuple[EngineField, ...] = (
     EngineField(
         "max_num_seqs", "Max sequences per batch", "int", 64, group="capacity",
         flag="--max-num-seqs", unit="count", minimum=1, maximum=4096, memory=True,
+        # vLLM's API server below 70 GiB of GPU memory and on an A100; 1024 on an H100 or
+        # H200, 128 per CPU rank (vLLM 0.32): the flag is always passed.
+        vllm_default=256,
         help_text="Maximum number of sequences processed in one iteration.",
     ),
     EngineField(
@@ -186,6 +200,9 @@ FIELDS: tuple[EngineField, ...] = (
     EngineField(
         "max_num_batched_tokens", "Max batched tokens", "int", None, group="capacity",
         flag="--max-num-batched-tokens", unit="tokens", minimum=16, memory=True,
+        # vLLM's API server on an H100 or H200 (0.26 on an H200: "Chunked prefill is enabled
+        # with max_num_batched_tokens=8192"); 2048 below 70 GiB, on an A100 and per CPU rank.
+        vllm_default=8192,
         help_text="Maximum number of tokens processed in one iteration. Empty: vLLM's default.",
     ),
     EngineField(
@@ -195,7 +212,7 @@ FIELDS: tuple[EngineField, ...] = (
     ),
     EngineField(
         "enforce_eager", "Eager mode (no CUDA graphs)", "bool", False, group="capacity",
-        flag="--enforce-eager", vllm_default=False, memory=True,
+        flag="--enforce-eager", vllm_default=False, omit_vllm_default=True, memory=True,
         help_text="Run the model without torch.compile and CUDA graphs: a GPU engine starts "
                   "in a fraction of the time and keeps the graphs' memory for the KV cache, at "
                   "some cost in per-token latency; a CPU engine skips torch.compile's warm-up "
@@ -205,7 +222,7 @@ FIELDS: tuple[EngineField, ...] = (
         "dtype", "Data type", "choice", "auto", group="model", flag="--dtype",
         choices=(("auto", "auto"), ("float32", "float32"), ("float16", "float16"),
                  ("bfloat16", "bfloat16")),
-        memory=True,
+        memory=True, vllm_default="auto",
         help_text="Data type of the weights and activations. auto: the base model's setting.",
     ),
     EngineField(
@@ -218,26 +235,36 @@ FIELDS: tuple[EngineField, ...] = (
     EngineField(
         "kv_cache_dtype", "KV cache data type", "choice", "auto", group="model",
         flag="--kv-cache-dtype", choices=tuple((v, v) for v in KV_CACHE_DTYPES), memory=True,
-        vllm_default="auto",
+        vllm_default="auto", omit_vllm_default=True,
         help_text="Data type of the KV cache. auto: the model's data type; fp8 (= fp8_e4m3) "
                   "and fp8_e5m2 hold twice the tokens of a 16-bit cache.",
     ),
     EngineField(
         "max_loras", "Max LoRA adapters per batch", "int", 4, group="lora",
-        flag="--max-loras", unit="count", minimum=1, maximum=64, memory=True,
+        flag="--max-loras", unit="count", minimum=1, maximum=64, memory=True, vllm_default=1,
         help_text="LoRA slots: adapters one batch may use at once (their memory is reserved).",
     ),
     EngineField(
         "max_lora_rank", "Max LoRA rank", "int", 16, group="lora", flag="--max-lora-rank",
         minimum=LORA_RANKS[0], maximum=LORA_RANKS[-1], allowed=LORA_RANKS, memory=True,
+        vllm_default=16,
         help_text=f"The largest adapter rank a slot holds: {', '.join(map(str, LORA_RANKS))}.",
     ),
     EngineField(
         "scheduling_policy", "Scheduling policy", "choice", "fcfs", group="scheduling",
-        flag="--scheduling-policy", vllm_default="fcfs",
+        flag="--scheduling-policy", vllm_default="fcfs", omit_vllm_default=True,
         choices=(("fcfs", "First come, first served"),
                  ("priority", "Priority (from the tenant's tier)")),
         help_text="Which waiting request the engine serves first.",
+    ),
+    EngineField(
+        "urgent_batch_cap", "Requests running beside an urgent one", "int", None,
+        group="scheduling", env="LLM_CONSOLE_URGENT_BATCH_CAP", unit="count", minimum=1,
+        maximum=1024, shown_when=("scheduling_policy", "priority"),
+        help_text="Priority scheduling only: while a request of the best priority present is "
+                  "in the engine, at most this many others run; the rest are preempted and "
+                  "resume once it is done (the console's scheduler plugin, docs/gpu.md). "
+                  "Empty: vLLM's own scheduling.",
     ),
     EngineField(
         "base_port", "Base port", "int", None, group="isolation", minimum=1024, maximum=65000,
@@ -248,6 +275,36 @@ FIELDS: tuple[EngineField, ...] = (
 FIELD: Mapping[str, EngineField] = {f.name: f for f in FIELDS}
 ENGINE_FIELDS: tuple[str, ...] = tuple(FIELD)
 MEMORY_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.memory)
+
+# The most replicas (instances) one deployment runs, and so the most a rollout starts beside the
+# old ones or lets be missing at once, an autoscaler asks for, or a what-if plan places.
+MAX_REPLICAS = 64
+
+_Kind = TypeVar("_Kind", bool, int, float, str)
+
+
+def _declared(value: Value, kind: type[_Kind], what: str) -> _Kind:
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise TypeError(f"{what} is declared as {value!r}, not as a {kind.__name__}")
+
+
+def default_of(name: str, kind: type[_Kind]) -> _Kind:
+    """The declared default of setting `name`, as a `kind`, for a field that takes the setting
+    under its own name (a what-if plan's: `fleetspec.PlanDeployment`)."""
+    return _declared(FIELD[name].default, kind, f"{name}'s default")
+
+
+def optional_default_of(name: str, kind: type[_Kind]) -> _Kind | None:
+    """As `default_of()`, for a setting that may be empty (None: the model's or vLLM's)."""
+    value = FIELD[name].default
+    return None if value is None else _declared(value, kind, f"{name}'s default")
+
+
+def vllm_default_of(name: str, kind: type[_Kind]) -> _Kind:
+    """vLLM's own default for setting `name` (`EngineField.vllm_default`), as a `kind`: what the
+    memory planner plans with where it is given no value (`placement.planner.EngineSettings`)."""
+    return _declared(FIELD[name].vllm_default, kind, f"{name}'s vLLM default")
 
 
 def with_defaults(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -282,6 +339,7 @@ class EngineSpec:
     max_loras: int
     max_lora_rank: int
     scheduling_policy: str
+    urgent_batch_cap: int | None
     base_port: int | None
 
     @classmethod
@@ -306,7 +364,7 @@ class EngineSpec:
                 continue
             value = overrides[field.name] if field.name in overrides else getattr(self,
                                                                                   field.name)
-            if value is None or (field.vllm_default is not None and value == field.vllm_default):
+            if value is None or (field.omit_vllm_default and value == field.vllm_default):
                 continue
             if isinstance(value, bool):
                 argv.append(field.flag if value else f"--no-{field.flag.removeprefix('--')}")
@@ -330,5 +388,6 @@ if tuple(f.name for f in fields(EngineSpec)) != ENGINE_FIELDS:
 
 
 __all__ = ["ENGINE_FIELDS", "FIELD", "FIELDS", "GROUPS", "KV_CACHE_DTYPES", "LORA_RANKS",
-           "MEMORY_FIELDS", "EngineField", "EngineSpec", "Group", "InlineModel", "ModelDefaults",
-           "Unit", "with_defaults"]
+           "MAX_REPLICAS", "MEMORY_FIELDS", "EngineField", "EngineSpec", "Group", "InlineModel",
+           "ModelDefaults", "Unit", "default_of", "optional_default_of", "vllm_default_of",
+           "with_defaults"]

@@ -1,6 +1,8 @@
-"""Console forms. Validation is the models' own: a ModelForm runs `full_clean()`, and the
-deployment form adds `Deployment.check_relations()`, so a page rejects exactly what the API and
-the Django admin reject, with the same message."""
+"""The forms the console and the Django admin share: a deployment with its engine settings
+(each field as `serving_app.enginespec` declares it) and a what-if plan. Validation is the
+models' own: a ModelForm runs `full_clean()`, and the deployment form adds
+`Deployment.check_relations()`, so a page rejects exactly what the API and the Django admin
+reject, with the same message. The console's other forms are `ui_app.console.forms`."""
 
 from __future__ import annotations
 
@@ -10,56 +12,10 @@ from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
-from django.core.validators import MaxValueValidator
 
 from serving_app.enginespec import FIELD, GROUPS, EngineField
-from serving_app.models import BaseModel, Deployment, FleetPlan, LoraAdapter, Node
-from serving_app.models.autoscalers import MAX_REPLICAS
-from serving_app.models.revisions import Rollout
+from serving_app.models import Deployment, FleetPlan, LoraAdapter
 from tenants_app.models import Tenant
-
-
-class TenantForm(forms.ModelForm[Tenant]):
-    class Meta:
-        model = Tenant
-        fields = list(Tenant.EDITABLE_FIELDS)
-
-
-class BaseModelForm(forms.ModelForm[BaseModel]):
-    class Meta:
-        model = BaseModel
-        fields = ["name", "path", "dtype", "quantization", "load_format"]
-        help_texts = {"path": "Absolute path of the model folder under one of the model roots "
-                              "(MODEL_ROOTS), the same on every node host."}
-
-
-class NodeCpuBindingForm(forms.ModelForm[Node]):
-    """A node's CPU binding; `Node.clean()` checks and normalises the CPU list."""
-
-    class Meta:
-        model = Node
-        fields = ["cpu_binding"]
-        labels = {"cpu_binding": "CPU binding"}
-        help_texts = {"cpu_binding": "Blank: each engine on the cores nearest its GPUs; "
-                                     "\"off\": not pinned; or a CPU list such as 0-7,16-23 "
-                                     "for every engine. Applies to engines started from now on."}
-
-
-class LoraAdapterForm(forms.ModelForm[LoraAdapter]):
-    """Tenant and base model are fixed once registered (as in the API): register a new one."""
-
-    class Meta:
-        model = LoraAdapter
-        fields = ["tenant", "base_model", "name", "path", "rank"]
-        help_texts = {"path": "Absolute path of the adapter folder under one of the model roots "
-                              "(MODEL_ROOTS) or in the tenant's own storage area."}
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.instance.pk:
-            for name in ("tenant", "base_model"):
-                self.fields[name].disabled = True
-                self.fields[name].help_text = "Cannot be changed; register a new adapter."
 
 
 class AdapterChoiceField(forms.ModelMultipleChoiceField[LoraAdapter]):
@@ -195,45 +151,3 @@ class FleetPlanForm(forms.ModelForm[FleetPlan]):
             "fleet": forms.Textarea(attrs={"rows": 5, "class": "mono"}),
             "deployments": forms.Textarea(attrs={"rows": 18, "class": "mono"}),
         }
-
-
-class ScaleForm(forms.Form):
-    """A deployment's number of replicas, 0 to `maximum` (the model's 64, or the top of the
-    autoscaling range while the autoscaler is on)."""
-
-    replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS, label="Replicas")
-
-    def __init__(self, *args: Any, maximum: int = MAX_REPLICAS, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        field = self.fields["replicas"]
-        assert isinstance(field, forms.IntegerField)
-        field.max_value = maximum
-        field.validators = [v for v in field.validators if not isinstance(v, MaxValueValidator)]
-        field.validators.append(MaxValueValidator(maximum))
-        field.widget.attrs.update(max=str(maximum), min="0")
-
-
-class ApplyForm(forms.Form):
-    """Applying a revision: which one (default the newest), the strategy and its options; the
-    same bounds as the API's (`Rollout` validates the pair)."""
-
-    revision = forms.IntegerField(min_value=1, max_value=2**31 - 1, required=False,
-                                  widget=forms.HiddenInput)
-    strategy = forms.ChoiceField(choices=Rollout.Strategy.choices,
-                                 initial=Rollout.Strategy.ROLLING)
-    max_surge = forms.IntegerField(min_value=0, max_value=64, initial=1,
-                                   help_text="Rolling: new instances beside the old at once.")
-    max_unavailable = forms.IntegerField(min_value=0, max_value=64, initial=0,
-                                         help_text="Rolling: ready instances that may be missing.")
-    keep_old_seconds = forms.IntegerField(
-        min_value=0, max_value=7 * 86400, initial=Rollout.DEFAULT_KEEP_OLD_SECONDS,
-        help_text="Blue-green: how long the old generation stays for a rollback.")
-
-
-class AuditFilterForm(forms.Form):
-    action = forms.CharField(required=False)
-    object_type = forms.CharField(required=False)
-    actor = forms.CharField(required=False)
-    tenant = forms.ModelChoiceField(
-        queryset=Tenant.objects.all(), required=False, to_field_name="slug", empty_label="all"
-    )

@@ -40,6 +40,8 @@ PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
 # Registered by `alerts_app.tasks` (evaluation scheduled by beat).
 EVALUATE_ALERTS = "alerts.evaluate"
 DELIVER_NOTIFICATION = "alerts.deliver_notification"
+# Registered by `backups_app.tasks` (scheduled by beat every BACKUP_INTERVAL_MINUTES).
+BACK_UP_DATABASE = "backups.back_up_database"
 NODE_TASKS = (START_INSTANCE, STOP_INSTANCE, SYNC_ADAPTERS)
 WORKER_TASKS = (START_WORKER, STOP_WORKER)
 
@@ -121,3 +123,8 @@ def wake_deployment(deployment_id: int) -> None:
     it): sent at once, outside any transaction (the gateway calls it)."""
     current_app.signature(WAKE_DEPLOYMENT, args=(deployment_id,), queue=CONTROL_QUEUE) \
         .apply_async(expires=60)
+
+
+def backup_requested(backup_id: int) -> None:
+    """Run the queued backup on the control worker once the request that recorded it commits."""
+    enqueue(BACK_UP_DATABASE, backup_id)

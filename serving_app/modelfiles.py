@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from serving_app.layouts import ArchitectureError, Layout, text_config
+
 
 class ModelFilesError(ValueError):
     """The folder is not a usable model or adapter; the message says why.
@@ -75,6 +77,9 @@ class ModelArchitecture:
     vocab_size: int
     torch_dtype: str
     weight_bytes: int
+    # The language model's config.json (a multimodal model's `text_config` over its top level):
+    # the planner reads the layout from it (`layouts.Layout.from_config`).
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -193,42 +198,19 @@ def _directory(path_text: str) -> Path:
     return path
 
 
-# Model types whose MLP is gated (gate, up and down projections); others have two matrices.
-UNGATED_MODEL_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi",
-                                 "starcoder2", "gpt_bigcode"})
-# Model types with biases on the q, k and v projections (and none elsewhere).
-QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def config_parameters(config: dict[str, Any]) -> int:
-    """The parameter count a decoder-only transformer's `config.json` implies.
-
-    Per layer: attention q and o (hidden x heads x head_dim each), k and v (hidden x KV heads x
-    head_dim each), q/k/v biases where the model type has them (Qwen2), the MLP (gate, up and
-    down: 3 x hidden x intermediate; 2 x for the ungated model types), two norms (hidden each).
-    Plus the embedding, the LM head unless tied, and the final norm. Llama-3-8B's config gives
-    8,030,261,248, its checkpoint's count. Used for capacity-test models, which have no weights
-    to measure (`read_model(dummy=True)`).
-    """
+    """The parameter count a decoder's `config.json` implies, as vLLM creates its layers
+    (`layouts.Layout.parameters`: attention of its kind, dense MLPs, routed and shared experts,
+    routers, norms, the embedding and the LM head unless tied). Llama-3-8B's config gives
+    8,030,261,248, Qwen3-30B-A3B's 30,532,122,624. Used for capacity-test models, which have
+    no weights to measure (`read_model(dummy=True)`)."""
     try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        layers = int(config["num_hidden_layers"])
-        vocab = int(config["vocab_size"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        intermediate = int(config.get("intermediate_size") or 4 * hidden)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ModelFilesError(f"config.json lacks a usable architecture field: {exc}") from exc
-    model_type = str(config.get("model_type", ""))
-    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-    if model_type in QKV_BIAS_MODEL_TYPES or config.get("attention_bias"):
-        attention += heads * head_dim + 2 * kv_heads * head_dim
-    mlp = (2 if model_type in UNGATED_MODEL_TYPES else 3) * hidden * intermediate
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    return layers * per_layer + embeddings + hidden
+        return Layout.from_config(config).parameters
+    except ArchitectureError as exc:
+        raise ModelFilesError(str(exc)) from exc
 
 
 def read_model(path_text: str, *, dummy: bool = False) -> ModelArchitecture:
@@ -239,7 +221,7 @@ def read_model(path_text: str, *, dummy: bool = False) -> ModelArchitecture:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelFilesError("The folder holds no config.json: it is not a model folder.")
-    config = _read_json(config_path)
+    config = text_config(_read_json(config_path))
     if dummy:
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ModelFilesError("A capacity-test model needs a tokenizer beside its "
@@ -256,7 +238,9 @@ def read_model(path_text: str, *, dummy: bool = False) -> ModelArchitecture:
         )
     try:
         hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
+        # A model without attention heads (a state-space model) registers; the planner
+        # refuses its layout with the reason (`layouts.Layout.refusal`).
+        heads = int(config.get("num_attention_heads") or 0)
         layers = int(config["num_hidden_layers"])
         architectures = config.get("architectures") or [config.get("model_type", "unknown")]
         return ModelArchitecture(
@@ -266,11 +250,12 @@ def read_model(path_text: str, *, dummy: bool = False) -> ModelArchitecture:
             intermediate_size=int(config.get("intermediate_size") or 4 * hidden),
             num_attention_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=int(config.get("head_dim") or (hidden // heads if heads else 0)),
             max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
             vocab_size=int(config.get("vocab_size") or 0),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             weight_bytes=weight_bytes,
+            config=config,
         )
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise ModelFilesError(f"config.json lacks a usable architecture field: {exc}") from exc

@@ -8,11 +8,15 @@ explanations, so that one value reads the same everywhere.
 - Counts with thousands separators ("1,048,576").
 - Parameter counts with K/M/B (decimal, as model cards count them: "557.7 K", "8.03 B").
 - Durations from milliseconds: "0.4 ms", "340 ms", "2.3 s", "4 min 10 s", "2 h 5 min".
+- Moments as one date-time, in UTC and said so: "2026-12-06 15:33:40 UTC".
 
 Django-free (the placement planner uses it too).
 """
 
 from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
 
 BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 GIB = 1 << 30
@@ -36,6 +40,15 @@ def format_bytes(value: float | None, unit: str | None = None, digits: int = 1) 
 def format_gib(value: float | None, digits: int = 1) -> str:
     """Memory in GiB whatever its size, as the planner and the GPU pages show it."""
     return format_bytes(value, "GiB", digits)
+
+
+def format_when(value: datetime | None) -> str:
+    """A moment as every page writes one: ISO date and time to the second, in UTC."""
+    if value is None:
+        return "—"
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC)
+    return value.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def format_count(value: float | None) -> str:
@@ -83,3 +96,20 @@ def format_seconds(value: float | None) -> str:
 def format_gib_amount(value: float | None, digits: int = 2) -> str:
     """An amount already in GiB (as vLLM logs memory), read like every other GiB figure."""
     return "—" if value is None else format_gib(value * GIB, digits)
+
+
+def format_money(value: Decimal | int | None, currency: str = "") -> str:
+    """An amount of money exactly as stored, trailing zeros beyond the cents dropped:
+    `Decimal("0.150000")` -> "0.15 USD", `Decimal("0.000125")` -> "0.000125 USD". Never
+    rounded: a price of a millionth shows as one."""
+    if value is None:
+        return "—"
+    amount = Decimal(value)
+    text = f"{amount:f}"
+    if "." in text:
+        whole, frac = text.split(".")
+        frac = frac.rstrip("0").ljust(2, "0")
+        text = f"{whole}.{frac}"
+    else:
+        text += ".00"
+    return f"{text} {currency}".strip()

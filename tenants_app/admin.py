@@ -9,10 +9,12 @@ from django.contrib import admin, messages
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
+from audit_app.admin import SecretsAdmin
 from tenants_app.models import (
     ApiKey,
     Invitation,
     Membership,
+    MoneyBudget,
     PrefixCacheGroup,
     Tenant,
     new_cache_secret,
@@ -26,7 +28,7 @@ class MembershipInline(admin.TabularInline):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(SecretsAdmin):
     list_display = [
         "slug",
         "name",
@@ -36,8 +38,11 @@ class TenantAdmin(admin.ModelAdmin):
         "requests_per_minute",
         "tokens_per_minute",
         "monthly_token_budget",
+        "ttft_objective_ms",
+        "tpot_objective_ms",
+        "billing_basis",
     ]
-    list_filter = ["status", "priority_tier", "prefix_cache_group"]
+    list_filter = ["status", "priority_tier", "prefix_cache_group", "billing_basis"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
 
@@ -66,7 +71,7 @@ def rotate_cache_secret(modeladmin, request, queryset) -> None:
 
 
 @admin.register(PrefixCacheGroup)
-class PrefixCacheGroupAdmin(admin.ModelAdmin):
+class PrefixCacheGroupAdmin(SecretsAdmin):
     """Tenants in one group share prefix-cache blocks on the engines they share (and so can
     learn from timing which prefixes the others sent); everyone else is isolated."""
 
@@ -177,3 +182,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
         # no-store (with no-cache, must-revalidate, private): no browser or proxy keeps the page.
         add_never_cache_headers(response)
         return response
+
+
+@admin.register(MoneyBudget)
+class MoneyBudgetAdmin(admin.ModelAdmin):
+    list_display = ["tenant", "api_key", "amount", "period", "rolling", "time_zone",
+                    "soft_threshold_percent", "hard_limit"]
+    list_filter = ["period", "rolling", "hard_limit"]
+    raw_id_fields = ["api_key"]

@@ -12,6 +12,6 @@ class TenantsAppConfig(AppConfig):
 
     def ready(self) -> None:
         # Every change people and API clients make is audited; the gateway stamps a key's use.
-        for name in ("Tenant", "PrefixCacheGroup", "Membership", "Invitation"):
+        for name in ("Tenant", "PrefixCacheGroup", "Membership", "Invitation", "MoneyBudget"):
             track(self.get_model(name))
         track(self.get_model("ApiKey"), ignore=["last_used_at"])

@@ -7,9 +7,9 @@ nothing else in the codebase filters tenant data by hand.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from django.conf import settings
@@ -22,6 +22,12 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit_app import recording
+from audit_app.encryption import EncryptedTextField
+from tenants_app import periods
+
+# Re-exported: the gateway and the migrations import them from here.
+from tenants_app.salts import new_cache_secret as new_cache_secret
+from tenants_app.salts import prefix_cache_salt as prefix_cache_salt
 from tenants_app.signals import api_keys_revoked
 
 if TYPE_CHECKING:
@@ -77,22 +83,6 @@ class TenantQuerySet(models.QuerySet["Tenant"]):
         return self.filter(memberships__user=user, memberships__role__in=MANAGER_ROLES).distinct()
 
 
-def new_cache_secret() -> str:
-    """A random secret from which a tenant's (or a sharing group's) prefix-cache salt is derived."""
-    return secrets.token_hex(32)
-
-
-def prefix_cache_salt(secret: str, client_salt: str | None = None) -> str:
-    """The `cache_salt` the gateway sends to engines for requests keyed by `secret`.
-
-    vLLM only reuses prefix-cache blocks between requests with equal salts, so a salt nobody
-    else can produce keeps a tenant's cached prefixes (and what their timing reveals) its own.
-    A client's own salt is mixed in, never used alone: any salt a client picks maps into its
-    tenant's (or group's) space, which no other tenant can reach without the secret. The two
-    messages differ in their first byte, so no client salt yields the plain salt.
-    """
-    message = b"t" if client_salt is None else b"c" + client_salt.encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 class SignedInQuerySet(models.QuerySet[_M]):
@@ -118,8 +108,8 @@ class PrefixCacheGroup(models.Model):
 
     name = models.SlugField(max_length=50, unique=True)
     description = models.CharField(max_length=200, blank=True)
-    cache_secret = models.CharField(
-        max_length=64, default=new_cache_secret, editable=False,
+    cache_secret = EncryptedTextField(
+        default=new_cache_secret, editable=False,
         help_text="Secret the group's members derive their prefix-cache salt from.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
@@ -137,10 +127,23 @@ class PrefixCacheGroup(models.Model):
 MAX_FAIR_SHARE_WEIGHT = 1000
 
 
+# The largest streamed objectives accepted: beyond these the gateway's upstream timeout, not an
+# objective, is what a request meets.
+MAX_TTFT_OBJECTIVE_MS = 600_000
+MAX_TPOT_OBJECTIVE_MS = 10_000
+
+
 def _positive(null_ok: bool = True, **kwargs: Any) -> models.PositiveIntegerField[Any, Any]:
     return models.PositiveIntegerField(
         null=null_ok, blank=null_ok, validators=[MinValueValidator(1)], **kwargs
     )
+
+
+class BillingBasis(models.TextChoices):
+    """What a tenant's statement charges (the other is shown beside it: showback)."""
+
+    TOKENS = "tokens", "Tokens used (token prices)"
+    CAPACITY = "capacity", "GPU capacity held (GPU prices)"
 
 
 class Tenant(models.Model):
@@ -186,6 +189,22 @@ class Tenant(models.Model):
     latency_objective_ms = _positive(
         verbose_name="Latency objective (ms, p95)",
         help_text="p95 latency objective, drawn on dashboards.")
+    # Streamed latency the gateway holds on shared engines (gateway_app/objectives.py): while
+    # this tenant has requests in flight and its measured latency nears one of these, the
+    # other tenants of the engine get fewer dispatch slots.
+    ttft_objective_ms = models.PositiveIntegerField(
+        null=True, blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TTFT_OBJECTIVE_MS)],
+        verbose_name="Time to first token objective (ms)",
+        help_text=("First token of a streamed answer within this, queue wait included. On shared "
+                   "engines the gateway lowers the other tenants' dispatch budget while this "
+                   "tenant is active and near it. Empty: none."))
+    tpot_objective_ms = models.PositiveIntegerField(
+        null=True, blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TPOT_OBJECTIVE_MS)],
+        verbose_name="Time per output token objective (ms)",
+        help_text=("Time between a streamed answer's tokens, held like the first token "
+                   "objective. Empty: none."))
     # blank: a form or admin post that leaves the field out keeps the weight (1 when new).
     fair_share_weight = models.PositiveSmallIntegerField(
         "Fair-share weight (1 to 1000)",
@@ -207,13 +226,22 @@ class Tenant(models.Model):
         help_text="Share engines' prefix cache with this group's tenants. Empty: with nobody.",
     )
     # Never shown: whoever knew it could compute this tenant's salts.
-    cache_secret = models.CharField(max_length=64, default=new_cache_secret, editable=False)
+    cache_secret = EncryptedTextField(default=new_cache_secret, editable=False)
     storage_quota_mb = models.PositiveIntegerField(
         "Adapter storage quota (MiB)",
         null=True,
         blank=True,
         help_text="Disk its uploaded adapters may take, in MiB. Empty: TENANT_STORAGE_QUOTA_MB.",
     )
+    # blank: a form or admin post that leaves the field out keeps the basis (tokens when new);
+    # an empty value is read as tokens.
+    billing_basis = models.CharField(
+        "Billed by", max_length=8, choices=BillingBasis.choices, default=BillingBasis.TOKENS,
+        blank=True,
+        help_text="What its statements charge (chargeback): the tokens it used at the price "
+                  "cards' token prices, or the GPU capacity it held (its dedicated "
+                  "deployments' GPU-seconds and its share of shared ones) at the GPU prices. "
+                  "Statements show both (docs/statements.md).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -224,7 +252,8 @@ class Tenant(models.Model):
         "slug", "name", "status", "priority_tier", "requests_per_minute", "tokens_per_minute",
         "max_concurrent_requests", "monthly_token_budget", "max_tokens_per_request",
         "max_prompt_tokens", "gpu_memory_quota_gib", "latency_objective_ms",
-        "fair_share_weight", "prefix_cache_group", "storage_quota_mb",
+        "ttft_objective_ms", "tpot_objective_ms", "fair_share_weight", "prefix_cache_group",
+        "storage_quota_mb", "billing_basis",
     )
 
     class Meta:
@@ -233,11 +262,16 @@ class Tenant(models.Model):
     def __str__(self) -> str:
         return self.slug
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.billing_basis = self.billing_basis or BillingBasis.TOKENS
+        super().save(*args, **kwargs)
+
     def get_absolute_url(self) -> str:
         """Its page in the console (also the admin's "view on site")."""
         return reverse("console:tenant-detail", args=[self.slug])
 
     def clean(self) -> None:
+        self.billing_basis = self.billing_basis or BillingBasis.TOKENS
         errors: dict[str, str] = {}
         if self.slug in RESERVED_SLUGS:
             errors["slug"] = f"'{self.slug}' is reserved; choose another slug."
@@ -258,8 +292,26 @@ class Tenant(models.Model):
             errors["tokens_per_minute"] = (
                 f"Cannot exceed the monthly token budget ({self.monthly_token_budget})."
             )
+        errors.update(self._objective_errors())
         if errors:
             raise ValidationError(errors)
+
+    def _objective_errors(self) -> dict[str, str]:
+        """Each streamed objective within the end-to-end one: a first token (or one token's
+        time) later than the whole answer's objective cannot be what is held."""
+        errors: dict[str, str] = {}
+        for field in ("ttft_objective_ms", "tpot_objective_ms"):
+            value = getattr(self, field)
+            if value is not None and self.latency_objective_ms and \
+                    value > self.latency_objective_ms:
+                errors[field] = (f"Cannot exceed the p95 latency objective "
+                                 f"({self.latency_objective_ms:,} ms).")
+        return errors
+
+    @property
+    def has_streamed_objective(self) -> bool:
+        """A first token or per-token objective the gateway holds on shared engines."""
+        return bool(self.ttft_objective_ms or self.tpot_objective_ms)
 
     @property
     def is_active(self) -> bool:
@@ -510,6 +562,82 @@ class ApiKey(models.Model):
         revoked = ApiKey.objects.filter(pk=self.pk).revoke()
         self.refresh_from_db(fields=["revoked_at"])
         return bool(revoked)
+
+
+class MoneyBudget(models.Model):
+    """A sum of money a tenant, or one of its API keys, may spend per period (in the price
+    cards' currency), calendar-aligned in a time zone, or rolling (the last 24 hours, 7, 30 or
+    90 days, in 15-minute steps: `tenants_app.periods`). A key's budget is inside its tenant's:
+    a request charges both. Past `soft_threshold_percent` an alert fires (once a period); a
+    hard limit refuses requests whose worst-case cost no longer fits with `insufficient_quota`
+    (docs/gateway.md, "Money budgets")."""
+
+    class Period(models.TextChoices):
+        DAY = "day", "Day"
+        WEEK = "week", "Week (from Monday)"
+        MONTH = "month", "Month"
+        QUARTER = "quarter", "Quarter"
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="money_budgets")
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.CASCADE, related_name="money_budgets",
+        help_text="Empty: the tenant's own budget, which every key's requests count against.")
+    amount = models.DecimalField(
+        "Amount (per period)", max_digits=18, decimal_places=6,
+        validators=[MinValueValidator(Decimal("0.000001"))],
+        help_text="In the price cards' currency.")
+    period = models.CharField(max_length=8, choices=Period.choices, default=Period.MONTH)
+    time_zone = models.CharField(
+        max_length=64, default="UTC",
+        help_text="Periods start at local midnight here (IANA name, e.g. Europe/Berlin).")
+    rolling = models.BooleanField(
+        default=False,
+        help_text="Count the last 24 hours (day), 7 days (week), 30 days (month) or 90 days "
+                  "(quarter), moving every 15 minutes, instead of calendar periods.")
+    soft_threshold_percent = models.PositiveSmallIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="Alert once a period when this share of the amount is spent. Empty: none.")
+    hard_limit = models.BooleanField(
+        default=True, help_text="Refuse requests that could go past the amount.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantOwnedQuerySet["MoneyBudget"].as_manager()
+
+    class Meta:
+        ordering = ["tenant__slug", "api_key_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant"], condition=Q(api_key__isnull=True),
+                                    name="one_money_budget_per_tenant"),
+            models.UniqueConstraint(fields=["api_key"], condition=Q(api_key__isnull=False),
+                                    name="one_money_budget_per_key"),
+        ]
+
+    def __str__(self) -> str:
+        owner = f"key {self.api_key_id}" if self.api_key_id else "tenant"
+        per = f"rolling {self.period}" if self.rolling else self.period
+        return f"{self.tenant_id and self.tenant.slug} {owner}: {self.amount} per {per}"
+
+    def get_absolute_url(self) -> str:
+        """The console's list of budgets (also the admin's "view on site")."""
+        return reverse("console:moneybudget-list")
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        if self.time_zone not in periods.zone_names():
+            errors["time_zone"] = f"Unknown time zone {self.time_zone!r}; an IANA name such " \
+                                  "as Europe/Berlin."
+        key = self.api_key if self.api_key_id else None
+        if key is not None and self.tenant_id and key.tenant_id != self.tenant_id:
+            errors["api_key"] = "This key is not one of the tenant's."
+        if errors:
+            raise ValidationError(errors)
+
+    def bounds(self, at: datetime | None = None) -> tuple[datetime, datetime]:
+        """The current period's [start, end) in UTC (a rolling window's end: when it next
+        moves)."""
+        if self.rolling:
+            return periods.rolling_bounds(self.period, at or timezone.now())
+        return periods.period_bounds(self.period, self.time_zone, at or timezone.now())
 
 
 def invitation_lifetime() -> timedelta:

@@ -12,7 +12,7 @@ from django.db import OperationalError, connection
 from django.db.backends.base.operations import BaseDatabaseOperations
 from rest_framework.test import APIClient
 
-from serving_app.fleet import credentials
+from serving_app.fleet import credentials, rowsecurity
 from serving_app.models import Node
 from tenants_app.models import Role, Tenant
 from tests import parallel
@@ -91,13 +91,15 @@ def per_node_credentials(settings, tmp_path):
     """Joins make a database role, a Redis user and a token per node (as in production; the
     test settings make joins hand out the shared URLs), on a broker Redis of the test's own:
     ACL users are server-wide, and none may be left on the machine's shared Redis. Roles a
-    failed test left are dropped."""
+    failed test left are dropped. The nodes' row policies are made as this checkout has them
+    (a kept test database holds those of the checkout that migrated it)."""
     folder = tmp_path / "broker"
     folder.mkdir()
     (folder / "users.acl").touch()  # as docs/security.md asks: the nodes' users are kept there
     server = PrivateRedis(folder, None, "--aclfile", str(folder / "users.acl"))
     server.start()
     db = connection.settings_dict
+    rowsecurity.apply(connection)
     settings.NODE_CREDENTIALS = "per-node"
     settings.CELERY_BROKER_URL = settings.NODE_JOIN_REDIS_URL = server.url
     settings.NODE_JOIN_DATABASE_URL = (

@@ -4,19 +4,24 @@ tenants' adapters, launched at the scheduling class node agents give CPU engines
 
 from __future__ import annotations
 
+import json
 import os
+import ssl
 import subprocess
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 from django.conf import settings
 
 from benchmarks.gateway_bench import free_port, kill_group
-from serving_app.engine.launch import CPU_IDLE_PREFIX
+from serving_app import pki
+from serving_app.engine.client import engine_http
+from serving_app.engine.launch import CPU_IDLE_PREFIX, tls_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_VENV = Path(settings.ENGINE_VENV)
@@ -51,7 +56,7 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{pki.engine_scheme()}://127.0.0.1:{self.port}"
 
     def metric(self, name: str) -> float:
         return self.metrics()[name]
@@ -59,13 +64,58 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         """Every series of one read of the engine's /metrics, summed per name over its labels
         (read line by line, not with the parser the node agents use)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = engine_http().get(self.url + "/metrics", timeout=10).text
         totals: dict[str, float] = defaultdict(float)
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 series, value = line.rsplit(" ", 1)
                 totals[series.split("{", 1)[0]] += float(value)
         return totals
+
+
+def engine_tls() -> ssl.SSLContext | None:
+    """What a stand-in engine (a mock upstream the gateway reaches through an instance) serves
+    with, as engines do: TLS with the node's certificate, a client certificate of the console
+    CA required; None with `ENGINE_TLS` off."""
+    if not settings.ENGINE_TLS:
+        return None
+    pki.ensure_local("")
+    return pki.engine_server_context(pki.directory())
+
+
+def serve_standin(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """An `http.server` stand-in engine on a free loopback port, served from a thread as engines
+    serve: over TLS with a console CA client certificate required (`engine_tls`). Shut it down
+    with `.shutdown()` and `.server_close()`."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    context = engine_tls()
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+class JsonStandin(BaseHTTPRequestHandler):
+    """A stand-in engine's handler: every POST's JSON body answered with `answer(body)` as JSON
+    (200, with its length, kept alive). Serve it with `serve_standin`."""
+
+    protocol_version = "HTTP/1.1"
+
+    def answer(self, body: dict) -> dict:
+        raise NotImplementedError
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        payload = json.dumps(self.answer(body)).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: object) -> None:
+        pass
 
 
 def engine_installed() -> bool:
@@ -90,12 +140,15 @@ def run_engine(log: Path) -> Iterator[Engine]:
              "--scheduling-policy", "priority",
              # No torch.compile warm-up: 0.64 of a start's CPU (docs/testing.md).
              "--enforce-eager",
-             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
+             # As node agents start engines: only a caller with the console's certificate.
+             *tls_arguments()],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
         wait_until(
-            lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200,
+            lambda: engine_http().get(f"{Engine(port, '').url}/health",
+                                      timeout=2).status_code == 200,
             240, "engine start", proc,
         )
         yield Engine(port, ENGINE_SECRET)

@@ -146,6 +146,22 @@ def make_deployment(base: BaseModel, tenants: list[Tenant], name: str | None = N
     return deployment
 
 
+def make_usage_minute(tenant: Tenant, at, requests: int, errors: int) -> None:
+    """One minute of a tenant's rollups (`llama-mini`, every request at 250 ms), added to its
+    hour as the rollup task would."""
+    from serving_app.models.usage import UsageHour, UsageMinute  # noqa: PLC0415
+
+    counters = {"requests": requests, "errors": errors, "latency_ms_total": 250.0 * requests,
+                "latency_ms_max": 260.0, "latency_le_250": requests}
+    UsageMinute.objects.create(bucket=at, tenant=tenant, model="llama-mini", **counters)
+    hour, _ = UsageHour.objects.get_or_create(bucket=at.replace(minute=0), tenant=tenant,
+                                              model="llama-mini")
+    for name, value in counters.items():
+        setattr(hour, name, max(getattr(hour, name), value) if name == "latency_ms_max"
+                else getattr(hour, name) + value)
+    hour.save()
+
+
 def make_engine_sample(instance: Instance, at, **fields) -> EngineSample:
     """A sample as a node agent stores it; an interval's increases only with `interval_seconds`."""
     return EngineSample.objects.create(instance=instance, deployment_id=instance.deployment_id,

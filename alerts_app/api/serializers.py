@@ -5,13 +5,20 @@ bad rule with the same field errors."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit
 
 from django.db import models
 from rest_framework import serializers
 
 from alerts_app.metrics import REGISTRY
-from alerts_app.models import Alert, AlertRule, AlertTransition, Channel, Notification, Silence
+from alerts_app.models import (
+    URL_MAX_LENGTH,
+    Alert,
+    AlertRule,
+    AlertTransition,
+    Channel,
+    Notification,
+    Silence,
+)
 from tenants_app.api.base import ScopedPrimaryKeyField, TenantSlugField, ValidatedModelSerializer
 from tenants_app.models import Tenant
 
@@ -98,9 +105,14 @@ def may_manage(serializer: serializers.BaseSerializer[Any], tenant: Tenant | Non
 
 
 class ChannelSerializer(OwnedSerializer[Channel]):
-    """A channel; its signing secret is in the creation (and rotation) response only. Members
-    and viewers of its tenant see that it exists, not where it sends: a webhook URL often
-    carries a token (Slack's do), so they get the scheme and host only, and no addresses."""
+    """A channel; its signing secret is in the creation (and rotation) response only. A webhook
+    URL often carries a token (Slack's do): it is write-only (an update without it keeps the
+    stored one) and read back as its scheme and host, by everyone. Members and viewers of its
+    tenant see that it exists, not where it sends: no addresses either."""
+
+    url = serializers.CharField(
+        required=False, allow_blank=True, max_length=URL_MAX_LENGTH,
+        help_text="Webhooks: where to POST. Write-only: read back as its scheme and host.")
 
     class Meta:
         model = Channel
@@ -110,9 +122,8 @@ class ChannelSerializer(OwnedSerializer[Channel]):
 
     def to_representation(self, channel: Channel) -> dict[str, Any]:
         data = super().to_representation(channel)
+        data["url"] = channel.url_shown
         if not may_manage(self, channel.tenant):
-            parts = urlsplit(channel.url)
-            data["url"] = f"{parts.scheme}://{parts.hostname}/…" if channel.url else ""
             data["email_to"] = f"{len(channel.recipients)} address(es)" if channel.email_to \
                 else ""
         return data
@@ -122,6 +133,7 @@ class ChannelWithSecretSerializer(ChannelSerializer):
     class Meta(ChannelSerializer.Meta):
         fields = [*ChannelSerializer.Meta.fields, "secret"]
         read_only_fields = [*ChannelSerializer.Meta.read_only_fields, "secret"]
+        shown_once = ("secret",)  # the creation's and a rotation's answer only
 
 
 class SilenceSerializer(OwnedSerializer[Silence]):

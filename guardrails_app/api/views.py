@@ -125,3 +125,11 @@ class TenantPatternViewSet(ScopedModelViewSet[TenantPattern]):
 
     def safely_get_queryset(self, queryset: QuerySet[TenantPattern]) -> QuerySet[TenantPattern]:
         return queryset.select_related("tenant")
+
+    def perform_destroy(self, instance: TenantPattern) -> None:
+        """A pattern that a policy's rules name is not deleted (the portal refuses the same)."""
+        named = instance.named_by()
+        if named:
+            raise ValidationError({"name": f"Pattern {instance.name} is named by the policy "
+                                           f"of {', '.join(named)}: take it out there first."})
+        instance.delete()

@@ -77,7 +77,10 @@ class VersionSerializer(serializers.ModelSerializer[ArtifactVersion]):
         return list(CacheEntrySerializer(entries, many=True).data)
 
 
-class ImportSerializer(serializers.ModelSerializer[ArtifactImport]):
+class ImportSerializer(ValidatedModelSerializer[ArtifactImport]):
+    """An import; its source's secret is never returned (`credential_set` says if one was
+    given)."""
+
     node = serializers.SlugRelatedField[Node](slug_field="name", read_only=True)
     version = serializers.IntegerField(source="version.number", read_only=True, default=None)
     files = serializers.SerializerMethodField()

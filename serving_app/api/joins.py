@@ -5,7 +5,8 @@ What the exchange hands the node is what the trust model of docs/security.md ("W
 trusted with") says a node needs: a database role, a Redis user and a node token of its own
 (`serving_app.fleet.credentials`; with `NODE_CREDENTIALS=shared`, the installation's URLs as
 they are), a `SECRET_KEY` of its own (the agent signs nothing the console checks, so the
-console's key never leaves it), its name, queue and address.
+console's key never leaves it), its name, queue and address, and its engines' certificate
+(`serving_app.pki`: the console CA's certificate, the node's own certificate and key).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import secrets
 import shlex
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -26,6 +28,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from serving_app import pki
 from serving_app.fleet import credentials
 from serving_app.models import Node, NodeJoinToken
 from serving_app.models.joins import JoinRefused
@@ -37,11 +40,32 @@ SHARED_SETTINGS = ("MODEL_ROOTS", "TENANT_STORAGE_ROOT", "ENGINE_PORT_MIN", "ENG
 MAX_TTL_MINUTES = 24 * 60
 
 
-def join_command(console_url: str, node_name: str, token: str) -> str:
-    """The one command the new host runs, from a checkout of the console in /opt/llm-console."""
+def join_command(console_url: str, node_name: str) -> str:
+    """The one command the new host runs, from a checkout of the console in /opt/llm-console.
+    The token is not in it (a command line shows in `ps` and the shell's history): the script
+    asks for it, or reads it from `--token-file`."""
     return "cd /opt/llm-console && sudo bash scripts/join_node.sh " + " ".join(
-        shlex.quote(arg) for arg in ("--console", console_url.rstrip("/"), "--name", node_name,
-                                     "--token", token))
+        shlex.quote(arg) for arg in ("--console", console_url.rstrip("/"), "--name", node_name))
+
+
+_LOOPBACK = ("127.", "localhost", "[::1]", "0.0.0.0")
+
+
+def is_loopback(url: str) -> bool:
+    """The URL's host is this machine only (no other host reaches it by that name)."""
+    host = urlsplit(url).hostname or ""
+    return host.startswith(_LOOPBACK) or host in ("::1", "localhost")
+
+
+def console_address(request_url: str) -> str:
+    """The console's address as a joining host reaches it: `CONSOLE_EXTERNAL_URL` when set;
+    else the address the request came to, unless that is a loopback one and `NODE_CONSOLE_URL`
+    names another host; else the request's (which then works on this machine only)."""
+    if settings.CONSOLE_EXTERNAL_URL:
+        return str(settings.CONSOLE_EXTERNAL_URL).rstrip("/")
+    if is_loopback(request_url) and not is_loopback(settings.NODE_CONSOLE_URL):
+        return str(settings.NODE_CONSOLE_URL).rstrip("/")
+    return request_url.rstrip("/")
 
 
 def name_problem(node_name: str) -> str | None:
@@ -67,6 +91,13 @@ def node_environment(node: Node, gpus: str, console_url: str) -> dict[str, str]:
                         "CELERY_WORKER_ENABLE_REMOTE_CONTROL": "false"}
     environment |= {name: os.environ[name] for name in SHARED_SETTINGS if os.environ.get(name)}
     return environment
+
+
+def engine_tls(node: Node) -> dict[str, str]:
+    """The files of the node's `ENGINE_TLS_DIR`: the console CA's certificate and the node's
+    own certificate and key (its engines serve with it, its agent calls them with it). Never
+    the CA's key nor the console's certificate. Empty with `ENGINE_TLS` off."""
+    return pki.issue_node(node.name, node.address) if settings.ENGINE_TLS else {}
 
 
 def joinable_problem() -> str | None:
@@ -122,6 +153,10 @@ class NodeJoinTokenViewSet(ScopedQuerysetMixin[NodeJoinToken], mixins.ListModelM
 
     @extend_schema(responses={201: IssuedTokenSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        problem = joinable_problem()
+        if problem:  # no host could spend it: mint nothing
+            return Response({"detail": problem, "code": "not_joinable"},
+                            status=status.HTTP_409_CONFLICT)
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         ttl = serializer.validated_data.get("ttl_minutes")
@@ -130,7 +165,8 @@ class NodeJoinTokenViewSet(ScopedQuerysetMixin[NodeJoinToken], mixins.ListModelM
             timedelta(minutes=ttl) if ttl else None)
         data = dict(NodeJoinTokenSerializer(row).data)
         data |= {"token": token,
-                 "command": join_command(request.build_absolute_uri("/"), row.node_name, token)}
+                 "command": join_command(console_address(request.build_absolute_uri("/")),
+                                         row.node_name)}
         response = Response(data, status=status.HTTP_201_CREATED)
         response["Cache-Control"] = "no-store"
         return response
@@ -175,6 +211,9 @@ class NodeJoinView(APIView):
         responses={201: inline_serializer("NodeJoined", {
             "node": serializers.CharField(), "queue": serializers.CharField(),
             "environment": serializers.DictField(child=serializers.CharField()),
+            "engine_tls": serializers.DictField(
+                child=serializers.CharField(),
+                help_text="Files for the node's ENGINE_TLS_DIR (ca.pem, node.pem, node.key)."),
         })},
     )
     def post(self, request: Request) -> Response:
@@ -201,12 +240,13 @@ class NodeJoinView(APIView):
                              "code": "node_exists"}, status=status.HTTP_409_CONFLICT)
         try:
             environment = node_environment(node, data["gpus"], request.build_absolute_uri("/"))
+            tls = engine_tls(node)
         except Exception:
             # No node without its credentials: the name is free again (the token stays spent).
             node.delete()
             raise
         NodeJoinToken.objects.filter(pk=token.pk).update(node=node)
-        response = Response({"node": node.name, "queue": node.queue, "environment": environment},
-                            status=status.HTTP_201_CREATED)
+        response = Response({"node": node.name, "queue": node.queue, "environment": environment,
+                             "engine_tls": tls}, status=status.HTTP_201_CREATED)
         response["Cache-Control"] = "no-store"
         return response

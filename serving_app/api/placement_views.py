@@ -29,7 +29,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from serving_app.api.serializers import DeploymentSerializer
-from serving_app.fleet import service
+from serving_app.fleet.accounting import Period
+from serving_app.fleet.report import accounting, allocation, dry_run
 from serving_app.fleet.sync import sample_retention
 from serving_app.metering import panels, queries
 from serving_app.models import Deployment, Gpu, GpuSample
@@ -48,7 +49,7 @@ class DeploymentPlanView(StaffView):
     @extend_schema(summary="Plan a saved deployment (dry run)", responses=OpenApiTypes.OBJECT)
     def get(self, request: Request, pk: int) -> Response:
         deployment = get_object_or_404(Deployment.objects.select_related("base_model"), pk=pk)
-        return Response(service.dry_run(deployment))
+        return Response(dry_run(deployment))
 
 
 class PlanView(StaffView):
@@ -63,7 +64,7 @@ class PlanView(StaffView):
         tenants = list(data.pop("tenants", []))
         adapters = list(data.pop("adapters", []))
         candidate = Deployment(**data)
-        return Response(service.dry_run(candidate, tenants=tenants, adapters=adapters))
+        return Response(dry_run(candidate, tenants=tenants, adapters=adapters))
 
 
 RANGE_PARAMETER = OpenApiParameter(
@@ -76,7 +77,7 @@ class RangeQuery(serializers.Serializer):
     range = serializers.ChoiceField(choices=list(queries.RANGES), default=queries.DEFAULT_RANGE)
 
 
-def _period(request: Request) -> service.Period:
+def _period(request: Request) -> Period:
     query = RangeQuery(data=request.query_params)
     query.is_valid(raise_exception=True)
     return panels.accounting_period(queries.get_range(query.validated_data["range"]))
@@ -89,7 +90,7 @@ class GpuAllocationView(StaffView):
     @extend_schema(summary="What every GPU holds, per deployment and tenant",
                    parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        return Response(service.allocation(_period(request)))
+        return Response(allocation(_period(request)))
 
 
 class GpuAccountingView(StaffView):
@@ -100,7 +101,7 @@ class GpuAccountingView(StaffView):
     @extend_schema(summary="GPU memory and time charged to each tenant",
                    parameters=[RANGE_PARAMETER], responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        report = service.accounting(_period(request))
+        report = accounting(_period(request))
         return Response({key: report[key] for key in ("period", "deployments", "tenants")})
 
 

@@ -13,6 +13,7 @@ from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
 from serving_app import storage
+from serving_app.enginespec import MAX_REPLICAS
 from serving_app.models import (
     ArtifactVersion,
     BaseModel,
@@ -427,7 +428,7 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
 
 
 class ScaleSerializer(serializers.Serializer[Any]):
-    replicas = serializers.IntegerField(min_value=0, max_value=64)
+    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS)
 
 
 class TenantShareSerializer(serializers.Serializer[dict[str, Any]]):
@@ -454,6 +455,39 @@ class TenantShareSerializer(serializers.Serializer[dict[str, Any]]):
     backlogged = serializers.BooleanField()
 
 
+class AdmissionPointSerializer(serializers.Serializer[dict[str, Any]]):
+    at = serializers.FloatField(help_text="Unix time, seconds.")
+    budget = serializers.IntegerField(
+        help_text="Requests per instance the tenants without objectives were held to.")
+    ratio = serializers.FloatField(
+        allow_null=True, help_text="Worst measured / objective in the period (null: none).")
+    ttft_ms = serializers.FloatField(allow_null=True)
+    tpot_ms = serializers.FloatField(allow_null=True)
+
+
+class AdmissionStateSerializer(serializers.Serializer[dict[str, Any]]):
+    """The admission controller on a deployment (`gateway_app/objectives.py`): the dispatch
+    budget it holds the tenants without latency objectives to while a tenant with objectives
+    is active, its history (every 0.25 s, 5 minutes), the objectives and what was measured."""
+
+    active = serializers.BooleanField(
+        help_text="A tenant with objectives has a request in flight or settled just now.")
+    budget = serializers.IntegerField(
+        help_text="Requests per instance the others are held to now (the full budget while "
+                  "idle).")
+    learned_budget = serializers.FloatField(
+        help_text="Where the controller stands; applies while a tenant with objectives is "
+                  "active.")
+    full_budget = serializers.IntegerField()
+    floor = serializers.IntegerField()
+    ttft_objective_ms = serializers.IntegerField(allow_null=True)
+    tpot_objective_ms = serializers.IntegerField(allow_null=True)
+    ratio = serializers.FloatField(allow_null=True)
+    ttft_ms = serializers.FloatField(allow_null=True)
+    tpot_ms = serializers.FloatField(allow_null=True)
+    history = AdmissionPointSerializer(many=True)
+
+
 class FlowReportSerializer(serializers.Serializer[dict[str, Any]]):
     deployment_id = serializers.IntegerField()
     flow_control = serializers.BooleanField()
@@ -465,6 +499,9 @@ class FlowReportSerializer(serializers.Serializer[dict[str, Any]]):
     jain_index = serializers.FloatField(
         allow_null=True, help_text="Over the backlogged tenants, service / weight (staff only)."
     )
+    admission = AdmissionStateSerializer(
+        allow_null=True, help_text="The admission controller, where a tenant has latency "
+                                   "objectives (staff only).")
 
 
 class AuditLogSerializer(ViewerMixin, serializers.ModelSerializer[AuditLog]):
@@ -547,8 +584,8 @@ class ApplySerializer(serializers.Serializer[Any]):
                                         help_text="Revision number (default: the newest).")
     strategy = serializers.ChoiceField(choices=Rollout.Strategy.choices,
                                        default=Rollout.Strategy.ROLLING)
-    max_surge = serializers.IntegerField(min_value=0, max_value=64, default=1)
-    max_unavailable = serializers.IntegerField(min_value=0, max_value=64, default=0)
+    max_surge = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS, default=1)
+    max_unavailable = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS, default=0)
     keep_old_seconds = serializers.IntegerField(min_value=0, max_value=7 * 86400,
                                                 default=Rollout.DEFAULT_KEEP_OLD_SECONDS)
 

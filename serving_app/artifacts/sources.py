@@ -240,6 +240,8 @@ def request_node_import(artifact: Artifact, node: Node, folder: str,
 # -- S3 and Hugging Face --------------------------------------------------------------------------
 def request_remote_import(artifact: Artifact, source: str, detail: dict[str, Any],
                           user: Any = None) -> ArtifactImport:
+    """An S3 or Hugging Face import; its secret (`secret_access_key`, `token`) goes into the
+    encrypted `credential`, not `detail` (`ArtifactImport.save()`)."""
     record = ArtifactImport.objects.create(
         artifact=artifact, source=source, detail=detail,
         created_by=user if getattr(user, "is_authenticated", False) else None)
@@ -281,7 +283,8 @@ def _progress(record: ArtifactImport) -> Callable[[int], None]:
 
 def import_s3(record: ArtifactImport) -> ArtifactVersion:
     """Every object under `prefix` of `bucket` (detail: bucket, prefix, endpoint_url, region,
-    and optionally access_key_id / secret_access_key; else boto3's own credential chain)."""
+    and optionally access_key_id with the secret access key in `credential`; else boto3's own
+    credential chain)."""
     import boto3  # noqa: PLC0415 - an optional source: the console starts without it loaded
 
     detail = record.detail
@@ -289,7 +292,7 @@ def import_s3(record: ArtifactImport) -> ArtifactVersion:
         "s3", endpoint_url=detail.get("endpoint_url") or None,
         region_name=detail.get("region") or "us-east-1",
         aws_access_key_id=detail.get("access_key_id") or None,
-        aws_secret_access_key=detail.get("secret_access_key") or None)
+        aws_secret_access_key=record.credential or None)
     bucket, prefix = detail["bucket"], detail.get("prefix", "").strip("/")
     listed: list[tuple[str, int]] = []
     for page in client.get_paginator("list_objects_v2").paginate(
@@ -311,12 +314,12 @@ def import_s3(record: ArtifactImport) -> ArtifactVersion:
         relative = blobstore.check_relative_path(key[len(prefix) + 1:] if prefix else key)
         entries.append(FileEntry(relative, stored, digest))
         add(stored)
-    safe = {k: v for k, v in detail.items() if k != "secret_access_key"}
-    return make_version(record.artifact, entries, ArtifactVersion.Source.S3, safe)
+    return make_version(record.artifact, entries, ArtifactVersion.Source.S3, dict(detail))
 
 
 def import_huggingface(record: ArtifactImport) -> ArtifactVersion:
-    """A repository at a revision (detail: repo_id, revision, endpoint, token), downloaded with
+    """A repository at a revision (detail: repo_id, revision, endpoint; the token in
+    `credential`), downloaded with
     huggingface_hub's `snapshot_download`; the version records the commit it resolved to.
 
     No hub is reachable from the machines this is developed and tested on: the test runs this
@@ -327,7 +330,7 @@ def import_huggingface(record: ArtifactImport) -> ArtifactVersion:
     detail = record.detail
     endpoint = detail.get("endpoint") or None
     revision = detail.get("revision") or "main"
-    token = detail.get("token") or None
+    token = record.credential or None
     info = HfApi(endpoint=endpoint, token=token).model_info(
         detail["repo_id"], revision=revision, files_metadata=True)
     total = sum((s.size or 0) for s in info.siblings or [])

@@ -26,6 +26,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
+from audit_app import encryption
 from serving_app import blobstore
 from serving_app.artifacts import fetch, sources
 from serving_app.artifacts.cache import CacheError, Fetcher, NodeCache
@@ -277,8 +278,9 @@ def authenticate(header: str) -> Node | None:
 def import_node_folder(import_id: int, config: NodeCacheConfig) -> str:
     """Hash the files of the import's folder on this host, send the console those it lacks,
     and make the version."""
-    record = ArtifactImport.objects.select_related("artifact", "node").filter(
-        pk=import_id).first()
+    # Less the import's credential, which a node's database role may not read.
+    record = ArtifactImport.objects.select_related("artifact", "node").defer(
+        *encryption.secret_fields(ArtifactImport)).filter(pk=import_id).first()
     if record is None or record.node is None or record.node.name != config.node:
         return "not-mine"
     if record.state == ArtifactImport.State.DONE:

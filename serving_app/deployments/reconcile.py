@@ -33,7 +33,7 @@ from serving_app.deployments.rollout import (
     handle_failed,
     leave_lost_node,
 )
-from serving_app.fleet import service
+from serving_app.fleet.place import place_replicas
 from serving_app.models import AdapterFileRemoval, Deployment, Instance, Node, events
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,21 @@ def declare_lost_nodes() -> list[Node]:
     that was only frozen or cut off stops its replaced engines when it is back, rather than
     adopting them twice. Conditional on the heartbeat read, so an agent that beats meanwhile is
     not declared lost.
+
+    A node row locked by another transaction is skipped this round rather than waited for: an
+    agent frozen (or cut off) in the middle of one of its own transactions holds its node's
+    row until the database ends that session (agents' sessions have an idle-in-transaction
+    timeout below NODE_LOST_SECONDS, `console.settings`), and waiting for it here would stall
+    every reconciling thread with it.
     """
     now = timezone.now()
     cutoff = now - timedelta(seconds=settings.NODE_LOST_SECONDS)
     declared = []
     for node in Node.objects.filter(lost_at__isnull=True, last_heartbeat__lt=cutoff):
         with transaction.atomic():
-            if not Node.objects.filter(pk=node.pk, lost_at__isnull=True,
-                                       last_heartbeat__lt=cutoff).update(lost_at=now):
+            silent = Node.objects.select_for_update(skip_locked=True).filter(
+                pk=node.pk, lost_at__isnull=True, last_heartbeat__lt=cutoff)
+            if not list(silent.values_list("pk", flat=True)) or not Node.objects.filter(pk=node.pk).update(lost_at=now):
                 continue
             node.lost_at = now
             silent = (now - node.last_heartbeat).total_seconds() if node.last_heartbeat else None
@@ -175,7 +182,7 @@ def _move(node: Node, instance: Instance) -> str:
         if not Instance.objects.filter(pk=instance.pk, state__in=SERVING).exists():
             return node.drain_status
         shown_error = deployment.placement_error
-        placed, reason = service.place_replicas(deployment, [instance.ordinal],
+        placed, reason = place_replicas(deployment, [instance.ordinal],
                                                 revision=deployment.applied_revision)
         if not placed:
             # The deployment itself is fine; the refusal is the drain's to show.

@@ -48,7 +48,7 @@ from django.utils.dateparse import parse_datetime
 
 from serving_app import lifecycle
 from serving_app.deployments import draining
-from serving_app.fleet import service
+from serving_app.fleet.place import can_place, place_replicas
 from serving_app.models import Deployment, Instance, events
 from serving_app.models.revisions import DeploymentRevision, Rollout
 
@@ -140,7 +140,7 @@ def place_and_start(deployment: Deployment, revision: DeploymentRevision | None,
     """Place all the new instances of `revision` or none (the reason goes on the deployment),
     then start them."""
     before = deployment.placement_error
-    instances, reason = service.place_replicas(deployment, ordinals, revision=revision)
+    instances, reason = place_replicas(deployment, ordinals, revision=revision)
     if reason:
         log.info("%s not placed: %s", deployment, reason)
         if reason != before:
@@ -309,109 +309,173 @@ def _nodes(instances: list[Instance], counts: dict[str, int]) -> list[Instance]:
     return converged
 
 
+@dataclass
+class _RollingRound:
+    """One rolling round of a deployment: what it converges to, its instances as the round
+    sees them, and the step it last took (the rollout's `step`)."""
+
+    deployment: Deployment
+    instances: list[Instance]
+    rollout: Rollout | None
+    counts: dict[str, int]
+    target: DeploymentRevision | None
+    groups: Groups
+    step: str = ""
+
+    @classmethod
+    def of(cls, deployment: Deployment, instances: list[Instance], rollout: Rollout | None,
+           counts: dict[str, int]) -> _RollingRound:
+        target = rollout.to_revision if rollout is not None else deployment.applied_revision
+        groups = classify(instances, target.pk if target is not None else None,
+                          deployment.generation)
+        return cls(deployment, instances, rollout, counts, target, groups)
+
+    @property
+    def desired(self) -> int:
+        return self.deployment.replicas
+
+    @property
+    def paused(self) -> bool:
+        return self.rollout is not None and self.rollout.state == Rollout.State.PAUSED
+
+    @property
+    def replacing(self) -> str:
+        if self.rollout is not None and self.target is not None:
+            return f"replaced by revision {self.target.number}"
+        return "replaced (restart or revision change)"
+
+    def stop(self, instance: Instance, reason: str, group: list[Instance]) -> None:
+        draining.drain_then_stop(instance, reason)
+        group.remove(instance)
+        self.counts["stopped"] += 1
+
+    def start(self, count: int, taken: list[Instance]) -> list[Instance]:
+        started = place_and_start(self.deployment, self.target, free_ordinals(taken, count))
+        self.counts["started"] += len(started)
+        self.groups.current += started
+        return started
+
+    def take_step(self, step: str) -> None:
+        self.step = step
+        _step_event(self.deployment, self.rollout, step)
+
+
 def _rolling(deployment: Deployment, instances: list[Instance], rollout: Rollout | None,
              counts: dict[str, int]) -> None:
-    target = rollout.to_revision if rollout is not None else deployment.applied_revision
-    target_id = target.pk if target is not None else None
-    paused = rollout is not None and rollout.state == Rollout.State.PAUSED
-    surge, unavailable = (rollout.max_surge, rollout.max_unavailable) if rollout else (1, 0)
-    desired = deployment.replicas
-    groups = classify(instances, target_id, deployment.generation)
-    replacing = (f"replaced by revision {target.number}" if rollout is not None and target
-                 else "replaced (restart or revision change)")
+    round_ = _RollingRound.of(deployment, instances, rollout, counts)
+    if not _restart_current(round_):
+        return
+    _drop_old_without_engine(round_)
+    _scale_down(round_)
+    if round_.paused:
+        _progress(rollout, round_.groups, round_.desired, "Paused.")
+        return
+    no_room = _start_missing(round_)
+    stop_first = _drain_old_ready(round_, no_room)
+    if rollout is None:
+        return
+    if stop_first and not rollout.stop_then_start:
+        Rollout.objects.filter(pk=rollout.pk).update(stop_then_start=True)
+    if _all_current(round_.groups, round_.desired):
+        _succeed(deployment, rollout, f"Every instance runs revision {_number(round_.target)}.")
+        return
+    _progress(rollout, round_.groups, round_.desired, round_.step or _waiting(round_.groups))
 
-    for instance in groups.current:
-        if instance.state == State.FAILED:
-            if rollout is not None and target_id != deployment.applied_revision_id:
-                _fail(deployment, rollout, groups, instance)
-                return
-            handle_failed(instance)
-            counts["restarted"] += 1
-        else:
+
+def _restart_current(round_: _RollingRound) -> bool:
+    """Failed instances of the target restart with backoff, or, for a new revision being rolled
+    out, fail the rollout (False: the round ends there); stuck tasks are sent again."""
+    rollout, deployment = round_.rollout, round_.deployment
+    for instance in round_.groups.current:
+        if instance.state != State.FAILED:
             redispatch_if_stuck(instance)
+        elif rollout is not None and rollout.to_revision_id != deployment.applied_revision_id:
+            _fail(deployment, rollout, round_.groups, instance)
+            return False
+        else:
+            handle_failed(instance)
+            round_.counts["restarted"] += 1
+    return True
 
-    # Old instances with no engine that serves (failed, in a crash loop, not started yet) go
-    # now; paused, they are kept and restarted if they fail. An unhealthy or starting one may
-    # serve again soon (an engine starved of CPU misses health checks): it stays, and drains
-    # like the others once it is ready and replaced; if it fails, it goes.
-    for instance in list(groups.old):
+
+def _drop_old_without_engine(round_: _RollingRound) -> None:
+    """Old instances with no engine that serves (failed, in a crash loop, not started yet) go
+    now; paused, they are kept and restarted if they fail. An unhealthy or starting one may
+    serve again soon (an engine starved of CPU misses health checks): it stays, and drains
+    like the others once it is ready and replaced; if it fails, it goes."""
+    for instance in list(round_.groups.old):
         if instance.state not in (State.FAILED, State.CRASH_LOOP, State.PENDING, State.STAGING):
             continue
-        if paused:
-            if instance.state == State.FAILED:
-                handle_failed(instance)
-            continue
-        draining.drain_then_stop(instance, replacing)
-        groups.old.remove(instance)
-        counts["stopped"] += 1
+        if not round_.paused:
+            round_.stop(instance, round_.replacing, round_.groups.old)
+        elif instance.state == State.FAILED:
+            handle_failed(instance)
 
-    # Scaled down: the surplus goes, the not-ready first, then the highest replica numbers.
-    surplus = len(groups.current) - desired
-    if surplus > 0:
-        for instance in sorted(groups.current,
-                               key=lambda i: (i.state == State.READY, -i.ordinal))[:surplus]:
-            draining.drain_then_stop(instance, f"scaled down to {desired}")
-            groups.current.remove(instance)
-            counts["stopped"] += 1
-    if paused:
-        _progress(rollout, groups, desired, "Paused.")
+
+def _scale_down(round_: _RollingRound) -> None:
+    """Scaled down: the surplus goes, the not-ready first, then the highest replica numbers."""
+    current, desired = round_.groups.current, round_.desired
+    surplus = len(current) - desired
+    if surplus <= 0:
         return
+    for instance in sorted(current, key=lambda i: (i.state == State.READY, -i.ordinal))[:surplus]:
+        round_.stop(instance, f"scaled down to {desired}", current)
 
+
+def _start_missing(round_: _RollingRound) -> str:
+    """Start the missing instances: with nothing to replace, every one at once or none (the
+    reason is shown); beside old ones, as many as the surge allows and fit, else one if one
+    fits. Returns why not even one fits beside the old ones ("" when one does)."""
+    deployment, groups, target = round_.deployment, round_.groups, round_.target
+    missing = round_.desired - len(groups.current)
+    if missing <= 0:
+        if deployment.placement_error:
+            Deployment.objects.filter(pk=deployment.pk).update(placement_error="")
+        return ""
+    if not groups.old:
+        round_.start(missing, round_.instances)
+        return ""
+    surge = round_.rollout.max_surge if round_.rollout is not None else 1
+    room = min(missing, round_.desired + surge - len(groups.current) - len(groups.old))
+    if room <= 0:
+        return ""
+    no_room = can_place(deployment, room, target)
+    if no_room and room > 1 and not can_place(deployment, 1, target):
+        room, no_room = 1, ""
+    if no_room:
+        return no_room
+    started = round_.start(room, round_.instances + groups.current)
+    if started:
+        round_.take_step(f"Starting instance(s) {_numbers(started)} of revision "
+                         f"{_number(target)} beside the old ones.")
+    return ""
+
+
+def _drain_old_ready(round_: _RollingRound, no_room: str) -> bool:
+    """Old ready instances leave as new ones become ready (never below the availability floor),
+    or, with no spare capacity (`no_room`), one at a time before their replacement starts
+    (True: this round stopped one first)."""
+    groups = round_.groups
     old_ready = [i for i in groups.old if i.state == State.READY]
-    missing = desired - len(groups.current)
-    no_room = ""
-    step = ""
-    if missing > 0 and not groups.old:
-        # Nothing to replace: every missing instance at once, or none (the reason is shown).
-        started = place_and_start(deployment, target, free_ordinals(instances, missing))
-        counts["started"] += len(started)
-        groups.current += started
-    elif missing > 0:
-        room = min(missing, desired + surge - len(groups.current) - len(groups.old))
-        if room > 0:
-            no_room = service.can_place(deployment, room, target)
-            if no_room and room > 1 and not service.can_place(deployment, 1, target):
-                room, no_room = 1, ""
-            if not no_room:
-                started = place_and_start(deployment, target,
-                                          free_ordinals(instances + groups.current, room))
-                counts["started"] += len(started)
-                groups.current += started
-                if started:
-                    step = (f"Starting instance(s) {_numbers(started)} of revision "
-                            f"{_number(target)} beside the old ones.")
-                    _step_event(deployment, rollout, step)
-    elif deployment.placement_error:
-        Deployment.objects.filter(pk=deployment.pk).update(placement_error="")
-
-    # Old ready instances leave as new ones become ready (never below the availability floor),
-    # or, with no spare capacity, one at a time before their replacement starts.
+    unavailable = round_.rollout.max_unavailable if round_.rollout is not None else 0
     ready = sum(1 for i in groups.current if i.state == State.READY) + len(old_ready)
-    floor = desired - unavailable
+    floor = round_.desired - unavailable
     to_drain = max(0, min(len(old_ready), ready - floor))
     stop_first = False
     busy = any(i.state != State.READY for i in groups.current) or groups.leaving
     if not to_drain and no_room and old_ready and not busy:
         to_drain, stop_first = 1, True
     for instance in old_ready[:to_drain]:
-        why = (f"no spare capacity ({no_room}): it stops before its replacement starts"
-               if stop_first else replacing)
-        draining.drain_then_stop(instance, why)
-        groups.old.remove(instance)
+        if stop_first:
+            round_.stop(instance, f"no spare capacity ({no_room}): it stops before its "
+                                  "replacement starts", groups.old)
+        else:
+            round_.stop(instance, round_.replacing, groups.old)
         groups.leaving.append(instance)
-        counts["stopped"] += 1
-        step = (f"No spare capacity: instance #{instance.ordinal} stops before its replacement "
-                "starts." if stop_first else f"Draining instance #{instance.ordinal}.")
-        _step_event(deployment, rollout, step)
-
-    if rollout is None:
-        return
-    if stop_first and not rollout.stop_then_start:
-        Rollout.objects.filter(pk=rollout.pk).update(stop_then_start=True)
-    if _all_current(groups, desired):
-        _succeed(deployment, rollout, f"Every instance runs revision {_number(target)}.")
-        return
-    _progress(rollout, groups, desired, step or _waiting(groups))
+        round_.take_step(f"No spare capacity: instance #{instance.ordinal} stops before its "
+                         "replacement starts." if stop_first
+                         else f"Draining instance #{instance.ordinal}.")
+    return stop_first
 
 
 def _blue_green(deployment: Deployment, instances: list[Instance], rollout: Rollout,
@@ -443,7 +507,7 @@ def _blue_green(deployment: Deployment, instances: list[Instance], rollout: Roll
         return
     missing = desired - len(groups.current)
     if missing > 0:
-        reason = service.can_place(deployment, missing, target)
+        reason = can_place(deployment, missing, target)
         if reason:
             _fail(deployment, rollout, groups, None,
                   f"Blue-green needs room for {missing} more instance(s) beside the current "
@@ -592,7 +656,7 @@ def preview(deployment: Deployment, revision: DeploymentRevision | None = None,
         return out
     replicas = deployment.replicas
     if strategy == Rollout.Strategy.BLUE_GREEN:
-        reason = service.can_place(deployment, replicas, revision)
+        reason = can_place(deployment, replicas, revision)
         if reason:
             out.update(mode="blocked", message=(
                 f"A second generation of {replicas} instance(s) does not fit beside the "
@@ -602,7 +666,7 @@ def preview(deployment: Deployment, revision: DeploymentRevision | None = None,
                 f"{replicas} new instance(s) start beside the current ones; traffic switches "
                 "once all are ready."))
         return out
-    reason = service.can_place(deployment, 1, revision)
+    reason = can_place(deployment, 1, revision)
     if reason:
         short = ("the deployment is unavailable while each replacement starts" if replicas <= 1
                  else "the deployment runs one instance short while each replacement starts")

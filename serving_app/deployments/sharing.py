@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from serving_app.deployments import inflight
 from serving_app.models import Deployment
@@ -28,6 +29,13 @@ from serving_app.models import Deployment
 WINDOW_MINUTES = 5
 # How long the gateway keeps a minute's counters (gateway_app/flow.py sets their expiry from it).
 STATS_KEPT_SECONDS = 2 * 3600
+# A tenant with streamed latency objectives whose last request settled this long ago, with none
+# in flight, is idle: the admission controller's budget no longer holds the others.
+OBJECTIVE_IDLE_SECONDS = 0.5
+# The admission controller (gateway_app/objectives.py) steps once per period and keeps this
+# many steps of its history (`<prefix>:slo:h`): 5 minutes.
+ADMISSION_PERIOD_SECONDS = 0.25
+ADMISSION_HISTORY = 1200
 
 
 def prefix(deployment_id: int) -> str:
@@ -54,6 +62,44 @@ class TenantShare:
 
 
 @dataclass(frozen=True)
+class AdmissionPoint:
+    at: float  # Unix time, seconds
+    budget: int  # what the tenants without objectives were held to per instance
+    ratio: float | None  # the worst measured / objective in the period; None: nothing measured
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+    @property
+    def when(self) -> datetime:
+        return datetime.fromtimestamp(self.at, UTC)
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    """The admission controller's state on a deployment (`<prefix>:slo`, kept by the gateway's
+    `gateway_app/objectives.py`): the budget per instance it holds the tenants without
+    objectives to now, and its history."""
+
+    active: bool  # a tenant with objectives has a request in flight or settled just now
+    budget: int  # held to now (the full budget while idle)
+    learned_budget: float  # what the controller has arrived at (applies while active)
+    full_budget: int
+    floor: int
+    ttft_objective_ms: int | None  # the tightest among the deployment's tenants
+    tpot_objective_ms: int | None
+    ratio: float | None  # the last period's worst measured / objective
+    ttft_ms: float | None
+    tpot_ms: float | None
+    history: list[AdmissionPoint]
+
+    def changes(self, most: int = 12) -> list[AdmissionPoint]:
+        """The history's points where the budget changed (the first one too), newest first."""
+        found = [p for i, p in enumerate(self.history)
+                 if i == 0 or p.budget != self.history[i - 1].budget]
+        return found[::-1][:most]
+
+
+@dataclass(frozen=True)
 class FlowReport:
     deployment_id: int
     flow_control: bool
@@ -61,6 +107,7 @@ class FlowReport:
     dispatched_now: dict[int, int]  # instance id -> requests it was sent and has not answered
     tenants: list[TenantShare]
     jain_index: float | None
+    admission: AdmissionState | None = None  # platform admins only, where objectives apply
 
 
 def waiting(deployment_id: int) -> int:
@@ -71,6 +118,46 @@ def waiting(deployment_id: int) -> int:
     now_ms = time.time() * 1000
     details: list[bytes] = inflight.client().hvals(prefix(deployment_id) + ":w")  # type: ignore[assignment]
     return sum(float(detail.split(b"|")[3]) > now_ms for detail in details)
+
+
+def _measured(raw: bytes | None) -> float | None:
+    value = float(raw or -1)
+    return None if value < 0 else value
+
+
+def admission_state(deployment_id: int) -> AdmissionState | None:
+    """The admission controller's state, None where no gateway holds objectives on the
+    deployment (no tenant of it has one, or it is not under flow control). Active as the
+    gateway's scripts judge it (`fc_slo_active`): a tenant with objectives has charges in
+    flight (`<prefix>:c`) or settled a request just now. Raises `redis.RedisError` when Redis
+    cannot be read."""
+    client = inflight.client()
+    key = prefix(deployment_id) + ":slo"
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(key)
+        pipe.lrange(key + ":h", 0, -1)
+        pipe.hgetall(prefix(deployment_id) + ":c")
+        state, history, charges = pipe.execute()
+    if not state or b"budget" not in state:
+        return None
+    tenants = [t for t in state[b"tenants"].split(b",") if t]
+    seen = float(state.get(b"seen") or 0) / 1000
+    active = (any(float(charges.get(t) or 0) > 1e-6 for t in tenants)
+              or time.time() - seen < OBJECTIVE_IDLE_SECONDS)
+    learned, full = float(state[b"budget"]), int(state[b"full"])
+    points = []
+    for item in history:
+        at, budget, ratio, ttft, tpot = item.decode().split("|")
+        points.append(AdmissionPoint(int(at) / 1000, int(float(budget)), _measured(ratio),
+                                     _measured(ttft), _measured(tpot)))
+    return AdmissionState(
+        active=active, budget=int(learned) if active else full, learned_budget=learned,
+        full_budget=full, floor=int(state[b"floor"]),
+        ttft_objective_ms=int(state[b"ttft_objective"]) or None,
+        tpot_objective_ms=int(state[b"tpot_objective"]) or None,
+        ratio=_measured(state.get(b"ratio")), ttft_ms=_measured(state.get(b"ttft")),
+        tpot_ms=_measured(state.get(b"tpot")), history=points)
+
 
 
 def jain_index(values: Iterable[float]) -> float | None:
@@ -204,4 +291,5 @@ def report(deployment: Deployment, minutes: int = WINDOW_MINUTES,
         dispatched_now=dispatched_now if tenant_ids is None else {},
         tenants=rows,
         jain_index=round(index, 4) if index is not None else None,
+        admission=admission_state(deployment.pk) if tenant_ids is None else None,
     )

@@ -9,18 +9,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from django.conf import settings
+
+from serving_app import pki
 
 _lock = threading.Lock()
 _shared: httpx.Client | None = None
 
 
-def _http() -> httpx.Client:
+def engine_http() -> httpx.Client:
     """One pooled client per process: a new httpx.Client per call loads the TLS trust store,
-    which costs more CPU than the health check itself (and steals it from starting engines)."""
+    which costs more CPU than the health check itself (and steals it from starting engines).
+    It trusts the console CA alone and presents this process's certificate: engines answer
+    nothing else (serving_app/pki.py)."""
     global _shared
     with _lock:
         if _shared is None:
-            _shared = httpx.Client(timeout=5.0)
+            verify = pki.shared_client_context() if settings.ENGINE_TLS else True
+            _shared = httpx.Client(timeout=5.0, verify=verify)
         return _shared
 
 
@@ -48,19 +54,22 @@ class EngineClient:
 
     def healthy(self, timeout: float | None = None) -> bool:
         try:
-            response = _http().get(f"{self.base_url}/health", timeout=timeout or self.timeout)
+            response = engine_http().get(f"{self.base_url}/health",
+                                         timeout=timeout or self.timeout)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
     def metrics(self, timeout: float | None = None) -> str:
-        """The engine's Prometheus exposition (`/metrics` is not behind the engine's key)."""
-        response = _http().get(f"{self.base_url}/metrics", timeout=timeout or self.timeout)
+        """The engine's Prometheus exposition (`/metrics` is not behind the engine's key, only
+        behind its client certificate)."""
+        response = engine_http().get(f"{self.base_url}/metrics",
+                                     timeout=timeout or self.timeout)
         response.raise_for_status()
         return response.text
 
     def models(self) -> list[dict[str, Any]]:
-        response = _http().get(f"{self.base_url}/v1/models", headers=self.headers,
+        response = engine_http().get(f"{self.base_url}/v1/models", headers=self.headers,
                                timeout=self.timeout)
         response.raise_for_status()
         data: list[dict[str, Any]] = response.json().get("data", [])
@@ -69,7 +78,7 @@ class EngineClient:
     def _post(self, path: str, body: dict[str, Any], timeout: float | None = None
               ) -> EngineReply:
         try:
-            response = _http().post(f"{self.base_url}{path}", json=body, headers=self.headers,
+            response = engine_http().post(f"{self.base_url}{path}", json=body, headers=self.headers,
                                     timeout=timeout or max(self.timeout, 60.0))
         except httpx.HTTPError as exc:
             return EngineReply(False, 0, f"engine unreachable: {exc}")
@@ -92,7 +101,7 @@ class EngineClient:
                                               "temperature": 0, "logprobs": 1}, timeout)
 
     def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
-        response = _http().post(
+        response = engine_http().post(
             f"{self.base_url}/v1/completions", headers=self.headers, timeout=60.0,
             json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
         )

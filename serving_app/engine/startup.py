@@ -58,6 +58,14 @@ FIGURES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("graph_capture_seconds", re.compile(r"Graph capturing finished in " + _NUMBER + r" secs")),
     ("graph_capture_gib", re.compile(r"Graph capturing finished in [\d.]+ secs, took "
                                      + _NUMBER + r" GiB")),
+    # The memory split a CUDA vLLM logs once its KV cache is sized (gpu_worker.py): what it was
+    # given, and what weights, the profile run's activations, non-torch memory and graphs took.
+    ("requested_gib", re.compile(r"Desired GPU memory utilization is \([\d.]+, " + _NUMBER
+                                 + r" ?GiB\)")),
+    ("utilization", re.compile(r"Desired GPU memory utilization is \(" + _NUMBER + r",")),
+    ("activation_gib", re.compile(_NUMBER + r" ?GiB for peak activation")),
+    ("non_torch_gib", re.compile(_NUMBER + r" ?GiB for non-torch memory")),
+    ("cuda_graph_gib", re.compile(_NUMBER + r" ?GiB for CUDAGraph memory")),
     ("init_engine_seconds", re.compile(r"init engine \(profile, create kv cache, warmup model\) "
                                        r"took " + _NUMBER + r" ?s")),
 )

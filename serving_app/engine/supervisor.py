@@ -182,7 +182,9 @@ def stop(pid: int, grace_seconds: float) -> str:
     still there after `grace_seconds`: an engine that ignores SIGTERM, or hangs while shutting
     down, cannot outlive its stop. With the leader already gone (exited, or killed with SIGKILL)
     this clears its orphans. Returns how it ended: "terminated", "killed" or "gone" (nothing of
-    the session was running).
+    the session was running); "killed" says how many processes were still exiting when it gave
+    up waiting (a killed process of a few GB can take longer than `KILL_WAIT_SECONDS` to go on
+    a loaded host: it is gone soon after, nothing more can be done to it).
     """
     members = session_members(pid)
     if not members:
@@ -205,7 +207,7 @@ def stop(pid: int, grace_seconds: float) -> str:
         time.sleep(POLL_SECONDS)
         _reap(pid)
         members = session_members(pid)
-    return "killed"
+    return f"killed, {len(members)} process(es) still exiting" if members else "killed"
 
 
 def _reap(pid: int) -> None:

@@ -11,8 +11,12 @@ do without credentials for both; what it gets is narrowed to what an agent does:
   the columns of instances and nodes an agent reports (state, port, pid, errors, heartbeat...).
   It cannot move an instance to another node or deployment, make instances, change any node's
   token or credentials, or read users, sessions, API tokens and keys, invitations, usage,
-  alerts, guardrail policies or the audit log. Grants are per table, not per row: a node can
-  read and update the rows of other nodes' instances too (row-level security is not there yet).
+  alerts, guardrail policies or the audit log, nor the tables' secret columns (a model's
+  encrypted fields, `audit_app.encryption.secret_fields()`: tenants' `cache_secret`, an
+  import's `credential`). It is a member of the group role
+  `llm_console_nodes`, whose row-level security policies (`serving_app.fleet.rowsecurity`) let
+  it read and change only its own node's rows, and read of other nodes only what peer fetch and
+  multi-node groups need.
 - **a Redis ACL user of its own** (Redis 6+), allowed its own queue, the shared keys of Celery's
   Redis transport (`unacked*`, `_kombu.binding*`, results), to push (not read) the control
   queue, and no admin or dangerous command (no FLUSHALL, KEYS, CONFIG, ACL, ...).
@@ -39,6 +43,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Model
 from psycopg import sql
+
+from audit_app import encryption
+from serving_app.fleet import rowsecurity
 
 if TYPE_CHECKING:
     from serving_app.models import Node
@@ -68,8 +75,14 @@ WRITE = {
     "serving_app.ArtifactVersion": ("INSERT",),
     "serving_app.ArtifactFile": ("INSERT",),
     "serving_app.Blob": ("INSERT",),
-    "serving_app.ArtifactImport": ("UPDATE",),
-    "serving_app.LoraAdapter": ("UPDATE",),  # last_error, as the agent loads it
+}
+# Tables where it updates only these columns.
+UPDATE_ONLY = {
+    "serving_app.LoraAdapter": ("last_error",),  # as the agent loads it
+    # An import of its host's folder (its row only: serving_app.fleet.rowsecurity), never
+    # which artifact or tenant the files go to.
+    "serving_app.ArtifactImport": ("state", "bytes_total", "bytes_done", "error", "version_id",
+                                   "updated_at"),
 }
 # Columns of these it must never change (what it is, where it belongs, its credentials); every
 # other column it may update.
@@ -188,8 +201,14 @@ def grant_again(node: Node) -> None:
     table or column: `manage.py refresh_node_grants`), and its Redis user this release's rules
     (its password kept)."""
     if node.db_role:
+        if not rowsecurity.in_place(connection):
+            rowsecurity.apply(connection)
+        ident = _identifier(node.db_role)
         with transaction.atomic(), connection.cursor() as cursor:
-            for statement in _grants(_identifier(node.db_role)):
+            statements = [sql.SQL("GRANT {} TO {}").format(
+                sql.Identifier(rowsecurity.GROUP), ident), *_revoke_wider(ident),
+                *_grants(ident)]
+            for statement in statements:
                 cursor.execute(statement.as_string(cursor.connection))
     if node.redis_user:
         rules = [rule for rule in _redis_rules(node, "") if rule not in ("reset", ">")]
@@ -218,17 +237,22 @@ def _identifier(name: str) -> sql.Identifier:
 
 def _create_role(role: str, password: str) -> None:
     ident = _identifier(role)
+    if not rowsecurity.in_place(connection):  # a database migrated without CREATEROLE
+        rowsecurity.apply(connection)
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
-            ident, sql.Literal(password)).as_string(cursor.connection))
+        cursor.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+            ident, sql.Literal(password), sql.Identifier(rowsecurity.GROUP)
+        ).as_string(cursor.connection))
         for statement in _grants(ident):
             cursor.execute(statement.as_string(cursor.connection))
 
 
-def _tables(labels: tuple[str, ...]) -> list[str]:
+def _tables(labels: tuple[str, ...], links_only: bool = False) -> list[str]:
+    """The models' tables and their many-to-many tables (only the latter with `links_only`)."""
     tables = []
     for model in map(_model, labels):
-        tables.append(model._meta.db_table)
+        if not links_only:
+            tables.append(model._meta.db_table)
         for field in model._meta.local_many_to_many:
             through = field.remote_field.through
             assert through is not None  # resolved once the apps are loaded
@@ -236,11 +260,32 @@ def _tables(labels: tuple[str, ...]) -> list[str]:
     return tables
 
 
+def _secret_fields(model: type[Model]) -> tuple[str, ...]:
+    return tuple(sorted(encryption.secret_fields(model)))
+
+
+def _revoke_wider(ident: sql.Identifier) -> list[sql.Composed]:
+    """Take back an earlier release's whole-table grants where this one gives columns: SELECT
+    on a table with secret columns, UPDATE on `UPDATE_ONLY`'s; `_grants()` gives the columns."""
+    return [*(sql.SQL("REVOKE SELECT ON {} FROM {}").format(_table(label), ident)
+              for label in READ if _secret_fields(_model(label))),
+            *(sql.SQL("REVOKE UPDATE ON {} FROM {}").format(_table(label), ident)
+              for label in UPDATE_ONLY)]
+
+
 def _grants(ident: sql.Identifier) -> list[sql.Composed]:
     grants = [sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
         sql.Identifier(connection.settings_dict["NAME"]), ident)]
+    whole = [label for label in READ if not _secret_fields(_model(label))]
+    readable = [*_tables(tuple(whole)), *_tables(tuple(set(READ) - set(whole)), links_only=True)]
     grants.append(sql.SQL("GRANT SELECT ON {} TO {}").format(
-        sql.SQL(", ").join([sql.Identifier(t) for t in sorted(set(_tables(READ)))]), ident))
+        sql.SQL(", ").join([sql.Identifier(t) for t in sorted(set(readable))]), ident))
+    for label in sorted(set(READ) - set(whole)):  # every column but the secret ones
+        model = _model(label)
+        shown = [f.column for f in model._meta.concrete_fields
+                 if f.column and f.name not in _secret_fields(model)]
+        grants.append(sql.SQL("GRANT SELECT ({}) ON {} TO {}").format(
+            sql.SQL(", ").join(map(sql.Identifier, shown)), _table(label), ident))
     for label, privileges in WRITE.items():
         grants.append(sql.SQL("GRANT {} ON {} TO {}").format(
             sql.SQL(", ").join([sql.SQL(p) for p in privileges]), _table(label), ident))
@@ -257,6 +302,9 @@ def _grants(ident: sql.Identifier) -> list[sql.Composed]:
              if t.endswith("_gpus")]
     grants.append(sql.SQL("GRANT DELETE ON {} TO {}").format(
         sql.SQL(", ").join([sql.Identifier(t) for t in links]), ident))
+    for label, only in UPDATE_ONLY.items():
+        grants.append(sql.SQL("GRANT UPDATE ({}) ON {} TO {}").format(
+            sql.SQL(", ").join(map(sql.Identifier, only)), _table(label), ident))
     for label, fixed in FIXED_COLUMNS.items():
         table = _model(label)._meta
         columns = [f.column for f in table.concrete_fields if f.column not in fixed]

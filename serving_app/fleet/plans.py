@@ -16,9 +16,9 @@ from typing import Any
 
 from django.conf import settings
 
-from serving_app.fleet.service import PlanningError, model_architecture
+from serving_app.fleet.read import PlanningError, model_architecture
 from serving_app.models import BaseModel, FleetPlan
-from serving_app.placement import placer as P
+from serving_app.placement.cluster import MigSlot
 from serving_app.placement.fleetspec import (
     FleetSpecError,
     PlanDeployment,
@@ -27,7 +27,9 @@ from serving_app.placement.fleetspec import (
     parse_plan_deployments,
 )
 from serving_app.placement.inventory import GIB
+from serving_app.placement.placer import Placer
 from serving_app.placement.planner import ModelArchitecture
+from serving_app.placement.request import TenantShare
 from serving_app.placement.shares import entitled_shares
 from serving_app.placement.whatif import Outcome, PlannedDeployment, place_plan
 from tenants_app.models import Tenant
@@ -79,7 +81,7 @@ def _resolve(specs: list[PlanDeployment]) -> list[PlannedDeployment]:
         rows = [tenants[s] for s in spec.tenants if s in tenants]
         shares = entitled_shares({t.slug: t.fair_share_weight or 1 for t in rows})
         charged = tuple(
-            P.TenantShare(
+            TenantShare(
                 tenant_id=t.slug, share=shares[t.slug], label=t.slug,
                 quota_gib=None if t.gpu_memory_quota_gib is None else float(t.gpu_memory_quota_gib),
             )
@@ -138,7 +140,7 @@ def _headroom(plan: FleetPlan) -> float:
     return float(getattr(settings, "PLACEMENT_HEADROOM", 0.10))
 
 
-def _gpus(placer: P.Placer, outcomes: list[Outcome]) -> list[dict[str, Any]]:
+def _gpus(placer: Placer, outcomes: list[Outcome]) -> list[dict[str, Any]]:
     held = {(i.node, i.mig_uuid): o.deployment.spec.name for o in outcomes
             for i in o.placements if i.mig_uuid}
     slots = {(n.name, g.uuid): g for n in placer.nodes for g in n.gpus}
@@ -168,8 +170,8 @@ def _gpus(placer: P.Placer, outcomes: list[Outcome]) -> list[dict[str, Any]]:
     return rows
 
 
-def _deployment(outcome: Outcome, placer: P.Placer,
-                migs: dict[tuple[str, str, str], P.MigSlot]) -> dict[str, Any]:
+def _deployment(outcome: Outcome, placer: Placer,
+                migs: dict[tuple[str, str, str], MigSlot]) -> dict[str, Any]:
     planned = outcome.deployment
     spec = planned.spec
     memory = outcome.memory

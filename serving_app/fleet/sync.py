@@ -12,7 +12,7 @@ node never interleave, it:
 - removes the rows of GPUs that are no longer reported. A row that an active instance still uses
   is kept, and so is its parent, so the instance's record stays whole. It is marked stale: its
   ``updated_at`` stays behind the node's newest one, and the placer reads it as full
-  (``serving_app.fleet.service``);
+  (``serving_app.fleet.read``);
 - appends a ``GpuSample`` per row and deletes that node's samples older than
   ``GPU_SAMPLE_RETENTION_HOURS`` (default 24). The delete is one indexed statement.
 

@@ -17,7 +17,7 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
-from serving_app.metering.queries import GpuSeries, LatencySeries, Series
+from serving_app.metering.queries import GpuSeries, LatencySeries, Series, TimeRange
 from serving_app.units import GIB, format_gib
 from tenants_app.models import Tenant
 
@@ -180,12 +180,19 @@ def requests_figure(series: Series, tenants: dict[int, Tenant]) -> dict[str, Any
     return _plain(_empty(fig, has_data))
 
 
-def guardrails_figure(rows: list[dict[str, Any]], tenants: dict[int, Tenant]) -> dict[str, Any]:
-    """Guardrail findings per category (`queries.guardrail_counts`), stacked by tenant."""
+def guardrails_figure(rows: list[dict[str, Any]], tenants: dict[int, Tenant],
+                      trange: TimeRange) -> dict[str, Any]:
+    """Requests with guardrail findings per category (`queries.guardrail_counts`), a bar per
+    tenant side by side, on a log axis: one noisy pattern's thousands of requests do not hide
+    another category's ten. The bin is the whole range, stated on the axis."""
     colours = tenant_colours(tenants.values())
     categories = sorted({r["category"] for r in rows})
-    fig = _figure(layout=_layout("Guardrail findings by category", "findings in range",
-                                 barmode="stack"))
+    fig = _figure(layout=_layout(
+        "Requests with guardrail findings, by category",
+        f"requests, {trange.label.lower()} (log)", barmode="group"))
+    fig.layout["yaxis"].update(type="log", dtick=1, rangemode="normal")
+    fig.layout["xaxis"]["title"] = {"text": f"category (one bin: {trange.label.lower()})"}
+    fig.layout["hovermode"] = "closest"
     by_tenant: dict[int, dict[str, dict[str, Any]]] = {}
     for row in rows:
         by_tenant.setdefault(row["tenant"].pk, {})[row["category"]] = row
@@ -194,12 +201,15 @@ def guardrails_figure(rows: list[dict[str, Any]], tenants: dict[int, Tenant]) ->
         if not found:
             continue
         cells = [found.get(c) for c in categories]
-        fig.add_bar(x=categories, y=[c["total"] if c else 0 for c in cells], name=tenant.slug,
-                    marker={"color": colours[tenant.pk]},
-                    customdata=[[c["block"], c["redact"], c["detect"]] if c else [0, 0, 0]
+        # A zero has no place on a log axis: that bar is left out (None), not drawn at 1.
+        fig.add_bar(x=categories, y=[c["requests"] or None if c else None for c in cells],
+                    name=tenant.slug, marker={"color": colours[tenant.pk]},
+                    customdata=[[c["block_requests"], c["redact_requests"],
+                                 c["detect_requests"], c["total"]] if c else [0, 0, 0, 0]
                                 for c in cells],
-                    hovertemplate="%{x}: %{y} (blocked %{customdata[0]}, redacted "
-                                  "%{customdata[1]}, detected %{customdata[2]})")
+                    hovertemplate=f"{tenant.slug} · %{{x}}: %{{y}} requests (blocked "
+                                  "%{customdata[0]}, redacted %{customdata[1]}, detected "
+                                  "%{customdata[2]}; %{customdata[3]} findings)<extra></extra>")
     return _plain(_empty(fig, bool(rows), "No guardrail findings in this range"))
 
 
@@ -309,19 +319,24 @@ def error_rates_figure(series: LatencySeries, tenants: dict[int, Tenant]) -> dic
     marker, so one bin with errors between clean ones shows."""
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
-    layout = _layout("Error and 429 rates", "share of requests")
+    # `closest`: a click names one tenant's series and bin (the request log it opens).
+    layout = _layout("Error and 429 rates", "share of requests", hovermode="closest")
     layout["yaxis"]["tickformat"] = ".0%"
     fig = _figure(layout=layout)
     shown = sorted((t for t in tenants.values() if t.pk in series.by_tenant), key=lambda t: t.slug)
     for tenant in shown:
         points = series.by_tenant[tenant.pk]
         colour = colours[tenant.pk]
+        # `meta`: the request log's filters for a point of this series (dashboard.js opens
+        # the log on a click, for the point's bin).
         add_series(fig, x, [p.error_rate for p in points], f"{tenant.slug} errors", colour,
                    legendgroup=tenant.slug,
                    customdata=[p.requests for p in points],
-                   hovertemplate="%{y:.1%} of %{customdata:,} requests")
+                   meta={"tenant": tenant.slug, "status": "error"},
+                   hovertemplate="%{y:.1%} of %{customdata:,} requests · click for them")
         add_series(fig, x, [p.rate_limited_rate for p in points], f"{tenant.slug} 429", colour,
-                   width=1.5, dash="dot", legendgroup=tenant.slug)
+                   width=1.5, dash="dot", legendgroup=tenant.slug,
+                   meta={"tenant": tenant.slug, "status": "429"})
     rates = [v for t in shown for p in series.by_tenant[t.pk]
              for v in (p.error_rate, p.rate_limited_rate)]
     if not any(rates):

@@ -15,8 +15,8 @@ from django.db.models import QuerySet
 
 from serving_app.deployments import sharing
 from serving_app.fleet import plans as fleetplans
-from serving_app.fleet import service
 from serving_app.fleet.accounting import Period, period_ending_now
+from serving_app.fleet.report import accounting
 from serving_app.metering import figures, queries
 from serving_app.models import Deployment, FleetPlan
 from tenants_app.models import Tenant
@@ -31,7 +31,7 @@ def usage_panel(trange: queries.TimeRange, tenants: QuerySet[Tenant]) -> dict:
         "figures": {
             "requests": figures.requests_figure(series, names),
             "tokens": figures.tokens_figure(series, names),
-            "guardrails": figures.guardrails_figure(guardrails, names),
+            "guardrails": figures.guardrails_figure(guardrails, names, trange),
         },
         "rows": totals,
         "guardrails": guardrails,
@@ -123,7 +123,7 @@ def plan_panel(plan: FleetPlan) -> dict[str, Any]:
 def gpu_panel(trange: queries.TimeRange, plan: FleetPlan | None = None) -> dict[str, Any]:
     """Live GPU allocation, shared deployments charged to their tenants over the range; beside
     it, when given, a what-if plan's (``plan_panel``)."""
-    report = service.accounting(accounting_period(trange))
+    report = accounting(accounting_period(trange))
     allocation = report["gpus"]
     for row in allocation:
         owned = sum(p["reserved_bytes"] for p in row["by_deployment"])

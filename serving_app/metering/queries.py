@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import BigIntegerField, F, FloatField, Func, Max, QuerySet, Sum, Value
 from django.db.models.functions import Cast
@@ -294,22 +295,28 @@ def guardrail_counts(
 ) -> list[dict[str, Any]]:
     """Per tenant and category: the findings guardrails blocked, redacted and only detected
     over the range, input and output together (the guardrail rollups: minutes up to a day,
-    hours beyond). Only tenants and categories with findings; never a value."""
+    hours beyond), and the requests they were found in (`requests`, and per action
+    `<action>_requests`; a request with findings on input and output, or blocked and redacted,
+    counts under each). Only tenants and categories with findings; never a value."""
     start, _ = trange.bounds(now)
     rollup = GuardrailHour if trange.rollup is UsageHour else GuardrailMinute
     names = tenant_names(tenants)
     found: dict[tuple[int, str], dict[str, Any]] = {}
     rows = (rollup.objects.in_scope(tenants).filter(bucket__gte=start).order_by()
-            .values_list("tenant_id", "category", "action").annotate(n=Sum("count")))
-    for tenant_id, category, action, n in rows:
+            .values_list("tenant_id", "category", "action")
+            .annotate(n=Sum("count"), r=Sum("requests")))
+    for tenant_id, category, action, n, r in rows:
         tenant = names.get(tenant_id)
         if tenant is None or action not in GUARDRAIL_ACTIONS:
             continue
         entry = found.setdefault((tenant_id, category), {
-            "tenant": tenant, "category": category, "total": 0,
-            **dict.fromkeys(GUARDRAIL_ACTIONS, 0)})
+            "tenant": tenant, "category": category, "total": 0, "requests": 0,
+            **dict.fromkeys(GUARDRAIL_ACTIONS, 0),
+            **dict.fromkeys((f"{a}_requests" for a in GUARDRAIL_ACTIONS), 0)})
         entry[action] += int(n or 0)
         entry["total"] += int(n or 0)
+        entry[f"{action}_requests"] += int(r or 0)
+        entry["requests"] += int(r or 0)
     return sorted(found.values(), key=lambda e: (e["tenant"].slug, e["category"]))
 
 
@@ -409,7 +416,9 @@ def latency_table(
     out = []
     for row in rows:
         tenant = names.get(row["tenant_id"])
-        if tenant is None:
+        if tenant is None or not row["model"]:
+            # Requests that named no model (`/v1/models`, a malformed body) have no latency
+            # objective and form no row; the error chart counts them (`unnamed_requests`).
             continue
         counters = _zero(COUNTERS)
         _add(counters, row, COUNTERS)
@@ -423,6 +432,7 @@ def latency_table(
                 "point": point,
                 "objective": objective,
                 "succeeded": succeeded,
+                "too_many_errors": too_many_errors(counters),
                 "meets_objective": meets_objective(counters, objective),
             }
         )
@@ -430,9 +440,17 @@ def latency_table(
     return out
 
 
+def too_many_errors(counters: dict[str, float]) -> bool:
+    """More of the requests failed than `OBJECTIVE_MAX_ERROR_RATE` allows: no objective is met."""
+    requests = counters.get("requests", 0)
+    limit = float(settings.OBJECTIVE_MAX_ERROR_RATE)
+    return bool(requests) and counters.get("errors", 0) / requests > limit
+
+
 def meets_objective(counters: dict[str, float], objective: int | None) -> bool | None:
     """Whether the successful requests' p95 latency is within `objective` ms; None without an
-    objective or without a successful request (a row of failures met nothing).
+    objective or without a successful request (a row of failures met nothing); False when more
+    requests failed than `OBJECTIVE_MAX_ERROR_RATE` allows, however fast the rest were.
 
     The histogram counts failed requests too, and a refusal is fast: taken as the fastest of
     all (the worst case for the successes), the successes' p95 is at most the whole's quantile
@@ -443,6 +461,8 @@ def meets_objective(counters: dict[str, float], objective: int | None) -> bool |
     succeeded = requests - errors
     if objective is None or succeeded <= 0:
         return None
+    if too_many_errors(counters):
+        return False
     bound = percentile(counters, (errors + 0.95 * succeeded) / requests)
     return None if bound is None else bound <= objective
 

@@ -11,6 +11,7 @@ one node's cache holds of a version, with the progress of its fetch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from django.core.exceptions import ValidationError
@@ -18,6 +19,8 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 
+from audit_app.encryption import EncryptedTextField
+from serving_app import blobstore
 from tenants_app.models import Tenant
 
 if TYPE_CHECKING:
@@ -191,6 +194,10 @@ class ArtifactImport(models.Model):
     source = models.CharField(max_length=16, choices=ArtifactVersion.Source.choices)
     detail = models.JSONField(default=dict, blank=True,
                               help_text="Where from: the bucket, repository, node folder.")
+    credential = EncryptedTextField(
+        blank=True, default="",
+        help_text="The source's secret (an S3 secret access key, a Hugging Face token), "
+                  "encrypted; never shown. Empty: the source's own credentials or none.")
     files = models.JSONField(default=list, blank=True,
                              help_text="An upload's announced files: path, size, sha256.")
     node = models.ForeignKey("serving_app.Node", null=True, blank=True,
@@ -213,6 +220,18 @@ class ArtifactImport(models.Model):
 
     def __str__(self) -> str:
         return f"{self.artifact} from {self.get_source_display()} ({self.state})"
+
+    # Where a source's secret may be handed in `detail`; `save()` keeps it in the encrypted
+    # `credential` instead (never in `detail`, which the pages, the API and the audit log show).
+    CREDENTIAL_NAMES = ("secret_access_key", "token")
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if any(name in (self.detail or {}) for name in self.CREDENTIAL_NAMES):
+            detail = dict(self.detail)
+            given = [detail.pop(name) for name in self.CREDENTIAL_NAMES if name in detail]
+            self.detail, self.credential = detail, next((c for c in given if c),
+                                                        self.credential)
+        super().save(*args, **kwargs)
 
     @property
     def tenant(self) -> Tenant | None:
@@ -266,3 +285,13 @@ class NodeCacheEntry(models.Model):
         if self.state != self.State.FETCHING or not self.bytes_per_second:
             return None
         return (self.bytes_total - self.bytes_done) / self.bytes_per_second
+
+
+def version_files(version: ArtifactVersion) -> list[blobstore.FileEntry]:
+    """A version's manifest as the blob store and node caches take it."""
+    return [blobstore.FileEntry(f.path, f.size, f.blob_id) for f in version.files.all()]
+
+
+def artifact_folder(version: ArtifactVersion) -> Path:
+    """A folder on the console with the version's files, for reading its config and headers."""
+    return blobstore.version_folder(version.digest, version_files(version))

@@ -1,7 +1,7 @@
 """A deployment's autoscaling policy: the row people set (off by default) and what the control
 worker last decided. The decisions are made in `serving_app.deployments.autoscaling`.
 
-The model lives in its own module below `models` (as the engine samples do): it names the
+The model lives in its own module below `deployments` (as the engine samples do): it names the
 deployment by label, so the node agent and every layer above can read it without importing the
 domain's workflows.
 """
@@ -13,9 +13,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.urls import reverse
 
+from serving_app.enginespec import MAX_REPLICAS
 from tenants_app.models import StaffOnlyQuerySet
-
-MAX_REPLICAS = 64
 
 
 class Metric(models.TextChoices):

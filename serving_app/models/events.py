@@ -7,9 +7,9 @@ with each of their steps (and, written by their own modules, autoscaling decisio
 event is written in the transaction of the change it explains, so a change that rolls back
 leaves no event behind.
 
-The model lives in its own module below `models` (as the usage models do) so that every layer,
-the node agent included, can record without importing the domain's workflows; its foreign keys
-name the models by label.
+The model lives in its own module below the other models (as the usage models do) so that
+every layer, the node agent included, can record without importing the domain's workflows; its
+foreign keys name the models by label.
 
 Who reads what: platform admins read every event. A tenant user reads the deployment-level
 kinds (`TENANT_KINDS`: desired state, scaling, revisions, rollouts, autoscaling) of the

@@ -15,8 +15,8 @@ keeps its state here, in PostgreSQL, so that a control worker that restarts resu
 Operators pause, resume and abort it (`Rollout.pause()/resume()/abort()`); a rollback returns
 to the revision applied before (`Deployment.rollback()`).
 
-These models sit below `models` (their foreign keys name the models by label), so that the
-deployment's workflows can create them.
+These models sit below `deployments` and `instances` (their foreign keys name the models by
+label), so that the deployment's workflows can create them and an instance can name its revision.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from audit_app import recording
 from serving_app import lifecycle
-from serving_app.enginespec import ENGINE_FIELDS, EngineSpec, with_defaults
+from serving_app.enginespec import ENGINE_FIELDS, MAX_REPLICAS, EngineSpec, with_defaults
 from serving_app.models import events
 
 if TYPE_CHECKING:
@@ -174,11 +174,11 @@ class Rollout(models.Model):
     strategy = models.CharField(max_length=16, choices=Strategy.choices,
                                 default=Strategy.ROLLING)
     max_surge = models.PositiveSmallIntegerField(
-        default=1, validators=[MaxValueValidator(64)],
+        default=1, validators=[MaxValueValidator(MAX_REPLICAS)],
         help_text="Rolling: new instances started beside the old ones at once.",
     )
     max_unavailable = models.PositiveSmallIntegerField(
-        default=0, validators=[MaxValueValidator(64)],
+        default=0, validators=[MaxValueValidator(MAX_REPLICAS)],
         help_text="Rolling: how many fewer ready instances than replicas are allowed.",
     )
     keep_old_seconds = models.PositiveIntegerField(

@@ -23,6 +23,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from django.db import models
@@ -32,7 +33,7 @@ from django.utils import timezone
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
 __all__ = [
-    "UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",
+    "KeyUsage", "UsageEvent", "UsageTenSecond", "UsageMinute", "UsageHour", "UsageTotal",
     "GuardrailMinute", "GuardrailHour", "GuardrailTotal",
     "LATENCY_BUCKETS_MS", "LATENCY_FIELDS", "TTFT_FIELDS", "ROLLUP_COUNTERS", "bucket_index",
     "histogram_quantile",
@@ -49,8 +50,11 @@ TTFT_FIELDS = tuple(f"ttft_le_{bound}" for bound in LATENCY_BUCKETS_MS)
 # Every counter a rollup row adds up (the maxima are kept apart: they merge by GREATEST).
 ROLLUP_COUNTERS = (
     "requests", "errors", "server_errors", "rate_limited", "prompt_tokens", "completion_tokens",
-    "latency_ms_total", "ttft_ms_total", "ttft_count", *LATENCY_FIELDS, *TTFT_FIELDS,
+    "cached_tokens", "cost", "latency_ms_total", "ttft_ms_total", "ttft_count", *LATENCY_FIELDS,
+    *TTFT_FIELDS,
 )
+# A cost: exact to 1e-12 (six decimals per million tokens), up to a trillion per row.
+COST_DIGITS, COST_PLACES = 28, 12
 # The all-time total's one bucket.
 TOTAL_BUCKET = datetime(2000, 1, 1, tzinfo=UTC)
 
@@ -117,6 +121,11 @@ class UsageQuerySet(TenantOwnedQuerySet[Any]):
         return {row["tenant_id"]: int(row["used"] or 0) for row in rows}
 
 
+# The most entries an event's `guardrail_fields` keeps (a prompt of ten thousand messages each
+# with a number would otherwise make an event of that many); its `guardrails` counts stay whole.
+GUARDRAIL_FIELDS_KEPT = 50
+
+
 class UsageEvent(models.Model):
     """One request through the gateway, successful or not, with the engine's token counts."""
 
@@ -138,18 +147,40 @@ class UsageEvent(models.Model):
     instance_id = models.PositiveBigIntegerField(null=True, blank=True)
     status_code = models.PositiveSmallIntegerField()
     error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.CharField(
+        max_length=500, blank=True, help_text="The error's message, as the client was answered."
+    )
     stream = models.BooleanField(default=False)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     reserved_tokens = models.PositiveIntegerField(
         default=0, help_text="Tokens reserved at admission (settled to the real count)."
     )
+    cached_tokens = models.PositiveIntegerField(
+        default=0, help_text="Prompt tokens the engine served from its prefix cache.")
+    cost = models.DecimalField(
+        max_digits=COST_DIGITS, decimal_places=COST_PLACES, null=True, blank=True,
+        help_text="At the price card in force when the request arrived; empty: none was.")
+    price_card_id = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="The price card that priced it.")
     ttft_ms = models.FloatField(null=True, blank=True, help_text="Time to first token (streams).")
     latency_ms = models.FloatField(default=0.0)
     guardrails = models.JSONField(
         default=dict, blank=True,
         help_text='What guardrails did: counts per "direction:action:CATEGORY" '
                   '(e.g. "input:redact:PHONE": 2); never the matched text.',
+    )
+    guardrail_fields = models.JSONField(
+        default=list, blank=True,
+        help_text="Where guardrails found something: one entry per field, detector and action "
+                  '({"direction": "input", "field": "messages[2].tool_calls[0].function.'
+                  'arguments.to", "detector": "phone", "category": "PHONE", "action": "redact", '
+                  '"count": 1}); never the matched text.',
+    )
+    stages = models.JSONField(
+        default=list, blank=True,
+        help_text="The gateway's stages the request went through, in order, each with its "
+                  'milliseconds ([["authenticated", 0.4], ...]); the last is where it stopped.',
     )
 
     objects = UsageQuerySet.as_manager()
@@ -195,6 +226,8 @@ class UsageRollup(models.Model):
     rate_limited = models.PositiveBigIntegerField(default=0, help_text="429 responses.")
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=COST_DIGITS, decimal_places=COST_PLACES, default=0)
     latency_ms_total = models.FloatField(default=0.0)
     latency_ms_max = models.FloatField(default=0.0)
     ttft_ms_total = models.FloatField(default=0.0)
@@ -267,10 +300,68 @@ class UsageTotal(UsageRollup):
         constraints = _rollup_meta("usage_total")["constraints"]
 
 
+KEY_USAGE_MINUTES = 15
+
+
+def key_usage_bucket(at: datetime) -> datetime:
+    """The start of `at`'s KeyUsage bucket (15 minutes, UTC)."""
+    return at.replace(minute=at.minute - at.minute % KEY_USAGE_MINUTES, second=0,
+                      microsecond=0)
+
+
+class KeyUsageQuerySet(UsageRollupQuerySet):
+    def spend(self, tenant_id: int, since: datetime, until: datetime | None = None,
+              key_id: int | None = None) -> Decimal:
+        """What the tenant (or one of its keys) spent in [since, until): a sum over buckets,
+        never a scan of events. `since` and `until` on bucket edges (any calendar period in
+        any time zone is: offsets are whole quarter hours)."""
+        rows = self.filter(tenant_id=tenant_id, bucket__gte=since)
+        if until is not None:
+            rows = rows.filter(bucket__lt=until)
+        if key_id is not None:
+            rows = rows.filter(api_key_id=key_id)
+        total = rows.aggregate(total=Sum("cost"))["total"]
+        return Decimal(total or 0)
+
+
+class KeyUsage(models.Model):
+    """Requests, tokens and cost per tenant and API key (0: none) over 15 minutes: what a key's
+    or a tenant's spend in any period is summed from. Fifteen minutes because every time zone's
+    offset is a whole number of quarter hours, so a calendar day, week, month or quarter in any
+    zone starts on a bucket's edge."""
+
+    bucket = models.DateTimeField(help_text="Start of the bucket (UTC).")
+    tenant = models.ForeignKey(
+        "tenants_app.Tenant", on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    api_key_id = models.PositiveBigIntegerField(default=0)
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=COST_DIGITS, decimal_places=COST_PLACES, default=0)
+
+    objects = KeyUsageQuerySet.as_manager()
+
+    COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost")
+
+    class Meta:
+        ordering = ["-bucket"]
+        constraints = [models.UniqueConstraint(fields=["bucket", "tenant", "api_key_id"],
+                                               name="unique_key_usage")]
+        indexes = [models.Index(fields=["tenant", "api_key_id", "-bucket"],
+                                name="keyusage_tenant_key_bucket")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.api_key_id}@{self.bucket:%Y-%m-%d %H:%M}"
+
+
 class GuardrailRollup(models.Model):
     """What guardrails did for one tenant over one time bucket (abstract): how many findings
     per direction (input, output), action (block, redact, detect) and category (PHONE, ...),
-    summed from the usage events' `guardrails` counts by the usage writer. Never a value."""
+    summed from the usage events' `guardrails` counts by the usage writer, and in how many
+    requests (`requests`: one noisy request's thousands of matches count once). Never a
+    value."""
 
     bucket = models.DateTimeField(help_text="Start of the bucket (UTC).")
     tenant = models.ForeignKey(
@@ -280,6 +371,8 @@ class GuardrailRollup(models.Model):
     action = models.CharField(max_length=8)
     category = models.CharField(max_length=60)
     count = models.PositiveBigIntegerField(default=0)
+    requests = models.PositiveBigIntegerField(
+        default=0, help_text="Requests with at least one such finding.")
 
     objects = UsageRollupQuerySet.as_manager()
 

@@ -36,7 +36,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving_app.enginespec import ENGINE_FIELDS, FIELD, MEMORY_FIELDS, EngineSpec, ModelDefaults
+from serving_app.enginespec import (
+    ENGINE_FIELDS,
+    FIELD,
+    MAX_REPLICAS,
+    MEMORY_FIELDS,
+    EngineSpec,
+    ModelDefaults,
+    default_of,
+    optional_default_of,
+)
 
 # Compute slices of a MIG-capable GPU (A100, H100, H200): the "7" of "7g.80gb".
 GPU_COMPUTE_SLICES = 7
@@ -320,29 +329,30 @@ class PlanDeployment:
 
     ``model`` is a registered base model's name, or None with ``architecture`` holding an
     inline model's figures (the ``ARCHITECTURE_FIELDS`` plus ``name``, ``torch_dtype``,
-    ``tie_word_embeddings`` and ``quantization``)."""
+    ``tie_word_embeddings`` and ``quantization``). The engine settings default as a
+    Deployment's do, to their declarations (``serving_app.enginespec``)."""
 
     name: str
     tenants: tuple[str, ...]
     model: str | None = None
     architecture: Mapping[str, Any] = field(default_factory=dict)
     replicas: int = 1
-    isolation: str = "shared"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    allow_multi_node: bool = False
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
-    quantization: str = ""
-    kv_cache_dtype: str = "auto"
-    max_loras: int = 4
-    max_lora_rank: int = 16
+    isolation: str = default_of("isolation_mode", str)
+    tensor_parallel_size: int = default_of("tensor_parallel_size", int)
+    pipeline_parallel_size: int = default_of("pipeline_parallel_size", int)
+    allow_multi_node: bool = default_of("allow_multi_node", bool)
+    max_num_seqs: int = default_of("max_num_seqs", int)
+    max_model_len: int | None = optional_default_of("max_model_len", int)
+    max_num_batched_tokens: int | None = optional_default_of("max_num_batched_tokens", int)
+    dtype: str = default_of("dtype", str)
+    quantization: str = default_of("quantization", str)
+    kv_cache_dtype: str = default_of("kv_cache_dtype", str)
+    max_loras: int = default_of("max_loras", int)
+    max_lora_rank: int = default_of("max_lora_rank", int)
     lora_target_mlp: bool = False
     target_kv_tokens: int | None = None
-    enforce_eager: bool = False
-    mps_thread_percentage: int | None = None
+    enforce_eager: bool = default_of("enforce_eager", bool)
+    mps_thread_percentage: int | None = optional_default_of("mps_thread_percentage", int)
 
     @property
     def model_label(self) -> str:
@@ -378,7 +388,7 @@ def _has_nul(value: Any) -> bool:
 
 _INTEGERS: dict[str, tuple[int, int | None, bool]] = {
     # name: (low, high, may be null)
-    "replicas": (1, 64, False),
+    "replicas": (1, MAX_REPLICAS, False),
     "target_kv_tokens": (1, None, True),
     **{f.name: (int(f.minimum or 0), None if f.maximum is None else int(f.maximum), f.optional)
        for f in map(FIELD.__getitem__, PLAN_ENGINE_FIELDS) if f.kind == "int" and not f.allowed},

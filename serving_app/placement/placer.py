@@ -2,7 +2,9 @@
 
 A ``Placer`` holds the cluster (``Node`` -> ``GpuSlot`` -> ``Allocation``) and places requests one
 after another; a committed placement appends its ``Allocation`` objects to the ``GpuSlot``s, so the
-next request sees them. ``Placer.plan()`` is the dry run: same answer, nothing kept.
+next request sees them. ``Placer.plan()`` is the dry run: same answer, nothing kept. What it is
+given and what it answers are declared beside it: the cluster in ``cluster``, the requests and
+their answers in ``request``.
 
 Rules:
 
@@ -31,15 +33,31 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Iterable
 
-from .inventory import GIB, MIB, GpuInfo
-from .shares import split_amount
-
-Id = Hashable
-
+from .cluster import (
+    DEFAULT_HEADROOM,
+    Allocation,
+    GpuAllocationView,
+    GpuSlot,
+    Id,
+    Isolation,
+    MigSlot,
+    Node,
+    Policy,
+    allocation_view,
+    charged_bytes,
+    fraction_pct,
+)
+from .inventory import GIB, MIB
+from .request import (
+    InstancePlacement,
+    NodePart,
+    PlacementError,
+    PlacementRequest,
+    PlacementResult,
+    TenantShare,
+)
 
 # What an MPS client's own CUDA context takes out of its pinned-memory limit before vLLM asks
 # for its share: on an H200 an engine pinned to 5,750 MiB saw 5.45 GiB free, 169 MiB less, and
@@ -58,222 +76,13 @@ def mps_memory_limit(totals: list[int], fraction: float) -> str:
     )
 
 
-class Isolation(StrEnum):
-    """How an instance shares its GPU."""
-
-    DEDICATED = "dedicated"
-    SHARED = "shared"
-    MIG = "mig"
-    MPS = "mps"
-
-
-class Policy(StrEnum):
-    """Scoring policy among the GPUs that fit."""
-
-    BINPACK = "binpack"
-    SPREAD = "spread"
-
-
-Shares = tuple[tuple[Id, float], ...]
-
-
-@dataclass
-class Allocation:
-    """A share of a GPU (or a whole MIG device) reserved for one instance of a deployment.
-
-    ``shares`` charges the reservation to several tenants, (tenant, share) pairs summing to 1
-    (``shares.charged_shares``); empty charges all of it to ``tenant_id``.
-    """
-
-    deployment_id: Id
-    tenant_id: Id
-    fraction: float
-    isolation: str = Isolation.SHARED.value
-    replica: int | None = None
-    mig_uuid: str | None = None
-    exclusive: bool = False
-    shares: Shares = ()
-
-    def charged(self) -> Shares:
-        """The tenants this reservation is charged to, with their shares."""
-        return self.shares or ((self.tenant_id, 1.0),)
-
-
-@dataclass
-class MigSlot:
-    """A MIG device of a GPU; it holds at most one instance."""
-
-    uuid: str
-    memory_total_bytes: int
-    profile: str | None = None
-
-
-@dataclass
-class GpuSlot:
-    """A GPU as the placer sees it: its size, its MIG devices and what is reserved on it."""
-
-    index: int
-    uuid: str
-    name: str
-    memory_total_bytes: int
-    mig_enabled: bool = False
-    mig_devices: list[MigSlot] = field(default_factory=list)
-    allocations: list[Allocation] = field(default_factory=list)
-    other_used_bytes: int = 0
-    declared: bool = False
-
-
-@dataclass
-class Node:
-    """A GPU host (one node agent)."""
-
-    name: str
-    gpus: list[GpuSlot] = field(default_factory=list)
-    ready: bool = True
-    lost: bool = False
-
-
-@dataclass(frozen=True)
-class TenantShare:
-    """A tenant a deployment is charged to: its share of the reservation and its GPU memory
-    quota (None: unlimited). ``label`` names it in a refusal."""
-
-    tenant_id: Id
-    share: float = 1.0
-    quota_gib: float | None = None
-    label: str = ""
-
-
-@dataclass(frozen=True)
-class PlacementRequest:
-    """One deployment to place: ``replicas`` instances of ``tensor_parallel_size`` x
-    ``pipeline_parallel_size`` GPUs each (on one node, or with ``allow_multi_node`` on several).
-
-    ``memory_bytes_per_gpu`` is the planner's ``MemoryPlan.needed_bytes``. ``tenants`` charges
-    the deployment to several tenants by share, each quota checked against its share; empty
-    charges it all to ``tenant_id`` with ``tenant_quota_gib``. ``tenant_used_gib`` ``None``
-    means: count what the placer's own allocations hold for the tenant.
-    """
-
-    deployment_id: Id
-    tenant_id: Id
-    memory_bytes_per_gpu: int
-    replicas: int = 1
-    tensor_parallel_size: int = 1
-    num_attention_heads: int | None = None
-    num_kv_heads: int | None = None
-    isolation: str = Isolation.SHARED.value
-    pipeline_parallel_size: int = 1
-    allow_multi_node: bool = False
-    num_layers: int | None = None
-    tenant_quota_gib: float | None = None
-    tenant_used_gib: float | None = None
-    mps_thread_percentage: int | None = None
-    tenants: tuple[TenantShare, ...] = ()
-
-    @property
-    def world_size(self) -> int:
-        """GPUs one instance spans: TP x PP."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def charged(self) -> tuple[TenantShare, ...]:
-        """The tenants the deployment is charged to, with their shares and quotas."""
-        if self.tenants:
-            return self.tenants
-        return (TenantShare(self.tenant_id, 1.0, self.tenant_quota_gib),)
-
-    def allocation_shares(self) -> Shares:
-        """What each of its allocations records (empty: all to ``tenant_id``)."""
-        return tuple((t.tenant_id, t.share) for t in self.tenants)
-
-
-@dataclass(frozen=True)
-class NodePart:
-    """The GPUs of a multi-node instance on one of its other nodes (a headless worker there)."""
-
-    node: str
-    gpu_indexes: tuple[int, ...]
-    gpu_uuids: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class InstancePlacement:
-    """Where one replica goes and how to start it: ``node`` and its GPUs are the leader's (node
-    rank 0, which serves the API); ``workers`` the other nodes of a group that spans several,
-    in node-rank order (empty: all on one node)."""
-
-    replica: int
-    node: str
-    gpu_indexes: tuple[int, ...]
-    gpu_uuids: tuple[str, ...]
-    gpu_memory_utilization: float
-    reserved_bytes_per_gpu: int
-    isolation: str
-    mig_uuid: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    workers: tuple[NodePart, ...] = ()
-
-    @property
-    def gpu_count(self) -> int:
-        """GPUs of the whole group, on every node."""
-        return len(self.gpu_indexes) + sum(len(w.gpu_indexes) for w in self.workers)
-
-    @property
-    def nodes(self) -> tuple[str, ...]:
-        """The group's nodes, the leader's first."""
-        return (self.node, *(w.node for w in self.workers))
-
-
-@dataclass(frozen=True)
-class PlacementResult:
-    """All replicas placed (``ok``) or a refusal with a human ``reason`` and nothing placed."""
-
-    ok: bool
-    deployment_id: Id
-    tenant_id: Id
-    instances: tuple[InstancePlacement, ...] = ()
-    reason: str | None = None
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Total memory the placement reserves (what counts against the tenant's quota)."""
-        return sum(i.reserved_bytes_per_gpu * i.gpu_count for i in self.instances)
-
-
-class PlacementError(ValueError):
-    """A request that cannot be placed; ``str()`` is the human reason."""
-
-
 def _gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.1f} GiB"
-
-
-def _charged_bytes(alloc: Allocation, size: int) -> dict[Id, int]:
-    """An allocation's reserved bytes per tenant it is charged to (parts add up to ``size``)."""
-    if not alloc.shares:
-        return {alloc.tenant_id: size}
-    return split_amount(size, dict(alloc.shares))
-
-
-def _quota_owner(tenant: TenantShare) -> str:
-    return f"tenant {tenant.label}'s" if tenant.label else "tenant"
-
-
-def _its_part(tenant: TenantShare, what: str = "deployment") -> str:
-    """How a refusal names what the tenant is charged: all of it, or its share of it."""
-    if tenant.share >= 1:
-        return f"this {what}"
-    return f"its share ({tenant.share:.0%}) of this {what}"
 
 
 def _pct_up(n_bytes: int, total: int) -> int:
     """Bytes as whole hundredths of ``total``, rounded up (what vLLM must be given)."""
     return math.ceil(n_bytes * 100 / total - 1e-9)
-
-
-def _fraction_pct(fraction: float) -> int:
-    return math.ceil(fraction * 100 - 1e-9)
 
 
 class _GpuState:
@@ -322,7 +131,7 @@ class _GpuState:
                     if mig.uuid == alloc.mig_uuid:
                         self.free_migs[mig.uuid] = mig
             return
-        self.reserved += sign * _fraction_pct(alloc.fraction)
+        self.reserved += sign * fraction_pct(alloc.fraction)
         if alloc.exclusive:
             self.exclusive = sign > 0
 
@@ -348,7 +157,7 @@ class Placer:
         self,
         nodes: Iterable[Node],
         *,
-        headroom: float = 0.10,
+        headroom: float = DEFAULT_HEADROOM,
         policy: str = Policy.BINPACK.value,
     ) -> None:
         if not 0 <= headroom < 1:
@@ -418,10 +227,10 @@ class Placer:
             return 0
         if alloc.exclusive:
             return state.total
-        return state.total * _fraction_pct(alloc.fraction) // 100
+        return state.total * fraction_pct(alloc.fraction) // 100
 
     def _add_tenant_bytes(self, alloc: Allocation, state: _GpuState, sign: int) -> None:
-        for tenant, size in _charged_bytes(alloc, self._reserved_bytes(alloc, state)).items():
+        for tenant, size in charged_bytes(alloc, self._reserved_bytes(alloc, state)).items():
             self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + sign * size
 
     def _apply(self, state: _GpuState, alloc: Allocation) -> None:
@@ -511,42 +320,9 @@ class Placer:
         )
 
     def _check_request(self, request: PlacementRequest) -> None:
+        request.check()
         tp, pp = request.tensor_parallel_size, request.pipeline_parallel_size
-        if request.replicas < 1:
-            raise PlacementError("replicas must be at least 1")
-        if tp < 1:
-            raise PlacementError("tensor_parallel_size must be at least 1")
-        if pp < 1:
-            raise PlacementError("pipeline_parallel_size must be at least 1")
-        if request.num_layers is not None and pp > request.num_layers:
-            raise PlacementError(
-                f"{request.num_layers} layers cannot make {pp} pipeline stages"
-            )
-        if request.memory_bytes_per_gpu <= 0:
-            raise PlacementError("memory_bytes_per_gpu must be positive")
-        try:
-            isolation = Isolation(request.isolation)
-        except ValueError:
-            known = ", ".join(m.value for m in Isolation)
-            raise PlacementError(
-                f"unknown isolation mode {request.isolation!r}; use one of {known}"
-            ) from None
-        heads = request.num_attention_heads
-        if heads is not None and heads % tp:
-            raise PlacementError(
-                f"{heads} attention heads are not divisible by tensor_parallel_size {tp}"
-            )
-        kv = request.num_kv_heads
-        if kv is not None and (kv % tp if kv >= tp else tp % kv):
-            raise PlacementError(
-                f"{kv} KV heads do not split evenly over tensor_parallel_size {tp}"
-            )
         world = request.world_size
-        if isolation is Isolation.MIG and world > 1:
-            raise PlacementError(
-                "MIG isolation needs tensor_parallel_size 1 and pipeline_parallel_size 1: a "
-                "CUDA process sees one MIG device"
-            )
         if not self._ready:
             raise PlacementError("no node is ready (all are not ready or lost)")
         most = self._max_ready_gpus
@@ -571,8 +347,9 @@ class Placer:
             need = int(request.memory_bytes_per_gpu * world * request.replicas * tenant.share)
             if used + need > tenant.quota_gib * GIB + 1:
                 raise PlacementError(
-                    f"{_quota_owner(tenant)} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
-                    f"already uses {_gib(used)} and {_its_part(tenant)} needs {_gib(need)} more"
+                    f"{tenant.quota_owner} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
+                    f"already uses {_gib(used)} and {tenant.part_of('deployment')} needs "
+                    f"{_gib(need)} more"
                 )
 
     def _tenant_used(self, request: PlacementRequest, tenant: TenantShare) -> int:
@@ -588,7 +365,7 @@ class Placer:
             if tenant.quota_gib is None:
                 continue
             reserved = sum(
-                _charged_bytes(alloc, self._reserved_bytes(alloc, state)).get(tenant.tenant_id, 0)
+                charged_bytes(alloc, self._reserved_bytes(alloc, state)).get(tenant.tenant_id, 0)
                 for state, alloc in applied
             )
             base = (
@@ -598,8 +375,8 @@ class Placer:
             )
             if base + reserved > tenant.quota_gib * GIB + 1:
                 raise PlacementError(
-                    f"{_quota_owner(tenant)} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
-                    f"already uses {_gib(base)} and {_its_part(tenant, 'placement')} would "
+                    f"{tenant.quota_owner} GPU memory quota is {tenant.quota_gib:.1f} GiB; it "
+                    f"already uses {_gib(base)} and {tenant.part_of('placement')} would "
                     f"reserve {_gib(reserved)} more"
                 )
 
@@ -950,131 +727,4 @@ class Placer:
         return f"needs {what} with room for {need}; the most empty on one node is {most}{suffix}"
 
 
-# -------------------------------------------------------------------- allocation view
-
-
-@dataclass(frozen=True)
-class AllocationEntry:
-    """One reservation on a GPU, as the dashboards show it (``shares``: see ``Allocation``)."""
-
-    deployment_id: Id
-    tenant_id: Id
-    fraction: float
-    reserved_bytes: int
-    isolation: str
-    replica: int | None = None
-    mig_uuid: str | None = None
-    shares: Shares = ()
-
-
-@dataclass(frozen=True)
-class GpuAllocationView:
-    """What one GPU holds: its total, the reservations, and their sums per deployment/tenant."""
-
-    node: str
-    gpu_index: int
-    gpu_uuid: str
-    gpu_name: str
-    memory_total_bytes: int
-    reserved_fraction: float
-    reserved_bytes: int
-    free_fraction: float
-    entries: tuple[AllocationEntry, ...]
-    by_deployment: dict[Id, int]
-    by_tenant: dict[Id, int]
-
-
-def allocation_view(nodes: Iterable[Node], *, headroom: float = 0.10) -> list[GpuAllocationView]:
-    """Per GPU: total memory, reservations per deployment and tenant, free share below the cap.
-
-    ``reserved_fraction`` counts a dedicated GPU as 1.0, a MIG device as its share of the GPU, and
-    memory of unmanaged processes (``other_used_bytes``) as reserved.
-    """
-    cap = 100 - round(headroom * 100)
-    views = []
-    for node in nodes:
-        for gpu in node.gpus:
-            total = gpu.memory_total_bytes
-            entries = []
-            by_dep: dict[Id, int] = {}
-            by_tenant: dict[Id, int] = {}
-            reserved_bytes = gpu.other_used_bytes
-            exclusive = False
-            for alloc in gpu.allocations:
-                if alloc.mig_uuid is not None:
-                    size = next(
-                        (m.memory_total_bytes for m in gpu.mig_devices if m.uuid == alloc.mig_uuid),
-                        0,
-                    )
-                elif alloc.exclusive:
-                    size, exclusive = total, True
-                else:
-                    size = total * _fraction_pct(alloc.fraction) // 100
-                reserved_bytes += size
-                by_dep[alloc.deployment_id] = by_dep.get(alloc.deployment_id, 0) + size
-                for tenant, part in _charged_bytes(alloc, size).items():
-                    by_tenant[tenant] = by_tenant.get(tenant, 0) + part
-                entries.append(
-                    AllocationEntry(
-                        deployment_id=alloc.deployment_id,
-                        tenant_id=alloc.tenant_id,
-                        fraction=alloc.fraction,
-                        reserved_bytes=size,
-                        isolation=alloc.isolation,
-                        replica=alloc.replica,
-                        mig_uuid=alloc.mig_uuid,
-                        shares=alloc.charged(),
-                    )
-                )
-            reserved_bytes = min(reserved_bytes, total)
-            reserved_fraction = 1.0 if exclusive else reserved_bytes / total
-            free = 0.0 if exclusive or gpu.mig_enabled else max(0.0, cap / 100 - reserved_fraction)
-            views.append(
-                GpuAllocationView(
-                    node=node.name,
-                    gpu_index=gpu.index,
-                    gpu_uuid=gpu.uuid,
-                    gpu_name=gpu.name,
-                    memory_total_bytes=total,
-                    reserved_fraction=reserved_fraction,
-                    reserved_bytes=reserved_bytes,
-                    free_fraction=free,
-                    entries=tuple(entries),
-                    by_deployment=by_dep,
-                    by_tenant=by_tenant,
-                )
-            )
-    return views
-
-
-# -------------------------------------------------------------------- from inventory
-
-
-def gpu_slot_from_info(
-    info: GpuInfo,
-    allocations: Iterable[Allocation] = (),
-    other_used_bytes: int = 0,
-) -> GpuSlot:
-    """Turn an inventory ``GpuInfo`` into a ``GpuSlot`` (its MIG devices included).
-
-    ``other_used_bytes`` is memory held by processes the console does not manage; the caller
-    knows which of ``info.processes`` are its own engines, so it computes this.
-    """
-    if info.uuid is None or info.memory_total_bytes is None:
-        raise ValueError(f"GPU {info.index} has no UUID or total memory; it cannot be placed on")
-    migs = [
-        MigSlot(uuid=m.uuid, memory_total_bytes=m.memory_total_bytes, profile=m.profile)
-        for m in info.mig_devices
-        if m.uuid and m.memory_total_bytes
-    ]
-    return GpuSlot(
-        index=info.index,
-        uuid=info.uuid,
-        name=info.name or "",
-        memory_total_bytes=info.memory_total_bytes,
-        mig_enabled=bool(info.mig_mode_current),
-        mig_devices=migs,
-        allocations=list(allocations),
-        other_used_bytes=other_used_bytes,
-        declared=info.declared,
-    )
+__all__ = ["MPS_CONTEXT_HEADROOM_BYTES", "Placer", "mps_memory_limit"]

@@ -6,6 +6,12 @@ stages no more than that) split over its TP GPUs. The figures are those of the h
 vLLM gives every rank one ``gpu_memory_utilization``, so the busiest GPU sizes them all.
 The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``x``):
 
+With a layout (``ModelArchitecture.layout``, from config.json) the parameters, the online-fp8
+split and the activation width are the layout's (mixture of experts, latent attention); a layout
+it does not model is refused (``UnplannableArchitecture``), and a measured profile
+(``placement.profile``) replaces the terms its engine logged. Each plan names every term's rule
+(``MemoryPlan.rules``).
+
 1. **Weights.** ``weight_bytes`` is the size of the checkpoint's safetensors files. Parameters are
    ``weight_bytes / B(checkpoint dtype)`` (or the checkpoint's own quantization). Loaded bytes are
    the parameters times the bytes per parameter of the served format: ``B(dtype)`` unquantized;
@@ -16,10 +22,12 @@ The four parts, with the formulas used (``B(x)`` = bytes per element of dtype ``
    stage's share of the decoder layers (``ceil(layers / PP) / layers``) plus, with PP > 1, one
    ``vocab x hidden`` matrix (the first stage holds the embedding, the last the LM head; with
    PP 1 both, or one when tied), / TP.
-2. **KV cache.** Bytes per token per GPU = ``2 x stage layers x ceil(kv_heads / TP) x head_dim x
-   B(kv dtype)`` (vLLM replicates KV heads when TP exceeds their count). Tokens needed =
-   ``max_num_seqs x max_model_len`` (each sequence rounded up to whole ``block_size`` blocks), or
-   the admin's ``target_kv_tokens``.
+2. **KV cache.** Bytes per token per GPU = ``stage layers x values per layer x B(kv dtype)``,
+   the values as the model's layout gives them (``serving_app.layouts``: ``2 x ceil(kv_heads /
+   TP) x head_dim`` for dense attention, vLLM replicating KV heads when TP exceeds their count;
+   ``kv_lora_rank + qk_rope_head_dim`` for latent attention; sliding windows at full length).
+   Tokens needed = ``max_num_seqs x max_model_len`` (each sequence rounded up to whole
+   ``block_size`` blocks), or the admin's ``target_kv_tokens``.
 3. **LoRA.** vLLM preallocates ``max_loras`` slots of ``max_lora_rank``. Per layer and targeted
    module: ``rank x (in + out) x B(dtype)``; q: hidden -> heads x head_dim, k and v: hidden ->
    kv_heads x head_dim, o: heads x head_dim -> hidden; with MLP targets also gate and up:
@@ -41,12 +49,14 @@ for all of the above, so the fraction to give it is ``needed / total``, rounded 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from serving_app.enginespec import MEMORY_FIELDS, EngineSpec
+from serving_app.enginespec import MEMORY_FIELDS, EngineSpec, vllm_default_of
+from serving_app.layouts import Layout, text_config
 
 from .inventory import GIB, MIB
+from .profile import MeasuredProfile
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -72,9 +82,6 @@ QUANT_BYTES_PER_PARAM: dict[str, float] = {
     "bitsandbytes": 0.5 + 4 / 64,
 }
 
-VLLM_DEFAULT_MAX_NUM_SEQS = 256
-VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM 0.26 on an H200: "Chunked prefill is enabled with
-# max_num_batched_tokens=8192"
 VLLM_DEFAULT_BLOCK_SIZE = 16  # GPU default; the CPU backend uses 128
 
 
@@ -118,11 +125,19 @@ class ModelArchitecture:
     intermediate_size: int | None = None
     tie_word_embeddings: bool = False
     checkpoint_quantization: str | None = None
+    # The layers as vLLM builds them, read from config.json (``serving_app.layouts``); without
+    # one the model is planned as a dense decoder from the fields above.
+    layout: Layout | None = None
+    # What one start of its engine logged (``placement.profile``); used, marked "measured",
+    # for engines with the settings it was measured with.
+    measured: MeasuredProfile | None = None
 
     @property
     def resolved_head_dim(self) -> int:
         """``head_dim`` when the config gives it, else ``hidden_size / num_attention_heads``."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.head_dim or not self.num_attention_heads:  # no heads: not an attention model
+            return self.head_dim or 0
+        return self.hidden_size // self.num_attention_heads
 
     @property
     def resolved_intermediate_size(self) -> int:
@@ -132,50 +147,57 @@ class ModelArchitecture:
     @property
     def embedding_params(self) -> int:
         """Input embedding plus LM head (once when tied)."""
+        if self.layout is not None:
+            return self.layout.embedding_parameters
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], weight_bytes: int) -> ModelArchitecture:
-        """Build from a Hugging Face ``config.json`` dict and the safetensors files' total size."""
-        text = config.get("text_config") or {}
-        cfg = {**text, **{k: v for k, v in config.items() if k != "text_config"}}
-        heads = int(cfg["num_attention_heads"])
+        """Build from a Hugging Face ``config.json`` dict (a multimodal model's ``text_config``
+        taken for the language model) and the weights' total size; the layout comes with it.
+        Raises ``layouts.ArchitectureError`` (a ``ValueError``) when basic fields are missing."""
+        layout = Layout.from_config(config)
+        cfg = text_config(config)
         quant = cfg.get("quantization_config") or {}
         return cls(
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_attention_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=cfg.get("head_dim"),
+            num_layers=layout.num_layers,
+            hidden_size=layout.hidden_size,
+            num_attention_heads=layout.num_attention_heads,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim or None,
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
             weight_bytes=int(weight_bytes),
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=layout.vocab_size,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-            intermediate_size=cfg.get("intermediate_size"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            intermediate_size=layout.intermediate_size,
+            tie_word_embeddings=layout.tie_word_embeddings,
             checkpoint_quantization=quant.get("quant_method"),
+            layout=layout,
         )
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The vLLM engine arguments that change memory (names follow vLLM's CLI flags)."""
+    """The vLLM engine arguments that change memory (names follow vLLM's CLI flags). One not
+    given is at vLLM's own default, declared with the setting (``enginespec.vllm_default_of()``);
+    ``max_model_len`` and ``quantization`` default to the model's, ``max_num_batched_tokens`` to
+    vLLM's on an H100 or H200 (where the reserve's constants were fitted)."""
 
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
+    dtype: str = vllm_default_of("dtype", str)
+    kv_cache_dtype: str = vllm_default_of("kv_cache_dtype", str)
     quantization: str | None = None
-    max_num_seqs: int = VLLM_DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: int = vllm_default_of("max_num_seqs", int)
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = vllm_default_of("tensor_parallel_size", int)
+    pipeline_parallel_size: int = vllm_default_of("pipeline_parallel_size", int)
     enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
+    max_loras: int = vllm_default_of("max_loras", int)
+    max_lora_rank: int = vllm_default_of("max_lora_rank", int)
     lora_target_mlp: bool = False
     target_kv_tokens: int | None = None
     block_size: int = VLLM_DEFAULT_BLOCK_SIZE
-    enforce_eager: bool = False
+    enforce_eager: bool = vllm_default_of("enforce_eager", bool)
 
     @classmethod
     def of(
@@ -240,6 +262,8 @@ class MemoryPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     pipeline_parallel_size: int = 1
     stage_layers: int = 0  # decoder layers on the heaviest pipeline stage (0: all)
+    rules: tuple[tuple[str, str], ...] = ()  # (term, the rule that produced it)
+    source: str = "formula"  # "measured": from the model's measured profile
 
     @property
     def gpus(self) -> int:
@@ -323,9 +347,8 @@ class MemoryPlan:
             f"{m.resolved_head_dim}; served in {self.dtype}, quantization {quant}, {parallel}.",
             f"Weights: {self.parameters / 1e9:.2f} B parameters -> {gib(self.weight_bytes_total)}"
             f" in total, {gib(self.weight_bytes)} per GPU.",
-            f"KV cache: 2 x {layers} layers x {math.ceil(m.num_kv_heads / tp)} KV heads/GPU"
-            f" x {m.resolved_head_dim} x {dtype_bytes(self.kv_cache_dtype):g} B "
-            f"({self.kv_cache_dtype}) = {self.kv_bytes_per_token:,} B per token per GPU.",
+            f"KV cache: {layers} layers x {self.kv_bytes_per_token // layers:,} B = "
+            f"{self.kv_bytes_per_token:,} B per token per GPU.",
         ]
         if e.target_kv_tokens:
             lines.append(
@@ -355,6 +378,7 @@ class MemoryPlan:
                 )
             else:
                 lines.append(f"Does not fit on a GPU of {gib(gpu_total_bytes)} (needs {util:.2f}).")
+        lines.extend(f"{term} rule: {rule}." for term, rule in self.rules)
         lines.extend(self.notes)
         return lines
 
@@ -371,18 +395,58 @@ def resolve_dtype(model: ModelArchitecture, engine: EngineSettings) -> str:
     return "bfloat16" if config_dtype == "float32" else config_dtype
 
 
-def _weight_bytes(model: ModelArchitecture, engine: EngineSettings, dtype: str) -> tuple[int, int]:
-    """(parameters, loaded weight bytes for the whole model)."""
+class UnplannableArchitecture(ValueError):
+    """A model whose layout the planner does not model (``Layout.refusal`` says why)."""
+
+
+def _weight_bytes(model: ModelArchitecture, engine: EngineSettings,
+                  dtype: str) -> tuple[int, int, str]:
+    """(parameters, loaded weight bytes for the whole model, the rule that gave them)."""
+    layout, ckpt_quant, quant = model.layout, model.checkpoint_quantization, engine.quantization
+    if ckpt_quant and quant in (None, ckpt_quant):
+        params = layout.parameters if layout else _parameters(model)
+        return params, model.weight_bytes, (
+            f"pre-quantized checkpoint ({ckpt_quant}): the tensors as the safetensors headers "
+            "size them, loaded as they are")
+    if layout is None:
+        params, loaded = _dense_weight_bytes(model, engine, dtype)
+        return params, loaded, "dense decoder: parameters from the file size x bytes per " \
+                               "parameter of the served format"
+    if quant is None:
+        # The files' tensors, as their headers size them (a capacity-test model's are the
+        # layout's count x the config's dtype), converted to the served dtype.
+        params = int(model.weight_bytes / dtype_bytes(model.torch_dtype))
+        return params, int(params * dtype_bytes(dtype)), (
+            f"{params:,} parameters (config.json's layers as vLLM creates them: "
+            f"{layout.parameters:,}) x {dtype_bytes(dtype):g} B ({dtype})")
+    if quant not in QUANT_BYTES_PER_PARAM:
+        raise ValueError(
+            f"unknown quantization {quant!r}; known: {', '.join(sorted(QUANT_BYTES_PER_PARAM))}"
+        )
+    linear, kept = layout.linear_parameters, layout.unquantized_parameters
+    loaded = int(linear * QUANT_BYTES_PER_PARAM[quant] + kept * dtype_bytes(dtype))
+    return layout.parameters, loaded, (
+        f"online {quant} (vLLM's {quant} linear and MoE methods): {linear:,} linear and expert "
+        f"parameters x {QUANT_BYTES_PER_PARAM[quant]:.3g} B + {kept:,} embedding, norm and "
+        f"router parameters x {dtype_bytes(dtype):g} B ({dtype})")
+
+
+def _parameters(model: ModelArchitecture) -> int:
+    """Parameters from the file size alone (no layout)."""
     ckpt_quant = model.checkpoint_quantization
     if ckpt_quant and ckpt_quant in QUANT_BYTES_PER_PARAM:
-        # Files hold quantized linears plus 16-bit embeddings; recover the parameter count.
         embed = model.embedding_params
-        embed_bytes = embed * dtype_bytes(model.torch_dtype)
-        quantized = max(0, model.weight_bytes - embed_bytes) / QUANT_BYTES_PER_PARAM[ckpt_quant]
-        params = int(quantized + embed)
-    else:
-        params = int(model.weight_bytes / dtype_bytes(model.torch_dtype))
+        quantized = max(0, model.weight_bytes - embed * dtype_bytes(model.torch_dtype))
+        return int(quantized / QUANT_BYTES_PER_PARAM[ckpt_quant] + embed)
+    return int(model.weight_bytes / dtype_bytes(model.torch_dtype))
 
+
+def _dense_weight_bytes(model: ModelArchitecture, engine: EngineSettings,
+                        dtype: str) -> tuple[int, int]:
+    """(parameters, loaded weight bytes) of a model without a layout."""
+    ckpt_quant = model.checkpoint_quantization
+    # Files hold quantized linears plus 16-bit embeddings: the count is recovered from both.
+    params = _parameters(model)
     quant = engine.quantization
     if quant is None:
         if ckpt_quant:
@@ -440,7 +504,82 @@ def plan_memory(
     engine: EngineSettings,
     constants: PlannerConstants = DEFAULT_CONSTANTS,
 ) -> MemoryPlan:
-    """Compute the memory plan for one instance (per GPU of its heaviest pipeline stage)."""
+    """Compute the memory plan for one instance (per GPU of its heaviest pipeline stage).
+
+    With a measured profile that applies to these settings, each term the engine logged is
+    taken from it (``source`` "measured"); otherwise a layout the planner does not model is
+    refused (``UnplannableArchitecture``) with the reason."""
+    measured = model.measured
+    if measured is not None:
+        mismatch = measured.mismatch(measured_settings(model, engine))
+        if not mismatch:
+            formula = _formula_plan(replace(model, measured=None), engine, constants,
+                                    refuse=False)
+            return _measured_plan(formula, measured)
+        if model.layout is not None and model.layout.refusal:
+            raise UnplannableArchitecture(
+                f"Not planned automatically: {model.layout.refusal}; its measured profile was "
+                f"{mismatch}.")
+    return _formula_plan(model, engine, constants)
+
+
+def measured_settings(model: ModelArchitecture, engine: EngineSettings) -> dict[str, Any]:
+    """The settings a measured profile depends on, resolved as vLLM resolves them."""
+    dtype = resolve_dtype(model, engine)
+    return {
+        "dtype": dtype,
+        "quantization": engine.quantization,
+        "kv_cache_dtype": dtype if engine.kv_cache_dtype == "auto"
+        else _normalise_dtype(engine.kv_cache_dtype),
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "pipeline_parallel_size": engine.pipeline_parallel_size,
+        "max_num_batched_tokens": engine.max_num_batched_tokens
+        or vllm_default_of("max_num_batched_tokens", int),
+        "max_num_seqs": engine.max_num_seqs,
+    }
+
+
+def _measured_plan(plan: MemoryPlan, measured: MeasuredProfile) -> MemoryPlan:
+    """The formula's plan with every term the engine logged replaced by the logged figure."""
+    rules = dict(plan.rules)
+    where = f" ({measured.source})" if measured.source else ""
+
+    def term(name: str, value: int | None, formula: int, logged: str) -> int:
+        if value is None:
+            rules[name] = f"not logged (absent): formula, {rules.get(name, '')}"
+            return formula
+        rules[name] = f"measured: {logged}{where}"
+        return value
+
+    kv_per_token = term("KV cache", measured.kv_bytes_per_token, plan.kv_bytes_per_token,
+                        f"{measured.kv_cache_gib} GiB for {measured.kv_cache_tokens or 0:,} "
+                        "tokens")
+    weights = term("Weights", measured.weight_bytes, plan.weight_bytes,
+                   f"{measured.weights_gib} GiB per GPU")
+    activations = term("Activations", measured.activation_bytes, plan.activation_bytes,
+                       f"{measured.activation_gib} GiB peak activation")
+    runtime = term("Runtime", measured.runtime_bytes, plan.runtime_overhead_bytes,
+                   f"{measured.non_torch_gib} GiB non-torch + {measured.cuda_graph_gib} GiB "
+                   "CUDA graphs")
+    layers = plan.stage_layers or plan.model.num_layers
+    return replace(
+        plan, weight_bytes=weights, weight_bytes_total=weights * plan.gpus,
+        kv_bytes_per_token=kv_per_token,
+        kv_bytes_per_token_total=kv_per_token * plan.model.num_layers // layers
+        * plan.tensor_parallel_size,
+        kv_cache_bytes=plan.kv_tokens * kv_per_token, activation_bytes=activations,
+        runtime_overhead_bytes=runtime, rules=tuple(rules.items()), source="measured")
+
+
+def _formula_plan(
+    model: ModelArchitecture,
+    engine: EngineSettings,
+    constants: PlannerConstants,
+    refuse: bool = True,
+) -> MemoryPlan:
+    """The plan from the configuration's layout (or the dense fields) alone; a layout the
+    planner does not model is refused unless ``refuse`` is off (its terms are then the
+    fallbacks a measured profile replaces)."""
     tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
     if tp < 1:
         raise ValueError("tensor_parallel_size must be at least 1")
@@ -449,6 +588,8 @@ def plan_memory(
     if pp > model.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {model.num_layers} "
                          "layers")
+    if refuse and model.layout is not None and model.layout.refusal:
+        raise UnplannableArchitecture(f"Not planned automatically: {model.layout.refusal}.")
     layers = stage_layers(model.num_layers, pp)
     if engine.max_num_seqs < 1:
         raise ValueError("max_num_seqs must be at least 1")
@@ -462,26 +603,21 @@ def plan_memory(
             f"max_position_embeddings {model.max_position_embeddings:,} (vLLM refuses this "
             "without rope scaling)."
         )
-    batched = engine.max_num_batched_tokens or VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    batched = engine.max_num_batched_tokens or vllm_default_of("max_num_batched_tokens", int)
 
-    params, weights_total = _weight_bytes(model, engine, dtype)
+    params, weights_total, weight_rule = _weight_bytes(model, engine, dtype)
     weights = _weight_bytes_per_gpu(model, engine, dtype, params, weights_total, layers)
 
-    head_dim = model.resolved_head_dim
-    kv_heads_per_gpu = math.ceil(model.num_kv_heads / tp)
-    kv_per_token = int(2 * layers * kv_heads_per_gpu * head_dim * dtype_bytes(kv_dtype))
-    kv_per_token_total = int(2 * model.num_layers * kv_heads_per_gpu * head_dim
-                             * dtype_bytes(kv_dtype)) * tp
+    values = kv_values_per_layer(model, tp)
+    kv_per_token = int(layers * values * dtype_bytes(kv_dtype))
+    kv_per_token_total = int(model.num_layers * values * dtype_bytes(kv_dtype)) * tp
     if engine.target_kv_tokens is not None:
         kv_tokens = _round_up(engine.target_kv_tokens, engine.block_size)
     else:
         kv_tokens = engine.max_num_seqs * _round_up(max_model_len, engine.block_size)
     kv_cache = kv_tokens * kv_per_token
 
-    act_bytes = dtype_bytes(dtype)
-    activations = int(batched * act_bytes * (
-        model.hidden_size * constants.activation_factor
-        + model.resolved_intermediate_size * constants.intermediate_factor))
+    activations = int(batched * dtype_bytes(dtype) * activation_width(model, constants))
     activations += engine.max_num_seqs * model.vocab_size * 4
     runtime = constants.runtime_overhead_bytes
     if not engine.enforce_eager:
@@ -510,4 +646,40 @@ def plan_memory(
         notes=tuple(notes),
         pipeline_parallel_size=pp,
         stage_layers=layers,
+        rules=_rules(model, weight_rule, tp, kv_dtype),
+    )
+
+
+def kv_values_per_layer(model: ModelArchitecture, tp: int) -> int:
+    """Values cached per token and layer on one GPU: the layout's rule (latent attention, KV
+    heads replicated past TP), or ``2 x ceil(kv_heads / TP) x head_dim`` without one."""
+    if model.layout is not None:
+        return model.layout.kv_values_per_layer(tp)
+    return 2 * math.ceil(model.num_kv_heads / tp) * model.resolved_head_dim
+
+
+def activation_width(model: ModelArchitecture, constants: PlannerConstants) -> float:
+    """Elements per batched token at the forward pass's peak (see ``Layout.activation_width``):
+    the widest MLP, dense or routed, plus the hidden-size term."""
+    hidden = model.hidden_size * constants.activation_factor
+    if model.layout is not None:
+        return hidden + model.layout.activation_width(constants.intermediate_factor)
+    return hidden + model.resolved_intermediate_size * constants.intermediate_factor
+
+
+def _rules(model: ModelArchitecture, weight_rule: str, tp: int,
+           kv_dtype: str) -> tuple[tuple[str, str], ...]:
+    """Which rule produced each term, for the plan (API and deployment page)."""
+    layout = model.layout
+    kv = (layout.kv_rule(tp) if layout else
+          f"dense attention: 2 x {math.ceil(model.num_kv_heads / tp)} KV heads per GPU x "
+          f"head_dim {model.resolved_head_dim}")
+    activation = (layout.activation_rule() if layout else
+                  "dense MLP: fitted factor x intermediate_size (H200 fit)")
+    return (
+        ("Architecture", layout.describe() if layout else "dense decoder (no config.json read)"),
+        ("Weights", weight_rule),
+        ("KV cache", f"{kv} x {dtype_bytes(kv_dtype):g} B ({kv_dtype})"),
+        ("Activations", f"{activation}; + fp32 logits max_num_seqs x vocab_size"),
+        ("Runtime", "non-torch memory and CUDA graphs as logged on an H200 (fitted constants)"),
     )

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from serving_app.enginespec import EngineSpec, InlineModel, ModelDefaults
 from serving_app.placement.fleetspec import DeclaredNode, PlanDeployment
 
-from . import placer as P
+from .cluster import DEFAULT_HEADROOM, Node, Policy, gpu_slot_from_info
 from .inventory import declared_gpu_infos
+from .placer import Placer
 from .planner import EngineSettings, MemoryPlan, ModelArchitecture, plan_memory
+from .request import InstancePlacement, PlacementRequest, TenantShare
 from .shares import split_amount
 
 
@@ -31,7 +33,7 @@ class PlannedDeployment:
 
     spec: PlanDeployment
     model: ModelArchitecture | None
-    tenants: tuple[P.TenantShare, ...]
+    tenants: tuple[TenantShare, ...]
     problem: str | None = None
     defaults: ModelDefaults | None = None
 
@@ -47,7 +49,7 @@ class Outcome:
     ok: bool
     reason: str | None = None
     memory: MemoryPlan | None = None
-    placements: tuple[P.InstancePlacement, ...] = ()
+    placements: tuple[InstancePlacement, ...] = ()
     charged_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -55,12 +57,12 @@ class Outcome:
         return sum(i.reserved_bytes_per_gpu * i.gpu_count for i in self.placements)
 
 
-def fleet_nodes(nodes: Sequence[DeclaredNode]) -> list[P.Node]:
+def fleet_nodes(nodes: Sequence[DeclaredNode]) -> list[Node]:
     """The placer's view of a declared fleet: every node ready, nothing reserved."""
     return [
-        P.Node(
+        Node(
             name=node.name,
-            gpus=[P.gpu_slot_from_info(info)
+            gpus=[gpu_slot_from_info(info)
                   for info in declared_gpu_infos(list(node.gpus), host=node.name)],
         )
         for node in nodes
@@ -87,11 +89,11 @@ def place_plan(
     nodes: Sequence[DeclaredNode],
     deployments: Sequence[PlannedDeployment],
     *,
-    headroom: float = 0.10,
-    policy: str = P.Policy.BINPACK.value,
-) -> tuple[P.Placer, list[Outcome]]:
+    headroom: float = DEFAULT_HEADROOM,
+    policy: str = Policy.BINPACK.value,
+) -> tuple[Placer, list[Outcome]]:
     """Place ``deployments`` on the fleet in order; the placer returned holds the result."""
-    placer = P.Placer(fleet_nodes(nodes), headroom=headroom, policy=policy)
+    placer = Placer(fleet_nodes(nodes), headroom=headroom, policy=policy)
     outcomes = []
     for planned in deployments:
         spec = planned.spec
@@ -104,7 +106,7 @@ def place_plan(
         except ValueError as exc:
             outcomes.append(Outcome(planned, ok=False, reason=str(exc)))
             continue
-        request = P.PlacementRequest(
+        request = PlacementRequest(
             deployment_id=spec.name,
             tenant_id=planned.tenants[0].tenant_id if planned.tenants else None,
             memory_bytes_per_gpu=memory.needed_bytes,

@@ -79,3 +79,9 @@
   document.addEventListener("DOMContentLoaded", function () { follow(document); });
   document.addEventListener("htmx:afterSwap", function (event) { follow(event.target); });
 })();
+
+// A statement's "Print" button (an inline handler would need a CSP exception).
+document.addEventListener("click", function (event) {
+  var button = event.target.closest ? event.target.closest("[data-print]") : null;
+  if (button) { window.print(); }
+});

@@ -33,6 +33,10 @@
           (n, trace) => n + (trace.y || trace.x || []).filter((v) => v !== null && v !== 0).length, 0);
         el.dataset.points = String(points);
         el.dataset.rendered = "1";
+        if (!el.dataset.clicks) {
+          el.dataset.clicks = "1";
+          el.on("plotly_click", openRequests);
+        }
       }
       if (tables) tables.innerHTML = data.tables;
       if (stamp) stamp.textContent = "Updated " + new Date().toLocaleTimeString();
@@ -41,6 +45,26 @@
     } finally {
       root.classList.remove("stale");
     }
+  }
+
+  /* A click on a point of a series that names its requests (`meta`: tenant, status) opens the
+     request log filtered to that series and the point's bin. */
+  function openRequests(event) {
+    const requestsUrl = root.dataset.requestsUrl;
+    const point = ((event && event.points) || []).find((p) => p.data && p.data.meta);
+    const meta = point && point.data.meta;
+    if (!requestsUrl || !meta || !meta.status) return;
+    const since = new Date(String(point.x).replace(" ", "T") + "Z");
+    if (isNaN(since.getTime())) return;
+    const until = new Date(since.getTime() + parseInt(root.dataset.binSeconds, 10) * 1000);
+    const params = new URLSearchParams();
+    params.set("since", since.toISOString().replace(".000Z", "Z"));
+    params.set("until", until.toISOString().replace(".000Z", "Z"));
+    if (meta.tenant) params.set("tenant", meta.tenant);
+    params.set("status", meta.status);
+    const model = new URLSearchParams(window.location.search).get("model");
+    if (model) params.set("model", model);
+    window.location.assign(requestsUrl + "?" + params.toString());
   }
 
   function schedule() {

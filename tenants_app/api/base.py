@@ -26,6 +26,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 from rest_framework.views import APIView
 
+from audit_app import encryption
 from tenants_app.models import Tenant
 
 if TYPE_CHECKING:
@@ -45,6 +46,14 @@ def scoped_rows(model: type[_M], user: User | AnonymousUser) -> models.QuerySet[
     return for_user(user)
 
 
+@extend_schema_field(OpenApiTypes.BOOL)
+class SecretSetField(serializers.ReadOnlyField):
+    """Whether a secret is stored ("set" / "not set"), never the secret."""
+
+    def to_representation(self, value: Any) -> bool:
+        return bool(value)
+
+
 class ValidatedModelSerializer(serializers.ModelSerializer[_M]):
     """Validate through the model's `full_clean()`, like the admin and forms do.
 
@@ -53,9 +62,34 @@ class ValidatedModelSerializer(serializers.ModelSerializer[_M]):
     `Meta.derived_fields`) are copied back into the validated data.
     """
 
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        """The model's secrets (its encrypted fields, `audit_app.encryption`) are write-only:
+        accepted, never returned; `<name>_set` says whether one is stored. One the console
+        generates (not editable) is never returned either, except by a creation's answer that
+        lists it in `Meta.shown_once` (shown that once)."""
+        fields = super().get_fields()
+        model: type[_M] = self.Meta.model
+        shown = getattr(self.Meta, "shown_once", ())
+        for name in sorted(encryption.secret_fields(model) - set(shown)):
+            field = fields.pop(name, None)
+            if not model._meta.get_field(name).editable:
+                continue
+            if field is not None and not field.read_only:
+                fields[name] = serializers.CharField(
+                    write_only=True, required=False, allow_blank=True, max_length=2000,
+                    style={"input_type": "password"},
+                    help_text="Write-only: never returned. Left out or empty on an update: "
+                              "the stored one is kept.")
+            fields[f"{name}_set"] = SecretSetField(source=name)
+        return fields
+
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         attrs = super().validate(attrs)
         model: type[_M] = self.Meta.model
+        if self.instance is not None:  # an update without a secret keeps the stored one
+            for name in encryption.secret_fields(model):
+                if not attrs.get(name):
+                    attrs.pop(name, None)
         m2m = {f.name for f in model._meta.many_to_many}
         plain = {k: v for k, v in attrs.items() if k not in m2m}
         if self.instance is None:

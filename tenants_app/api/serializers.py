@@ -9,8 +9,20 @@ from django.contrib.auth.models import User
 from django.contrib.auth.password_validation import validate_password
 from rest_framework import serializers
 
-from tenants_app.api.base import LookupSlugField, TenantSlugField, ValidatedModelSerializer
-from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
+from tenants_app.api.base import (
+    LookupSlugField,
+    ScopedPrimaryKeyField,
+    TenantSlugField,
+    ValidatedModelSerializer,
+)
+from tenants_app.models import (
+    ApiKey,
+    Invitation,
+    Membership,
+    MoneyBudget,
+    PrefixCacheGroup,
+    Tenant,
+)
 
 # The user model as settings name it (Django's own User: the type hints name that class).
 UserModel = get_user_model()
@@ -205,3 +217,17 @@ class UserSerializer(serializers.ModelSerializer[User]):
             user.set_password(password)
         user.save()
         return user
+
+
+class MoneyBudgetSerializer(ValidatedModelSerializer[MoneyBudget]):
+    tenant = TenantSlugField()
+    api_key = ScopedPrimaryKeyField(
+        queryset=ApiKey.objects.none(), required=False, allow_null=True,
+        help_text="A key's id: its own budget, inside its tenant's. Empty: the tenant's.")
+
+    class Meta:
+        model = MoneyBudget
+        fields = ["id", "tenant", "api_key", "amount", "period", "rolling", "time_zone",
+                  "soft_threshold_percent", "hard_limit", "created_at"]
+        read_only_fields = ["id", "created_at"]
+        validators: list[Any] = []  # the model's constraints, checked by full_clean()

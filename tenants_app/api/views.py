@@ -19,12 +19,20 @@ from tenants_app.api.serializers import (
     ApiKeySerializer,
     InvitationSerializer,
     MembershipSerializer,
+    MoneyBudgetSerializer,
     PrefixCacheGroupSerializer,
     ReceivedInvitationSerializer,
     TenantSerializer,
     UserSerializer,
 )
-from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Tenant
+from tenants_app.models import (
+    ApiKey,
+    Invitation,
+    Membership,
+    MoneyBudget,
+    PrefixCacheGroup,
+    Tenant,
+)
 
 
 class TenantViewSet(ScopedModelViewSet[Tenant]):
@@ -162,6 +170,19 @@ class ApiKeyViewSet(ScopedModelViewSet[ApiKey]):
         key = self.get_object()
         key.revoke()
         return Response(self.get_serializer(key).data)
+
+
+class MoneyBudgetViewSet(ScopedModelViewSet[MoneyBudget]):
+    """Money budgets of tenants and their keys. Members read their tenant's; platform admins
+    set them (docs/gateway.md, "Money budgets")."""
+
+    queryset = MoneyBudget.objects.all()
+    serializer_class = MoneyBudgetSerializer
+    filterset_fields = {"tenant__slug": ["exact"], "period": ["exact"]}
+    write_role = "staff"
+
+    def safely_get_queryset(self, queryset: QuerySet[MoneyBudget]) -> QuerySet[MoneyBudget]:
+        return queryset.select_related("tenant")
 
 
 class PrefixCacheGroupViewSet(ScopedModelViewSet[PrefixCacheGroup]):

@@ -177,3 +177,27 @@ def test_console_creates_a_platform_channel_to_loopback(platform_admin, receiver
     channel = Channel.objects.get(name="ops")
     assert channel.tenant is None and channel.allow_private_targets
     assert channel.secret in response.content.decode()
+
+
+def test_an_error_alert_links_to_its_failed_requests_and_shows_its_threshold_unit(
+        globex, globex_alert, platform_admin):
+    """From an alert to the requests behind it: the log filtered to its tenant, its window
+    and the failures its metric counts; the threshold reads with the metric's unit."""
+    page = login(globex.member).get("/portal/globex/alerts/").content.decode()
+    row = page[page.index(f'data-alert="{globex_alert.pk}"'):]
+    row = row[:row.index("</tr>")]
+    link = row[row.index('href="', row.index("data-alert-requests") - 200):]
+    link = link[6:link.index('"', 6)]
+    assert link.startswith("/portal/globex/requests/?since=")
+    assert "tenant=globex" in link and "status=error" in link
+    assert "12.0 %" in row  # the value, with its unit (as the threshold has)
+    assert login(globex.member).get(link.replace("&amp;", "&")).status_code == 200
+    console = login(platform_admin).get("/alerts/").content.decode()
+    assert "/requests/?since=" in console and "status=error" in console
+
+
+def test_an_alert_on_a_host_metric_has_no_request_link(acme):
+    rule = make_rule(name="gpus hot", metric="gpu_utilization", scope="cluster", threshold=90)
+    alert = Alert.objects.create(rule=rule, scope_key="cluster", scope_label="cluster",
+                                 state="firing", value=95)
+    assert alert.request_filter() == ""

@@ -17,7 +17,7 @@ import itertools
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from alerts_app.models import (
 )
 from audit_app import recording
 from audit_app.models import AuditLog
+from backups_app.models import Backup
 from guardrails_app.models import FloorPolicy, GuardModel, KeyPolicy, TenantPattern, TenantPolicy
 from serving_app.artifacts import sources
 from serving_app.models import (
@@ -63,13 +64,16 @@ from serving_app.models import (
     EngineSample,
     FleetPlan,
     Gpu,
+    GpuPriceCard,
     GpuSample,
     Instance,
     InstanceWorker,
+    KeyUsage,
     LoraAdapter,
     Node,
     NodeCacheEntry,
     NodeJoinToken,
+    PriceCard,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -79,7 +83,15 @@ from serving_app.models import (
 )
 from serving_app.models.revisions import Rollout
 from serving_app.models.usage import GuardrailHour, GuardrailMinute, GuardrailTotal
-from tenants_app.models import ApiKey, Invitation, Membership, PrefixCacheGroup, Role, Tenant
+from tenants_app.models import (
+    ApiKey,
+    Invitation,
+    Membership,
+    MoneyBudget,
+    PrefixCacheGroup,
+    Role,
+    Tenant,
+)
 from tests.api.helpers import admin_form_data, as_user
 from tests.factories import (
     add_member,
@@ -95,8 +107,8 @@ from tests.factories import (
 
 pytestmark = pytest.mark.django_db
 
-METERING = {UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal, EngineSample,
-            EngineHour, GuardrailMinute, GuardrailHour, GuardrailTotal}
+METERING = {UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal, KeyUsage,
+            EngineSample, EngineHour, GuardrailMinute, GuardrailHour, GuardrailTotal}
 _n = itertools.count(1)
 
 
@@ -375,6 +387,31 @@ ADMIN_CASES: dict[str, AdminCase] = {
                                                                          [w.acme.tenant])),
             node_rank=1)),
     "serving_app.GpuSample": AdminCase(make=lambda w: GpuSample.objects.create(gpu=_gpu(w))),
+    "tenants_app.MoneyBudget": AdminCase(
+        make=lambda w: MoneyBudget.objects.create(
+            tenant=w.acme.tenant, amount=5, api_key=ApiKey.objects.create_key(
+                tenant=w.acme.tenant, name=f"b{w.n()}")[0]),
+        add=lambda w: {"tenant": str(w.acme.tenant.pk), "amount": "5", "period": "month",
+                       "time_zone": "UTC", "hard_limit": "on", "api_key": str(
+                           ApiKey.objects.create_key(tenant=w.acme.tenant,
+                                                     name=f"b{w.n()}")[0].pk)},
+        change=lambda w: {"amount": "6"}, changed=("amount",)),
+    # Scheduled cards (a day ahead): a card in force is never changed.
+    "serving_app.PriceCard": AdminCase(
+        make=lambda w: PriceCard.objects.create(
+            base_model=w.base, effective_from=timezone.now() + timedelta(days=1, minutes=w.n())),
+        add=lambda w: {"base_model": str(w.base.pk), "currency": "USD",
+                       "effective_from_0": "2099-01-01", "effective_from_1": f"{_far(w):%H:%M:%S}",
+                       "input_per_million": "1", "cached_input_per_million": "0.5",
+                       "output_per_million": "2"},
+        change=lambda w: {"output_per_million": "3"}, changed=("output_per_million",)),
+    "serving_app.GpuPriceCard": AdminCase(
+        make=lambda w: GpuPriceCard.objects.create(
+            gpu_model=f"gpu{w.n()}", effective_from=timezone.now() + timedelta(days=1)),
+        add=lambda w: {"gpu_model": f"gpu{w.n()}", "currency": "USD",
+                       "effective_from_0": "2099-01-01", "effective_from_1": "00:00:00",
+                       "per_gpu_second": "0.0001"},
+        change=lambda w: {"per_gpu_second": "0.0002"}, changed=("per_gpu_second",)),
     "serving_app.FleetPlan": AdminCase(
         make=lambda w: FleetPlan.objects.create(name=f"plan{w.n()}", fleet="gpu-a: 1x80GiB",
                                                 deployments=[]),
@@ -391,6 +428,9 @@ ADMIN_CASES: dict[str, AdminCase] = {
     "serving_app.UsageHour": AdminCase(make=_usage(UsageHour)),
     "serving_app.UsageTenSecond": AdminCase(make=_usage(UsageTenSecond)),
     "serving_app.UsageTotal": AdminCase(make=_usage(UsageTotal)),
+    "serving_app.KeyUsage": AdminCase(make=lambda w: KeyUsage.objects.create(
+        bucket=timezone.now().replace(minute=0, second=0, microsecond=0),
+        tenant=w.acme.tenant, api_key_id=w.n())),
     **{f"serving_app.{m.__name__}": AdminCase(make=_guardrail_rollup(m))
        for m in (GuardrailMinute, GuardrailHour, GuardrailTotal)},
     "alerts_app.AlertRule": AdminCase(
@@ -439,6 +479,7 @@ ADMIN_CASES: dict[str, AdminCase] = {
     "audit_app.AuditLog": AdminCase(
         make=lambda w: AuditLog.objects.create(action="create", object_type="x", object_id="1",
                                                object_repr="x", via="shell")),
+    "backups_app.Backup": AdminCase(make=lambda w: Backup.objects.create(trigger="command")),
     "axes.AccessAttempt": AdminCase(make=_axes(AccessAttempt),
                                     actions={"cleanup_expired_attempts": "delete"}),
     "axes.AccessLog": AdminCase(make=_axes(AccessLog)),
@@ -631,6 +672,11 @@ class Resource:
         return [Expect(user, "update", self.model, pk)]
 
 
+def _far(w: World) -> datetime:
+    """A moment of its own, far ahead: a scheduled price card (one in force is never changed)."""
+    return datetime(2099, 1, 1, tzinfo=UTC) + timedelta(minutes=w.n())
+
+
 def _staff(w: World) -> Any:
     return w.staff
 
@@ -669,6 +715,18 @@ RESOURCES = [
     Resource("fleet-plans", FleetPlan, _staff,
              lambda w: {"name": f"plan{w.n()}", "fleet": "gpu-a: 1x80GiB", "deployments": []},
              lambda w: {"description": "next quarter"}),
+    Resource("money-budgets", MoneyBudget, _staff,
+             lambda w: {"tenant": "acme", "api_key": ApiKey.objects.create_key(
+                 tenant=w.acme.tenant, name=f"budget{w.n()}")[0].pk, "amount": "10"},
+             lambda w: {"amount": "20"}),
+    Resource("price-cards", PriceCard, _staff,
+             lambda w: {"base_model": w.base.name, "input_per_million": "1",
+                        "effective_from": _far(w).isoformat()},
+             lambda w: {"output_per_million": "2"}),
+    Resource("gpu-price-cards", GpuPriceCard, _staff,
+             lambda w: {"gpu_model": f"gpu{w.n()}", "per_gpu_second": "0.0001",
+                        "effective_from": "2099-01-01T00:00:00Z"},
+             lambda w: {"per_gpu_second": "0.0002"}),
     Resource("autoscalers", Autoscaler, _staff,
              lambda w: {"deployment": make_deployment(w.base, [w.acme.tenant]).name,
                         "enabled": True, "max_replicas": 3},
@@ -817,6 +875,11 @@ def _channel_action(name: str, action: str):
     return run
 
 
+def _back_up_now(w: World) -> list[Expect]:
+    call(w.staff, "post", "/api/v1/backups/")
+    return [Expect(w.staff, "backup", Backup, Backup.objects.get().pk)]
+
+
 def _end_silence(w: World) -> list[Expect]:
     silence = Silence.objects.create(tenant=w.acme.tenant, reason="x",
                                      ends_at=timezone.now() + timedelta(hours=1))
@@ -962,6 +1025,7 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "alert_channels_test_create": _channel_action("test", "test"),
     "alert_channels_rotate_secret_create": _channel_action("rotate-secret", "update"),
     "alert_silences_end_create": _end_silence,
+    "backups_create": _back_up_now,
     "tenant_guardrails_test_create": _guardrail_bench,
     "auth_token_create": _sign_in,
     "auth_logout_create": _sign_out(everywhere=False),

@@ -10,6 +10,7 @@ import pytest
 import redis
 from django.conf import settings
 
+from gateway_app.objectives import CONTROL_LUA
 from serving_app.deployments import inflight, sharing
 from serving_app.models import Instance
 from tests.api.helpers import as_user
@@ -110,3 +111,28 @@ def test_without_flow_control_nothing_is_counted_in_flight(shared, platform_admi
     data = as_user(platform_admin).get(url(shared)).json()
     assert data["flow_control"] is False
     assert [r["in_flight"] for r in data["tenants"]] == [None, None]
+
+
+def test_platform_admins_see_the_admission_controllers_budget_and_what_it_measured(
+        shared, platform_admin, globex):
+    """acme states latency objectives and has a request holding a slot (r3): one step of the
+    gateway's controller (its own script, on a worker's report of 1.25x the objective) halves
+    the budget the others are held to. A tenant's member does not see it."""
+    tenant = shared["deployment"].tenants.get(slug="acme")
+    client = redis.Redis.from_url(settings.GATEWAY["REDIS_URL"])
+    # What the admission script keeps beside r3's hold: its tenant's charges in flight.
+    client.hset(sharing.prefix(shared["deployment"].pk) + ":c", str(tenant.pk), "300")
+    control = client.register_script(CONTROL_LUA)
+    control(args=[sharing.prefix(shared["deployment"].pk), 0, 130, 9, 1.25, 300.0, 50.0,
+                  f",{tenant.pk},", 400, 40])
+    client.close()
+    data = as_user(platform_admin).get(url(shared)).json()["admission"]
+    assert data["active"] is True and data["budget"] == 65 and data["full_budget"] == 130
+    assert (data["ttft_objective_ms"], data["tpot_objective_ms"]) == (400, 40)
+    assert (data["ratio"], data["tpot_ms"]) == (1.25, 50.0)
+    assert [(p["budget"], p["ratio"]) for p in data["history"]] == [(65, 1.25)]
+    assert as_user(globex.owner).get(url(shared)).json()["admission"] is None
+
+
+def test_without_objectives_there_is_no_admission_state(shared, platform_admin):
+    assert as_user(platform_admin).get(url(shared)).json()["admission"] is None

@@ -12,6 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from audit_app.models import AuditLog
+from serving_app import pki
 from serving_app.models import Node, NodeJoinToken
 from tests.api.helpers import as_user, assert_forbidden_for
 
@@ -42,8 +43,9 @@ def test_a_token_is_shown_once_with_its_command_and_stored_only_hashed(issued, p
     row = NodeJoinToken.objects.get(pk=issued.data["id"])
     assert row.token_hash == hashlib.sha256(token.encode()).hexdigest()
     assert token not in str(NodeJoinToken.objects.filter(pk=row.pk).values().get())
-    assert f"--name gpu-b --token {token}" in issued.data["command"]
-    assert "scripts/join_node.sh --console http://testserver" in issued.data["command"]
+    assert issued.data["command"].endswith(
+        "scripts/join_node.sh --console http://testserver --name gpu-b")
+    assert token not in issued.data["command"]  # the script asks for it, never an argument
     assert issued["Cache-Control"] == "no-store"
     listed = as_user(platform_admin).get(f"/api/v1/node-join-tokens/{row.pk}/").data
     assert "token" not in listed and listed["state"] == "open" and listed["prefix"] == token[:10]
@@ -81,6 +83,19 @@ def test_the_exchange_creates_the_node_spends_the_token_and_hands_the_node_its_s
     assert environment["SECRET_KEY"] and environment["SECRET_KEY"] != settings.SECRET_KEY
     row = NodeJoinToken.objects.get(pk=issued.data["id"])
     assert (row.state, row.node, row.used_from) == ("used", node, "192.0.2.10")
+
+
+def test_the_exchange_hands_the_node_its_engine_certificate_never_the_cas_key(
+        issued, settings, tmp_path):
+    settings.ENGINE_TLS_DIR = tmp_path / "engine-tls"
+    response = join(issued.data["token"], "gpu-b", gpus="")
+    assert response.status_code == 201, response.data
+    files = response.data["engine_tls"]
+    assert set(files) == {"ca.pem", "node.pem", "node.key"}
+    assert files["ca.pem"] == (tmp_path / "engine-tls" / "ca.pem").read_text()
+    assert files["node.key"] != (tmp_path / "engine-tls" / "ca.key").read_text()
+    assert "10.0.0.7" in pki.names_of(files["node.pem"])  # the address its engines listen on
+    assert response["Cache-Control"] == "no-store"
 
 
 def test_a_token_used_twice_is_refused_and_audited(issued):
@@ -132,3 +147,18 @@ def test_a_console_on_sqlite_says_hosts_cannot_join_and_spends_nothing(issued, s
     response = join(issued.data["token"], "gpu-b")
     assert (response.status_code, response.data["code"]) == (409, "not_joinable")
     assert NodeJoinToken.objects.get().state == "open" and not Node.objects.exists()
+
+
+def test_no_token_is_minted_while_no_host_could_join(platform_admin, settings):
+    settings.NODE_JOIN_DATABASE_URL = "sqlite:////var/lib/llm-console/console.sqlite3"
+    response = as_user(platform_admin).post("/api/v1/node-join-tokens/",
+                                            {"node_name": "gpu-b"}, format="json")
+    assert (response.status_code, response.data["code"]) == (409, "not_joinable")
+    assert not NodeJoinToken.objects.exists()
+
+
+def test_the_command_names_the_consoles_external_address(platform_admin, settings):
+    settings.CONSOLE_EXTERNAL_URL = "https://console.example.com"
+    response = as_user(platform_admin).post("/api/v1/node-join-tokens/",
+                                            {"node_name": "gpu-b"}, format="json")
+    assert "--console https://console.example.com --name gpu-b" in response.data["command"]

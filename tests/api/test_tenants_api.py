@@ -82,6 +82,25 @@ def test_bad_tenant_input_gets_field_errors_and_changes_nothing(platform_admin):
     assert not Tenant.objects.filter(slug="api").exists()
 
 
+def test_streamed_objectives_are_kept_and_checked_against_the_end_to_end_one(platform_admin):
+    client = as_user(platform_admin)
+    response = client.post("/api/v1/tenants/", {
+        "slug": "support", "name": "Support", "latency_objective_ms": 2000,
+        "ttft_objective_ms": 400, "tpot_objective_ms": 40}, format="json")
+    assert response.status_code == 201, response.data
+    assert (response.data["ttft_objective_ms"], response.data["tpot_objective_ms"]) == (400, 40)
+    response = client.patch("/api/v1/tenants/support/", {"ttft_objective_ms": 2500},
+                            format="json")
+    assert response.status_code == 400
+    assert "2,000 ms" in str(response.data["ttft_objective_ms"])
+    response = client.patch("/api/v1/tenants/support/", {"tpot_objective_ms": 0,
+                                                          "ttft_objective_ms": 700_000},
+                            format="json")
+    assert response.status_code == 400
+    assert set(response.data) == {"tpot_objective_ms", "ttft_objective_ms"}
+    assert Tenant.objects.get(slug="support").ttft_objective_ms == 400
+
+
 def test_filtering_and_pagination(platform_admin, acme, globex):
     Tenant.objects.filter(slug="globex").update(status="suspended")
     client = as_user(platform_admin)

@@ -27,8 +27,8 @@ def s3_endpoint():
 def s3_import(artifact, endpoint, **detail):
     record = ArtifactImport.objects.create(
         artifact=artifact, source=ArtifactVersion.Source.S3,
-        detail={"endpoint_url": endpoint, "access_key_id": "test", "secret_access_key": "test",
-                **detail})
+        detail={"endpoint_url": endpoint, "access_key_id": "test", **detail},
+        credential="test")
     return record, sources.run_import(record.pk)
 
 

@@ -362,7 +362,7 @@ def test_every_page_works_under_the_content_security_policy(page, admin, base_mo
         f"/adapters/{adapter.pk}/", f"/adapters/{adapter.pk}/edit/", "/deployments/",
         "/deployments/new/", f"/deployments/{deployment.pk}/",
         f"/deployments/{deployment.pk}/edit/", f"/instances/{instance.pk}/", "/audit/",
-        "/events/", f"/nodes/{instance.node_id}/", "/guardrails/",
+        "/backups/", "/events/", f"/nodes/{instance.node_id}/", "/guardrails/",
         "/dashboards/usage/", "/dashboards/latency/", "/dashboards/gpus/",
         "/api/v1/", "/api/v1/tenants/", "/admin/",
     ]:
@@ -398,9 +398,19 @@ def test_every_page_works_under_the_content_security_policy(page, admin, base_mo
     page.select_option("select[name='input__cn_mobile']", "redact")
     page.click("button:has-text('Save policy')")
     expect(page.locator("select[name='input__cn_mobile']")).to_have_value("redact")
+    # Each rule's select is as wide as its longest label: no "redact: [PLACEHOL".
+    room = page.locator("select[name='input__cn_mobile']").evaluate("""s => {
+        const st = getComputedStyle(s), c = document.createElement('canvas').getContext('2d');
+        c.font = `${st.fontWeight} ${st.fontSize} ${st.fontFamily}`;
+        const widest = Math.max(...[...s.options].map(o => c.measureText(o.text).width));
+        return s.clientWidth - parseFloat(st.paddingLeft) - parseFloat(st.paddingRight)
+            - widest; }""")
+    assert room >= 0, f"the longest rule label is cut by {-room:.0f} px"
     page.fill("#bench textarea[name='text']", "call 13812345678 today")
     page.click("button:has-text('Try it')")
     expect(page.locator("#bench-result pre")).to_have_text("call [PHONE_1] today")
+    # The answer page opens at the bench, its result in view (not back at the policy's top).
+    expect(page.locator("#bench-result")).to_be_in_viewport()
     assert page.csp_violations == [], "\n".join(page.csp_violations)
     assert page.js_errors == []
 

@@ -12,24 +12,15 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from serving_app.models.usage import UsageHour, UsageMinute
 from tests.browser.conftest import shot, sign_in
-from tests.factories import make_tenant, make_user
+from tests.factories import make_tenant, make_usage_minute, make_user
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def _minute(tenant, minutes_ago: int, requests: int, errors: int) -> None:
     at = (timezone.now() - timedelta(minutes=minutes_ago)).replace(second=0, microsecond=0)
-    counters = {"requests": requests, "errors": errors, "latency_ms_total": 250.0 * requests,
-                "latency_ms_max": 260.0, "latency_le_250": requests}
-    UsageMinute.objects.create(bucket=at, tenant=tenant, model="llama-mini", **counters)
-    hour, _ = UsageHour.objects.get_or_create(bucket=at.replace(minute=0), tenant=tenant,
-                                              model="llama-mini")
-    for name, value in counters.items():
-        setattr(hour, name, max(getattr(hour, name), value) if name == "latency_ms_max"
-                else getattr(hour, name) + value)
-    hour.save()
+    make_usage_minute(tenant, at, requests, errors)
 
 
 def test_an_error_minute_between_clean_minutes_shows_on_the_error_chart(page):

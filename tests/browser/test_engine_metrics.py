@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
 from serving_app.engine import scrape
+from serving_app.engine.client import engine_http
 from serving_app.models import BaseModel, EngineSample, Instance, Node
 from tests.api.helpers import as_user
 from tests.browser.conftest import shot, sign_in
@@ -58,12 +58,12 @@ def complete(engine, prompt: str, max_tokens: int, usage: list[dict], stream: bo
             "ignore_eos": True, "stream": stream}
     headers = {"Authorization": f"Bearer {engine.secret}"}
     if not stream:
-        reply = httpx.post(engine.url + "/v1/completions", json=body, headers=headers,
+        reply = engine_http().post(engine.url + "/v1/completions", json=body, headers=headers,
                            timeout=120)
         usage.append(reply.raise_for_status().json()["usage"])
         return
     body["stream_options"] = {"include_usage": True}
-    with httpx.stream("POST", engine.url + "/v1/completions", json=body, headers=headers,
+    with engine_http().stream("POST", engine.url + "/v1/completions", json=body, headers=headers,
                       timeout=120) as reply:
         for line in reply.raise_for_status().iter_lines():
             if line.startswith("data: {"):

@@ -17,11 +17,13 @@ ENTRYPOINT_VARIABLES = {"PORT", "HOST", "WEB_CONCURRENCY", "FORWARDED_ALLOW_IPS"
 
 def setting_variables() -> set[str]:
     """Every variable console/settings.py reads (`env_*("NAME", ...)`, each also as NAME_FILE)
-    and those the node agent reads (`os.environ.get("NODE_...")`)."""
+    and those the node agent reads (`os.environ.get("NODE_...")`: its configuration and its
+    peer server)."""
     names = set(re.findall(r'env_\w+\(\s*"([A-Z][A-Z0-9_]*)"',
                            (ROOT / "console" / "settings.py").read_text()))
-    names |= set(re.findall(r'os\.environ\.get\("([A-Z][A-Z0-9_]*)"',
-                            (ROOT / "serving_app" / "engine" / "agent.py").read_text()))
+    for module in ("config.py", "agent.py"):
+        names |= set(re.findall(r'os\.environ\.get\("([A-Z][A-Z0-9_]*)"',
+                                (ROOT / "serving_app" / "engine" / module).read_text()))
     return names | {f"{name}_FILE" for name in names}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from django.conf import settings
 
 from tests.deploy.known import DEPLOY, entrypoint_commands
 
@@ -58,3 +59,12 @@ def test_the_agent_image_takes_the_vllm_version_and_package():
     assert {a.split("=")[0] for a in arguments} >= {"BASE_IMAGE", "VLLM_VERSION", "VLLM_PACKAGE"}
     build = " ".join(a for i, a in stages("Containerfile.agent")[1] if i == "RUN")
     assert '"${VLLM_PACKAGE}==${VLLM_VERSION}"' in build
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_project_app_is_copied_into_the_image(name):
+    """An app in INSTALLED_APPS that the image lacks stops every process of it at start."""
+    copied = {arguments.split()[0] for stage in stages(name)
+              for instruction, arguments in stage if instruction == "COPY"}
+    project_apps = {app for app in settings.INSTALLED_APPS if app.endswith("_app")}
+    assert project_apps - copied == set()

@@ -4,6 +4,10 @@ removing the node refuses all three from then on, connections already open inclu
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from io import StringIO
 
 import psycopg
@@ -20,9 +24,19 @@ from alerts_app.models import Channel
 from audit_app.models import AuditLog
 from gateway_app import invalidation
 from serving_app.artifacts import fetch, staging
-from serving_app.models import Node, NodeJoinToken, UsageEvent
+from serving_app.models import (
+    Artifact,
+    ArtifactVersion,
+    Gpu,
+    Instance,
+    InstanceWorker,
+    Node,
+    NodeJoinToken,
+    UsageEvent,
+)
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user
+from tests.factories import make_adapter, make_deployment
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -139,3 +153,143 @@ def test_a_nodes_redis_user_survives_a_redis_restart_and_its_removal_too(per_nod
     per_node_credentials.start()
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis.from_url(environment["REDIS_URL"]).ping()
+
+
+# -- row-level security: a node's role and other nodes' rows ------------------------------------
+def serving(base_model, tenant, tmp_path) -> dict[str, Instance]:
+    """gpu-a and gpu-b joined, each with a GPU and an instance of a deployment serving `tenant`
+    with one of its adapters; gpu-a also runs the worker of gpu-b's second, multi-node
+    instance."""
+    adapter = make_adapter(tenant, base_model, tmp_path / "adapters")
+    deployment = make_deployment(base_model, [tenant], adapters=[adapter])
+    rows: dict[str, Instance] = {}
+    for name in ("gpu-a", "gpu-b"):
+        node = Node.objects.get(name=name)
+        Gpu.objects.create(node=node, index=0, uuid=f"GPU-{name}", name="L4",
+                           memory_total_bytes=24 * 1024**3)
+        rows[name] = Instance.objects.create(deployment=deployment, node=node, state="ready",
+                                             ordinal=len(rows), port=8000 + len(rows))
+    rows["group"] = Instance.objects.create(deployment=deployment, node=rows["gpu-b"].node,
+                                            state="starting", ordinal=2)
+    InstanceWorker.objects.create(instance=rows["group"], node_rank=1, node=rows["gpu-a"].node)
+    return rows
+
+
+def a_version() -> ArtifactVersion:
+    artifact = Artifact.objects.create(name="llama", kind=Artifact.Kind.MODEL)
+    return ArtifactVersion.objects.create(artifact=artifact, number=1, digest="0" * 64,
+                                          source=ArtifactVersion.Source.UPLOAD)
+
+
+def test_a_node_role_reads_and_changes_only_its_own_rows_and_no_tenants_cache_secret(
+        per_node_credentials, base_model, acme, tmp_path):
+    """Connected as a role made by the join: another node's engine secret, its address and
+    cache URL (where the gateway sends its tenants' prompts, where peers send their tokens) and
+    its GPUs are out of reach; tenants' cache secrets are unreadable; its own rows work."""
+    environment = joined("gpu-a")
+    joined("gpu-b")
+    rows = serving(base_model, acme.tenant, tmp_path)
+    mine, other, group = rows["gpu-a"], rows["gpu-b"], rows["group"]
+    with psycopg.connect(environment["DATABASE_URL"], autocommit=True) as db:
+        cursor = db.cursor()
+
+        def count(statement: str, *args: object) -> int:
+            cursor.execute(statement, args)
+            return len(cursor.fetchall()) if cursor.description else cursor.rowcount
+
+        # Another node's instance and its engine secret: no row (but that of its multi-node
+        # group whose worker this node runs); its GPUs neither.
+        assert count("SELECT secret FROM serving_app_instance WHERE id = %s", other.pk) == 0
+        assert count("SELECT secret FROM serving_app_instance WHERE id = %s", group.pk) == 1
+        assert count("UPDATE serving_app_instance SET port = 1 WHERE id = %s", other.pk) == 0
+        assert count("SELECT * FROM serving_app_gpu WHERE node_id = %s", other.node_id) == 0
+        assert count("UPDATE serving_app_gpu SET name = 'x' WHERE node_id = %s",
+                     other.node_id) == 0
+        # Another node's address and cache URL: read (peer fetch), never changed.
+        for column in ("address", "cache_url"):
+            assert count(f"UPDATE serving_app_node SET {column} = 'evil:1' WHERE name = 'gpu-b'"
+                         ) == 0
+        entry = ("INSERT INTO serving_app_nodecacheentry (node_id, version_id, state, "
+                 "bytes_total, bytes_done, bytes_per_second, error, last_used_at, updated_at) "
+                 f"VALUES (%s, {a_version().pk}, 'ready', 0, 0, 0, "
+                 "'', now(), now())")
+        assert refused(cursor, entry % other.node_id)  # a peer would fetch from it
+        # An adapter's files and tenant, an import's artifact: never (an agent reports errors).
+        assert refused(cursor, "UPDATE serving_app_loraadapter SET path = '/tmp'")
+        assert refused(cursor, "UPDATE serving_app_artifactimport SET artifact_id = 1")
+        assert count("UPDATE serving_app_loraadapter SET last_error = ''") == 1
+        # Tenants: their names and limits, never the prefix-cache secret.
+        assert refused(cursor, "SELECT cache_secret FROM tenants_app_tenant")
+        assert refused(cursor, "SELECT * FROM tenants_app_tenant")
+        assert count("SELECT slug, name, tokens_per_minute FROM tenants_app_tenant") == 1
+
+        # Its own rows work.
+        assert count("SELECT secret FROM serving_app_instance WHERE id = %s", mine.pk) == 1
+        assert count("UPDATE serving_app_instance SET port = 9000 WHERE id = %s", mine.pk) == 1
+        assert count("UPDATE serving_app_node SET address = '10.0.0.9', cache_url = "
+                     "'http://10.0.0.9:1' WHERE name = 'gpu-a'") == 1
+        assert count("UPDATE serving_app_gpu SET name = 'L4 (a)' WHERE node_id = %s",
+                     mine.node_id) == 1
+        assert count(entry, mine.node_id) == 1
+    assert Node.objects.get(name="gpu-b").address == "10.0.0.7"
+    assert Instance.objects.get(pk=other.pk).port == 8001
+    assert Instance.objects.get(pk=mine.pk).port == 9000
+
+
+AGENT = """
+import json, django
+django.setup()
+from serving_app.artifacts import staging
+from serving_app.engine import agent
+from serving_app.engine.config import AgentConfig
+from serving_app.models import Instance, Node
+config = AgentConfig.from_environment()
+node = agent.register(config)
+agent.heartbeat(config)
+instances = list(Instance.objects.filter(node__name=config.name))
+instances[0].transition(["ready"], "draining")
+print(json.dumps({
+    "gpus": node.gpus.count(),
+    "instances": [i.pk for i in Instance.objects.all()],
+    "adapters": [a.engine_name for a in instances[0].deployment.adapters.with_tenant()],
+    "peers": staging.peers_holding(staging.NodeCacheConfig.from_environment(config.name), "0" * 64),
+    "in_use": sorted(staging.versions_in_use(config.name)),
+}))
+"""
+
+
+def test_the_agents_own_code_paths_work_under_its_role(per_node_credentials, base_model, acme,
+                                                         tmp_path):
+    """Registration, inventory, heartbeat, an instance's state, its adapters with their tenant,
+    and the peers and versions its cache uses: the agent's own functions, in a process connected
+    as the node's role."""
+    environment = joined("gpu-a")
+    joined("gpu-b")
+    rows = serving(base_model, acme.tenant, tmp_path)
+    env = {**os.environ, **environment, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "NODE_GPUS": "0:NVIDIA L4:24GiB", "NODE_ENGINE_PYTHON": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", AGENT], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["gpus"] == 1
+    assert sorted(seen["instances"]) == sorted([rows["gpu-a"].pk, rows["group"].pk])
+    assert seen["adapters"] == [f"{acme.tenant.slug}--lora"]
+    assert Instance.objects.get(pk=rows["gpu-a"].pk).state == "draining"
+    assert Node.objects.get(name="gpu-a").last_heartbeat is not None
+
+
+def test_refresh_node_grants_gives_a_role_joined_before_the_row_policies(per_node_credentials):
+    """A role of an earlier release (not in the nodes' group, reading the tenants table whole)
+    is narrowed by `refresh_node_grants`."""
+    environment = joined("gpu-a")
+    role = Node.objects.get(name="gpu-a").db_role
+    with connection.cursor() as cursor:
+        cursor.execute(f'REVOKE llm_console_nodes FROM "{role}"')
+        cursor.execute(f'GRANT SELECT ON tenants_app_tenant TO "{role}"')
+    call_command("refresh_node_grants", stdout=StringIO())
+    with psycopg.connect(environment["DATABASE_URL"], autocommit=True) as db:
+        cursor = db.cursor()
+        assert refused(cursor, "SELECT cache_secret FROM tenants_app_tenant")
+        cursor.execute("SELECT pg_has_role(current_user, 'llm_console_nodes', 'MEMBER')")
+        assert cursor.fetchone() == (True,)

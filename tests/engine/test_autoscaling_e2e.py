@@ -109,11 +109,15 @@ def live(deployment_id: int) -> list[Instance]:
 @pytest.fixture
 def gateway(cluster: Cluster) -> Iterator[Gateway]:
     """A gateway on the cluster's database and broker (its wake task reaches the control
-    worker), with a wake timeout above the slowest engine start seen here."""
+    worker), with a wake timeout above the slowest engine start seen here and a queue timeout
+    above a burst's whole wait: seven requests of 200 tokens queue behind one engine that runs
+    one at a time, over 30 s (the default) on a loaded machine, and the test is about scaling,
+    not shedding."""
     cluster.env["GATEWAY_REDIS_URL"] = TEST_BROKER
     gw = start_gateway(cluster.env["DATABASE_URL"], CELERY_BROKER_URL=TEST_BROKER,
                        GATEWAY_REDIS_URL=TEST_BROKER,
-                       GATEWAY_WAKE_TIMEOUT_SECONDS=str(START_TIMEOUT))
+                       GATEWAY_WAKE_TIMEOUT_SECONDS=str(START_TIMEOUT),
+                       GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS=str(START_TIMEOUT))
     yield gw
     kill_group(gw.proc)
 

@@ -12,13 +12,13 @@ import shutil
 import signal
 import socket
 
-import httpx
 import psutil
 import pytest
 
 from benchmarks.gateway_bench import kill_group
 from serving_app.artifacts import sources
 from serving_app.engine import supervisor
+from serving_app.engine.client import engine_http
 from serving_app.models import (
     Artifact,
     ArtifactVersion,
@@ -41,7 +41,7 @@ START_TIMEOUT = 300  # a loaded 2-core machine has taken 100 s to start one
 
 
 def complete(instance: Instance, model: str) -> dict:
-    response = httpx.post(
+    response = engine_http().post(
         f"{instance.base_url}/v1/completions",
         headers={"Authorization": f"Bearer {instance.secret}"},
         json={"model": model, "prompt": "Hello there", "max_tokens": 6, "temperature": 0},

@@ -15,12 +15,11 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 from django.conf import settings as django_settings
 
 from serving_app.engine import agent
-from serving_app.engine.client import EngineClient
+from serving_app.engine.client import EngineClient, engine_http
 from serving_app.engine.launch import adapter_capacity
 from serving_app.models import BaseModel, Instance, LoraAdapter, Node
 from tests.engine.conftest import MODELS
@@ -32,7 +31,7 @@ TRIALS = 8
 
 
 def complete(instance: Instance, model: str, prompt: str) -> str:
-    response = httpx.post(
+    response = engine_http().post(
         f"{instance.base_url}/v1/completions",
         headers={"Authorization": f"Bearer {instance.secret}"},
         json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,

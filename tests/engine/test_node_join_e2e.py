@@ -37,6 +37,7 @@ from django.test import Client
 
 from benchmarks.gateway_bench import free_port
 from console.celery import app as celery_app
+from serving_app import pki
 from serving_app.artifacts import fetch
 from serving_app.models import Instance, Node, NodeJoinToken
 from tenants_app.models import ApiKey
@@ -142,11 +143,12 @@ def read_env(path: Path) -> dict[str, str]:
 
 
 def run_join(ns: Namespace, console: str, token: str, env_file: Path):
+    """The token on standard input (`--token-file -`), as a script that joins hosts passes it."""
     return subprocess.run(ns.run(
-        "bash", "scripts/join_node.sh", "--console", console, "--name", "cpu-j", "--token", token,
-        "--gpus", "", "--engine-venv", str(ENGINE_VENV), "--env-file", str(env_file),
-        "--min-disk-gib", "1", "--no-systemd"), cwd=ROOT, capture_output=True, text=True,
-        timeout=120)
+        "bash", "scripts/join_node.sh", "--console", console, "--name", "cpu-j",
+        "--token-file", "-", "--gpus", "", "--engine-venv", str(ENGINE_VENV),
+        "--env-file", str(env_file), "--min-disk-gib", "1", "--no-systemd"),
+        cwd=ROOT, input=token + "\n", capture_output=True, text=True, timeout=120)
 
 
 def node_of(instance: Instance) -> str | None:
@@ -199,6 +201,11 @@ def _check(cluster, ns: Namespace, console: str, local_console: str, platform_ad
     assert "OK       redis" in joined.stdout and "OK       postgresql" in joined.stdout
     node_settings = read_env(env_file)
     assert oct(env_file.stat().st_mode & 0o777) == "0o600"
+    # Its engines' certificate, for its address, its key its own; never the CA's key.
+    tls_dir = Path(node_settings["ENGINE_TLS_DIR"])
+    assert sorted(p.name for p in tls_dir.iterdir()) == ["ca.pem", "node.key", "node.pem"]
+    assert oct((tls_dir / "node.key").stat().st_mode & 0o777) == "0o600"
+    assert ns.node_ip in pki.names_of((tls_dir / "node.pem").read_text())
     node = Node.objects.get(name="cpu-j")
     assert node.address == ns.node_ip  # the address it reaches the console from
     assert node.db_role in node_settings["DATABASE_URL"]
@@ -251,7 +258,7 @@ def _serve_drain_remove(cluster, agent, log: Path, node: Node, node_settings: di
     first = wait_for(lambda: Instance.objects.filter(
         deployment_id=deployment["id"], state=State.READY).first(), START_TIMEOUT,
         "the instance on the joined node to be ready")
-    assert node_of(first) == "cpu-j" and first.base_url.startswith(f"http://{node.address}:")
+    assert node_of(first) == "cpu-j" and first.base_url.startswith(f"https://{node.address}:")
     _, secret = ApiKey.objects.create_key(tenant=acme.tenant, name="join")
     gateway = start_gateway(cluster.env["DATABASE_URL"], workers=1,
                             GATEWAY_REDIS_URL=cluster.env["GATEWAY_REDIS_URL"])

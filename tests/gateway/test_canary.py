@@ -17,13 +17,12 @@ import struct
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from django.test import Client
 
 from serving_app.engine import agent
-from serving_app.engine.client import EngineClient
+from serving_app.engine.client import EngineClient, engine_http
 from serving_app.models import Instance, LoraAdapter
 from tests.api.helpers import as_user
 from tests.gateway.conftest import MODELS
@@ -110,7 +109,7 @@ def test_an_adapter_whose_generation_fails_is_never_routed_to(world, gateway, en
         world.deployment.adapters.remove(broken)
         agent.sync_adapters(world.instance.pk, config)
     assert "acme--broken" not in {m["id"] for m in EngineClient(engine.url, engine.secret).models()}
-    assert httpx.get(engine.url + "/health", timeout=5).status_code == 200
+    assert engine_http().get(engine.url + "/health", timeout=5).status_code == 200
 
 
 def _page(user, instance: Instance) -> str:

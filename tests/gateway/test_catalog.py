@@ -71,3 +71,48 @@ def test_the_portal_lists_exactly_what_the_gateway_routes(tmp_path):
     portal = {entry["name"]: entry for entry in catalog(acme)}
     assert portal["other-base"]["kind"] == "base model"
     assert portal["style"]["parent"] == "shared-base"
+
+
+def test_only_an_instance_on_real_gpus_computes_prompt_logprobs(tmp_path):
+    """A CPU engine with LoRA on (every engine the console starts has LoRA slots) dies computing
+    a request's prompt logprobs beside another request (docs/engine-notes.md, section 10): an
+    instance with no GPU, or with only GPUs declared in configuration, is marked so; one on an
+    NVML-reported GPU is not."""
+    from serving_app.models import Gpu, Instance, Node
+
+    acme = make_tenant("acme")
+    base = make_base_model(tmp_path / "models", "shared-base")
+    style = make_adapter(acme, base, tmp_path / "adapters", name="style")
+    deployment = make_deployment(base, [acme], name="shared", desired_state="running",
+                                 adapters=[style])
+    node = Node.objects.create(name="n1", queue="node.n1", address="127.0.0.1")
+    real = Gpu.objects.create(node=node, index=0, uuid="GPU-0", name="NVIDIA H100 80GB HBM3",
+                              memory_total_bytes=80 * 2**30)
+    declared = Gpu.objects.create(node=node, index=1, uuid="GPU-1", name="declared",
+                                  memory_total_bytes=80 * 2**30, declared=True)
+    instances = {}
+    for port, gpus in ((18201, []), (18202, [declared]), (18203, [real, declared])):
+        instance = Instance.objects.create(deployment=deployment, node=node, port=port,
+                                           state="ready")
+        instance.gpus.set(gpus)
+        instances[instance.pk] = port
+
+    entries = load_snapshot().instances[deployment.pk]
+    computes = {instances[entry.id]: entry.prompt_logprobs for entry in entries}
+    assert computes == {18201: False, 18202: False, 18203: True}
+
+
+def test_flow_controlled_deployments_serving_a_tenant_with_objectives_are_held(tmp_path):
+    """The admission controller watches a deployment under flow control that serves a tenant
+    with a first token or per-token objective; not one without flow control, nor tenants
+    without objectives."""
+    support = make_tenant("support", ttft_objective_ms=400)
+    flood = make_tenant("flood")
+    shared = make_deployment(make_base_model(tmp_path / "models", "shared-base"),
+                             [support, flood], name="shared", desired_state="running",
+                             flow_control=True)
+    make_deployment(make_base_model(tmp_path / "models", "fcfs-base"), [support, flood],
+                    name="fcfs", desired_state="running", flow_control=False)
+    snapshot = load_snapshot()
+    assert snapshot.objectives == {shared.pk: (support.pk,)}
+    assert snapshot.tenants[support.pk].ttft_objective_ms == 400

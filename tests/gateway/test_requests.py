@@ -16,13 +16,18 @@ import httpx
 import pytest
 
 from benchmarks.gateway_bench import InstantUpstream, serve_instant
-from serving_app.models import Deployment, Instance
-from tests.gateway.conftest import MAX_BODY, free_port, make_world
+from serving_app.engine.client import engine_http
+from serving_app.models import Deployment, Gpu, Instance
+from serving_app.models.usage import UsageEvent
+from tests.engines import engine_tls
+from tests.gateway.conftest import MAX_BODY, drain_usage, free_port, make_world, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 class Upstream:
+    """`InstantUpstream` in a thread of this process, over TLS as engines are."""
+
     def __init__(self, status: int = 200) -> None:
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
@@ -30,7 +35,8 @@ class Upstream:
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            self.server = self.loop.run_until_complete(serve_instant(self.port, status))
+            self.server = self.loop.run_until_complete(
+                serve_instant(self.port, status, engine_tls()))
             started.set()
             self.loop.run_forever()
 
@@ -177,6 +183,57 @@ def test_connection_failure_and_503_are_retried_on_another_instance(gateway, ups
         busy.close()
 
 
+COMPLETION = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+# Every way a request has the engine compute its prompt's logprobs, and the field named.
+ASKS_PROMPT_LOGPROBS = [
+    ({**CHAT, "prompt_logprobs": 0}, "/v1/chat/completions", "prompt_logprobs"),
+    ({**CHAT, "echo": True}, "/v1/chat/completions", "echo"),  # top_logprobs defaults to 0
+    ({**COMPLETION, "echo": True, "logprobs": 0}, "/v1/completions", "echo"),
+    ({**COMPLETION, "prompt_logprobs": 1}, "/v1/completions", "prompt_logprobs"),
+]
+
+
+def test_prompt_logprobs_go_only_to_an_engine_on_a_gpu(gateway, upstream):
+    """A request that asks for its prompt's logprobs is refused where only CPU engines with LoRA
+    on serve the model (they die computing them beside other requests: the real engine's case
+    is tests/gateway/test_prompt_logprobs.py), and sent only to an instance on a GPU where the
+    model has one. The engine is a stand-in and its GPU a row: no GPU can run here."""
+    world = make_world(upstream.port, "s")
+    for body, path, param in ASKS_PROMPT_LOGPROBS:
+        response = post(gateway, world.acme_secret, body, path)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "invalid_request_error", "unsupported_parameter", param)
+        assert f"'{param}'" in error["message"] and "LoRA" in error["message"]
+    assert upstream.generations == 0
+    # Neither asks for the prompt's: the completions API's echo alone, a chat's own logprobs.
+    assert post(gateway, world.acme_secret, {**COMPLETION, "echo": True},
+                "/v1/completions").status_code == 200
+    assert post(gateway, world.acme_secret,
+                {**CHAT, "logprobs": True, "top_logprobs": 2}).status_code == 200
+
+    # A second instance of the deployment, on a GPU: every such request goes there.
+    gpu = Gpu.objects.create(node=world.instance.node, index=0, uuid="GPU-0",
+                             name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * 2**30)
+    on_gpu = Instance.objects.create(deployment=world.deployment, node=world.instance.node,
+                                     port=upstream.port, ordinal=1, state="ready", secret="s")
+    on_gpu.gpus.set([gpu])
+    first = ASKS_PROMPT_LOGPROBS[0]
+    wait_until(lambda: post(gateway, world.acme_secret, first[0], first[1]).status_code == 200,
+               20, "the GPU instance reaches the gateway's catalog")
+    sent = []
+    for body, path, param in ASKS_PROMPT_LOGPROBS * 3:
+        response = post(gateway, world.acme_secret, body, path)
+        assert response.status_code == 200, response.text
+        assert param in json.loads(InstantUpstream.stats["last_body"])
+        sent.append(response.headers["x-request-id"])
+    drain_usage()
+    instances = set(UsageEvent.objects.filter(request_id__in=sent)
+                    .values_list("instance_id", flat=True))
+    assert instances == {on_gpu.pk}
+
+
 @pytest.mark.engine
 def test_prompt_cap_uses_the_engines_token_count_not_the_estimate(gateway, engine):
     """A prompt whose byte-based bound is above the cap but whose real token count is at the
@@ -186,7 +243,7 @@ def test_prompt_cap_uses_the_engines_token_count_not_the_estimate(gateway, engin
         return [{"role": "user", "content": text}]
 
     def tokens(text: str) -> int:
-        return httpx.post(engine.url + "/tokenize", json={
+        return engine_http().post(engine.url + "/tokenize", json={
             "model": "tiny-llama", "messages": messages(text)}).json()["count"]
 
     text = "the " * 40
@@ -222,7 +279,7 @@ class BreakingUpstream(Upstream):
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.server = self.loop.run_until_complete(
-                asyncio.start_server(serve, "127.0.0.1", self.port))
+                asyncio.start_server(serve, "127.0.0.1", self.port, ssl=engine_tls()))
             started.set()
             self.loop.run_forever()
 

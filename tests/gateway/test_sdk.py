@@ -10,6 +10,7 @@ import openai
 import pytest
 from django.db.models import Sum
 
+from serving_app.engine.client import engine_http
 from serving_app.models.usage import UsageEvent, UsageMinute
 from tests.gateway.conftest import drain_usage
 
@@ -27,9 +28,8 @@ def wait_for_events(request_ids: list[str], timeout: float = 15.0) -> dict[str, 
 
 
 def engine_prompt_tokens(engine, **payload) -> int:
-    return httpx.post(engine.url + "/tokenize", json={"model": "tiny-llama", **payload}).json()[
-        "count"
-    ]
+    reply = engine_http().post(engine.url + "/tokenize", json={"model": "tiny-llama", **payload})
+    return reply.json()["count"]
 
 
 def test_chat_and_completions_are_metered_with_the_engines_token_counts(world, gateway, engine):

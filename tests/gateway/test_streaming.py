@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engines import engine_tls
 from tests.gateway.conftest import free_port, make_world, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -43,7 +44,8 @@ class Flood:
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.server = self.loop.run_until_complete(
-                self.loop.create_server(lambda: _FloodProtocol(self), "127.0.0.1", self.port))
+                self.loop.create_server(lambda: _FloodProtocol(self), "127.0.0.1", self.port,
+                                        ssl=engine_tls()))
             started.set()
             self.loop.run_forever()
 

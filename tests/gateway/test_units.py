@@ -15,8 +15,9 @@ from gateway_app import admission
 from gateway_app.cache import GatewayCache
 from gateway_app.catalog import KeyEntry, Snapshot, TenantEntry
 from gateway_app.config import GatewayConfig
+from gateway_app.context import Context
 from gateway_app.metering import Meter
-from gateway_app.proxy import StreamRelay
+from gateway_app.proxy import StreamRelay, Usage, read_usage
 from gateway_app.writer import persist
 from serving_app.models.usage import UsageEvent, UsageHour, UsageMinute
 from tests.factories import make_tenant
@@ -127,13 +128,13 @@ def test_stream_relay_strips_the_usage_event_and_renames_the_model():
         stream = chunk + usage + b"data: [DONE]\n\n"
         out = b"".join(relay.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
         out += relay.flush()
-        assert relay.usage == (3, 2)
+        assert relay.usage == (3, 2, 0)
         assert b"usage" not in out
         assert out.count(b'"model":"style"') == 1 and b"acme--style" not in out
         assert out.endswith(b"data: [DONE]\n\n")
 
         keep = StreamRelay(None, strip_usage=False, engine_model="m", public_model="m")
-        assert keep.feed(usage) is usage and keep.usage == (3, 2)  # relayed untouched
+        assert keep.feed(usage) is usage and keep.usage == (3, 2, 0)  # relayed untouched
         whole = StreamRelay(None, strip_usage=False, engine_model="m", public_model="m")
         assert whole.feed(chunk + chunk) == chunk + chunk and whole.usage is None
 
@@ -143,7 +144,7 @@ def test_stream_relay_strips_the_usage_event_and_renames_the_model():
                 b'{"prompt_tokens":1,"completion_tokens":1}}\n\n')
         trim = StreamRelay(None, strip_usage=True, engine_model="m", public_model="m")
         out = trim.feed(chunk + both + b"data: [DONE]\n\n")
-        assert trim.usage == (1, 1) and b"usage" not in out
+        assert trim.usage == (1, 1, 0) and b"usage" not in out
         assert out.startswith(chunk) and out.count(b'"content":"a"') == 1
 
     asyncio.run(scenario())
@@ -233,3 +234,44 @@ def test_usage_stream_writes_are_redis_round_trips_not_database_writes(django_as
         asyncio.run(scenario())
     assert client.xlen(CONFIG.usage_stream) == before + 1
     client.close()
+
+
+def test_the_usage_event_gives_each_stage_entered_its_time_until_the_next_one():
+    ctx = Context("req-1", time.time(), 100.0)
+    assert ctx.event()["stages"] == []  # refused before any stage (an unknown path)
+    ctx.stages = [("authenticated", 100.0), ("validated", 100.002), ("charged", 100.0025)]
+    ctx.ended = 100.0105
+    assert ctx.event()["stages"] == [("authenticated", 2.0), ("validated", 0.5),
+                                     ("charged", 8.0)]
+    assert json.loads(json.dumps(ctx.event()))["stages"][2] == ["charged", 8.0]
+
+
+def test_cached_prompt_tokens_are_read_from_the_engines_usage():
+    """Engines started with --enable-prompt-tokens-details report the prompt tokens served from
+    the prefix cache; the gateway records them (never more than the prompt)."""
+    body = (b'{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":5,'
+            b'"prompt_tokens_details":{"cached_tokens":32}}}')
+    assert read_usage(body) == Usage(40, 5, 32)
+    assert read_usage(b'{"usage":{"prompt_tokens":4,"completion_tokens":1,'
+                      b'"prompt_tokens_details":null}}') == Usage(4, 1, 0)
+    assert read_usage(b'{"usage":{"prompt_tokens":4,"completion_tokens":1,'
+                      b'"prompt_tokens_details":{"cached_tokens":99}}}').cached == 4
+
+
+@pytest.mark.django_db
+def test_the_writer_stores_the_error_message_and_the_stages_of_a_request():
+    """What the request log shows: the message the client got and the stages with their
+    milliseconds; malformed stage entries are left out rather than failing the batch."""
+    t = make_tenant()
+    ctx = Context("req-story", time.time(), time.perf_counter())
+    ctx.status, ctx.error_code = 404, "model_not_found"
+    ctx.error_message = "The model `nope` does not exist or you do not have access to it."
+    ctx.stages = [("authenticated", 100.0), ("validated", 100.002)]
+    ctx.ended = 100.003
+    event = json.loads(json.dumps({**ctx.event(), "tenant": t.pk}))
+    assert event["message"] == ctx.error_message
+    assert persist([event, {**event, "id": "req-odd", "stages": [["x"], "y", ["ok", 1]]}]) == 2
+    row = UsageEvent.objects.get(request_id="req-story")
+    assert (row.error_code, row.error_message) == ("model_not_found", ctx.error_message)
+    assert row.stages == [["authenticated", 2.0], ["validated", 1.0]]
+    assert UsageEvent.objects.get(request_id="req-odd").stages == [["ok", 1.0]]

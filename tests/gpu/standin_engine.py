@@ -2,15 +2,19 @@
 GPU): it writes the log lines a vLLM 0.26 engine wrote on an H200 (fixtures/, verbatim), one
 every `--every` seconds, then answers GET /health with 200 on `--port`, as the engine's API
 server does once ready, and the node agent's canary generation (POST /v1/completions). With
-`--stall-after N` it stops logging after N lines and never answers.
+`--stall-after N` it stops logging after N lines and never answers. Given vLLM's `--ssl-*` flags
+(as node agents pass them), it serves TLS and requires a client certificate of that CA, as the
+engine does.
 
     python standin_engine.py LOG_FIXTURE --port PORT --every SECONDS [--stall-after N]
+        [--ssl-certfile F --ssl-keyfile F --ssl-ca-certs F --ssl-cert-reqs 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -43,6 +47,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--every", type=float, default=0.2)
     parser.add_argument("--stall-after", type=int, default=None)
+    parser.add_argument("--ssl-certfile")
+    parser.add_argument("--ssl-keyfile")
+    parser.add_argument("--ssl-ca-certs")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE))
     args = parser.parse_args()
     with open(args.fixture) as handle:
         lines = handle.read().splitlines()
@@ -51,7 +59,15 @@ def main() -> None:
             time.sleep(3600)
         print(line, flush=True)
         time.sleep(args.every)
-    HTTPServer(("127.0.0.1", args.port), Health).serve_forever()
+    server = HTTPServer(("127.0.0.1", args.port), Health)
+    if args.ssl_certfile:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs:
+            context.load_verify_locations(args.ssl_ca_certs)
+        context.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.serve_forever()
 
 
 if __name__ == "__main__":

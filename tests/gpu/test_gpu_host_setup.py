@@ -16,7 +16,7 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from serving_app.engine import agent, environment
+from serving_app.engine import environment, starting
 from serving_app.engine.launch import build_launch_spec
 from serving_app.fleet.sync import store_inventory
 from serving_app.management.commands.gpu_check import SHAPES, write_shape
@@ -105,12 +105,12 @@ def test_nvmls_cpu_affinity_reaches_the_gpu_row_and_pins_the_engine(base_model):
     store_inventory(node, [gpu_info], Node.InventorySource.NVML)
     gpu = Gpu.objects.get(node=node)
     assert gpu.cpu_affinity == "0-15"
-    assert agent.cpu_cores(node, [gpu]) == list(range(16))
+    assert starting.cpu_cores(node, [gpu]) == list(range(16))
     node.cpu_binding = "off"
-    assert agent.cpu_cores(node, [gpu]) == []
+    assert starting.cpu_cores(node, [gpu]) == []
     node.cpu_binding = "2-3,8"
-    assert agent.cpu_cores(node, [gpu]) == [2, 3, 8]
-    assert agent.cpu_cores(Node(cpu_binding=""), []) == []  # a CPU engine: not pinned
+    assert starting.cpu_cores(node, [gpu]) == [2, 3, 8]
+    assert starting.cpu_cores(Node(cpu_binding=""), []) == []  # a CPU engine: not pinned
     deployment = make_deployment(base_model, [make_tenant("acme")], name="pinned")
     spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=18302),
                              gpus=[gpu], cpu_cores=[0, 1, 2, 3])
@@ -145,10 +145,10 @@ def test_a_second_engine_on_the_same_gpu_waits_until_the_first_has_sized_its_kv_
     deployment = make_deployment(base_model, [make_tenant("acme")], name="shared-a")
     second = Instance.objects.create(deployment=deployment, node=node,
                                      state=Instance.State.STARTING, ordinal=1)
-    first = agent.GpuSizing([gpu])
+    first = starting.GpuSizing([gpu])
     assert first.acquire(second)
     acquired = threading.Event()
-    waiting = agent.GpuSizing([gpu])
+    waiting = starting.GpuSizing([gpu])
     thread = threading.Thread(target=lambda: waiting.acquire(second) and acquired.set())
     thread.start()
     deadline = time.monotonic() + 10
@@ -156,15 +156,15 @@ def test_a_second_engine_on_the_same_gpu_waits_until_the_first_has_sized_its_kv_
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert not acquired.is_set()
-    assert agent.GpuSizing([other]).acquire(second)  # another GPU is not held
+    assert starting.GpuSizing([other]).acquire(second)  # another GPU is not held
     first.release()
     assert acquired.wait(5)
     thread.join()
     waiting.release()
     # A queued start whose instance was stopped meanwhile gives up.
-    holder = agent.GpuSizing([gpu])
+    holder = starting.GpuSizing([gpu])
     holder.acquire(second)
     Instance.objects.filter(pk=second.pk).update(state=Instance.State.STOPPING)
-    assert agent.GpuSizing([gpu]).acquire(second) is False
+    assert starting.GpuSizing([gpu]).acquire(second) is False
     holder.release()
 

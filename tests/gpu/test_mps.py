@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from serving_app.engine import agent, mps
+from serving_app.engine import agent, mps, node_mps
 from serving_app.models import Gpu, Instance, Node
 from tests.factories import make_deployment, make_tenant
 
@@ -115,11 +115,11 @@ def test_a_daemon_another_start_brought_up_meanwhile_is_used(fake_control, setti
 def test_the_agent_stops_the_daemon_with_the_last_mps_engine(fake_control, mps_instance,
                                                             monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    agent._ensure_mps(mps_instance.node)
+    node_mps.ensure_mps(mps_instance.node)
     node = Node.objects.get(pk=mps_instance.node_id)
     assert node.mps["running"] is True
     Instance.objects.filter(pk=mps_instance.pk).update(state=State.STOPPED)
-    agent._stop_mps_if_unused(node)
+    node_mps.stop_mps_if_unused(node)
     assert Node.objects.get(pk=node.pk).mps["running"] is False
     assert mps.status()["running"] is False
 
@@ -131,7 +131,7 @@ def test_the_agent_checks_the_running_daemon_again_as_it_supervises(fake_control
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     config = agent.AgentConfig(name="gpu-mps", address="127.0.0.1", engine_env="", gpus="",
                                engine_python=sys.executable)
-    agent._ensure_mps(mps_instance.node)
+    node_mps.ensure_mps(mps_instance.node)
     node = Node.objects.get(pk=mps_instance.node_id)
     assert node.mps["running"] is True and node.mps["servers"] == []
     (settings.MPS_PIPE_DIRECTORY / "fake-servers").write_text("1502\n")  # an engine connected
@@ -149,5 +149,5 @@ def test_a_node_without_a_running_daemon_is_not_asked(mps_instance, monkeypatch)
                                engine_python=sys.executable)
     asked = []
     monkeypatch.setattr(mps, "status", lambda: asked.append(1) or {"running": True})
-    agent.supervise_mps(config)
+    node_mps.supervise_mps(config)
     assert asked == [] and Node.objects.get(pk=mps_instance.node_id).mps == {}

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from serving_app.engine import agent, supervisor
+from serving_app.engine import supervisor
+from serving_app.engine.launch import tls_arguments
+from serving_app.engine.readiness import wait_until_ready
 from serving_app.models import Instance, Node
 from tests.factories import make_deployment, make_tenant
 
@@ -41,7 +43,7 @@ def starting(base_model, tmp_path, settings):
         log = tmp_path / "engine.log"
         launched = supervisor.launch(
             [sys.executable, str(HERE / "standin_engine.py"), str(FIXTURE), "--port", str(port),
-             *options], {}, log)
+             *options, *tls_arguments()], {}, log)
         return Instance.objects.create(deployment=deployment, node=node, state=State.STARTING,
                                        port=port, pid=launched.pid, log_path=launched.log_path,
                                        started_at=timezone.now())
@@ -54,7 +56,7 @@ def test_a_start_that_keeps_logging_outlives_the_silence_timeout(starting, setti
     instance = starting("--every", "0.25")
     sized = []
     begun = time.monotonic()
-    result = agent.wait_until_ready(instance, on_memory_sized=lambda: sized.append(
+    result = wait_until_ready(instance, on_memory_sized=lambda: sized.append(
         Instance.objects.get(pk=instance.pk).startup.get("figures", {}).get("kv_cache_tokens")))
     took = time.monotonic() - begun
     instance.refresh_from_db()
@@ -74,7 +76,7 @@ def test_a_start_whose_log_goes_silent_fails_naming_the_phase_it_reached(startin
     settings.ENGINE_START_TIMEOUT_SECONDS = 1.0
     # Logs up to torch.compile's first line, then nothing (a hung compile).
     instance = starting("--every", "0.05", "--stall-after", "4")
-    assert agent.wait_until_ready(instance) == "failed"
+    assert wait_until_ready(instance) == "failed"
     instance.refresh_from_db()
     assert instance.state == State.FAILED
     assert "within 1 s of its last log line" in instance.last_error
@@ -86,6 +88,6 @@ def test_a_start_fails_past_its_hard_limit_even_while_logging(starting, settings
     settings.ENGINE_START_TIMEOUT_SECONDS = 60.0
     settings.ENGINE_START_MAX_SECONDS = 1.0
     instance = starting("--every", "0.3")
-    assert agent.wait_until_ready(instance) == "failed"
+    assert wait_until_ready(instance) == "failed"
     instance.refresh_from_db()
     assert "within 1 s (ENGINE_START_MAX_SECONDS)" in instance.last_error

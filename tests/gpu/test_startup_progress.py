@@ -34,6 +34,11 @@ def test_the_phases_of_an_h200_start_in_order_with_their_figures():
         "weights_gib": 13.1, "weights_seconds": 2.076821, "compile_seconds": 33.94,
         "kv_cache_gib": 17.9, "kv_cache_tokens": 146624, "max_concurrency": 35.8,
         "graph_capture_seconds": 12, "graph_capture_gib": 0.24, "init_engine_seconds": 62.5,
+        # The memory split (the measured profile's terms): "Desired GPU memory utilization is
+        # (0.23, 32.15 GiB). Actual usage is 13.1 GiB for weight, 0.93 GiB for peak activation,
+        # 0.22 GiB for non-torch memory, and 0.24 GiB for CUDAGraph memory."
+        "utilization": 0.23, "requested_gib": 32.15, "activation_gib": 0.93,
+        "non_torch_gib": 0.22, "cuda_graph_gib": 0.24,
     }
     assert progress.label == "Starting the API server"
     # Each phase records when it was first seen; the dict round-trips through the JSON field.
@@ -115,6 +120,8 @@ def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
     assert progress.figures == {
         "weights_gib": 1.84, "weights_seconds": 2.050519, "kv_cache_gib": 2.25,
         "kv_cache_tokens": 73632, "max_concurrency": 35.95, "init_engine_seconds": 88.16,
+        "utilization": 0.06, "requested_gib": 4.75, "activation_gib": 0.5, "non_torch_gib": 0.16,
+        "cuda_graph_gib": 0.0,
     }
 
 

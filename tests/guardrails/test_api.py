@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from guardrails_app.models import FloorPolicy, TenantPolicy
+from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
 from tenants_app.models import ApiKey
 from tests.api.helpers import as_user, assert_forbidden_for, assert_hidden_from
 from tests.guardrails.entities import resident_id
@@ -88,3 +88,20 @@ def test_the_bench_shows_what_the_policy_does_without_the_values(acme):
     assert blocked.data["blocked"] == "ID_NUMBER" and blocked.data["text"] == ""
     assert secret_id not in str(blocked.data)
     assert blocked.data["error"]["error"]["code"] == "guardrail_blocked"
+
+
+def test_a_pattern_a_policy_names_cannot_be_deleted_through_the_api(acme):
+    pattern = TenantPattern.objects.create(tenant=acme.tenant, name="ticket",
+                                           pattern="TCK-[0-9]{4}", category="ticket")
+    key, _ = ApiKey.objects.create_key(tenant=acme.tenant, name="ci")
+    KeyPolicy.objects.create(tenant=acme.tenant, api_key=key, output={"ticket": "redact"})
+    TenantPolicy.objects.create(tenant=acme.tenant, input={"ticket": "block"})
+    url = f"/api/v1/guardrail-patterns/{pattern.pk}/"
+    refused = as_user(acme.owner).delete(url)
+    assert refused.status_code == 400
+    message = str(refused.data["name"])
+    assert "ticket" in message and "acme" in message and "ci" in message
+    assert TenantPattern.objects.filter(pk=pattern.pk).exists()
+    TenantPolicy.objects.filter(tenant=acme.tenant).update(input={})
+    KeyPolicy.objects.filter(api_key=key).update(output={})
+    assert as_user(acme.owner).delete(url).status_code == 204

@@ -88,6 +88,15 @@ def test_china_mobile_numbers_are_validated_against_the_allocated_ranges():
     assert found("cn_mobile", "913812345678") == []
 
 
+def test_national_phone_numbers_of_the_regions_the_detector_claims():
+    for written in ("(415) 555-2671", "415-555-2671", "415.555.2671", "1 415 555 2671",
+                    "020 7946 0958", "07400 123456", "0161 496 0000"):
+        assert found("phone", f"call {written} now") == [written], written
+    assert found("phone", "(000) 555-2671") == []  # no such area code
+    assert found("phone", "order 1234567890 shipped") == []  # not a valid US number
+    assert found("phone", "card 4111111111111111") == []  # inside a longer number
+
+
 def test_e164_phone_numbers_must_be_valid_for_their_country():
     assert found("phone", "call +1 415 555 2671 now") == ["+1 415 555 2671"]
     assert found("phone", "+1 415 555 2671 2024") == ["+1 415 555 2671"]

@@ -10,6 +10,7 @@ streamed and not.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -17,7 +18,10 @@ import pytest
 from guardrails_app.classifier import GuardModel
 from guardrails_app.models import FloorPolicy, KeyPolicy, TenantPattern, TenantPolicy
 from guardrails_app.models import GuardModel as GuardModelRow
+from serving_app.engine.client import engine_http
+from serving_app.models import BaseModel, Deployment, Instance
 from serving_app.models.usage import UsageEvent
+from tests.engines import JsonStandin, serve_standin
 from tests.gateway.conftest import drain_usage, wait_until
 from tests.guardrails.entities import resident_id
 
@@ -148,13 +152,43 @@ VERDICT_PROMPTS = [f"Request {i}: {text}" for i, text in enumerate([
 
 
 def engine_verdict(world, prompt: str) -> str:
-    resp = httpx.post(f"http://127.0.0.1:{world.instance.port}/v1/chat/completions",
+    resp = engine_http().post(f"{world.instance.base_url}/v1/chat/completions",
                       json=GUARD.request("tiny-llama", prompt), timeout=60,
                       headers={"authorization": f"Bearer {world.instance.secret}"})
     assert resp.status_code == 200, resp.text
     verdict = GUARD.verdict(resp.json())
     assert verdict in GUARD.verdicts, resp.text
     return verdict
+
+
+class SlowGuard(JsonStandin):
+    """A guard engine too slow for the policy's timeout: it answers "unsafe" after `SLOW_GUARD`
+    seconds. A stand-in because the real engine's answer time cannot be held above a timeout:
+    the gateway uses a verdict that is there when its timer fires, and on a loaded machine the
+    tiny engine's can be there even for a 1 ms timeout."""
+
+    def answer(self, body: dict) -> dict:
+        time.sleep(SLOW_GUARD)
+        return {"id": "chatcmpl-slow", "object": "chat.completion", "created": 1,
+                "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "unsafe"}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+SLOW_GUARD = 5.0
+
+
+def slow_guard_deployment(world, port: int) -> Deployment:
+    """A running guard deployment (serving no tenant) whose one instance is the `SlowGuard` on
+    `port`."""
+    base = BaseModel.objects.create(name="slow-guard", path=world.base.path)
+    deployment = Deployment.objects.create(name="slow-guard", base_model=base,
+                                           desired_state="running", max_model_len=1024)
+    Instance.objects.create(deployment=deployment, node=world.instance.node, port=port,
+                            state="ready", secret="slow-guard-secret")
+    GuardModelRow.objects.create(deployment=deployment, template=GUARD.template)
+    return deployment
 
 
 def chat(prompt: str) -> dict:
@@ -166,10 +200,10 @@ def test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed
                                                                                   world):
     """Over 24 prompts with both verdicts, the gateway blocks exactly those the guard engine
     (the tiny model, marked as a guard model) judged unsafe, with a 400 naming the category and
-    not the prompt; the guard call is a usage event of the tenant. Then a timeout too short for
-    any verdict: failing open lets a prompt judged unsafe through, failing closed refuses one
-    judged safe. Through the one-worker gateway: once a policy change is seen, every later
-    request sees it (two workers each refresh their own catalog)."""
+    not the prompt; the guard call is a usage event of the tenant. Then a guard engine that
+    answers "unsafe" only after the policy's timeout (`SlowGuard`): failing open lets the request
+    through, failing closed refuses it. Through the one-worker gateway: once a policy change is
+    seen, every later request sees it (two workers each refresh their own catalog)."""
     gateway = gateways[1]
     truth = {prompt: engine_verdict(world, prompt) for prompt in VERDICT_PROMPTS}
     assert set(truth.values()) == {"safe", "unsafe"}, truth
@@ -206,15 +240,25 @@ def test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed
     calls = UsageEvent.objects.filter(tenant=world.acme, endpoint="guard", status_code=200)
     assert calls.count() >= len(VERDICT_PROMPTS)
 
-    policy.classifier_timeout_ms, policy.classifier_fail_open = 1, True
-    policy.save()
-    wait_until(lambda: post(gateway, world.acme_secret, chat(unsafe),
-                            "/v1/chat/completions").status_code == 200, 20, "failing open")
-    policy.classifier_fail_open = False
-    policy.save()
-    wait_until(lambda: post(gateway, world.acme_secret, chat(safe),
-                            "/v1/chat/completions").status_code == 400, 20, "failing closed")
-    resp = post(gateway, world.acme_secret, chat(safe), "/v1/chat/completions")
+    def every_worker(prompt: str, status: int) -> bool:
+        """Several answers in a row: each gateway worker re-reads the saved policy on its own
+        (a single answer can come from one that has, before another has)."""
+        return all(post(gateway, world.acme_secret, chat(prompt),
+                        "/v1/chat/completions").status_code == status for _ in range(6))
+
+    slow = serve_standin(SlowGuard)
+    try:
+        policy.classifier = slow_guard_deployment(world, slow.server_address[1])
+        policy.classifier_timeout_ms, policy.classifier_fail_open = 300, True
+        policy.save()
+        wait_until(lambda: every_worker(safe, 200), 30, "failing open")
+        policy.classifier_fail_open = False
+        policy.save()
+        wait_until(lambda: every_worker(safe, 400), 30, "failing closed")
+        resp = post(gateway, world.acme_secret, chat(safe), "/v1/chat/completions")
+    finally:
+        slow.shutdown()
+        slow.server_close()
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "guardrail_blocked"
     drain_usage()
     call = UsageEvent.objects.get(request_id=resp.headers["x-request-id"] + "-guard")

@@ -161,6 +161,10 @@ def test_streamed_tool_call_arguments_are_redacted_across_events_and_restored():
     assert json.loads(got[(0, 0)])["phone"] == MOBILE
     assert b"TCK" not in out and b"K-1234" not in out and b"ann@" not in out
     assert g.counts["output:redact:TICKET"] == 1 and g.counts["output:redact:EMAIL"] == 1
+    assert {(d, f, a) for d, f, _, _, a in g.fields} == {
+        ("input", "messages[0].content", "redact"),
+        ("output", "choices[0].delta.tool_calls[0].function.arguments", "redact"),
+        ("output", "choices[0].delta.tool_calls[1].function.arguments", "redact")}
 
 
 def test_a_secret_in_tool_call_arguments_blocks_the_choice():
@@ -209,6 +213,8 @@ def test_a_whole_answers_tool_calls_are_redacted_and_changed_logprobs_dropped():
     assert first["message"]["tool_calls"][0]["function"]["arguments"] == \
         '{"ticket": "[TICKET_1]"}'
     assert first["logprobs"] is None and "4321" not in json.dumps(out)
+    assert g.fields == {("output", "choices[0].message.tool_calls[0].function.arguments",
+                         "ticket", "TICKET", "redact"): 1}
     assert second["logprobs"]["content"][0]["token"] == "fine"
     blocked = guard(output={"ticket": "block"}).output_body(
         "chat.completions", json.dumps(answer).encode())

@@ -20,7 +20,7 @@ from serving_app.placement.fleetspec import (
     parse_plan_deployments,
 )
 from serving_app.placement.inventory import GIB, declared_inventory
-from serving_app.placement.placer import TenantShare
+from serving_app.placement.request import TenantShare
 from serving_app.placement.shares import entitled_shares
 from serving_app.placement.whatif import PlannedDeployment, place_plan
 

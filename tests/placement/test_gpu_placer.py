@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from serving_app.placement.inventory import GIB, declared_inventory, parse_snapshot
-from serving_app.placement.placer import (
+from serving_app.placement.cluster import (
     Allocation,
     GpuSlot,
     MigSlot,
     Node,
-    PlacementRequest,
-    Placer,
     allocation_view,
     gpu_slot_from_info,
 )
+from serving_app.placement.inventory import GIB, declared_inventory, parse_snapshot
+from serving_app.placement.placer import Placer
+from serving_app.placement.request import PlacementRequest
 
 GB80 = 81920 * 1024**2
 L4 = 23034 * 1024**2  # what NVML reports for an NVIDIA L4 ("24GB")

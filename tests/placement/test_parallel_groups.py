@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 from serving_app.engine.launch import omp_threads_bind
+from serving_app.placement.cluster import GpuSlot, Node
 from serving_app.placement.inventory import GIB
-from serving_app.placement.placer import GpuSlot, Node, PlacementRequest, Placer
+from serving_app.placement.placer import Placer
 from serving_app.placement.planner import EngineSettings, plan_memory
+from serving_app.placement.request import PlacementRequest
 from tests.placement.test_memory_planner import LLAMA2_7B, QWEN2_7B
 
 GB80 = 81920 * 1024**2

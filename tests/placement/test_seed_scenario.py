@@ -12,14 +12,10 @@ Run with ``-s`` to print the per-GPU tables that docs/placement.md reproduces.
 
 from __future__ import annotations
 
-from serving_app.placement.placer import (
-    GpuAllocationView,
-    GpuSlot,
-    Node,
-    PlacementRequest,
-    Placer,
-)
+from serving_app.placement.cluster import GpuAllocationView, GpuSlot, Node
+from serving_app.placement.placer import Placer
 from serving_app.placement.planner import EngineSettings, MemoryPlan, ModelArchitecture, plan_memory
+from serving_app.placement.request import PlacementRequest
 
 A100_80GB = 81920 * 1024**2
 GIB = 1024**3

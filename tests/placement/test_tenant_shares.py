@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from serving_app.placement.placer import GpuSlot, Node, PlacementRequest, Placer, TenantShare
+from serving_app.placement.cluster import GpuSlot, Node
+from serving_app.placement.placer import Placer
+from serving_app.placement.request import PlacementRequest, TenantShare
 from serving_app.placement.shares import (
     charged_shares,
     entitled_shares,

@@ -14,8 +14,9 @@ from django.core.management import call_command
 from django.urls import reverse
 
 from serving_app.fleet import plans as fleetplans
-from serving_app.fleet import service
 from serving_app.fleet.accounting import period_ending_now
+from serving_app.fleet.place import place_replicas
+from serving_app.fleet.report import accounting, allocation
 from serving_app.management.commands.seed_demo import (
     TENANTS,
     THREE_DEPARTMENT_DEPLOYMENTS,
@@ -71,7 +72,7 @@ def test_platform_admin_creates_a_plan_and_reads_its_placement(platform_admin, d
     assert tenants["code-assistant"]["deployments"] == ["shared-llama", "code-completion"]
     # Nothing ran and nothing is reserved: no node, GPU or instance row was written.
     assert not Gpu.objects.exists() and not Instance.objects.exists()
-    assert service.allocation() == []
+    assert allocation() == []
 
 
 def test_bad_plans_are_field_errors_and_nothing_is_saved(platform_admin, departments):
@@ -234,11 +235,11 @@ def test_a_declared_mig_node_agent_gets_mig_rows_and_placements_without_device_i
     assert parent.mig_mode and sorted(
         m.mig_profile for m in parent.mig_devices.all()) == ["3g.40gb", "3g.40gb"]
     deployment = make_deployment(base, departments[:1], isolation_mode="mig", max_num_seqs=8)
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
     (gpu,) = instance.gpus.all()
     assert gpu.parent_id == parent.pk and instance.environment == {}
-    (dep,) = service.accounting(period_ending_now(timedelta(hours=1)))["deployments"]
+    (dep,) = accounting(period_ending_now(timedelta(hours=1)))["deployments"]
     assert dep["mig_slices"] == 3  # the 3 of 3g.40gb, charged to its one tenant
     assert dep["tenants"][0]["mig_slices"] == 3
 

@@ -10,8 +10,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.urls import reverse
 
-from serving_app.fleet import service
 from serving_app.fleet.accounting import measured_charges, period_ending_now
+from serving_app.fleet.place import place_replicas
+from serving_app.fleet.report import accounting
 from serving_app.models.usage import UsageHour, UsageMinute
 from serving_app.placement.inventory import GIB
 from serving_app.placement.shares import split_amount
@@ -47,7 +48,7 @@ def shared(tmp_path):
     c = make_tenant("dept-c")
     deployment = make_deployment(base, [a, b, c], name="shared-qwen", max_num_seqs=32,
                                  max_model_len=8192)
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
     deployment.instances.update(created_at=NOW - timedelta(hours=2))
     return deployment, a, b, c
@@ -60,7 +61,7 @@ def by_slug(report: dict) -> dict[str, dict]:
 
 def test_an_idle_shared_deployment_is_charged_by_weight(shared):
     deployment, *_ = shared
-    report = service.accounting(HOUR)
+    report = accounting(HOUR)
     (dep,) = report["deployments"]
     assert dep["measured"] is False and dep["buckets"] == 60
     tenants = by_slug(report)
@@ -87,7 +88,7 @@ def test_busy_buckets_are_charged_by_weighted_tokens_idle_ones_by_weight(shared)
     served(a, "someone-elses-model", 30, prompt=10_000)
     served(make_tenant("outsider-co"), model, 30, prompt=10_000)
 
-    report = service.accounting(HOUR)
+    report = accounting(HOUR)
     (dep,) = report["deployments"]
     assert (dep["measured"], dep["busy_buckets"], dep["buckets"]) == (True, 2, 60)
     tenants = by_slug(report)
@@ -115,7 +116,7 @@ def test_the_period_starts_when_the_reservation_was_placed(shared):
     deployment.instances.update(created_at=NOW - timedelta(minutes=15))
     served(a, deployment.base_model.name, 5, completion=1000)
     served(b, deployment.base_model.name, 50, completion=10)
-    (dep,) = service.accounting(HOUR)["deployments"]
+    (dep,) = accounting(HOUR)["deployments"]
     assert (dep["busy_buckets"], dep["buckets"]) == (1, 15)
     shares = {t["slug"]: t["share"] for t in dep["tenants"]}
     assert shares["dept-b"] == pytest.approx((1 + 14 * 0.25) / 15, abs=1e-6)
@@ -147,7 +148,7 @@ def test_long_ranges_read_the_hourly_rollup(shared):
     week = period_ending_now(timedelta(days=7), UsageHour, "7d", now=NOW)
     UsageHour.objects.create(bucket=NOW - timedelta(hours=5), tenant=c, model="qwen7b-like",
                              requests=1, completion_tokens=10)
-    (dep,) = service.accounting(week)["deployments"]
+    (dep,) = accounting(week)["deployments"]
     assert (dep["busy_buckets"], dep["buckets"]) == (1, 72)
     shares = {t["slug"]: t["share"] for t in dep["tenants"]}
     assert shares["dept-c"] == pytest.approx((1 + 71 * 0.25) / 72, abs=1e-6)

@@ -13,7 +13,8 @@ from django.utils import timezone
 from serving_app.deployments.reconcile import declare_lost_nodes
 from serving_app.engine.agent import only_owned
 from serving_app.engine.launch import HEADLESS_SERVE, build_launch_spec
-from serving_app.fleet import service
+from serving_app.fleet.place import place_replicas
+from serving_app.fleet.report import dry_run
 from serving_app.models import Instance, InstanceWorker
 from tests.api.helpers import as_user
 from tests.factories import make_base_model, make_deployment, make_tenant
@@ -38,7 +39,7 @@ def test_a_group_wider_than_a_node_is_one_instance_led_from_one_node(model, tena
     deployment = make_deployment(model, [tenant], tensor_parallel_size=2,
                                  pipeline_parallel_size=2, allow_multi_node=True,
                                  max_model_len=1024)
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
     (worker,) = instance.workers.select_related("node")
     assert {instance.node.name, worker.node.name} == {"node-a", "node-b"}
@@ -71,7 +72,7 @@ def test_a_group_wider_than_a_node_is_one_instance_led_from_one_node(model, tena
         assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"],
                 env["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
 
-    plan = service.dry_run(deployment)
+    plan = dry_run(deployment)
     assert plan["memory"]["gpus_per_instance"] == 4
     (placement,) = plan["placements"]
     assert [w["node"] for w in placement["workers"]] == [worker.node.name]
@@ -82,7 +83,7 @@ def test_the_instance_api_shows_the_group(model, tenant, platform_admin):
     make_node("cpu-b")
     deployment = make_deployment(model, [tenant], pipeline_parallel_size=2,
                                  allow_multi_node=True)
-    (instance,), _ = service.place_replicas(deployment, [0])
+    (instance,), _ = place_replicas(deployment, [0])
     data = as_user(platform_admin).get(f"/api/v1/instances/{instance.pk}/").data
     assert (data["master_addr"], data["master_port"]) == ("127.0.0.1", 29500)
     assert [(w["node_rank"], w["state"]) for w in data["workers"]] == [(1, "stopped")]
@@ -97,7 +98,7 @@ def test_a_second_group_led_from_the_same_node_gets_its_own_rendezvous_port(mode
         deployment = make_deployment(model, [tenant], pipeline_parallel_size=4,
                                      allow_multi_node=True, max_model_len=1024,
                                      gpu_memory_utilization=0.3)
-        (instance,), reason = service.place_replicas(deployment, [0])
+        (instance,), reason = place_replicas(deployment, [0])
         assert reason == ""
         ports.append((instance.node_id, instance.master_port))
     if ports[0][0] == ports[1][0]:
@@ -109,19 +110,19 @@ def test_cpu_hosts_take_one_rank_each_and_count_it_as_an_engine(model, tenant):
     make_node("cpu-b", max_instances=1)
     deployment = make_deployment(model, [tenant], pipeline_parallel_size=2,
                                  allow_multi_node=True)
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
     (worker,) = instance.workers.select_related("node")
     assert {instance.node.name, worker.node.name} == {"cpu-a", "cpu-b"}
     other = make_deployment(model, [tenant])
-    instances, reason = service.place_replicas(other, [0])
+    instances, reason = place_replicas(other, [0])
     assert instances == [] and reason.startswith("Every online node is full")
 
 
 def test_a_cpu_engine_of_several_ranks_on_one_host_binds_each_to_its_own_cores(model, tenant):
     make_node("cpu-a")
     deployment = make_deployment(model, [tenant], tensor_parallel_size=2)
-    (instance,), _ = service.place_replicas(deployment, [0])
+    (instance,), _ = place_replicas(deployment, [0])
     instance.port = 18300
     spec = build_launch_spec(instance, cpu_cores=[0, 1])
     assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
@@ -141,7 +142,7 @@ def test_a_lost_worker_node_takes_its_group_out_of_service(model, tenant):
     worker_node = make_node("cpu-b")
     deployment = make_deployment(model, [tenant], pipeline_parallel_size=2,
                                  allow_multi_node=True)
-    (instance,), _ = service.place_replicas(deployment, [0])
+    (instance,), _ = place_replicas(deployment, [0])
     worker = instance.workers.get()
     if worker.node_id != worker_node.pk:  # make the lost one the worker's, wherever it went
         worker_node = worker.node

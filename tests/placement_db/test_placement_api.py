@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving_app.fleet import service
+from serving_app.fleet.place import place_replicas
 from serving_app.models import Deployment, Gpu, GpuSample
 from tests.api.helpers import as_user, assert_forbidden_for
 from tests.factories import make_base_model, make_deployment
@@ -91,7 +91,7 @@ def test_plan_of_an_invalid_body_gives_the_same_errors_as_create(platform_admin,
 def test_gpu_allocation_lists_every_gpu_with_its_holders(platform_admin, acme, model_7b,
                                                          gpu_cluster):
     deployment = make_deployment(model_7b, [acme.tenant], max_num_seqs=8, max_model_len=4096)
-    (instance,), _ = service.place_replicas(deployment, [0])
+    (instance,), _ = place_replicas(deployment, [0])
     response = as_user(platform_admin).get("/api/v1/gpu-allocation/")
     assert response.status_code == 200
     rows = response.data

@@ -12,7 +12,15 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from serving_app.fleet import service
+from serving_app.fleet.place import place_instance, place_replicas
+from serving_app.fleet.read import (
+    PlanningError,
+    charged_tenants,
+    engine_settings,
+    model_architecture,
+    plan_deployment,
+)
+from serving_app.fleet.report import allocation, dry_run
 from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
 from serving_app.placement.inventory import GIB
 from serving_app.placement.planner import plan_memory
@@ -61,7 +69,7 @@ def deploy(base, tenant, **fields):
 
 def test_plan_deployment_matches_hand_computed_figures(qwen, tenant):
     deployment = deploy(qwen, tenant)
-    plan = service.plan_deployment(deployment)
+    plan = plan_deployment(deployment)
 
     # The factory writes q, k, v, o and gate projections plus the embedding, in float32.
     per_layer = 3584 * 3584 * 2 + 512 * 3584 * 2 + 18944 * 3584
@@ -96,22 +104,22 @@ def test_plan_deployment_matches_hand_computed_figures(qwen, tenant):
 
 
 def test_plan_follows_tp_dtype_and_mlp_adapters(qwen, tenant, tmp_path):
-    tp2 = service.plan_deployment(deploy(qwen, tenant, tensor_parallel_size=2, dtype="float32"))
+    tp2 = plan_deployment(deploy(qwen, tenant, tensor_parallel_size=2, dtype="float32"))
     assert tp2.dtype == "float32"
     assert tp2.kv_bytes_per_token == 2 * 28 * 2 * 128 * 4
     assert tp2.weight_bytes == qwen.weight_bytes // 2
 
     deployment = deploy(qwen, tenant)
     adapter = LoraAdapter(tenant=tenant, base_model=qwen, target_modules=["q_proj", "down_proj"])
-    settings = service.engine_settings(deployment.engine_spec(), [adapter])
+    settings = engine_settings(deployment.engine_spec(), [adapter])
     assert settings.lora_target_mlp and settings.enable_lora
 
 
 def test_unknown_architecture_is_a_planning_error(qwen, tenant):
     deployment = deploy(qwen, tenant)
     qwen.num_layers = 0
-    with pytest.raises(service.PlanningError, match="architecture is unknown"):
-        service.plan_deployment(deployment)
+    with pytest.raises(PlanningError, match="architecture is unknown"):
+        plan_deployment(deployment)
 
 
 # ------------------------------------------------------------------------------ placing
@@ -122,14 +130,14 @@ def test_replicas_land_on_separate_gpus_with_their_fraction(qwen, tenant, cluste
     deployment.placement_error = "old reason"
     Deployment.objects.filter(pk=deployment.pk).update(placement_error="old reason")
 
-    instances, reason = service.place_replicas(deployment, [0, 1, 2])
+    instances, reason = place_replicas(deployment, [0, 1, 2])
 
     assert reason == ""
     assert [i.ordinal for i in instances] == [0, 1, 2]
     gpus = [list(i.gpus.all()) for i in instances]
     assert all(len(g) == 1 for g in gpus)
     assert len({g[0].pk for g in gpus}) == 3
-    need = service.plan_deployment(deployment).gpu_memory_utilization(80 * GIB)
+    need = plan_deployment(deployment).gpu_memory_utilization(80 * GIB)
     for instance in instances:
         instance.refresh_from_db()
         assert instance.gpu_memory_fraction == need
@@ -142,13 +150,13 @@ def test_replicas_land_on_separate_gpus_with_their_fraction(qwen, tenant, cluste
 
 def test_new_replicas_respect_existing_allocations(qwen, tenant, cluster):
     first = deploy(qwen, tenant)
-    service.place_replicas(first, [0])
+    place_replicas(first, [0])
     second = deploy(qwen, tenant, max_num_seqs=64)  # 35.6 GiB: 0.45 of a GPU
-    (instance,), _ = service.place_replicas(second, [0])
+    (instance,), _ = place_replicas(second, [0])
     # Bin-packing puts it beside the first deployment's instance.
     assert list(instance.gpus.all()) == list(first.instances.get().gpus.all())
 
-    view = {(g["node"], g["index"]): g for g in service.allocation()}
+    view = {(g["node"], g["index"]): g for g in allocation()}
     gpu = instance.gpus.get()
     row = view[(gpu.node.name, gpu.index)]
     assert {d["name"] for d in row["by_deployment"]} == {first.name, second.name}
@@ -161,12 +169,12 @@ def test_new_replicas_respect_existing_allocations(qwen, tenant, cluster):
 
 def test_a_full_cluster_refuses_whole_and_creates_nothing(qwen, tenant, cluster):
     filler = deploy(qwen, tenant, isolation_mode="dedicated", replicas=16)
-    placed, reason = service.place_replicas(filler, list(range(16)))
+    placed, reason = place_replicas(filler, list(range(16)))
     assert reason == "" and len(placed) == 16
     assert Gpu.objects.filter(instances__isnull=False).distinct().count() == 16
 
     late = deploy(qwen, tenant)
-    instances, reason = service.place_replicas(late, [0, 1])
+    instances, reason = place_replicas(late, [0, 1])
     assert instances == []
     assert "no GPU has free memory" in reason
     late.refresh_from_db()
@@ -177,7 +185,7 @@ def test_a_full_cluster_refuses_whole_and_creates_nothing(qwen, tenant, cluster)
 def test_the_last_replica_that_does_not_fit_places_none(qwen, tenant, cluster):
     deployment = deploy(qwen, tenant, isolation_mode="dedicated")
     before = Instance.objects.count()
-    instances, reason = service.place_replicas(deployment, list(range(17)))
+    instances, reason = place_replicas(deployment, list(range(17)))
     assert instances == []
     assert reason.startswith("replica 17 of 17: needs an empty GPU")
     assert Instance.objects.count() == before
@@ -192,12 +200,12 @@ def test_refusal_names_the_largest_free_slot(qwen, tenant):
     # blocker: 8,153,202,688 + 90 x 470,370,304 = 50,486,530,048 B = 47.0 GiB: 0.5877 -> 0.59
     # of each GPU, leaving 1 - 0.59 - 0.10 headroom = 0.31 = 24.8 GiB.
     blocker = deploy(qwen, tenant, max_num_seqs=90)
-    assert service.plan_deployment(blocker).needed_bytes == 50_486_530_048
-    assert service.place_replicas(blocker, [0, 1])[1] == ""
+    assert plan_deployment(blocker).needed_bytes == 50_486_530_048
+    assert place_replicas(blocker, [0, 1])[1] == ""
     # big: 8,153,202,688 + 48 x 470,370,304 = 30,730,977,280 B = 28.6 GiB: 0.36 > the 0.31 left.
     big = deploy(qwen, tenant, max_num_seqs=48)
-    assert service.plan_deployment(big).needed_bytes == 30_730_977_280
-    instances, reason = service.place_replicas(big, [0])
+    assert plan_deployment(big).needed_bytes == 30_730_977_280
+    instances, reason = place_replicas(big, [0])
     assert instances == []
     assert reason == "needs 28.6 GiB; the largest free slot is 24.8 GiB on node-a GPU 0"
 
@@ -207,9 +215,9 @@ def test_quota_refusal_counts_what_the_tenant_already_holds(qwen, cluster):
     # 21.6 GiB needed (23,205,052,416 B, test_plan_deployment_matches_hand_computed_figures):
     # 22.4 GiB reserved at 0.28 of 80 GiB; 22.4 + 21.6 = 44.0 > the 40 GiB quota.
     first = deploy(qwen, tenant)
-    assert service.place_replicas(first, [0])[1] == ""
+    assert place_replicas(first, [0])[1] == ""
     second = deploy(qwen, tenant)
-    instances, reason = service.place_replicas(second, [0])
+    instances, reason = place_replicas(second, [0])
     assert instances == []
     assert reason == (
         "tenant quota's GPU memory quota is 40.0 GiB; it already uses 22.4 GiB and this "
@@ -224,12 +232,12 @@ def test_a_replacement_for_a_lost_nodes_instance_fits_within_the_quota(qwen, clu
     against the quota, which would otherwise refuse its replacement."""
     tenant = make_tenant("quota", gpu_memory_quota_gib=Decimal("40"))
     deployment = deploy(qwen, tenant)
-    [instance], _ = service.place_replicas(deployment, [0])
+    [instance], _ = place_replicas(deployment, [0])
     lost = instance.node
     lost.__class__.objects.filter(pk=lost.pk).update(
         last_heartbeat=timezone.now() - timedelta(hours=1), lost_at=timezone.now())
     Instance.objects.filter(pk=instance.pk).update(state=Instance.State.STOPPING)
-    [replacement], reason = service.place_replicas(deployment, [0])
+    [replacement], reason = place_replicas(deployment, [0])
     assert reason == "" and replacement.node != lost
 
 
@@ -241,25 +249,25 @@ def test_a_shared_deployment_checks_each_tenants_quota_for_its_entitled_share(qw
     big = make_tenant("big", fair_share_weight=3, gpu_memory_quota_gib=Decimal("20"))
     small = make_tenant("small", fair_share_weight=1, gpu_memory_quota_gib=Decimal("5"))
     deployment = make_deployment(qwen, [big, small], max_num_seqs=32, max_model_len=8192)
-    assert [(t.label, t.share) for t in service.charged_tenants(deployment)] == [
+    assert [(t.label, t.share) for t in charged_tenants(deployment)] == [
         ("big", 0.75), ("small", 0.25)]
-    _, reason = service.place_replicas(deployment, [0])
+    _, reason = place_replicas(deployment, [0])
     assert reason == (
         "tenant small's GPU memory quota is 5.0 GiB; it already uses 0.0 GiB and its share (25%) "
         "of this deployment needs 5.4 GiB more"
     )
     small.gpu_memory_quota_gib = Decimal("6")
     small.save()
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
-    (gpu,) = [g for g in service.allocation() if g["entries"]]
+    (gpu,) = [g for g in allocation() if g["entries"]]
     assert {t["slug"]: t["reserved_bytes"] for t in gpu["by_tenant"]} == {
         "big": int(0.28 * 80 * GIB * 0.75), "small": int(0.28 * 80 * GIB * 0.25)}
 
 
 def test_tensor_parallel_group_stays_on_one_node(qwen, tenant, cluster):
     deployment = deploy(qwen, tenant, tensor_parallel_size=4)
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
     gpus = list(instance.gpus.all())
     assert len(gpus) == 4 and len({g.node_id for g in gpus}) == 1
@@ -268,7 +276,7 @@ def test_tensor_parallel_group_stays_on_one_node(qwen, tenant, cluster):
 def test_tp_wider_than_a_node_is_refused(tmp_path, tenant, cluster):
     base = make_base_model(tmp_path, "wide", layers=2, hidden=4096, heads=32, kv_heads=8)
     deployment = deploy(base, tenant, tensor_parallel_size=16, max_model_len=2048)
-    instances, reason = service.place_replicas(deployment, [0])
+    instances, reason = place_replicas(deployment, [0])
     assert instances == []
     assert reason == (
         "needs 16 GPUs on one node for tensor parallelism; the most on a ready node is 8 "
@@ -279,7 +287,7 @@ def test_tp_wider_than_a_node_is_refused(tmp_path, tenant, cluster):
 def test_kv_heads_that_do_not_split_over_tp_are_refused(tmp_path, tenant, cluster):
     base = make_base_model(tmp_path, "odd-kv", layers=2, hidden=3072, heads=24, kv_heads=6)
     deployment = deploy(base, tenant, tensor_parallel_size=4, max_model_len=2048)
-    instances, reason = service.place_replicas(deployment, [0])
+    instances, reason = place_replicas(deployment, [0])
     assert instances == []
     assert reason == "6 KV heads do not split evenly over tensor_parallel_size 4"
 
@@ -287,7 +295,7 @@ def test_kv_heads_that_do_not_split_over_tp_are_refused(tmp_path, tenant, cluste
 def test_cordoned_and_lost_nodes_take_nothing(qwen, tenant):
     make_node("cordoned", "1x80GiB", cordoned=True)
     make_node("lost", "1x80GiB", last_heartbeat=None)
-    instances, reason = service.place_replicas(deploy(qwen, tenant), [0])
+    instances, reason = place_replicas(deploy(qwen, tenant), [0])
     assert instances == []
     assert reason == "no node is ready (all are not ready or lost)"
 
@@ -298,14 +306,14 @@ def test_mig_isolation_gets_a_free_mig_device(qwen, tenant):
 
     store_inventory(node, [a100_with_mig()], "nvml")
     deployment = deploy(qwen, tenant, isolation_mode="mig")
-    (instance,), reason = service.place_replicas(deployment, [0])
+    (instance,), reason = place_replicas(deployment, [0])
     assert reason == ""
     (gpu,) = instance.gpus.all()
     assert gpu.uuid == "MIG-bbbb" and gpu.parent is not None
     assert instance.environment == {"CUDA_VISIBLE_DEVICES": "MIG-bbbb"}
     # The only free MIG device is now taken (21.6 GiB needed: 23,205,052,416 B,
     # test_plan_deployment_matches_hand_computed_figures; it would fit a 40 GiB device).
-    _, reason = service.place_replicas(deploy(qwen, tenant, isolation_mode="mig"), [0])
+    _, reason = place_replicas(deploy(qwen, tenant, isolation_mode="mig"), [0])
     assert reason == "needs 21.6 GiB on a MIG device; no MIG device is free"
 
 
@@ -315,7 +323,7 @@ def test_mps_sets_thread_percentage_and_memory_limit(qwen, tenant):
 
     store(node, h200_gpus("h200_nvml_idle.json"))
     deployment = deploy(qwen, tenant, isolation_mode="mps", mps_thread_percentage=30)
-    (instance,), _ = service.place_replicas(deployment, [0])
+    (instance,), _ = place_replicas(deployment, [0])
     env = instance.environment
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-4e1159e8-f3d6-41be-8b16-6125942d04c8"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
@@ -326,7 +334,7 @@ def test_place_instance_places_an_existing_row(qwen, tenant, cluster):
     """The reconciler's path: it creates the row, then asks for a node."""
     deployment = deploy(qwen, tenant)
     instance = Instance.objects.create(deployment=deployment, ordinal=0)
-    node = service.place_instance(deployment, instance)
+    node = place_instance(deployment, instance)
     instance.refresh_from_db()
     assert node is not None and instance.node == node
     assert instance.gpus.count() == 1 and instance.gpu_memory_fraction == 0.28
@@ -339,21 +347,21 @@ def test_cpu_hosts_take_max_instances_each_fewest_first(qwen, tenant):
     make_node("cpu-a", max_instances=1)
     make_node("cpu-b", max_instances=2)
     deployment = deploy(qwen, tenant)
-    instances, reason = service.place_replicas(deployment, [0, 1])
+    instances, reason = place_replicas(deployment, [0, 1])
     assert reason == ""
     assert sorted(i.node.name for i in instances) == ["cpu-a", "cpu-b"]
     assert all(i.gpu_memory_fraction is None and not i.gpus.exists() for i in instances)
 
-    instances, reason = service.place_replicas(deploy(qwen, tenant), [0, 1])
+    instances, reason = place_replicas(deploy(qwen, tenant), [0, 1])
     assert instances == []
     assert reason == (
         "2 instances do not fit on the online nodes: cpu-a runs 1 of 1, cpu-b runs 1 of 2"
     )
 
-    (instance,), _ = service.place_replicas(deploy(qwen, tenant), [0])
+    (instance,), _ = place_replicas(deploy(qwen, tenant), [0])
     assert instance.node.name == "cpu-b"
     instance_row = Instance.objects.create(deployment=deployment, ordinal=5)
-    assert service.place_instance(deployment, instance_row) is None
+    assert place_instance(deployment, instance_row) is None
     instance_row.refresh_from_db()
     assert instance_row.last_error == (
         "Every online node is full: cpu-a runs 1 of 1, cpu-b runs 2 of 2"
@@ -362,14 +370,14 @@ def test_cpu_hosts_take_max_instances_each_fewest_first(qwen, tenant):
 
 def test_no_online_agent_is_said_so(qwen, tenant):
     make_node("cpu-a", last_heartbeat=None)
-    _, reason = service.place_replicas(deploy(qwen, tenant), [0])
+    _, reason = place_replicas(deploy(qwen, tenant), [0])
     assert reason.startswith("No node agent is online")
 
 
 def test_cpu_hosts_are_not_used_once_a_gpu_node_is_registered(qwen, tenant):
     make_node("cpu-a")
     make_node("gpu-a", "1x80GiB", cordoned=True)
-    instances, reason = service.place_replicas(deploy(qwen, tenant), [0])
+    instances, reason = place_replicas(deploy(qwen, tenant), [0])
     assert instances == []
     assert reason == "no node is ready (all are not ready or lost)"
 
@@ -379,13 +387,13 @@ def test_cpu_hosts_are_not_used_once_a_gpu_node_is_registered(qwen, tenant):
 
 def test_dry_run_says_where_replicas_would_go_and_writes_nothing(qwen, tenant, cluster):
     deployment = deploy(qwen, tenant, replicas=2)
-    plan = service.dry_run(deployment)
+    plan = dry_run(deployment)
     assert plan["ok"] and plan["target"] == "gpu" and plan["reason"] is None
     assert [p["replica"] for p in plan["placements"]] == [0, 1]
     assert plan["placements"][0]["gpu_memory_utilization"] == 0.28
     assert plan["placements"][0]["concurrent_sequences"] >= 32
     expected = plan_memory(
-        service.model_architecture(qwen), service.engine_settings(deployment.engine_spec())
+        model_architecture(qwen), engine_settings(deployment.engine_spec())
     ).needed_bytes
     assert plan["memory"]["needed_bytes"] == expected
     assert any(line.startswith("Needed per GPU:") for line in plan["explain"])
@@ -395,15 +403,15 @@ def test_dry_run_says_where_replicas_would_go_and_writes_nothing(qwen, tenant, c
 
 def test_dry_run_ignores_the_deployments_own_instances(qwen, tenant, cluster):
     deployment = deploy(qwen, tenant, isolation_mode="dedicated", replicas=16)
-    service.place_replicas(deployment, list(range(16)))
-    plan = service.dry_run(deployment)
+    place_replicas(deployment, list(range(16)))
+    plan = dry_run(deployment)
     assert plan["ok"] and len(plan["placements"]) == 16
     assert len(plan["current"]) == 16
 
 
 def test_dry_run_of_a_deployment_that_cannot_fit(qwen, tenant):
     make_node("small", "1xNVIDIA L4:24GiB")
-    plan = service.dry_run(deploy(qwen, tenant, max_num_seqs=64))
+    plan = dry_run(deploy(qwen, tenant, max_num_seqs=64))
     assert not plan["ok"] and plan["placements"] == []
     assert plan["reason"].startswith("needs ") and "on small GPU 0" in plan["reason"]
     assert any(line.startswith("Does not fit on a GPU of 24.00 GiB") for line in plan["explain"])
@@ -412,7 +420,7 @@ def test_dry_run_of_a_deployment_that_cannot_fit(qwen, tenant):
 def test_dry_run_on_cpu_hosts_gives_the_cpu_kv_capacity(qwen, tenant, settings):
     settings.ENGINE_CPU_KVCACHE_GIB = 1
     make_node("cpu-a")
-    plan = service.dry_run(deploy(qwen, tenant))
+    plan = dry_run(deploy(qwen, tenant))
     assert plan["ok"] and plan["target"] == "cpu"
     # 1 GiB / (57,344 B x 128-token blocks) = 146 blocks; vLLM counts 146 / 64 x 8192 tokens.
     assert plan["placements"][0]["cpu_kv_cache_tokens"] == 18_688

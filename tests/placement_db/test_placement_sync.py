@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving_app.fleet.service import build_placer
+from serving_app.fleet.read import build_placer
 from serving_app.fleet.sync import store_inventory
 from serving_app.models import Gpu, GpuSample, Instance, Node
 from serving_app.placement.inventory import (

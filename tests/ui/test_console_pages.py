@@ -29,6 +29,7 @@ PAGES = [
     ("console:deployment-list", []),
     ("console:deployment-create", []),
     ("console:audit-log", []),
+    ("console:backup-list", []),
     ("console:event-list", []),
     ("console:node-list", []),
     ("console:guardrail-floor", []),

@@ -3,9 +3,15 @@ served against entitled share from the gateway's counters in Redis, with Jain's 
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import redis
+from django.conf import settings
 from django.urls import reverse
 
+from gateway_app.objectives import CONTROL_LUA
+from serving_app.deployments import sharing
 from tests.factories import make_deployment
 from tests.ui.conftest import flow_minute
 
@@ -90,3 +96,31 @@ def test_the_latency_dashboard_says_when_no_deployment_uses_flow_control(
                                                 args=["latency"])).json()
     assert "No running deployment uses flow control" in payload["tables"]
     assert _series(payload) == {}
+
+
+def test_the_deployment_page_shows_the_admission_controllers_budget_and_objectives(
+    platform_admin, acme, globex, base_model, login
+):
+    """acme states latency objectives and has a request holding a slot; two steps of the
+    gateway's controller (its own script) on reports of 1.25x and 0.8x the objective: the page
+    shows the budget the others are held to, the objectives, the last measurement and when the
+    budget changed."""
+    deployment = make_deployment(base_model, [acme.tenant, globex.tenant], name="shared",
+                                 max_num_seqs=8)
+    a = acme.tenant.pk
+    with flow_minute(deployment.pk, {f"n:{a}": 1}):
+        key = sharing.prefix(deployment.pk)
+        client = redis.Redis.from_url(settings.GATEWAY["REDIS_URL"])
+        client.hset(f"{key}:c", str(a), "300")
+        control = client.register_script(CONTROL_LUA)
+        now = int(time.time() * 1000)
+        for step, (ratio, tpot) in enumerate([(1.25, 50.0), (0.8, 32.0)]):
+            control(args=[key, now + 250 * step, 10, 2, ratio, -1, tpot, f",{a},", 400, 40])
+        client.close()
+        page = login(platform_admin).get(
+            reverse("console:deployment-detail", args=[deployment.pk])).content.decode()
+    assert "the others are sent at most <strong>5</strong> requests per instance (active" in page
+    assert "first token 400 ms, per token 40 ms" in page
+    assert "0.80 of the objective; first token —, per token 32.0 ms" in page
+    # One change (10 to 5), the hold after it is not a change.
+    assert page.count('<td class="num">5</td>') == 1

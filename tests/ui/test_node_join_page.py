@@ -19,18 +19,67 @@ def test_the_nodes_page_links_to_adding_a_node(login, platform_admin):
 
 
 def test_making_a_token_shows_the_join_command_once(login, platform_admin):
+    """Post/redirect/get: the token is on the page the redirect names, once; a reload shows it
+    no more and mints no other."""
     client = login(platform_admin)
     response = client.post("/nodes/add/", {"node_name": "gpu-b", "ttl_minutes": "30"})
-    assert response.status_code == 200 and response["Cache-Control"] == "no-store"
-    command = re.search(r"<code data-command>(.*?)</code>", response.content.decode()).group(1)
-    token = re.search(r"--token (nj_[\w-]+)", command).group(1)
+    assert response.status_code == 302 and response["Cache-Control"] == "no-store"
+    shown = client.get(response["Location"])
+    assert shown["Cache-Control"] == "no-store"
+    page = shown.content.decode()
+    command = re.search(r"<code data-command[^>]*>(.*?)</code>", page).group(1)
+    token = re.search(r"<code data-token[^>]*>(nj_[\w-]+)</code>", page).group(1)
+    assert token not in command  # asked for by the script, never an argument
+    assert 'data-copy="#join-command-line"' in page and 'data-copy="#join-token"' in page
+    assert "--token-file" in page
     row = NodeJoinToken.objects.get()
     assert row.node_name == "gpu-b" and row.state == "open"
     assert 29 <= (row.expires_at - row.created_at).total_seconds() / 60 <= 30
-    assert "scripts/join_node.sh --console http://testserver --name gpu-b" in command
+    assert command.endswith("scripts/join_node.sh --console http://testserver --name gpu-b")
+    # A reload: the token is gone, and no other was made.
+    again = client.get(response["Location"]).content.decode()
+    assert token not in again and NodeJoinToken.objects.count() == 1
     # Listed afterwards by its prefix, never the token again.
     later = client.get("/nodes/add/").content.decode()
     assert row.prefix in later and token not in later
+
+
+def test_another_admin_cannot_read_the_token_by_its_redirect(login, platform_admin):
+    from tests.factories import make_user
+
+    response = login(platform_admin).post("/nodes/add/", {"node_name": "gpu-b"})
+    other = login(make_user("other-admin", staff=True))
+    page = other.get(response["Location"]).content.decode()
+    assert "<code data-token" not in page and "join-command-line" not in page
+
+
+def test_no_token_is_made_while_no_host_could_join(login, platform_admin, settings):
+    settings.NODE_JOIN_DATABASE_URL = "sqlite:///var/console.sqlite3"
+    client = login(platform_admin)
+    page = client.get("/nodes/add/").content.decode()
+    assert 'id="join-problem"' in page and "disabled" in page
+    response = client.post("/nodes/add/", {"node_name": "gpu-b"})
+    assert response.status_code == 400 and "No token made" in response.content.decode()
+    assert not NodeJoinToken.objects.exists()
+
+
+def test_the_command_names_the_consoles_external_address(login, platform_admin, settings):
+    client = login(platform_admin)
+    settings.CONSOLE_EXTERNAL_URL = "https://console.example.com/"
+    shown = client.get(client.post("/nodes/add/", {"node_name": "gpu-b"})["Location"])
+    assert "--console https://console.example.com --name gpu-b" in shown.content.decode()
+    # Unset, opened on loopback: NODE_CONSOLE_URL when it names another host.
+    settings.CONSOLE_EXTERNAL_URL = ""
+    settings.NODE_CONSOLE_URL = "http://10.0.0.5:8000"
+    loopback = login(platform_admin)
+    response = loopback.post("/nodes/add/", {"node_name": "gpu-c"}, HTTP_HOST="127.0.0.1:8000")
+    page = loopback.get(response["Location"], HTTP_HOST="127.0.0.1:8000").content.decode()
+    assert "--console http://10.0.0.5:8000 --name gpu-c" in page
+    # Nothing better known: the loopback address, with a warning that says what to set.
+    settings.NODE_CONSOLE_URL = "http://127.0.0.1:8000"
+    response = loopback.post("/nodes/add/", {"node_name": "gpu-d"}, HTTP_HOST="127.0.0.1:8000")
+    page = loopback.get(response["Location"], HTTP_HOST="127.0.0.1:8000").content.decode()
+    assert "--console http://127.0.0.1:8000" in page and 'id="join-loopback"' in page
 
 
 def test_a_taken_or_bad_name_is_a_field_error_and_makes_nothing(login, platform_admin):

@@ -66,7 +66,10 @@ def test_mps_thread_percentage_is_shown_only_for_mps(login, platform_admin):
     body = login(platform_admin).get(reverse("console:deployment-create")).content.decode()
     # Hidden from the start (shared isolation), shown by console.js when MPS is chosen.
     assert 'data-show-when="isolation_mode=mps" hidden data-field="mps_thread_percentage"' in body
-    assert body.count("data-show-when=") == 1
+    # And the scheduler plugin's cap, shown with priority scheduling only (FCFS by default).
+    assert ('data-show-when="scheduling_policy=priority" hidden data-field="urgent_batch_cap"'
+            in body)
+    assert body.count("data-show-when=") == 2
     mps = DeploymentForm(data={"isolation_mode": "mps"}).sections()
     row = next(r for s in mps for r in s.rows if r.field.name == "mps_thread_percentage")
     assert not row.hidden and row.shown_when == "isolation_mode=mps"

@@ -404,7 +404,8 @@ def test_deleting_an_adapter_removes_its_uploaded_files_once_no_engine_has_it(
     instance = Instance.objects.create(deployment=served, state="ready",
                                        loaded_adapters=[adapter.engine_name])
     folder = Path(adapter.path)
-    response = client.post(reverse("portal:adapter-delete", args=["acme", adapter.pk]))
+    response = client.post(reverse("portal:adapter-delete", args=["acme", adapter.pk]),
+                           {"confirm": "delete"})
     assert response.status_code == 302
     assert not LoraAdapter.objects.exists()
     assert AuditLog.objects.filter(action="delete", object_type="serving_app.LoraAdapter",
@@ -418,9 +419,40 @@ def test_deleting_an_adapter_removes_its_uploaded_files_once_no_engine_has_it(
 
 def test_another_tenants_adapter_cannot_be_deleted(login, acme, globex, base_model, tmp_path):
     theirs = make_adapter(globex.tenant, base_model, tmp_path / "g")
-    response = login(acme.owner).post(reverse("portal:adapter-delete", args=["acme", theirs.pk]))
-    assert response.status_code == 404
+    url = reverse("portal:adapter-delete", args=["acme", theirs.pk])
+    assert login(acme.owner).post(url, {"confirm": "delete"}).status_code == 404
+    assert login(acme.owner).get(url).status_code == 404
     assert LoraAdapter.objects.filter(pk=theirs.pk).exists()
+
+
+def test_deleting_an_adapter_asks_first_naming_the_deployments_serving_it(
+        login, acme, served, base_model, tmp_path):
+    """The list's Delete opens a confirmation page (no JavaScript needed) that names the
+    deployments serving the adapter; a POST without the confirmation deletes nothing."""
+    adapter = make_adapter(acme.tenant, base_model, tmp_path / "a", name="helpdesk")
+    served.adapters.add(adapter)
+    client = login(acme.owner)
+    listing = client.get(reverse("portal:adapters", args=["acme"])).content.decode()
+    url = reverse("portal:adapter-delete", args=["acme", adapter.pk])
+    assert f'href="{url}"' in listing
+    page = client.get(url)
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert "1 deployment serves this adapter" in body and "shared" in body
+    assert 'name="confirm" value="delete"' in body
+    unconfirmed = client.post(url)
+    assert unconfirmed.status_code == 200 and "shared" in unconfirmed.content.decode()
+    assert LoraAdapter.objects.filter(pk=adapter.pk).exists()
+    assert client.post(url, {"confirm": "delete"}).status_code == 302
+    assert not LoraAdapter.objects.filter(pk=adapter.pk).exists()
+
+
+def test_a_member_gets_no_delete_confirmation(login, acme, base_model, tmp_path):
+    adapter = make_adapter(acme.tenant, base_model, tmp_path / "a")
+    url = reverse("portal:adapter-delete", args=["acme", adapter.pk])
+    assert login(acme.member).get(url).status_code == 403
+    assert login(acme.member).post(url, {"confirm": "delete"}).status_code == 403
+    assert LoraAdapter.objects.filter(pk=adapter.pk).exists()
 
 
 # ----------------------------------------------------------------------------- members

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from django.test import override_settings
 
-from serving_app import lifecycle
+from serving_app import lifecycle, pki
 
 
 @pytest.fixture
@@ -16,3 +17,12 @@ def sent(monkeypatch):
     monkeypatch.setattr(lifecycle, "instance_task",
                         lambda task, instance_id, queue: calls.append((task, instance_id)))
     return calls
+
+
+@pytest.fixture
+def tls_dir(tmp_path):
+    """An `ENGINE_TLS_DIR` of the test's own, empty (serving_app/pki.py makes its files)."""
+    with override_settings(ENGINE_TLS_DIR=tmp_path / "tls"):
+        pki._ensured_for.clear()
+        yield tmp_path / "tls"
+    pki._ensured_for.clear()

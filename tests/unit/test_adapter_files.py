@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from serving_app import storage
-from serving_app.engine import agent
+from serving_app.engine.adapters import usable_adapters
 from serving_app.modelfiles import ModelFilesError, check_safetensors, read_adapter
 from serving_app.models import AdapterFileRemoval, Instance, LoraAdapter
 from tests.factories import make_adapter, make_adapter_dir, make_deployment, make_tenant
@@ -144,7 +144,8 @@ class TestAdaptersAnEngineStartsWith:
         weights = Path(corrupt.path, "adapter_model.safetensors")
         weights.write_bytes(weights.read_bytes()[:-8])
         instance = Instance.objects.create(deployment=deployment, state=State.STARTING)
-        adapters, errors = agent.usable_adapters(instance, tmp_path / "engine.log")
+        adapters, errors = usable_adapters(instance, tmp_path / "engine.log",
+                                          instance.engine_spec())
         assert adapters == [good]
         assert "rank 16 is above the deployment's max_lora_rank 8" in errors[wide.engine_name]
         assert "truncated" in errors[corrupt.engine_name]
@@ -161,7 +162,8 @@ class TestAdaptersAnEngineStartsWith:
             file.unlink()
         Path(adapter.path).rmdir()
         instance = Instance.objects.create(deployment=deployment, state=State.STARTING)
-        adapters, errors = agent.usable_adapters(instance, tmp_path / "engine.log")
+        adapters, errors = usable_adapters(instance, tmp_path / "engine.log",
+                                          instance.engine_spec())
         assert adapters == []
         assert errors[adapter.engine_name].endswith(storage.GENERIC_PATH_ERROR)
         assert str(tmp_path) not in errors[adapter.engine_name]

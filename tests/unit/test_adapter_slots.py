@@ -10,8 +10,7 @@ real HTTP server that answers vLLM's load and unload endpoints and records what 
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 from django.utils import timezone
@@ -19,6 +18,7 @@ from django.utils import timezone
 from serving_app.engine import agent
 from serving_app.engine.launch import adapter_capacity, build_launch_spec
 from serving_app.models import Gpu, Instance, LoraAdapter, Node
+from tests.engines import serve_standin
 from tests.factories import STANDIN_CANARY_REPLY, make_adapter, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
@@ -45,8 +45,7 @@ class StandInEngine(BaseHTTPRequestHandler):
 @pytest.fixture
 def engine():
     handler = type("Engine", (StandInEngine,), {"calls": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_standin(handler)
     yield server, handler
     server.shutdown()
     server.server_close()

@@ -9,7 +9,7 @@ from django.urls import reverse
 
 MODELS = [
     model
-    for app in ("audit_app", "tenants_app", "serving_app", "alerts_app")
+    for app in ("audit_app", "tenants_app", "serving_app", "alerts_app", "backups_app")
     for model in apps.get_app_config(app).get_models()
 ]
 

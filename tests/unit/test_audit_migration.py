@@ -32,6 +32,10 @@ def migrate(targets: list[tuple[str, str | None]]) -> MigrationExecutor:
     return executor
 
 
+# Columns a later migration encrypts in place (tenants_app 0008): not compared as stored.
+ENCRYPTED_SINCE = frozenset({"cache_secret"})
+
+
 def every_row() -> dict[str, list[tuple[Any, ...]]]:
     """Each table's rows, in key order (the migration bookkeeping and the content types, whose
     app label is meant to change, aside)."""
@@ -40,7 +44,11 @@ def every_row() -> dict[str, list[tuple[Any, ...]]]:
         for table in connection.introspection.table_names(cursor):
             if table in ("django_migrations", "django_content_type"):
                 continue
-            cursor.execute(f'SELECT * FROM "{table}" ORDER BY 1')  # noqa: S608 (table names)
+            # Secrets are encrypted by a later migration: compared decrypted, below.
+            columns = [c.name for c in connection.introspection.get_table_description(
+                cursor, table) if c.name not in ENCRYPTED_SINCE]
+            names = ", ".join(f'"{c}"' for c in columns)
+            cursor.execute(f'SELECT {names} FROM "{table}" ORDER BY 1')  # noqa: S608 (names)
             rows[table] = cursor.fetchall()
     return rows
 
@@ -79,6 +87,7 @@ def test_rows_written_before_the_move_are_intact_after_it():
     assert {table: [row[:len(old[0])] if old else row for row in after[table]]
             for table, old in before.items()} == before
     assert not any(after[table] for table in set(after) - set(before))  # tables added since
+    assert Tenant.objects.get(slug="legacy").cache_secret == "s"  # encrypted, same secret
     moved = AuditLog.objects.get(pk=entry.pk)
     assert (moved.actor.username, moved.tenant, moved.via, moved.remote_addr) == (
         "old-admin", Tenant.objects.get(slug="legacy"), "ui", "10.0.0.7")

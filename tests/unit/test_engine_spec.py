@@ -1,8 +1,10 @@
 """Every engine setting is declared once (serving_app.enginespec) and reaches each layer from that
 declaration: the console form (with its declared label and help), the API serializer, the
-model field's range, a revision's spec, the memory planner (where it changes memory) and the
-engine's command line (its flag, when set to a value other than the default). A setting that is
-declared but not wired through fails here, whichever layer misses it."""
+model field's range, a revision's spec, the memory planner (where it changes memory; vLLM's own
+default where it is given none), a what-if plan (with the declared default) and the engine's
+command line (its flag, when set to a value other than the default). A setting that is declared
+but not wired through fails here, whichever layer misses it. So does a front door that bounds
+the replicas otherwise than the one declared maximum."""
 
 from __future__ import annotations
 
@@ -11,23 +13,29 @@ from typing import Any
 import pytest
 from django.core.validators import MaxValueValidator, MinValueValidator
 
-from serving_app.api.serializers import DeploymentSerializer
-from serving_app.engine.agent import AgentConfig, _choose_port
+from serving_app.api.serializers import ApplySerializer, DeploymentSerializer, ScaleSerializer
+from serving_app.engine.config import AgentConfig
 from serving_app.engine.launch import build_launch_spec
+from serving_app.engine.starting import _choose_port
 from serving_app.enginespec import (
     ENGINE_FIELDS,
+    FIELD,
     FIELDS,
+    MAX_REPLICAS,
     MEMORY_FIELDS,
     EngineField,
     EngineSpec,
     InlineModel,
 )
-from serving_app.fleet import service
+from serving_app.fleet.place import placement_request
+from serving_app.fleet.read import plan_deployment
 from serving_app.forms import DeploymentForm
-from serving_app.models import Deployment, Gpu, Instance, Node
-from serving_app.placement.fleetspec import parse_plan_deployments
+from serving_app.models import Autoscaler, Deployment, Gpu, Instance, Node
+from serving_app.models.revisions import Rollout
+from serving_app.placement.fleetspec import FleetSpecError, PlanDeployment, parse_plan_deployments
 from serving_app.placement.planner import EngineSettings
 from tests.factories import make_deployment, make_tenant
+from ui_app.console.forms import ApplyForm, ScaleForm
 
 pytestmark = pytest.mark.django_db
 
@@ -40,9 +48,12 @@ SAMPLES: dict[str, Any] = {
 COMPANIONS: dict[str, dict[str, Any]] = {
     "mps_thread_percentage": {"isolation_mode": "mps"},
     "allow_multi_node": {"pipeline_parallel_size": 2},  # a group of one GPU spans nothing
+    "urgent_batch_cap": {"scheduling_policy": "priority"},
 }
-# Settings that are not vLLM flags, and how each one reaches the engine (checked below).
-NOT_FLAGS = {"isolation_mode", "mps_thread_percentage", "base_port", "allow_multi_node"}
+# Settings that are not vLLM flags, and how each one reaches the engine (checked below;
+# urgent_batch_cap: the scheduler plugin's environment, tests/unit/test_launch_spec.py).
+NOT_FLAGS = {"isolation_mode", "mps_thread_percentage", "base_port", "allow_multi_node",
+             "urgent_batch_cap"}
 
 
 def sample(field: EngineField) -> Any:
@@ -130,15 +141,14 @@ def test_allow_multi_node_reaches_the_placer(base_model, tenant):
     deployment = deployment_with(base_model, tenant,
                                  next(f for f in FIELDS if f.name == "allow_multi_node"))
     engine = deployment.engine_spec(deployment.applied_revision)
-    request = service.placement_request(deployment, engine,
-                                        service.plan_deployment(deployment), 1, ())
+    request = placement_request(deployment, engine, plan_deployment(deployment), 1, ())
     assert request.allow_multi_node and request.world_size == 2
 
 
 @pytest.mark.parametrize("field", [f for f in FIELDS if f.memory], ids=lambda f: f.name)
 def test_each_memory_setting_changes_the_plan(field, base_model, tenant):
-    default = service.plan_deployment(deployment_with(base_model, tenant))
-    changed = service.plan_deployment(deployment_with(base_model, tenant, field))
+    default = plan_deployment(deployment_with(base_model, tenant))
+    changed = plan_deployment(deployment_with(base_model, tenant, field))
     assert getattr(changed.engine, field.name) != getattr(default.engine, field.name)
     assert changed.needed_bytes != default.needed_bytes
     # A what-if plan takes it too, with the same range or choices.
@@ -154,13 +164,47 @@ def test_the_planner_takes_every_memory_setting_and_nothing_else():
     assert not {f.name for f in FIELDS if not f.memory} & set(vars(settings))
 
 
+def test_a_plan_defaults_as_a_deployment_and_the_planner_as_vllm():
+    planned = PlanDeployment(name="p", tenants=("t",))
+    taken = [name for name in ENGINE_FIELDS if hasattr(planned, name)]
+    assert {name: getattr(planned, name) for name in taken} == {
+        name: FIELD[name].default for name in taken}
+    assert planned.isolation == FIELD["isolation_mode"].default
+    given_nothing = EngineSettings()  # max_num_batched_tokens None: plan_memory reads vLLM's
+    declared = [f for f in FIELDS if f.vllm_default is not None
+                and getattr(given_nothing, f.name, None) is not None]
+    assert {f.name: getattr(given_nothing, f.name) for f in declared} == {
+        f.name: f.vllm_default for f in declared}
+    assert (given_nothing.max_num_seqs, given_nothing.max_loras) == (256, 1)
+
+
+def test_every_front_door_bounds_the_replicas_by_the_one_maximum():
+    bound = MaxValueValidator(MAX_REPLICAS)
+    assert bound in Deployment._meta.get_field("replicas").validators
+    for model, name in ((Autoscaler, "min_replicas"), (Autoscaler, "max_replicas"),
+                        (Rollout, "max_surge"), (Rollout, "max_unavailable")):
+        assert bound in model._meta.get_field(name).validators, name
+    for form_field in (ScaleForm().fields["replicas"], ApplyForm().fields["max_surge"],
+                       ApplyForm().fields["max_unavailable"], ScaleSerializer().fields["replicas"],
+                       ApplySerializer().fields["max_surge"],
+                       ApplySerializer().fields["max_unavailable"]):
+        assert form_field.max_value == MAX_REPLICAS
+    (planned,) = parse_plan_deployments([{"name": "p", "tenants": ["t"], "model": "m",
+                                          "replicas": MAX_REPLICAS}])
+    assert planned.replicas == MAX_REPLICAS
+    with pytest.raises(FleetSpecError, match=f"replicas must be an integer from 1 to "
+                                             f"{MAX_REPLICAS}"):
+        parse_plan_deployments([{"name": "p", "tenants": ["t"], "model": "m",
+                                 "replicas": MAX_REPLICAS + 1}])
+
+
 def test_isolation_mps_and_base_port_reach_the_placer_the_environment_and_the_port(
         base_model, tenant):
     mps = deployment_with(base_model, tenant, next(f for f in FIELDS
                                                    if f.name == "mps_thread_percentage"))
     engine = mps.engine_spec()
-    plan = service.plan_deployment(mps)
-    request = service.placement_request(mps, engine, plan, 1, [])
+    plan = plan_deployment(mps)
+    request = placement_request(mps, engine, plan, 1, [])
     assert (request.isolation, request.mps_thread_percentage) == ("mps", 1)
     node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
     gpu = Gpu.objects.create(node=node, index=0, uuid="GPU-0", name="H100",
@@ -169,13 +213,13 @@ def test_isolation_mps_and_base_port_reach_the_placer_the_environment_and_the_po
     assert launched.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "1"
 
     dedicated = make_deployment(base_model, [tenant], isolation_mode="dedicated")
-    assert service.placement_request(dedicated, dedicated.engine_spec(), plan, 1,
-                                     []).isolation == "dedicated"
+    assert placement_request(dedicated, dedicated.engine_spec(), plan, 1,
+                             []).isolation == "dedicated"
 
     fixed = make_deployment(base_model, [tenant], base_port=SAMPLES["base_port"])
     instance = Instance.objects.create(deployment=fixed, ordinal=2)
     config = AgentConfig(name="n", address="127.0.0.1", engine_env="", gpus="")
-    assert _choose_port(instance, config) == SAMPLES["base_port"] + 2
+    assert _choose_port(instance, config, instance.engine_spec()) == SAMPLES["base_port"] + 2
 
 
 def test_at_the_defaults_the_cpu_engines_command_has_no_new_flags(base_model, tenant):
@@ -185,9 +229,9 @@ def test_at_the_defaults_the_cpu_engines_command_has_no_new_flags(base_model, te
 
 
 def test_fp8_kv_cache_halves_the_kv_bytes_per_token(base_model, tenant):
-    auto = service.plan_deployment(make_deployment(base_model, [tenant], dtype="float16"))
-    fp8 = service.plan_deployment(make_deployment(base_model, [tenant], dtype="float16",
-                                                  kv_cache_dtype="fp8"))
+    auto = plan_deployment(make_deployment(base_model, [tenant], dtype="float16"))
+    fp8 = plan_deployment(make_deployment(base_model, [tenant], dtype="float16",
+                                          kv_cache_dtype="fp8"))
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token
     assert fp8.kv_cache_dtype == "fp8" and auto.kv_cache_dtype == "float16"
 

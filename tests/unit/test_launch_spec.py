@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
 
+from serving_app import pki
 from serving_app.engine.environment import interpreter
-from serving_app.engine.launch import build_launch_spec
+from serving_app.engine.launch import LOOPBACK_ONLY, build_launch_spec
 from serving_app.models import BaseModel, Gpu, Instance, LoraAdapter, Node
 from tests.factories import make_adapter, make_deployment, make_tenant
 
@@ -134,6 +136,7 @@ for argv in json.load(sys.stdin):
         "model": args.model, "served_model_name": args.served_model_name, "port": args.port,
         "api_key": args.api_key, "enable_lora": args.enable_lora,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "ssl": [args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs],
         "lora_modules": [[m.name, m.path, m.base_model_name] for m in args.lora_modules or []],
     })
 print("PARSED " + json.dumps(parsed))
@@ -196,6 +199,32 @@ def test_vllm_parses_hostile_adapter_names_and_paths_back_exactly(tenant, base_m
     assert (hostile["port"], hostile["api_key"], hostile["enable_lora"]) == (18123, None, True)
     assert no_adapters["lora_modules"] == [] and no_adapters["model"] == base_model.path
     assert (no_adapters["kv_cache_dtype"], fp8_kv["kv_cache_dtype"]) == ("auto", "fp8_e5m2")
+    # The engine answers only a client certificate of the console CA (docs/security.md).
+    certfile, keyfile = pki.node_paths()
+    assert no_adapters["ssl"] == [str(certfile), str(keyfile), str(pki.ca_cert_path()),
+                                  ssl.CERT_REQUIRED]
+
+
+def test_a_one_node_engine_keeps_every_socket_but_its_api_on_loopback(tenant, base_model):
+    """Its workers' gloo pairs and store, NCCL's bootstrap and vLLM's queues bind loopback
+    whatever the host's name resolves to; the API server listens on the node's address, with
+    TLS. A multi-node group's leader gives its peers the node's address instead."""
+    deployment = make_deployment(base_model, [tenant], name="d")
+    instance = Instance.objects.create(deployment=deployment, port=18126)
+    spec = build_launch_spec(instance, host="10.0.0.7")
+    assert flag(spec.argv, "--host") == "10.0.0.7"
+    assert "--ssl-cert-reqs" in spec.argv
+    assert {k: spec.env[k] for k in LOOPBACK_ONLY} == LOOPBACK_ONLY
+    assert spec.env["GLOO_SOCKET_IFNAME"] == "lo" and spec.env["VLLM_HOST_IP"] == "127.0.0.1"
+
+
+def test_engines_speak_plain_http_only_with_engine_tls_off(tenant, base_model, settings):
+    deployment = make_deployment(base_model, [tenant], name="d")
+    instance = Instance.objects.create(deployment=deployment, port=18127)
+    assert instance.base_url.startswith("https://")
+    settings.ENGINE_TLS = False
+    assert not any(a.startswith("--ssl") for a in build_launch_spec(instance).argv)
+    assert instance.base_url.startswith("http://")
 
 
 def test_gpus_mig_and_mps_environment(tenant, base_model):
@@ -281,3 +310,34 @@ def test_migration_hides_secrets_recorded_before_the_key_left_the_command_line(t
     assert old.last_error == "key ******** refused"
     new = Instance.objects.get(pk=new.pk)
     assert (new.command, new.environment) == (spec.argv, spec.env)
+
+
+def test_the_urgent_batch_cap_loads_the_consoles_scheduler_of_the_engines_kind(tenant,
+                                                                                base_model):
+    """With priority scheduling and a cap, the engine loads the console's scheduler plugin
+    (vllm_plugins/ first on its PYTHONPATH, the cap in its environment): vLLM's synchronous
+    scheduler's subclass on a CPU engine, the asynchronous one's on a GPU; without either, no
+    plugin."""
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    gpu = Gpu.objects.create(node=node, index=0, uuid="GPU-0", name="H100",
+                             memory_total_bytes=80 * 2**30)
+    capped = make_deployment(base_model, [tenant], name="capped", scheduling_policy="priority",
+                             urgent_batch_cap=8)
+    cpu = build_launch_spec(Instance.objects.create(deployment=capped, port=1),
+                            pythonpath="/opt/vllm-site")
+    assert flag(cpu.argv, "--scheduler-cls") == "console_scheduler.UrgentBatchCapScheduler"
+    assert cpu.env["LLM_CONSOLE_URGENT_BATCH_CAP"] == "8"
+    plugins = Path(django_settings.BASE_DIR) / "vllm_plugins"
+    assert cpu.env["PYTHONPATH"] == f"{plugins}{os.pathsep}/opt/vllm-site"
+    assert (plugins / "console_scheduler.py").is_file()
+    on_gpu = build_launch_spec(Instance.objects.create(deployment=capped, port=2), gpus=[gpu])
+    assert flag(on_gpu.argv, "--scheduler-cls") == \
+        "console_scheduler.AsyncUrgentBatchCapScheduler"
+
+    fcfs = make_deployment(base_model, [tenant], name="fcfs", urgent_batch_cap=8)
+    uncapped = make_deployment(base_model, [tenant], name="uncapped",
+                               scheduling_policy="priority")
+    for deployment in (fcfs, uncapped):
+        spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=3))
+        assert "--scheduler-cls" not in spec.argv
+        assert "LLM_CONSOLE_URGENT_BATCH_CAP" not in spec.env

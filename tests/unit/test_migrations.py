@@ -39,3 +39,74 @@ def test_existing_deployments_get_revision_one_applied_and_run_by_their_instance
     finally:
         executor = MigrationExecutor(connection)
         executor.migrate(executor.loader.graph.leaf_nodes())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_secrets_are_encrypted_moved_out_of_import_details_and_scrubbed_from_the_audit_log():
+    """The data migrations: an S3 import's secret key leaves its `detail` for the encrypted
+    `credential` (and its audit entries lose it); channels' secrets and webhook URLs and
+    tenants' secrets are encrypted;
+    migrating back puts each where it was, in plain text."""
+    from audit_app import encryption  # noqa: PLC0415
+
+    before = [("serving_app", "0027_enforce_eager_on_cpu_help"),
+              ("alerts_app", "0003_guardrail_blocked_metric"),
+              ("tenants_app", "0007_tenant_limit_labels")]
+    after = [("serving_app", "0029_artifactimport_credential"),
+             ("alerts_app", "0005_channel_url_encrypted"),
+             ("tenants_app", "0008_cache_secrets_encrypted")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:
+        old = executor.loader.project_state(before).apps
+        tenant = old.get_model("tenants_app", "Tenant").objects.create(
+            slug="legacy", name="Legacy", cache_secret="c" * 64)
+        artifact = old.get_model("serving_app", "Artifact").objects.create(
+            name="m", kind="model")
+        record = old.get_model("serving_app", "ArtifactImport").objects.create(
+            artifact=artifact, source="s3",
+            detail={"bucket": "b", "secret_access_key": "s3-plain-secret"})
+        channel = old.get_model("alerts_app", "Channel").objects.create(
+            name="hook", kind="webhook", url="https://example.com/h", secret="h" * 64)
+        email = old.get_model("alerts_app", "Channel").objects.create(
+            name="mail", kind="email", url="", email_to="ops@example.com", secret="m" * 64)
+        entry = old.get_model("audit_app", "AuditLog").objects.create(
+            action="create", object_type="serving_app.ArtifactImport", object_id=str(record.pk),
+            changes={"detail": {"bucket": "b", "secret_access_key": "s3-plain-secret"}})
+        update = old.get_model("audit_app", "AuditLog").objects.create(
+            action="update", object_type="serving_app.ArtifactImport", object_id=str(record.pk),
+            changes={"detail": [{"token": "hf-plain"}, {"bucket": "b"}]})
+
+        def column(table, name, pk):
+            with connection.cursor() as cursor:
+                cursor.execute(f"SELECT {name} FROM {table} WHERE id = %s", [pk])
+                return cursor.fetchone()[0]
+
+        executor = MigrationExecutor(connection)
+        executor.migrate(after)
+        new = executor.loader.project_state(after).apps
+        migrated = new.get_model("serving_app", "ArtifactImport").objects.get(pk=record.pk)
+        assert migrated.detail == {"bucket": "b"} and migrated.credential == "s3-plain-secret"
+        for table, name, pk, plain in [
+                ("serving_app_artifactimport", "credential", record.pk, "s3-plain-secret"),
+                ("alerts_app_channel", "secret", channel.pk, "h" * 64),
+                ("alerts_app_channel", "url", channel.pk, "https://example.com/h"),
+                ("tenants_app_tenant", "cache_secret", tenant.pk, "c" * 64)]:
+            stored = column(table, name, pk)
+            assert stored != plain and encryption.decrypt(stored) == plain
+        assert column("alerts_app_channel", "url", email.pk) == ""  # empty stays empty
+        log = new.get_model("audit_app", "AuditLog").objects
+        assert log.get(pk=entry.pk).changes == {"detail": {"bucket": "b"}}
+        assert log.get(pk=update.pk).changes == {"detail": [{}, {"bucket": "b"}]}
+
+        executor = MigrationExecutor(connection)
+        executor.migrate(before)
+        back = executor.loader.project_state(before).apps
+        assert back.get_model("serving_app", "ArtifactImport").objects.get(
+            pk=record.pk).detail == {"bucket": "b", "secret_access_key": "s3-plain-secret"}
+        assert column("alerts_app_channel", "secret", channel.pk) == "h" * 64
+        assert column("alerts_app_channel", "url", channel.pk) == "https://example.com/h"
+        assert column("tenants_app_tenant", "cache_secret", tenant.pk) == "c" * 64
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cryptography.fernet import Fernet
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
@@ -30,8 +32,14 @@ def _readme_production_environment() -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         name, value = line.split("=", 1)
-        variables[name] = secrets.token_urlsafe(64) if value.startswith("<") else value
+        variables[name] = _generated(name) if value.startswith("<") else value
     return variables
+
+
+def _generated(name: str) -> str:
+    """A fresh value for a placeholder: a Fernet key for the field encryption keys."""
+    return Fernet.generate_key().decode() if name == "FIELD_ENCRYPTION_KEYS" \
+        else secrets.token_urlsafe(64)
 
 
 def _clean_environment(**variables: str) -> dict[str, str]:
@@ -40,6 +48,7 @@ def _clean_environment(**variables: str) -> dict[str, str]:
     # DJANGO_ALLOW_ASYNC_UNSAFE: the browser tests set it in this process (Playwright's sync API
     # runs an event loop beside Django's ORM); a production install never has it.
     dropped = {"DEBUG", "SECRET_KEY", "SECRET_KEY_FILE", "DATABASE_URL", "ALLOWED_HOSTS",
+               "FIELD_ENCRYPTION_KEYS_FILE",
                "DJANGO_SETTINGS_MODULE", "DJANGO_ALLOW_ASYNC_UNSAFE",
                *_readme_production_environment()}
     environ = {k: v for k, v in os.environ.items()
@@ -69,8 +78,9 @@ print("TECHNICAL", b"Using the URLconf" in response.content or b"settings.py" in
 def test_an_install_that_sets_no_debug_shows_no_debug_page(tmp_path):
     """A production install that forgets DEBUG=false: a tenant user asking for an unknown URL
     gets a plain 404, not Django's technical page listing the URL patterns and settings."""
-    result = _run(["-c", PROBE], _clean_environment(SECRET_KEY=secrets.token_urlsafe(64),
-                                                    CONSOLE_VAR_DIR=str(tmp_path)))
+    result = _run(["-c", PROBE], _clean_environment(
+        SECRET_KEY=secrets.token_urlsafe(64), CONSOLE_VAR_DIR=str(tmp_path),
+        FIELD_ENCRYPTION_KEYS=_generated("FIELD_ENCRYPTION_KEYS")))
     assert result.returncode == 0, result.stderr
     assert "DEBUG False" in result.stdout
     assert "STATUS 404" in result.stdout
@@ -100,6 +110,7 @@ def test_deploy_check_warns_without_the_tls_settings(tmp_path):
     """The check this relies on does see the holes: with only DEBUG, SECRET_KEY and
     ALLOWED_HOSTS (no TLS variables) it reports HSTS and the SSL redirect."""
     environ = _clean_environment(DEBUG="false", SECRET_KEY=secrets.token_urlsafe(64),
+                                 FIELD_ENCRYPTION_KEYS=_generated("FIELD_ENCRYPTION_KEYS"),
                                  ALLOWED_HOSTS="console.example.com",
                                  CONSOLE_VAR_DIR=str(tmp_path))
     result = _run(["manage.py", "check", "--deploy", "--fail-level", "WARNING"], environ)

@@ -19,6 +19,7 @@ from serving_app.models.usage import (
     GuardrailHour,
     GuardrailMinute,
     GuardrailTotal,
+    KeyUsage,
     UsageEvent,
     UsageHour,
     UsageMinute,
@@ -26,7 +27,7 @@ from serving_app.models.usage import (
     UsageTotal,
 )
 from tenants_app.api.base import ScopedModelViewSet, ScopedQuerysetMixin
-from tenants_app.models import ApiKey, Invitation, Membership, Tenant
+from tenants_app.models import ApiKey, Invitation, Membership, MoneyBudget, Tenant
 from tests.factories import make_adapter, make_deployment, make_user
 
 pytestmark = pytest.mark.django_db
@@ -35,7 +36,7 @@ TENANT_OWNED = {Tenant, Membership, ApiKey, Invitation, LoraAdapter, Deployment,
                 AuditLog, UsageEvent, UsageTenSecond, UsageMinute, UsageHour, UsageTotal,
                 AlertRule, Alert, AlertTransition, Channel, Silence, Notification,
                 TenantPolicy, KeyPolicy, TenantPattern, Artifact, ArtifactImport,
-                GuardrailMinute, GuardrailHour, GuardrailTotal}
+                GuardrailMinute, GuardrailHour, GuardrailTotal, KeyUsage, MoneyBudget}
 
 
 def test_every_tenant_owned_model_is_listed_here():

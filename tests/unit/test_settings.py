@@ -95,3 +95,28 @@ def test_embedded_default_is_sqlite_under_var(tmp_path):
     engine, name = result.stdout.split()
     assert engine == "django.db.backends.sqlite3"
     assert name == str(tmp_path / "console.sqlite3")
+
+
+def test_console_refuses_to_start_without_field_encryption_keys_when_not_debug():
+    result = _settings_process(DEBUG="false", SECRET_KEY="x" * 50, FIELD_ENCRYPTION_KEYS="")
+    assert result.returncode != 0
+    assert "FIELD_ENCRYPTION_KEYS must be set" in result.stderr
+
+
+def test_console_refuses_a_field_encryption_key_that_is_not_a_fernet_key():
+    result = _settings_process(DEBUG="true", FIELD_ENCRYPTION_KEYS="not-a-key")
+    assert result.returncode != 0
+    assert "FIELD_ENCRYPTION_KEYS: each key is 32 url-safe base64-encoded bytes" in result.stderr
+
+
+def test_a_node_never_reads_the_field_encryption_keys(tmp_path):
+    """Even pointed at a key file, a node's process (NODE_NAME set) reads none."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup(); from django.conf import "
+                               "settings; print(settings.FIELD_ENCRYPTION_KEYS)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "console.settings", "DEBUG": "false",
+             "SECRET_KEY": "x" * 50, "NODE_NAME": "gpu-a", "FIELD_ENCRYPTION_KEYS": "",
+             "FIELD_ENCRYPTION_KEYS_FILE": str(tmp_path / "not-there")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

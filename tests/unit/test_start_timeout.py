@@ -13,7 +13,8 @@ import time
 import pytest
 from django.utils import timezone
 
-from serving_app.engine import agent, supervisor
+from serving_app.engine import supervisor
+from serving_app.engine.readiness import wait_until_ready
 from serving_app.engine.supervisor import port_is_free
 from serving_app.models import Instance, Node
 from tests.factories import make_deployment, make_tenant
@@ -46,7 +47,7 @@ def test_an_engine_that_never_becomes_healthy_fails_after_the_start_timeout(
     instance = Instance.objects.create(deployment=deployment, node=node, state=State.STARTING,
                                        port=port, pid=launched.pid, started_at=started)
     begun = time.monotonic()
-    assert agent.wait_until_ready(instance) == "failed"
+    assert wait_until_ready(instance) == "failed"
     waited = time.monotonic() - begun
     instance.refresh_from_db()
     assert instance.state == State.FAILED

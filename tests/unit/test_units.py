@@ -70,3 +70,14 @@ def test_gib_figures_as_vllm_logs_them_read_like_other_memory():
     rendered = Template("{% load units %}{{ s|seconds }} · {{ g|gib_value }}").render(
         Context({"s": 11, "g": 0.19}))
     assert rendered == "11.0 s · 0.19 GiB"
+
+
+def test_a_moment_reads_as_one_utc_date_time_everywhere():
+    from datetime import UTC, datetime, timedelta, timezone
+
+    from serving_app.units import format_when
+
+    at = datetime(2026, 12, 6, 15, 33, 40, 123456, tzinfo=UTC)
+    assert format_when(at) == "2026-12-06 15:33:40 UTC"
+    assert format_when(at.astimezone(timezone(timedelta(hours=2)))) == "2026-12-06 15:33:40 UTC"
+    assert format_when(None) == "—"

@@ -13,11 +13,13 @@ from django.apps import apps as django_apps
 from gateway_app.writer import persist
 from serving_app import migrations
 from serving_app.models.usage import (
+    GUARDRAIL_FIELDS_KEPT,
     LATENCY_BUCKETS_MS,
     TOTAL_BUCKET,
     GuardrailHour,
     GuardrailMinute,
     GuardrailTotal,
+    UsageEvent,
     UsageHour,
     UsageMinute,
     UsageTenSecond,
@@ -150,8 +152,31 @@ def test_guardrail_counts_are_rolled_up_per_minute_hour_and_ever():
     }
     hour = AT.replace(minute=0, second=0)
     assert counts(GuardrailHour)[(hour, acme.pk, "input", "redact", "PHONE")] == 3
+    # ... found in two requests (the rollups count requests too: the dashboards' chart).
+    assert GuardrailHour.objects.get(tenant=acme, category="PHONE").requests == 2
     assert counts(GuardrailTotal) == {
         (TOTAL_BUCKET, acme.pk, "input", "redact", "PHONE"): 3,
         (TOTAL_BUCKET, acme.pk, "input", "block", "SECRET"): 1,
         (TOTAL_BUCKET, globex.pk, "output", "detect", "EMAIL"): 5,
     }
+
+
+def test_guardrail_fields_are_stored_with_the_event_bounded_and_well_formed():
+    """Each event's per-field findings are kept as sent (strings cut to their limits); an
+    entry without a positive count, or that is not an object, is dropped; at most
+    GUARDRAIL_FIELDS_KEPT entries."""
+    acme = make_tenant("acme")
+    entry = {"direction": "input", "field": "messages[2].tool_calls[0].function.arguments.to",
+             "detector": "phone", "category": "PHONE", "action": "redact", "count": 1}
+    many = [{**entry, "field": f"messages[{i}].content"} for i in range(GUARDRAIL_FIELDS_KEPT + 9)]
+    persist([
+        {**event(1, tenant=acme.pk), "guardrail_fields": [
+            entry, {**entry, "count": 0}, {**entry, "count": True}, "junk",
+            {**entry, "field": "x" * 500}]},
+        {**event(2, tenant=acme.pk), "guardrail_fields": many},
+        {**event(3, tenant=acme.pk), "guardrail_fields": {"not": "a list"}},
+    ])
+    stored = {e.request_id: e.guardrail_fields for e in UsageEvent.objects.all()}
+    assert stored["r-1"] == [entry, {**entry, "field": "x" * 200}]
+    assert len(stored["r-2"]) == GUARDRAIL_FIELDS_KEPT
+    assert stored["r-3"] == []

@@ -9,7 +9,7 @@ from typing import Any
 from django import forms
 
 from alerts_app.metrics import TENANT_SCOPES, Scope, tenant_metrics
-from alerts_app.models import Alert, AlertRule, Channel, Silence
+from alerts_app.models import URL_MAX_LENGTH, Alert, AlertRule, Channel, Silence
 from tenants_app.models import Tenant
 
 RULE_FIELDS = ["name", "metric", "scope", "target", "comparison", "threshold",
@@ -37,6 +37,11 @@ class RuleForm(forms.ModelForm):
 
 
 class ChannelForm(forms.ModelForm):
+    """A new channel (pages create and delete channels; the API and the admin edit them). Its
+    webhook URL is a URL field here, though stored encrypted (often its credential)."""
+
+    url = forms.URLField(required=False, max_length=URL_MAX_LENGTH, assume_scheme="https",
+                         help_text="Webhooks: where to POST.")
     scopes = forms.MultipleChoiceField(
         choices=Scope.choices, required=False, widget=forms.CheckboxSelectMultiple,
         help_text="Only alerts of rules with these scopes. None ticked: all.",

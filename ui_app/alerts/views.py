@@ -81,6 +81,7 @@ class PortalAlertsMixin(TenantPage):
     def page(self, template: str, status: int = 200, **extra: Any) -> HttpResponse:
         home = reverse("portal-alerts:alerts", kwargs={"slug": self.tenant.slug})
         return self.render(template, status=status, now=timezone.now(),
+                           requests_url=reverse("portal:requests", args=[self.tenant.slug]),
                            ack_url_base=home, ack_url_tail="/acknowledge/",
                            end_url_base=f"{home}silences/", end_url_tail="/end/", **extra)
 
@@ -234,6 +235,7 @@ class ConsoleAlertsView(StaffPage, View):
             "evaluation": EvaluationState.objects.filter(pk=1).first(),
             "silence_form": silence_form, "rule_form": rule_form, "channel_form": channel_form,
             "now": timezone.now(), "ack_url_base": "/alerts/acknowledge/", "ack_url_tail": "/",
+            "requests_url": reverse("console:request-log"),
             "end_url_base": "/alerts/end-silence/", "end_url_tail": "/",
             **extra,
         }, status=status)

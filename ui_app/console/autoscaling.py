@@ -6,20 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from django import forms
 from django.shortcuts import get_object_or_404
 
 from serving_app.models import Deployment
 from serving_app.models.autoscalers import Autoscaler
-from ui_app.console.views import ObjectUpdateView
-
-
-class AutoscalerForm(forms.ModelForm):
-    class Meta:
-        model = Autoscaler
-        fields = ["enabled", "min_replicas", "max_replicas", "metric", "target",
-                  "up_window_seconds", "down_window_seconds", "up_cooldown_seconds",
-                  "down_cooldown_seconds"]
+from ui_app.console.base import ObjectUpdateView
+from ui_app.console.forms import AutoscalerForm
 
 
 class DeploymentAutoscalingView(ObjectUpdateView):

@@ -19,10 +19,10 @@ from django.shortcuts import get_object_or_404, render
 from django.views import View
 
 from serving_app.deployments import rollout
-from serving_app.forms import ApplyForm
 from serving_app.models import Deployment
 from serving_app.models.events import Event, Kind
 from serving_app.models.revisions import DeploymentRevision, Rollout
+from ui_app.console.forms import ApplyForm
 from ui_app.scoping import StaffPage
 
 EVENTS_ON_PAGE = 100

@@ -7,61 +7,71 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django import forms
 from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views import View
 
-from serving_app.api.joins import MAX_TTL_MINUTES, join_command, joinable_problem, name_problem
+from serving_app.api.joins import console_address, is_loopback, join_command, joinable_problem
 from serving_app.models import Node, NodeJoinToken
+from ui_app.console import handoff
+from ui_app.console.forms import AddNodeForm
 from ui_app.scoping import StaffPage
 
 RECENT_TOKENS = 20
 
 
-class AddNodeForm(forms.Form):
-    node_name = forms.SlugField(
-        max_length=100, label="Node name",
-        help_text="The name the new host joins as (letters, digits, - and _); its queue is "
-                  "node.<name>.")
-    ttl_minutes = forms.IntegerField(
-        min_value=1, max_value=MAX_TTL_MINUTES, required=False, label="Open for (minutes)",
-        help_text="How long the token may be used (default NODE_JOIN_TOKEN_TTL_MINUTES).")
-
-    def clean_node_name(self) -> str:
-        name: str = self.cleaned_data["node_name"]
-        problem = name_problem(name)
-        if problem:
-            raise forms.ValidationError(problem)
-        return name
-
-
 class AddNodeView(StaffPage, View):
+    """Make a join token. Refused (nothing minted) while no other host could join; the token
+    reaches the page after a redirect (post/redirect/get, `handoff`), so a reload shows it no
+    more and mints no other. The command names the console as other hosts reach it."""
+
     template_name = "console/node_add.html"
 
     def context(self, form: AddNodeForm, **extra: Any) -> dict[str, Any]:
+        address = console_address(self.request.build_absolute_uri("/"))
         return {"form": form, "problem": joinable_problem(),
+                "console_address": address, "address_is_loopback": is_loopback(address),
                 "tokens": NodeJoinToken.objects.select_related("created_by", "node")
                 [:RECENT_TOKENS],
                 "default_ttl": settings.NODE_JOIN_TOKEN_TTL_MINUTES, **extra}
 
     def get(self, request: HttpRequest) -> HttpResponse:
-        return render(request, self.template_name, self.context(AddNodeForm()))
+        issued = handoff.take("join-token", request.user.pk, request.GET.get("issued", ""))
+        if issued is None:
+            return render(request, self.template_name, self.context(AddNodeForm()))
+        response = render(request, self.template_name, self.context(AddNodeForm(), **self.shown(
+            NodeJoinToken.objects.get(pk=issued["row"]), issued["token"])))
+        response["Cache-Control"] = "no-store"
+        return response
+
+    def shown(self, row: NodeJoinToken, token: str) -> dict[str, Any]:
+        command = join_command(console_address(self.request.build_absolute_uri("/")),
+                               row.node_name)
+        return {"issued": row, "command": command, "token": token,
+                "file_command": f"{command} --token-file /root/join-token"}
 
     def post(self, request: HttpRequest) -> HttpResponse:
         form = AddNodeForm(request.POST)
+        problem = joinable_problem()
+        if problem:
+            form.add_error(None, f"No token made: {problem}")
         if not form.is_valid():
             return render(request, self.template_name, self.context(form), status=400)
         ttl = form.cleaned_data.get("ttl_minutes")
         row, token = NodeJoinToken.issue(form.cleaned_data["node_name"], request.user,
                                          timedelta(minutes=ttl) if ttl else None)
-        command = join_command(request.build_absolute_uri("/"), row.node_name, token)
-        # The token is shown on this answer only: never cached, never shown again.
-        response = render(request, self.template_name,
-                          self.context(AddNodeForm(), issued=row, command=command))
+        name = handoff.put("join-token", request.user.pk, {"row": row.pk, "token": token})
+        if name is None:
+            # Without Redis the token is shown in this answer instead (a reload would then ask
+            # to send the form again).
+            response = render(request, self.template_name,
+                              self.context(AddNodeForm(), **self.shown(row, token)))
+        else:
+            response = redirect(f"{reverse('console:node-add')}?issued={name}")
         response["Cache-Control"] = "no-store"
         return response
 

@@ -50,11 +50,18 @@ class AdapterPathForm(forms.ModelForm[LoraAdapter]):
             self.add_error(None, exc)
 
 
+NAME_PATTERN = r"[a-zA-Z0-9_\-]+"
+
+
 class AdapterUploadForm(forms.Form):
     """Upload a zipped adapter folder (adapter_config.json and adapter_model.safetensors)."""
 
+    # The one naming rule of adapters (a slug), checked in the browser too: `pattern` is
+    # compiled with the `v` flag by Chromium, where a literal "-" in a class must be escaped.
+    name = forms.SlugField(
+        max_length=100, help_text="Letters, digits, - and _; unique within the tenant.",
+        widget=forms.TextInput(attrs={"pattern": NAME_PATTERN, "maxlength": 100}))
     base_model = forms.ModelChoiceField(queryset=BaseModel.objects.none())
-    name = forms.SlugField(max_length=100, help_text="Public name, unique within the tenant.")
     archive = forms.FileField(help_text="A .zip of the adapter folder.")
 
     def __init__(self, *args: Any, tenant: Tenant, user: User | AnonymousUser | None = None,

@@ -102,13 +102,10 @@ class GuardrailPatternDeleteView(GuardrailsPage):
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         self.require_manager()
         pattern = get_object_or_404(TenantPattern.objects.for_tenant(self.tenant), pk=pk)
-        named = [level for level in (TenantPolicy.objects.for_tenant(self.tenant).first(),
-                                     *KeyPolicy.objects.for_tenant(self.tenant))
-                 if level is not None and pattern.name in {*level.input, *level.output}]
+        named = pattern.named_by()
         if named:
             messages.error(request, f"Pattern {pattern.name} is named by the policy of "
-                                    f"{', '.join(str(level) for level in named)}: take it out "
-                                    "there first.")
+                                    f"{', '.join(named)}: take it out there first.")
             return redirect("portal:guardrails", slug=slug)
         pattern.delete()
         messages.success(request, f"Pattern {pattern.name} deleted.")

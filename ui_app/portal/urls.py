@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from ui_app.portal import guardrails
+from ui_app.portal import guardrails, statements
+from ui_app.portal import requests as request_log
 from ui_app.portal import tenants as views
 from ui_app.portal import views as portal
 
@@ -20,6 +21,12 @@ urlpatterns = [
             portal.TenantDashboardView.as_view(), name="dashboard"),
     re_path(r"^(?P<slug>[-\w]+)/dashboards/(?P<name>usage|latency)/data/$",
             portal.TenantDashboardDataView.as_view(), name="dashboard-data"),
+    path("<slug:slug>/requests/", request_log.TenantRequestLogView.as_view(), name="requests"),
+    path("<slug:slug>/requests/<str:request_id>/", request_log.TenantRequestDetailView.as_view(),
+         name="request-detail"),
+    path("<slug:slug>/statements/", statements.TenantStatementView.as_view(), name="statement"),
+    path("<slug:slug>/statements/csv/", statements.TenantStatementCsvView.as_view(),
+         name="statement-csv"),
     path("<slug:slug>/keys/", portal.ApiKeysView.as_view(), name="keys"),
     path("<slug:slug>/keys/<int:pk>/revoke/", views.ApiKeyRevokeView.as_view(),
          name="key-revoke"),
@@ -35,6 +42,8 @@ urlpatterns = [
     path("<slug:slug>/adapters/", portal.AdaptersView.as_view(), name="adapters"),
     path("<slug:slug>/adapters/<int:pk>/delete/", portal.AdapterDeleteView.as_view(),
          name="adapter-delete"),
+    path("<slug:slug>/adapters/<int:pk>/request/", portal.AdapterServeRequestView.as_view(),
+         name="adapter-request"),
     path("<slug:slug>/models/", portal.ModelsView.as_view(), name="models"),
     path("<slug:slug>/playground/", portal.PlaygroundView.as_view(), name="playground"),
     path("<slug:slug>/playground/key/", portal.PlaygroundKeyView.as_view(),

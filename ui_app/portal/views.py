@@ -26,14 +26,16 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views import View
 
+from billing_app.budgets import standings
 from serving_app import storage
 from serving_app.deployments.catalog import engine_shares, served_models
 from serving_app.metering import queries
 from serving_app.models import Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.uploads import allowed_base_models
-from tenants_app.models import ApiKey, Tenant
-from ui_app.console.views import dashboard_context, dashboard_payload
+from tenants_app.models import ApiKey, MoneyBudget, Tenant
+from ui_app.console.budgets import budget_rows
+from ui_app.console.dashboards import dashboard_context, dashboard_payload
 from ui_app.portal.forms import AdapterPathForm, AdapterUploadForm
 from ui_app.portal.tenant_forms import ApiKeyForm
 from ui_app.scoping import TenantPage
@@ -93,6 +95,7 @@ class TenantHomeView(TenantPage, View):
             models=catalog(tenant),
             keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
             storage=storage_usage(tenant),
+            money_budgets=budget_rows(MoneyBudget.objects.for_tenant(tenant)),
         )
 
 
@@ -109,8 +112,10 @@ class TenantDashboardView(TenantPage, View):
         return self.render(
             "portal/dashboard.html",
             title=PORTAL_DASHBOARDS[name],
+            budgets=standings(self.tenant) if name == "usage" else None,
             **dashboard_context(request, name, self.scope,
-                                reverse("portal:dashboard-data", args=[slug, name])),
+                                reverse("portal:dashboard-data", args=[slug, name]),
+                                reverse("portal:requests", args=[slug])),
         )
 
 
@@ -118,7 +123,8 @@ class TenantDashboardDataView(TenantPage, View):
     section = "dashboards"
 
     def get(self, request: HttpRequest, slug: str, name: str) -> HttpResponse:
-        return dashboard_payload(request, name, self.scope, portal=True)
+        return dashboard_payload(request, name, self.scope, portal=True,
+                                 requests_url=reverse("portal:requests", args=[slug]))
 
 
 # ----------------------------------------------------------------------------- API keys
@@ -258,18 +264,48 @@ class AdaptersView(TenantPage, View):
 
 
 class AdapterDeleteView(TenantPage, View):
-    """Delete one of the tenant's adapters. Its deployments stop offering it at once; the
-    engines unload it at the next reconcile round, and its uploaded files go after that
-    (`AdapterFileRemoval`)."""
+    """Delete one of the tenant's adapters, after a confirmation page that names the
+    deployments serving it (a GET, or a POST without `confirm`: it works without JavaScript).
+    Its deployments stop offering it at once; the engines unload it at the next reconcile
+    round, and its uploaded files go after that (`AdapterFileRemoval`)."""
+
+    section = "adapters"
+
+    def adapter(self, pk: int) -> LoraAdapter:
+        self.require_manager()
+        return get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
+
+    def confirm(self, adapter: LoraAdapter) -> HttpResponse:
+        return self.render("portal/adapter_delete.html", adapter=adapter,
+                           deployments=list(adapter.deployments.order_by("name")))
+
+    def get(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        return self.confirm(self.adapter(pk))
+
+    def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
+        adapter = self.adapter(pk)
+        if request.POST.get("confirm") != "delete":
+            return self.confirm(adapter)
+        adapter.delete()
+        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
+                                  "no engine has it loaded.")
+        return redirect("portal:adapters", slug=slug)
+
+
+class AdapterServeRequestView(TenantPage, View):
+    """Ask a platform admin to serve one of the tenant's adapters (`request_serving()`): shown
+    as pending here, and offered first on the deployments' attach forms in the console."""
 
     section = "adapters"
 
     def post(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         self.require_manager()
         adapter = get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
-        adapter.delete()
-        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
-                                  "no engine has it loaded.")
+        if adapter.request_serving():
+            messages.success(request, f"Asked the platform's admins to serve {adapter.name}: "
+                                      "it shows as pending until one attaches it.")
+        else:
+            messages.info(request, f"{adapter.name} is served or was asked for already.")
         return redirect("portal:adapters", slug=slug)
 
 

@@ -1,9 +1,13 @@
 """Template filters over `serving_app.units`, the one formatting layer for what people read:
 `{{ n|bytes }}` (binary units: "80.0 GiB", never Django's `filesizeformat` "80.0 GB" for 2^30
-bytes), `{{ n|gib }}`, `{{ n|count }}`, `{{ n|parameters }}`, `{{ ms|duration_ms }}`, and for
-the figures vLLM logs in seconds and GiB `{{ s|seconds }}` and `{{ g|gib_value }}`."""
+bytes), `{{ n|gib }}`, `{{ n|count }}`, `{{ n|parameters }}`, `{{ ms|duration_ms }}`,
+`{{ moment|when }}` (one date-time format, UTC), and for the figures vLLM logs in seconds and
+GiB `{{ s|seconds }}` and `{{ g|gib_value }}`."""
 
 from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
 
 from django import template
 
@@ -45,3 +49,13 @@ def seconds(value: float | None) -> str:
 @register.filter
 def gib_value(value: float | None, digits: int = 2) -> str:
     return units.format_gib_amount(value, digits)
+
+
+@register.filter
+def money(value: Decimal | None, currency: str = "") -> str:
+    return units.format_money(value, currency)
+
+
+@register.filter
+def when(value: datetime | None) -> str:
+    return units.format_when(value)

@@ -8,8 +8,9 @@ HEALTH_WRITER_MAX_LAG_SECONDS, 1 otherwise, and prints the stream length and lag
 from __future__ import annotations
 
 import signal
+from types import FrameType
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from gateway_app.writer import UsageWriter
 from serving_app.metering import health
@@ -18,7 +19,7 @@ from serving_app.metering import health
 class Command(BaseCommand):
     help = "Persist gateway usage events from the Redis stream in batches (runs until stopped)."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--batch-size", type=int, default=None)
         parser.add_argument(
             "--drain", action="store_true", help="Persist what is waiting, then exit."
@@ -28,8 +29,8 @@ class Command(BaseCommand):
             help="Exit 1 if Redis or PostgreSQL is unreachable or the writer is behind.",
         )
 
-    def handle(self, *args, batch_size: int | None = None, drain: bool = False,
-               check: bool = False, **options):
+    def handle(self, *args: object, batch_size: int | None = None, drain: bool = False,
+               check: bool = False, **options: object) -> None:
         if check:
             report = health.report()
             writer_check = report.writer
@@ -47,7 +48,7 @@ class Command(BaseCommand):
             return
         stopping = False
 
-        def stop(_signum, _frame) -> None:
+        def stop(_signum: int, _frame: FrameType | None) -> None:
             nonlocal stopping
             stopping = True
 

@@ -37,7 +37,9 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from serving_app.fleet import service
+from serving_app.engine import isolation
+from serving_app.engine.client import EngineClient, engine_http
+from serving_app.fleet.report import dry_run
 from serving_app.lifecycle import deployment_changed
 from serving_app.models import BaseModel, Deployment, Instance, LoraAdapter, Node
 from serving_app.placement import inventory
@@ -71,6 +73,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                           "rope_theta": 500000.0, "tie_word_embeddings": True},
 }
 TENANTS = ("gpu-support", "gpu-code", "gpu-content")
+ISOLATION_TEXT = ("The support desk answered every ticket about the new billing page within an "
+                  "hour, and the team wrote down what customers asked most often")
 # Large enough that an adapter visibly changes a random-weight model's greedy answers.
 ADAPTER_STD = 0.5
 PLANNER_SHAPES = ("llama3-8b-shape", "qwen25-7b-shape", "llama2-7b-shape")
@@ -388,7 +392,7 @@ class Command(BaseCommand):
             deployments.append(self.deployment(
                 f"plan-{name}", name, isolation_mode="shared", max_model_len=4096,
                 max_num_seqs=PLANNER_SEQS[name], max_loras=1, max_lora_rank=16))
-        plans = {d.name: service.dry_run(d) for d in deployments}
+        plans = {d.name: dry_run(d) for d in deployments}
         checks.figure("dry_runs", plans)
         for number, deployment in enumerate(deployments):
             deployment.start()
@@ -405,9 +409,8 @@ class Command(BaseCommand):
             json.dumps(inventory.read_nvml(), indent=1, default=str))
         first = Instance.objects.active().filter(deployment=deployments[0]).first()
         if first is not None and first.port and first.state == Instance.State.READY:
-            metrics = httpx.get(f"http://127.0.0.1:{first.port}/metrics", timeout=10,
-                                headers={"Authorization": f"Bearer {first.secret}"})
-            (checks.out / "engine-metrics.txt").write_text(metrics.text)
+            metrics = EngineClient(first.base_url, first.secret).metrics(timeout=10)
+            (checks.out / "engine-metrics.txt").write_text(metrics)
         comparison = []
         for deployment in deployments:
             plan = plans[deployment.name]
@@ -425,7 +428,7 @@ class Command(BaseCommand):
         too_big = self.deployment("plan-too-big", "llama3-8b-shape", isolation_mode="shared",
                                   max_model_len=8192, max_num_seqs=256,
                                   gpu_memory_utilization=0.9)
-        refusal = service.dry_run(too_big)
+        refusal = dry_run(too_big)
         too_big.start()
         time.sleep(8)
         too_big.refresh_from_db()
@@ -466,11 +469,15 @@ class Command(BaseCommand):
                          for i, s in enumerate(TENANTS)),
                      {s: (alone[s].get("text"), base[i].get("text"))
                       for i, s in enumerate(TENANTS)})
-        checks.check("no tenant's adapter changes another's outputs (alone == batched together)",
-                     all(alone[s].get("text") == together[i].get("text")
-                         for i, s in enumerate(TENANTS)),
-                     {s: (alone[s].get("text"), together[i].get("text"))
-                      for i, s in enumerate(TENANTS)})
+        # Greedy texts alone and batched may part on a card whose bf16 kernels are not
+        # batch-invariant (an H100 did): kept as figures, judged on teacher-forced logprobs.
+        checks.figure("greedy_texts_equal_alone_and_batched",
+                      {s: alone[s].get("text") == together[i].get("text")
+                       for i, s in enumerate(TENANTS)})
+        verdict = self.isolation(deployment, adapters)
+        checks.check("no tenant's adapter changes another's outputs (teacher-forced logprobs "
+                     "alone and batched within the base model's own batching gap; another "
+                     "tenant's adapter far outside it)", verdict.ok, verdict.as_dict())
         removed = adapters[-1]
         deployment.adapters.remove(removed)
         deployment_changed(deployment.pk)
@@ -482,6 +489,31 @@ class Command(BaseCommand):
                              for a in adapters[:-1]),
                      {"loaded": unloaded, "after": after})
         self.keep_logs(checks, [deployment])
+
+    def isolation(self, deployment: Deployment, adapters: list[LoraAdapter]
+                  ) -> isolation.Isolation:
+        """`serving_app.engine.isolation` on the deployment's engine: each tenant's text scored
+        directly with its adapter, through the gateway alone and batched, and the control."""
+        instance = Instance.objects.active().get(deployment=deployment)
+
+        def direct(model: str, text: str) -> dict[str, Any]:
+            resp = engine_http().post(f"{instance.base_url}/v1/completions", timeout=120,
+                                      json=isolation.scoring_body(model, text),
+                                      headers={"Authorization": f"Bearer {instance.secret}"})
+            resp.raise_for_status()
+            return resp.json()
+
+        def through(slug: str, model: str, text: str) -> dict[str, Any]:
+            resp = httpx.post(f"{self.gateway}/completions", timeout=120,
+                              json=isolation.scoring_body(model, text),
+                              headers={"Authorization": f"Bearer {self.keys[slug]}"})
+            resp.raise_for_status()
+            return resp.json()
+
+        tenants = [isolation.Tenant(a.tenant.slug, a.name, a.engine_name,
+                                    f"{ISOLATION_TEXT} ({a.tenant.slug})") for a in adapters]
+        return isolation.measure(direct, through, tenants, deployment.base_model.name,
+                                 ISOLATION_TEXT)
 
     def _wait_loaded(self, deployment: Deployment, wanted: set[str], timeout: float = 120
                      ) -> dict[str, Any]:

@@ -4,9 +4,11 @@
 
 A node's role and Redis user get their grants when the node joins
 (`serving_app.fleet.credentials`); run this after an upgrade (after `migrate`) so that agents of
-nodes joined before it may use what the new release's agent reads and writes. Database grants
-only add (nothing a role had is taken away here); a Redis user's keys and channels are set to
-this release's.
+nodes joined before it may use what the new release's agent reads and writes. The nodes'
+row-level security policies are made again as this release has them
+(`serving_app.fleet.rowsecurity`), each role joins their group role; database grants only add,
+but for a whole-table read of a table with secret columns, which becomes a read of the other
+columns; a Redis user's keys and channels are set to this release's.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import BaseCommand
+from django.db import connection
 
-from serving_app.fleet import credentials
+from serving_app.fleet import credentials, rowsecurity
 from serving_app.models import Node
 
 
@@ -23,6 +26,7 @@ class Command(BaseCommand):
     help = "Give every joined node's database role and Redis user this release's grants."
 
     def handle(self, *args: Any, **options: Any) -> None:
+        rowsecurity.apply(connection)
         nodes = Node.objects.exclude(db_role="", redis_user="")
         for node in nodes:
             credentials.grant_again(node)

@@ -10,9 +10,10 @@ creates.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
-from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
@@ -124,77 +125,23 @@ class Command(BaseCommand):
 
     @transaction.atomic
     def handle(self, *args, models_dir: str, admin_password: str, start: bool, **options) -> None:
-        models = Path(models_dir).resolve()
-        if not (models / "tiny-llama" / "config.json").is_file():
-            raise CommandError(f"No tiny model under {models}; run scripts/setup_engine.sh first.")
-        # The platform registers the demo's model and its tenants' adapters from a model root
-        # (tenants themselves only ever upload theirs).
-        roots = [Path(root).resolve() for root in settings.MODEL_ROOTS]
-        if not any(root == models or root in models.parents for root in roots):
-            raise CommandError(
-                f"{models} is not under MODEL_ROOTS ({', '.join(map(str, roots))}): set "
-                "MODEL_ROOTS to include it."
-            )
-        User = get_user_model()
-        admin, _ = User.objects.get_or_create(
-            username="admin", defaults={"is_staff": True, "is_superuser": True}
-        )
-        admin.is_staff = admin.is_superuser = True
-        admin.set_password(admin_password)
-        admin.save()
+        models = _models_under_a_root(models_dir)
+        admin = seed_admin(admin_password)
         self.stdout.write(f"platform admin: admin / {admin_password}")
-
         base = BaseModel.objects.filter(name="tiny-llama").first() or BaseModel(name="tiny-llama")
         base.path = str(models / "tiny-llama")
         base.dtype = "float32"
         base.full_clean()
         base.save()
-
         tenants, adapters = [], []
         for spec in TENANTS:
-            spec = dict(spec)
-            adapter_dir = spec.pop("adapter")
-            tenant, _ = Tenant.objects.update_or_create(slug=spec.pop("slug"), defaults=spec)
-            tenant.full_clean()
+            tenant, adapter, secret = seed_tenant(dict(spec), base, models, admin)
             tenants.append(tenant)
-            for role in (Role.OWNER, Role.MEMBER):
-                username = f"{tenant.slug}-{role}"
-                user, created = User.objects.get_or_create(username=username)
-                if created:
-                    user.set_password(f"{username}-password")
-                    user.save()
-                Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": role})
-            adapter = LoraAdapter.objects.filter(tenant=tenant, name="house-style").first()
-            adapter = adapter or LoraAdapter(tenant=tenant, base_model=base, name="house-style")
-            adapter.path = str(models / adapter_dir)
-            adapter.full_clean()
-            adapter.save()
             adapters.append(adapter)
-            if not ApiKey.objects.filter(tenant=tenant, name="demo").exists():
-                _, secret = ApiKey.objects.create_key(tenant=tenant, name="demo", created_by=admin)
-                self.stdout.write(
-                    f"{tenant.slug}: user {tenant.slug}-owner / "
-                    f"{tenant.slug}-owner-password, API key {secret}"
-                )
-
-        deployment = Deployment.objects.filter(name="tiny-chat").first() or Deployment(
-            name="tiny-chat", base_model=base, created_by=admin
-        )
-        deployment.max_model_len = 1024
-        deployment.max_num_seqs = 32
-        deployment.dtype = "float32"
-        deployment.max_loras = 4
-        deployment.max_lora_rank = 16
-        deployment.scheduling_policy = Deployment.SchedulingPolicy.PRIORITY
-        deployment.full_clean()
-        deployment.save()
-        deployment.tenants.set(tenants)
-        deployment.check_relations(tenants, adapters)
-        deployment.adapters.set(adapters)
-        # A policy to look at and turn on (off: the benchmarks drive this engine hard).
-        Autoscaler.objects.get_or_create(deployment=deployment, defaults={
-            "enabled": False, "min_replicas": 1, "max_replicas": 2, "metric": Metric.WAITING,
-            "target": 8})
+            if secret is not None:
+                self.stdout.write(f"{tenant.slug}: user {tenant.slug}-owner / "
+                                  f"{tenant.slug}-owner-password, API key {secret}")
+        deployment = seed_deployment(base, tenants, adapters, admin)
         if start:
             deployment.start()
         plan = seed_plan(admin)
@@ -204,6 +151,82 @@ class Command(BaseCommand):
                 f"({deployment.desired_state}), what-if plan {plan.name} (GPU allocation page)"
             )
         )
+
+
+def _models_under_a_root(models_dir: str) -> Path:
+    """The models folder, which must hold the tiny model and be under a model root: the
+    platform registers the demo's model and its tenants' adapters from there (tenants
+    themselves only ever upload theirs)."""
+    models = Path(models_dir).resolve()
+    if not (models / "tiny-llama" / "config.json").is_file():
+        raise CommandError(f"No tiny model under {models}; run scripts/setup_engine.sh first.")
+    roots = [Path(root).resolve() for root in settings.MODEL_ROOTS]
+    if not any(root == models or root in models.parents for root in roots):
+        raise CommandError(
+            f"{models} is not under MODEL_ROOTS ({', '.join(map(str, roots))}): set "
+            "MODEL_ROOTS to include it."
+        )
+    return models
+
+
+def seed_admin(password: str) -> User:
+    """The platform admin `admin`, with `password`."""
+    admin, _ = User.objects.get_or_create(
+        username="admin", defaults={"is_staff": True, "is_superuser": True}
+    )
+    admin.is_staff = admin.is_superuser = True
+    admin.set_password(password)
+    admin.save()
+    return admin
+
+
+def seed_tenant(spec: dict[str, Any], base: BaseModel, models: Path,
+                admin: User) -> tuple[Tenant, LoraAdapter, str | None]:
+    """A tenant of `TENANTS` with its owner and member, its adapter of `base` and its key `demo`
+    (the key's secret when it is created now, else None)."""
+    adapter_dir = spec.pop("adapter")
+    tenant, _ = Tenant.objects.update_or_create(slug=spec.pop("slug"), defaults=spec)
+    tenant.full_clean()
+    for role in (Role.OWNER, Role.MEMBER):
+        username = f"{tenant.slug}-{role}"
+        user, created = User.objects.get_or_create(username=username)
+        if created:
+            user.set_password(f"{username}-password")
+            user.save()
+        Membership.objects.get_or_create(user=user, tenant=tenant, defaults={"role": role})
+    adapter = LoraAdapter.objects.filter(tenant=tenant, name="house-style").first()
+    adapter = adapter or LoraAdapter(tenant=tenant, base_model=base, name="house-style")
+    adapter.path = str(models / adapter_dir)
+    adapter.full_clean()
+    adapter.save()
+    secret = None
+    if not ApiKey.objects.filter(tenant=tenant, name="demo").exists():
+        _, secret = ApiKey.objects.create_key(tenant=tenant, name="demo", created_by=admin)
+    return tenant, adapter, secret
+
+
+def seed_deployment(base: BaseModel, tenants: list[Tenant], adapters: list[LoraAdapter],
+                    admin: User) -> Deployment:
+    """The shared deployment `tiny-chat` of `base` for every tenant and adapter, with an
+    autoscaling policy to look at and turn on (off: the benchmarks drive this engine hard)."""
+    deployment = Deployment.objects.filter(name="tiny-chat").first() or Deployment(
+        name="tiny-chat", base_model=base, created_by=admin
+    )
+    deployment.max_model_len = 1024
+    deployment.max_num_seqs = 32
+    deployment.dtype = "float32"
+    deployment.max_loras = 4
+    deployment.max_lora_rank = 16
+    deployment.scheduling_policy = Deployment.SchedulingPolicy.PRIORITY
+    deployment.full_clean()
+    deployment.save()
+    deployment.tenants.set(tenants)
+    deployment.check_relations(tenants, adapters)
+    deployment.adapters.set(adapters)
+    Autoscaler.objects.get_or_create(deployment=deployment, defaults={
+        "enabled": False, "min_replicas": 1, "max_replicas": 2, "metric": Metric.WAITING,
+        "target": 8})
+    return deployment
 
 
 def seed_plan(admin=None) -> FleetPlan:

@@ -1,0 +1,1 @@
+"""The backups' management API: `/api/v1/backups/` (platform admins only)."""

@@ -1,0 +1,149 @@
+"""A direction's rules over several texts at once: the texts of one request (its messages' parts,
+names, tool arguments, ...) read as the detectors read them (`normalise.py`), each on its own
+and across the boundaries between them, and redacted in the texts as they were written.
+
+Two readings find the entities:
+- the texts joined by a newline: what each text holds on its own (a newline ends any entity
+  but a PEM block, as the end of a text does);
+- the texts joined with nothing between them, then read: a value cut in two (`138123` in one
+  part, `45678` in the next, or `1 3 8` and `1 2 3 ...`) is read whole; only the entities that
+  cross a boundary are taken from this reading.
+Each reading's entities are placed by their span in the written texts, and both readings' are
+decided together (`policy.Chooser`): the first `block` blocks, a redaction that overlaps an
+earlier one is dropped. An entity that crosses boundaries is replaced
+in the first text it touches and removed from the others.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from guardrails_app.normalise import Normalised, normalise
+from guardrails_app.policy import Chooser, DirectionGuard, Finding, Hit, Vault, sort_key
+
+
+@dataclass(frozen=True, slots=True)
+class TextFinding:
+    """A finding and the index of the text where it starts (never the matched text)."""
+
+    text: int
+    finding: Finding
+
+
+@dataclass(slots=True)
+class TextsResult:
+    texts: list[str]  # as written, redacted; unchanged when blocked
+    findings: list[TextFinding]
+    blocked: str | None  # the category that blocked them
+
+
+def apply_texts(guard: DirectionGuard, texts: Sequence[str], vault: Vault) -> TextsResult:
+    """Run the direction's detectors over `texts` (one request's) and redact them. Entities are
+    placed by their span in the written texts joined with nothing between them."""
+    written = [0]  # where each written text starts in the written texts joined
+    for text in texts:
+        written.append(written[-1] + len(text))
+    hits = _each(guard, texts, written)
+    if len(texts) > 1:
+        hits += _across(guard, texts, written)
+    if not hits:
+        return TextsResult(list(texts), [], None)
+    chooser = Chooser(guard)
+    chooser.take(sorted(hits, key=sort_key))
+    findings = [TextFinding(_owner(written, f.start), f) for f in chooser.findings]
+    if chooser.blocked is not None:
+        return TextsResult(list(texts), findings, chooser.blocked.category)
+    joined = "".join(texts)
+    edits: list[list[tuple[int, int, str]]] = [[] for _ in texts]
+    for hit in chooser.redactions:
+        value = normalise(joined[hit.start:hit.end]).text
+        detector, rule = guard.detectors[hit.index], guard.rules[hit.index]
+        replacement = vault.replacement(detector.category, value, rule.redaction,
+                                        guard.restorable)
+        first = True
+        for i in range(_owner(written, hit.start), len(texts)):
+            if written[i] >= hit.end:
+                break
+            a, b = max(hit.start, written[i]), min(hit.end, written[i + 1])
+            if b > a:
+                edits[i].append((a - written[i], b - written[i], replacement if first else ""))
+                first = False
+    out = [_render(t, e) if e else t for t, e in zip(texts, edits, strict=True)]
+    return TextsResult(out, findings, None)
+
+
+def _each(guard: DirectionGuard, texts: Sequence[str], written: list[int]) -> list[Hit]:
+    """Each text's own entities: the texts read one by one, joined by newlines, the hits
+    placed in the written texts."""
+    read = [normalise(t) for t in texts]
+    starts = [0]  # where each read text starts in the newline-joined reading
+    for n in read:
+        starts.append(starts[-1] + len(n.text) + 1)
+    found = []
+    for hit in guard.hits("\n".join(n.text for n in read)):
+        first, last = _owner(starts, hit.start), _owner(starts, hit.end - 1)
+        a = min(hit.start - starts[first], len(read[first].text) - 1)
+        b = min(hit.end - starts[last], len(read[last].text))
+        if a < 0 or b <= 0:
+            continue  # an entity of newlines alone
+        start = written[first] + read[first].span(a, a + 1)[0]
+        end = written[last] + read[last].span(b - 1, b)[1]
+        found.append(Hit(start, end, hit.index))
+    return found
+
+
+def _across(guard: DirectionGuard, texts: Sequence[str], written: list[int]) -> list[Hit]:
+    """The entities of the written texts joined with nothing between them, read as one, that
+    cross a boundary between texts. Each detector reads only the text around each boundary
+    (twice its reach on either side; all of it for a detector without a bound)."""
+    read = normalise("".join(texts))
+    windows: dict[int, list[tuple[int, int]]] = {}
+    found = set()
+    for index in guard.prefilter.candidates(read.text):
+        detector = guard.detectors[index]
+        try:
+            reach = 2 * (detector.reach + detector.before)
+        except ValueError:  # no bound
+            reach = len(read.text)
+        if reach not in windows:
+            windows[reach] = _windows(read, written[1:-1], reach)
+        for lo, hi in windows[reach]:
+            for a, b in detector.find(read.text[lo:hi]):
+                start, end = read.span(lo + a, lo + b)
+                if _owner(written, start) != _owner(written, end - 1):
+                    found.add(Hit(start, end, index))
+    return sorted(found, key=sort_key)
+
+
+def _windows(read: Normalised, boundaries: list[int], reach: int) -> list[tuple[int, int]]:
+    """Read-text ranges `reach` characters either side of each written boundary, merged."""
+    starts = read.starts if read.starts is not None else range(len(read.text))
+    merged: list[tuple[int, int]] = []
+    for boundary in boundaries:
+        at = bisect.bisect_left(starts, boundary)
+        lo, hi = max(at - reach, 0), min(at + reach, len(read.text))
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _owner(starts: list[int], position: int) -> int:
+    """The text holding `position`, by the texts' starts (the last start is the end)."""
+    return min(max(bisect.bisect_right(starts, position) - 1, 0), len(starts) - 2)
+
+
+def _render(text: str, edits: list[tuple[int, int, str]]) -> str:
+    parts = []
+    at = 0
+    for start, end, replacement in sorted(edits):
+        # Two read characters from one written one: that one is replaced already.
+        start, end = max(start, at), max(end, at)
+        parts.append(text[at:start])
+        parts.append(replacement)
+        at = end
+    parts.append(text[at:])
+    return "".join(parts)

@@ -1,0 +1,36 @@
+"""The bursty benchmark's figures (`benchmarks/bursts.py`) from vLLM's per-request detail, on
+a made-up run: what `gpu_bench.py fair --bursty` reports on a GPU host."""
+
+from __future__ import annotations
+
+from benchmarks import bursts
+
+
+def detail(requests: list[tuple[float, float, int]]) -> dict:
+    return {"starts": [r[0] for r in requests], "e2els": [r[1] for r in requests],
+            "output_lens": [r[2] for r in requests]}
+
+
+def test_a_bursts_first_seconds_are_left_out_and_the_throughput_after_it_is_counted():
+    # The flood: a request of 100 tokens ending every second from 1 to 60.
+    flood = detail([(t - 3.0, 3.0, 100) for t in range(1, 61)])
+    # A burst at 10-25 s: its first 4 s slow (2 s), then 1 s; its last ends at 25.
+    burst = detail([(10.0, 2.0, 10), (12.0, 2.0, 10), (14.5, 1.0, 10), (20.0, 1.0, 10),
+                    (24.0, 1.0, 10)])
+    fig = bursts.figures({"flood": flood}, [burst], alone_p95_ms=800.0)
+    assert fig["cs_requests_after_settle"] == 3 and fig["cs_p95_ms"] == 1000.0
+    assert fig["cs_p95_vs_alone"] == 1.25
+    # 2 s after 25: the flood's completions at 26 and 27.
+    assert fig["after_burst_tok_s"] == 100.0
+    window = fig["window_s"]
+    assert window == 62.0 and fig["tok_s"] == (60 * 100 + 5 * 10) / window
+
+
+def test_each_mode_is_compared_with_fcfs_against_issue_44s_targets():
+    modes = bursts.versus({
+        "fcfs": {"cs_p95_vs_alone": 2.3, "tok_s": 1000.0, "after_burst_tok_s": 1000.0},
+        "static": {"cs_p95_vs_alone": 1.2, "tok_s": 400.0, "after_burst_tok_s": 400.0},
+        "objectives": {"cs_p95_vs_alone": 1.25, "tok_s": 800.0, "after_burst_tok_s": 960.0},
+    })
+    assert [m["target_met"] for m in modes.values()] == [False, False, True]
+    assert modes["objectives"]["vs_fcfs"] == 0.8 and modes["static"]["after_vs_fcfs"] == 0.4
