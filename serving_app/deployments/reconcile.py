@@ -95,10 +95,11 @@ def declare_lost_nodes() -> list[Node]:
     declared = []
     for node in Node.objects.filter(lost_at__isnull=True, last_heartbeat__lt=cutoff):
         with transaction.atomic():
-            silent = Node.objects.select_for_update(skip_locked=True).filter(
+            still_silent = Node.objects.select_for_update(skip_locked=True).filter(
                 pk=node.pk, lost_at__isnull=True, last_heartbeat__lt=cutoff)
-            if not list(silent.values_list("pk", flat=True)) or not Node.objects.filter(pk=node.pk).update(lost_at=now):
+            if not list(still_silent.values_list("pk", flat=True)):
                 continue
+            Node.objects.filter(pk=node.pk).update(lost_at=now)
             node.lost_at = now
             silent = (now - node.last_heartbeat).total_seconds() if node.last_heartbeat else None
             reason = f"node {node.name} lost: no heartbeat for {silent or 0:.0f} s"
