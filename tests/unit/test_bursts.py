@@ -20,6 +20,9 @@ def test_a_bursts_first_seconds_are_left_out_and_the_throughput_after_it_is_coun
     fig = bursts.figures({"flood": flood}, [burst], alone_p95_ms=800.0)
     assert fig["cs_requests_after_settle"] == 3 and fig["cs_p95_ms"] == 1000.0
     assert fig["cs_p95_vs_alone"] == 1.25
+    # Over every request, the burst's slow first seconds included (issue 45's figure).
+    assert fig["cs_requests"] == 5 and fig["cs_p95_all_ms"] == 2000.0
+    assert fig["cs_p95_all_vs_alone"] == 2.5
     # 2 s after 25: the flood's completions at 26 and 27.
     assert fig["after_burst_tok_s"] == 100.0
     window = fig["window_s"]
@@ -34,3 +37,16 @@ def test_each_mode_is_compared_with_fcfs_against_issue_44s_targets():
     })
     assert [m["target_met"] for m in modes.values()] == [False, False, True]
     assert modes["objectives"]["vs_fcfs"] == 0.8 and modes["static"]["after_vs_fcfs"] == 0.4
+
+
+def test_issue_45s_go_counts_every_request_against_fcfs_from_another_engine():
+    fcfs = {"cs_p95_vs_alone": 2.3, "cs_p95_all_vs_alone": 2.5, "tok_s": 1000.0,
+            "after_burst_tok_s": 1000.0}
+    modes = bursts.versus({
+        "capped": {"cs_p95_vs_alone": 1.1, "cs_p95_all_vs_alone": 1.25, "tok_s": 750.0,
+                   "after_burst_tok_s": 990.0},
+        "slow-start": {"cs_p95_vs_alone": 1.1, "cs_p95_all_vs_alone": 1.9, "tok_s": 900.0,
+                       "after_burst_tok_s": 990.0},
+    }, base=fcfs)
+    assert modes["capped"]["go_all_requests"] and modes["capped"]["vs_fcfs"] == 0.75
+    assert not modes["slow-start"]["go_all_requests"] and modes["slow-start"]["target_met"]
