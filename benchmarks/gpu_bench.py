@@ -104,10 +104,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
                 "max_num_seqs": 80},
     "prio-2k": {"scheduling_policy": "priority", "max_num_batched_tokens": 2048,
                 "max_num_seqs": 80},
-    # prio-8k with the console's scheduler (issue 45): while customer service's requests are
-    # in the engine, at most 16 others run (vllm_plugins/console_scheduler.py).
+    # fcfs-8k's batch under priority scheduling with the console's scheduler (issue 45): while
+    # customer service's requests are in the engine, at most 16 others run
+    # (vllm_plugins/console_scheduler.py).
     "urgent-8k": {"scheduling_policy": "priority", "max_num_batched_tokens": 8192,
-                  "max_num_seqs": 80, "urgent_batch_cap": 16},
+                  "max_num_seqs": 128, "urgent_batch_cap": 16},
 }
 DEFAULT_CONFIGS = "prio-8k,fcfs-8k,prio-2k,fcfs-2k"  # urgent-8k on request
 REFERENCE = "fcfs-8k"  # FCFS on vLLM's defaults: the frontier's throughput reference
