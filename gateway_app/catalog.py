@@ -16,7 +16,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -372,10 +372,16 @@ def _load_guards(tenants: dict[int, TenantEntry]
 
 
 def _entry(policy: Policy, patterns: Sequence[TenantPattern], tenant: TenantEntry) -> GuardEntry:
+    return guard_entry(policy, patterns, hash_salt(tenant.cache_secret))
+
+
+def guard_entry(policy: Policy, patterns: Iterable[TenantPattern], salt: bytes) -> GuardEntry:
+    """A policy compiled with the tenant's patterns, as the gateway holds it (the test bench
+    builds its own with a salt of its own, `gateway_app.bench`)."""
     shapes = tuple((p.name, p.kind, p.pattern, json.dumps(p.terms), p.category, p.ignore_case)
                    for p in patterns)
     source = (json.dumps(policy.to_dict(), sort_keys=True), shapes)
-    return GuardEntry(compiled(*source), hash_salt(tenant.cache_secret), source)
+    return GuardEntry(compiled(*source), salt, source)
 
 
 def hash_salt(cache_secret: str) -> bytes:

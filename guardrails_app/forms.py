@@ -168,15 +168,25 @@ class PatternForm(forms.ModelForm[TenantPattern]):
         return data
 
 
+REQUEST = "request"
+
+
 class BenchForm(forms.Form):
-    """Text to try the policy on, as a prompt or as an answer."""
+    """Text to try the policy on, as a prompt or as an answer, or a whole chat-completions
+    request body (`REQUEST`: the gateway's own checks on it, `gateway_app.bench`)."""
 
     direction = forms.ChoiceField(choices=[("input", "a prompt (input)"),
-                                           ("output", "an answer (output)")],
-                                  initial="input")
-    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6}), max_length=65536,
-                           strip=False, label="Text",
-                           help_text="Nothing is stored; findings are shown as offsets.")
+                                           ("output", "an answer (output)"),
+                                           (REQUEST, "a whole request (chat-completions JSON)")],
+                                  initial="input", label="Try it on")
+    text = forms.CharField(widget=forms.Textarea(attrs={"rows": 6, "spellcheck": "false"}),
+                           max_length=65536, strip=False, label="Text or request body",
+                           help_text="Nothing is stored; findings are shown as offsets, or "
+                                     "for a request, per field.")
+
+    @property
+    def whole_request(self) -> bool:
+        return self.cleaned_data.get("direction") == REQUEST
 
 
 class GuardModelForm(forms.ModelForm[GuardModel]):

@@ -107,3 +107,91 @@ def _fold_digits(chars: list[str], starts: list[int], ends: list[int]
         return chars, starts, ends
     keep = [i for i in range(len(chars)) if i not in drop]
     return [chars[i] for i in keep], [starts[i] for i in keep], [ends[i] for i in keep]
+
+
+# A stream's reader holds back at most this many read characters of a run of digits and
+# separators whose folding is still open (`ReadStream`).
+STREAM_HOLD = 256
+_RUN_CHARS = frozenset("0123456789 \t.-_/,")
+_DIGITS = frozenset("0123456789")
+
+
+class ReadStream:
+    """`normalise()` over a text that arrives in pieces (a streamed answer): `feed(chunk)`
+    gives out the read characters no text still to come can change, each with its written
+    span (absolute offsets), as soon as they are.
+
+    NFKC and the removal of invisible characters go character by character, so they are
+    decided at once. Folding a run of spaced digits is not: `1 3 8 1 2 3` may become a run of
+    seven digits with the next chunk. The reader holds back the run of digits and separators
+    at the end of what has arrived, from its first digit (the characters before it are read
+    whatever follows: a fold never crosses another character), except before its last two
+    adjacent digits (no run to fold spans or touches them); each piece is folded with the
+    character before it and the one after it, which are all the fold reads of its
+    surroundings. So the read pieces, joined, are `normalise()` of the whole text, as long as
+    no run of digits and separators without two adjacent digits grows past `STREAM_HOLD`
+    read characters (or hides as many invisible characters): the reader then reads its first
+    half as it stands, and stays within its bound."""
+
+    def __init__(self) -> None:
+        self._chars: list[str] = []  # read, not given out yet (their folding open)
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._before = ""  # the last read character given out (the fold's look-behind)
+        self.written = 0  # written characters received
+
+    @property
+    def decided_to(self) -> int:
+        """The written offset before which every character is read (given out or removed)."""
+        return self._starts[0] if self._starts else self.written
+
+    def feed(self, chunk: str, final: bool = False) -> tuple[str, list[int], list[int]]:
+        """(read text now decided, its characters' written starts, their written ends)."""
+        if chunk.isascii():
+            chars = list(chunk)
+            starts = list(range(self.written, self.written + len(chunk)))
+            ends = [at + 1 for at in starts]
+        else:
+            chars, starts, ends = _compatibility(chunk)
+            starts = [at + self.written for at in starts]
+            ends = [at + self.written for at in ends]
+        self._chars += chars
+        self._starts += starts
+        self._ends += ends
+        self.written += len(chunk)
+        cut = len(self._chars) if final else self._cut()
+        if cut == 0:
+            return "", [], []
+        # Folded with one character either side: the fold's look-behind and look-ahead.
+        lead = 1 if self._before else 0
+        window = ([self._before] if lead else []) + self._chars[:cut + 1]
+        index = list(range(-lead, len(window) - lead))
+        folded, kept, _ = _fold_digits(window, index, index)
+        given = [(ch, i) for ch, i in zip(folded, kept, strict=True) if 0 <= i < cut]
+        read = "".join(ch for ch, _ in given)
+        out_starts = [self._starts[i] for _, i in given]
+        out_ends = [self._ends[i] for _, i in given]
+        self._before = self._chars[cut - 1]
+        del self._chars[:cut], self._starts[:cut], self._ends[:cut]
+        return read, out_starts, out_ends
+
+    def _cut(self) -> int:
+        """How many of the held characters are decided now."""
+        chars = self._chars
+        n = len(chars)
+        at = n
+        while at > 0 and chars[at - 1] in _RUN_CHARS:
+            at -= 1
+        while at < n and chars[at] not in _DIGITS:
+            at += 1
+        if at == n:
+            return n
+        for k in range(n - 1, at, -1):
+            if chars[k] in _DIGITS and chars[k - 1] in _DIGITS:
+                at = k
+                break
+        if self.written - self._starts[at] > 4 * STREAM_HOLD:
+            return n  # invisible characters, mostly
+        if n - at > STREAM_HOLD:
+            return n - STREAM_HOLD // 2
+        return at

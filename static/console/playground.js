@@ -7,6 +7,7 @@
   const $ = (id) => document.getElementById(id);
   const chat = $("pg-chat"), input = $("pg-input"), form = $("pg-form"), stats = $("pg-stats");
   const history = [];
+  let lastBody = null;  // the last request's body, for "What the engine received"
 
   function csrf() {
     const m = document.cookie.match(/(?:^|;\s*)csrftoken=([^;]+)/);
@@ -44,6 +45,23 @@
     });
   }
 
+  // The guardrail bench (server side, the gateway's own code) on the last request's body:
+  // nothing of it was stored by the gateway, so it is worked out again from this page's copy.
+  $("pg-engine-view").addEventListener("click", async () => {
+    if (!lastBody) return;
+    const target = $("pg-engine-view-result");
+    const form = new URLSearchParams({ direction: "request", text: lastBody });
+    try {
+      const r = await fetch(settings.dataset.engineViewUrl, {
+        method: "POST", credentials: "same-origin", body: form,
+        headers: { "X-CSRFToken": csrf(), "HX-Request": "true" },
+      });
+      target.innerHTML = await r.text();
+    } catch (err) {
+      target.textContent = "Could not show it: " + err.message;
+    }
+  });
+
   $("pg-clear").addEventListener("click", () => {
     history.length = 0;
     chat.innerHTML = '<p class="muted" id="pg-empty">Send a message to start.</p>';
@@ -72,16 +90,18 @@
     const started = performance.now();
     let first = null, reply = "", usage = null;
     $("pg-send").disabled = true;
+    lastBody = JSON.stringify({
+      model: $("pg-model").value, messages, stream: true,
+      stream_options: { include_usage: true },
+      max_tokens: parseInt($("pg-max").value, 10) || 64,
+      temperature: parseFloat($("pg-temp").value) || 0,
+    });
+    $("pg-engine-view").disabled = false;
     try {
       const response = await fetch(settings.dataset.endpoint, {
         method: "POST",
         headers: { "Content-Type": "application/json", Authorization: "Bearer " + key },
-        body: JSON.stringify({
-          model: $("pg-model").value, messages, stream: true,
-          stream_options: { include_usage: true },
-          max_tokens: parseInt($("pg-max").value, 10) || 64,
-          temperature: parseFloat($("pg-temp").value) || 0,
-        }),
+        body: lastBody,
       });
       if (!response.ok) {
         let detail = response.status + " " + response.statusText;

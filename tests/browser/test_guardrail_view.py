@@ -97,3 +97,68 @@ def test_the_request_page_names_the_tool_argument_that_held_a_phone_number(
     assert PHONE not in page.content() and "555-2671" not in page.content()
     shot(page, "request-guardrails")
     assert page.js_errors == []
+
+
+def test_the_bench_shows_a_request_as_the_engine_would_receive_it(page, console_server):
+    """The guardrail bench on a whole request: the body as the engine would receive it, with
+    the placeholder in the tool call's arguments, and the field that held the number, beside
+    the form (in view after the post, not below it). No engine: the bench runs the gateway's
+    stages on the body in the console (`gateway_app.bench`), nothing is sent anywhere."""
+    tenant = make_tenant("support", name="Customer Service")
+    member = make_user("support-member")
+    add_member(tenant, member, Role.MEMBER)
+    TenantPolicy.objects.create(tenant=tenant, input={"phone": "redact"}, restore=False)
+    body = {"model": "chat", "messages": [
+        {"role": "user", "content": "Call the customer back."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "call", "arguments": json.dumps({"to": PHONE})}}]}]}
+
+    sign_in(page, "support-member")
+    page.goto("/portal/support/guardrails/")
+    page.select_option("#id_direction", "request")
+    page.fill("#id_text", json.dumps(body, indent=2))
+    page.locator("#bench-form button[type=submit]").click()
+    shown = page.locator("#bench-result #engine-body")
+    expect(shown).to_be_visible()
+    expect(shown).to_be_in_viewport()
+    sent = json.loads(shown.inner_text())
+    assert json.loads(sent["messages"][1]["tool_calls"][0]["function"]["arguments"]) == \
+        {"to": "[PHONE_1]"}
+    row = page.locator("#engine-fields tbody tr", has_text=FIELD)
+    expect(row).to_have_count(1)
+    expect(row).to_contain_text("phone")
+    expect(row).to_contain_text("PHONE")
+    expect(row).to_contain_text("redact")
+    assert "555-2671" not in page.locator("#bench-result").inner_text()
+    shot(page, "guardrail-bench-request")
+    assert page.js_errors == []
+
+
+def test_the_playground_shows_what_the_engine_received_for_its_last_request(
+        page, console_server, base_model):
+    """The playground's last request, through the same bench (nothing stored by the gateway):
+    the key is refused here (no engine is needed for the view), and the view still shows the
+    body the playground sent with the tenant's policy applied: the number as its placeholder."""
+    tenant = make_tenant("support", name="Customer Service")
+    member = make_user("support-member")
+    add_member(tenant, member, Role.MEMBER)
+    TenantPolicy.objects.create(tenant=tenant, input={"phone": "redact"}, restore=False)
+    make_deployment(base_model, [tenant], name="chat", desired_state="running")
+
+    sign_in(page, "support-member")
+    page.goto("/portal/support/playground/")
+    expect(page.locator("#pg-engine-view")).to_be_disabled()
+    page.fill("#pg-key", "lcsk-not-a-key")
+    page.fill("#pg-input", f"Call me on {PHONE}")
+    page.locator("#pg-send").click()
+    expect(page.locator("#pg-chat .msg.error")).to_be_visible()
+    page.locator("#pg-engine-view").click()
+    shown = page.locator("#pg-engine-view-result #engine-body")
+    expect(shown).to_contain_text("[PHONE_1]")
+    sent = json.loads(shown.inner_text())
+    assert sent["messages"][-1]["content"] == "Call me on [PHONE_1]" and sent["stream"] is True
+    expect(page.locator("#pg-engine-view-result #engine-fields tbody tr")).to_contain_text(
+        "messages[0].content")
+    assert "555-2671" not in page.locator("#pg-engine-view-result").inner_text()
+    assert page.js_errors == []

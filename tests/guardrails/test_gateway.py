@@ -121,6 +121,30 @@ def test_output_redaction_of_whole_and_streamed_answers(gateway, world):
     assert "banana" not in text
 
 
+def test_streamed_output_is_read_normalised_like_a_whole_answer(gateway, world):
+    """A number the engine writes full-width, with zero-width spaces inside, or one digit per
+    group passes no output rule, streamed or not. The real engine writes these forms here by
+    echoing its prompt (`echo`; no input rule, so the prompt reaches it as written)."""
+    TenantPolicy.objects.create(tenant=world.acme, output={"cn_mobile": "redact"})
+    prompt = ("Call １３８１２３４５６７８, 139\u200b1234\u200b5678 or 1 8 6 1 2 3 4 5 6 7 8 "
+              "today.")
+    resp = guarded(gateway, world, completion(prompt))
+    assert resp.status_code == 200, resp.text
+    whole = resp.json()["choices"][0]["text"]
+    assert whole.startswith("Call [PHONE_1], [PHONE_2] or [PHONE_3] today.")
+
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=60,
+                      json=completion(prompt, stream=True, max_tokens=4),
+                      headers={"authorization": f"Bearer {world.acme_secret}"}) as streamed:
+        assert streamed.status_code == 200
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]
+                   if json.loads(line[6:]).get("choices"))
+    assert text.startswith("Call [PHONE_1], [PHONE_2] or [PHONE_3] today.")
+    for written in ("１３８", "5678", "6 7 8"):
+        assert written not in text
+
+
 def test_a_key_narrowing_applies_to_that_key_only(gateway, world):
     FloorPolicy.objects.create(input={"api_key": "block"})
     KeyPolicy.objects.create(api_key=world.acme_key, input={"cn_mobile": "block"})

@@ -10,8 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from guardrails_app.detectors import builtin, deny_list, tenant_pattern
+from guardrails_app.normalise import STREAM_HOLD
 from guardrails_app.policy import Direction, Policy, PolicyError, Redaction, Vault
 from guardrails_app.streaming import OutputStream, StreamRedactor, StreamRestorer
+from guardrails_app.texts import apply_texts
 from tests.guardrails.entities import VALID
 
 DETECTORS = {
@@ -38,8 +40,9 @@ def answers(draw) -> tuple[str, list[str]]:
     return "".join(f"{f} | {e} | " for f, e in parts) + tail, [e for _, e in parts]
 
 
-def batch(text: str) -> str:
-    return GUARD.apply(text, Direction.OUTPUT, Vault()).text
+def batch(text: str, guard=GUARD) -> str:
+    """The whole answer's redaction, as the gateway does it (read normalised)."""
+    return apply_texts(guard.output, [text], Vault()).texts[0]
 
 
 def stream(chunks: list[str]) -> str:
@@ -176,7 +179,7 @@ ANCHORED_GUARD = Policy.from_dict(
 def test_tenant_patterns_with_anchors_and_word_boundaries_stream_like_the_whole(text, sizes):
     """`\\b`, `(?m)^`/`$` and end-of-text `$` read the characters around a match: the stream
     keeps the one before its undecided text and holds a match that ends where the text does."""
-    whole = ANCHORED_GUARD.apply(text, Direction.OUTPUT).text
+    whole = batch(text, ANCHORED_GUARD)
     redactor = StreamRedactor(ANCHORED_GUARD.output, Vault())
     out, at, i = [], 0, 0
     while at < len(text):
@@ -185,3 +188,55 @@ def test_tenant_patterns_with_anchors_and_word_boundaries_stream_like_the_whole(
         at, i = at + size, i + 1
     out.append(redactor.flush().text)
     assert "".join(out) == whole
+
+
+# The forms a detector misses until the text is read normalised (`normalise.py`), each with
+# the digits (or address) that must never come out: full-width, invisible characters inside,
+# one digit per group.
+WRITTEN_FORMS = [
+    ("１３８１２３４５６７８", "１３８"), ("138\u200b1234\u200b5678", "5678"),
+    ("1\u200d3\u200d8\u200d1\u200d2\u200d3\u200d4\u200d5\u200d6\u200d7\u200d8", "5\u200d6"),
+    ("1 3 8 1 2 3 4 5 6 7 8", "5 6 7"), ("1-3-8-1-2-3-4-5-6-7-8", "5-6-7"),
+    ("+1 ４１５ ５５５ ２６７１", "２６７１"), ("ann＠example.com", "ann＠"),
+    ("4111\u200b1111\u200b1111\u200b1111", "1111\u200b1111"),
+]
+NORMALISED_FILLER = st.text(alphabet=st.sampled_from(list("ab 019.-\u200b１＠,")), max_size=16)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(NORMALISED_FILLER, st.sampled_from(WRITTEN_FORMS)), min_size=1,
+                max_size=3),
+       st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=30))
+def test_streams_are_read_normalised_like_the_whole_answer(parts, sizes):
+    """Full-width digits, invisible characters inside a number and one digit per group, cut
+    anywhere by the chunks (a zero-width space or a run of spaced digits across a chunk's
+    end): the stream releases what the whole answer's redaction gives, and no form leaks."""
+    text = "".join(f"{filler} | {form} | " for filler, (form, _) in parts)
+    whole = batch(text)
+    chunks, at, i = [], 0, 0
+    while at < len(text):
+        chunks.append(text[at:at + sizes[i % len(sizes)]])
+        at, i = at + sizes[i % len(sizes)], i + 1
+    released = stream(chunks)
+    assert released == whole
+    for _, (_, kept_out) in parts:
+        assert kept_out not in released
+
+
+def test_a_spaced_number_split_across_chunks_is_held_until_it_is_read():
+    redactor = StreamRedactor(GUARD.output, Vault())
+    first = redactor.feed("call 1 3 8 1 2")
+    assert first.text == "call "  # the run may become a number: held
+    second = redactor.feed(" 3 4 5 6 7 8\u200b now.")
+    assert first.text + second.text + redactor.flush().text == "call [PHONE_1]\u200b now."
+
+
+def test_a_run_of_digits_without_end_is_held_within_its_bound():
+    """The reader's own bound: an answer that never ends its run of spaced digits is released
+    in pieces, holding at most the window (detectors' reach plus `STREAM_HOLD`)."""
+    guard = Policy.from_dict({"output": {"cn_mobile": "redact"}}).compile(builtin())
+    redactor = StreamRedactor(guard.output, Vault())
+    released = "".join(redactor.feed("1 ").text for _ in range(400))
+    assert redactor.held <= redactor.window == guard.output.window + STREAM_HOLD
+    assert len(released) >= 800 - redactor.window
+    assert released + redactor.flush().text == batch("1 " * 400, guard)

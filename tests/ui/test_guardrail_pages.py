@@ -5,6 +5,8 @@ changes nothing; audit entries carry the page's source; no page shows a matched 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.urls import reverse
 
@@ -114,6 +116,53 @@ def test_the_bench_shows_what_the_policy_does_without_the_values(login, acme):
     empty = login(acme.viewer).post(url, {"direction": "sideways", "text": ""})
     assert empty.status_code == 400
     assert {"direction", "text"} <= set(empty.context["bench_form"].errors)
+
+
+def _chat(*messages: dict, **extra) -> str:
+    return json.dumps({"model": "m", "messages": list(messages), **extra})
+
+
+def test_the_bench_shows_a_whole_request_as_the_engine_would_receive_it(login, acme):
+    """The request mode runs the gateway's own stages (`gateway_app.bench`): the body the
+    engine would receive, the findings per field, or the gateway's refusal."""
+    TenantPolicy.objects.create(tenant=acme.tenant, input={"cn_mobile": "redact",
+                                                           "cn_resident_id": "block"})
+    url = reverse("portal:guardrail-bench", args=["acme"])
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "sms", "arguments": json.dumps({"to": MOBILE})}}]}
+    text = _chat({"role": "user", "content": f"text {MOBILE}"}, call)
+    shown = login(acme.viewer).post(url, {"direction": "request", "text": text})
+    assert shown.status_code == 200
+    engine = shown.context["engine"]
+    sent = json.loads(engine.body)
+    assert sent["messages"][0]["content"] == "text [PHONE_1]"
+    assert json.loads(sent["messages"][1]["tool_calls"][0]["function"]["arguments"]) == \
+        {"to": "[PHONE_1]"}
+    assert [(f["field"], f["detector"], f["action"], f["count"]) for f in engine.fields] == [
+        ("messages[0].content", "cn_mobile", "redact", 1),
+        ("messages[1].tool_calls[0].function.arguments.to", "cn_mobile", "redact", 1)]
+    page = shown.content.decode()
+    assert "messages[1].tool_calls[0].function.arguments.to" in page
+    assert page.count(MOBILE) == text.count(MOBILE) == 2  # in the textarea only
+    # The playground's partial: the view alone.
+    partial = login(acme.viewer).post(url, {"direction": "request", "text": text},
+                                      HTTP_HX_REQUEST="true")
+    assert partial.status_code == 200 and "<html" not in partial.content.decode()
+    assert "[PHONE_1]" in partial.content.decode() and MOBILE not in partial.content.decode()
+
+    secret_id = resident_id("110101", "19900307", "451")
+    blocked = login(acme.viewer).post(url, {"direction": "request", "text": _chat(
+        {"role": "user", "content": "hi", "name": secret_id})})
+    view = blocked.context["engine"]
+    assert view.refused and view.status == 400 and view.error["code"] == "guardrail_blocked"
+    assert view.body is None and blocked.content.decode().count(secret_id) == 1
+    assert [(f["field"], f["action"]) for f in view.fields] == [("messages[0].name", "block")]
+    unknown = login(acme.viewer).post(url, {"direction": "request", "text": _chat(
+        {"role": "user", "content": "hi"}, surprise="x")}).context["engine"]
+    assert unknown.status == 400 and unknown.error["param"] == "surprise"
+    broken = login(acme.viewer).post(url, {"direction": "request", "text": "{not json"})
+    assert broken.context["engine"].error["code"] == "invalid_json"
 
 
 def test_patterns_are_added_with_field_errors_and_deleted(login, acme):

@@ -17,6 +17,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.views import View
 
+from gateway_app.bench import engine_view
 from guardrails_app.forms import BenchForm, PatternForm, PolicyForm
 from guardrails_app.models import (
     FloorPolicy,
@@ -73,12 +74,23 @@ class GuardrailsView(GuardrailsPage):
 
 
 class GuardrailBenchView(GuardrailsPage):
-    """Run the tenant's effective policy on pasted text (any member: it changes nothing)."""
+    """Run the tenant's effective policy on pasted text, or on a whole request body as the
+    gateway would (`gateway_app.bench`: the body the engine would receive, the findings per
+    field, or the gateway's refusal). Any member: it changes nothing. Asked by the playground
+    (`HX-Request`), it answers the engine's view alone, for the playground's last request."""
 
     def post(self, request: HttpRequest, slug: str) -> HttpResponse:
         form = BenchForm(request.POST)
+        partial = request.headers.get("HX-Request") == "true"
         if not form.is_valid():
+            if partial:
+                return self.render("portal/_engine_view.html", status=400, form_errors=form.errors)
             return self.page(status=400, bench_form=form)
+        if form.whole_request:
+            view = engine_view(self.tenant, form.cleaned_data["text"].encode())
+            if partial:
+                return self.render("portal/_engine_view.html", engine=view)
+            return self.page(bench_form=form, engine=view)
         result = bench(self.tenant, form.cleaned_data["text"],
                        Direction(form.cleaned_data["direction"]))
         return self.page(bench_form=form, bench_result=result)
