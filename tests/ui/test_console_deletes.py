@@ -42,6 +42,17 @@ def test_deleting_a_served_adapter_names_its_deployments_and_asks_first(
     assert AuditLog.objects.filter(action="delete", object_repr__contains="helpdesk").exists()
 
 
+def test_the_django_admins_adapter_delete_names_its_deployments(login, platform_admin, acme,
+                                                               tmp_path):
+    base = make_base_model(tmp_path / "models")
+    adapter = make_adapter(acme.tenant, base, tmp_path / "adapters", name="helpdesk")
+    make_deployment(base, [acme.tenant], name="support-chat", adapters=[adapter])
+    page = login(platform_admin).get(
+        reverse("admin:serving_app_loraadapter_delete", args=[adapter.pk])).content.decode()
+    assert "Deployment support-chat serves it" in page
+    assert LoraAdapter.objects.filter(pk=adapter.pk).exists()
+
+
 def test_a_model_that_deployments_run_is_not_deleted_and_its_page_says_by_whom(
         login, platform_admin, acme, globex, tmp_path):
     base = make_base_model(tmp_path / "models", "llama-mini")
