@@ -65,6 +65,15 @@ class LoraAdapterAdmin(admin.ModelAdmin):
     search_fields = ["name", "path"]
     readonly_fields = ["target_modules", "size_bytes", "last_error"]
 
+    def get_deleted_objects(self, objs, request):
+        """Django's confirmation lists an adapter's deployments as nameless relationship rows;
+        it names them too, as the console's and the portal's confirmations do."""
+        deleted, counts, perms_needed, protected = super().get_deleted_objects(objs, request)
+        served = Deployment.objects.filter(adapters__in=list(objs)).distinct().order_by("name")
+        deleted += [f"Deployment {d.name} serves it: it stops offering the adapter at once"
+                    for d in served]
+        return deleted, counts, perms_needed, protected
+
 
 class GpuInline(admin.TabularInline):
     model = Gpu

@@ -25,7 +25,7 @@ from typing import Any
 from django.db.models import Q, Sum
 
 from serving_app.models import Deployment
-from serving_app.models.usage import UsageHour, UsageMinute
+from serving_app.models.usage import UsageHour, UsageMinute, UsageTenSecond
 from serving_app.placement.shares import charged_shares, entitled_shares, weighted_tokens
 from tenants_app.models import Tenant
 
@@ -183,7 +183,7 @@ def measured_charges(
     return charges
 
 
-ROLLUP_SECONDS = {UsageMinute: 60, UsageHour: 3600}
+ROLLUP_SECONDS = {UsageTenSecond: 10, UsageMinute: 60, UsageHour: 3600}
 
 
 def period_ending_now(span: timedelta, rollup: Any = UsageMinute, key: str = "",

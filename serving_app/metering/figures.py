@@ -165,10 +165,11 @@ def reference_line(fig: Figure, value: float, label: str, colour: str,
 # ----------------------------------------------------------------------------- usage
 
 
-def requests_figure(series: Series, tenants: dict[int, Tenant]) -> dict[str, Any]:
+def requests_figure(series: Series, tenants: dict[int, Tenant], per: str) -> dict[str, Any]:
+    """Requests per bar, stacked by tenant; `per`: one bar's width, stated on the axis."""
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
-    fig = _figure(layout=_layout("Requests", "requests per bin", barmode="stack"))
+    fig = _figure(layout=_layout("Requests", f"requests per {per}", barmode="stack"))
     has_data = False
     for tenant in sorted(tenants.values(), key=lambda t: t.slug):
         per_bin = series.by_tenant.get(tenant.pk)
@@ -213,11 +214,11 @@ def guardrails_figure(rows: list[dict[str, Any]], tenants: dict[int, Tenant],
     return _plain(_empty(fig, bool(rows), "No guardrail findings in this range"))
 
 
-def tokens_figure(series: Series, tenants: dict[int, Tenant]) -> dict[str, Any]:
+def tokens_figure(series: Series, tenants: dict[int, Tenant], per: str) -> dict[str, Any]:
     colours = tenant_colours(tenants.values())
     x = times(series.bins)
     fig = _figure(
-        layout=_layout("Prompt and completion tokens", "tokens per bin", barmode="stack")
+        layout=_layout("Prompt and completion tokens", f"tokens per {per}", barmode="stack")
     )
     has_data = False
     for tenant in sorted(tenants.values(), key=lambda t: t.slug):

@@ -29,8 +29,8 @@ def usage_panel(trange: queries.TimeRange, tenants: QuerySet[Tenant]) -> dict:
     guardrails = queries.guardrail_counts(trange, tenants)
     return {
         "figures": {
-            "requests": figures.requests_figure(series, names),
-            "tokens": figures.tokens_figure(series, names),
+            "requests": figures.requests_figure(series, names, trange.bin_label),
+            "tokens": figures.tokens_figure(series, names, trange.bin_label),
             "guardrails": figures.guardrails_figure(guardrails, names, trange),
         },
         "rows": totals,

@@ -1,8 +1,10 @@
-"""Dashboard queries over the usage rollups (`UsageMinute`, `UsageHour`) and `GpuSample`.
+"""Dashboard queries over the usage rollups (`UsageTenSecond`, `UsageMinute`, `UsageHour`) and
+`GpuSample`.
 
 Every chart is one aggregate query grouped by rollup bucket (and tenant), folded into the
-range's display bins in Python. The last hour and day read the per-minute rollup, longer
-ranges the per-hour one, so a 30-day chart reads at most 720 buckets per tenant and model.
+range's display bins in Python. The last 15 minutes read the ten-second rollup (a 90-second
+burst is nine bars, not two), the last hour and day the per-minute one, longer ranges the
+per-hour one, so a 30-day chart reads at most 720 buckets per tenant and model.
 Percentiles come from the rollups' latency histogram (`LATENCY_BUCKETS_MS`, log-spaced),
 interpolated linearly inside a bucket; above the last bound the bucket's maximum latency is the
 upper end.
@@ -35,9 +37,11 @@ from serving_app.models.usage import (
     UsageHour,
     UsageMinute,
     UsageRollup,
+    UsageTenSecond,
     histogram_quantile,
 )
 from serving_app.placement.inventory import GIB
+from serving_app.units import format_seconds
 from tenants_app.models import Tenant
 
 HIST_FIELDS = LATENCY_FIELDS
@@ -73,6 +77,12 @@ class TimeRange:
         aligned = epoch - epoch % self.bin_seconds
         return datetime.fromtimestamp(aligned, UTC), now
 
+    @property
+    def bin_label(self) -> str:
+        """One bar's width, as the dashboards state it: "10 s", "1 min", "6 h"."""
+        return f"{self.bin_seconds} s" if self.bin_seconds < 60 else format_seconds(
+            self.bin_seconds)
+
     def bins(self, now: datetime | None = None) -> list[datetime]:
         start, end = self.bounds(now)
         count = math.ceil((end - start).total_seconds() / self.bin_seconds)
@@ -82,6 +92,7 @@ class TimeRange:
 RANGES: dict[str, TimeRange] = {
     r.key: r
     for r in (
+        TimeRange("15m", "Last 15 minutes", timedelta(minutes=15), UsageTenSecond, 10),
         TimeRange("1h", "Last hour", timedelta(hours=1), UsageMinute, 60),
         TimeRange("6h", "Last 6 hours", timedelta(hours=6), UsageMinute, 5 * 60),
         TimeRange("24h", "Last 24 hours", timedelta(hours=24), UsageMinute, 15 * 60),
@@ -101,9 +112,11 @@ def get_range(key: str | None, tenants: QuerySet[Tenant] | None = None) -> TimeR
 
 
 def default_range(tenants: QuerySet[Tenant], now: datetime | None = None) -> TimeRange:
-    """The smallest range whose bins reach the scope's latest usage, so that a short burst
-    fills a chart instead of being a sliver of a day; the last hour without usage at all, or
-    the longest range when the latest is older than every range."""
+    """The window follows the data: the smallest range that reaches the scope's latest usage
+    and, when shorter than an hour, holds all of the last hour's, so that a short burst fills a
+    chart (a 90-second burst: the last 15 minutes in ten-second bars) instead of two bars of an
+    hour; the last hour without usage at all, the longest range when the latest is older than
+    every range."""
     now = now or timezone.now()
     latest = (UsageHour.objects.in_scope(_tenants(tenants)).order_by()
               .aggregate(latest=Max("bucket"))["latest"])
@@ -114,9 +127,25 @@ def default_range(tenants: QuerySet[Tenant], now: datetime | None = None) -> Tim
                   .aggregate(latest=Max("bucket"))["latest"])
         latest = minute or latest
     for trange in RANGES.values():
-        if trange.bounds(now)[0] <= latest:
+        start = trange.bounds(now)[0]
+        if start <= latest and (trange.span >= HOUR or _holds_the_hour(trange, tenants, now)):
             return trange
     return list(RANGES.values())[-1]
+
+
+HOUR = timedelta(hours=1)
+
+
+def _holds_the_hour(trange: TimeRange, tenants: QuerySet[Tenant], now: datetime) -> bool:
+    """Whether a range shorter than an hour shows all of the scope's usage in the last hour:
+    its own rollup (kept at least as long as the range) has rows in the range and none in the
+    hour before it."""
+    if trange.rollup is UsageTenSecond and (
+            timedelta(hours=settings.USAGE_TEN_SECOND_RETENTION_HOURS) < trange.span):
+        return False
+    start = trange.bounds(now)[0]
+    rows = trange.rollup.objects.in_scope(tenants).filter(bucket__gte=now - HOUR)
+    return rows.filter(bucket__gte=start).exists() and not rows.filter(bucket__lt=start).exists()
 
 
 # ----------------------------------------------------------------------------- reading rollups

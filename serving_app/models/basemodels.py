@@ -15,9 +15,12 @@ from serving_app.enginespec import FIELD
 from serving_app.layouts import ArchitectureError, Layout
 from serving_app.modelfiles import ModelFilesError, read_model
 from serving_app.models.artifacts import Artifact, ArtifactVersion, artifact_folder
+from serving_app.units import format_bytes
 from tenants_app.models import SignedInQuerySet
 
 LEGACY_PATH_LABEL = "Path on every node (legacy)"
+# Below this much weight a model is a test model: no language model this small answers sensibly.
+TEST_MODEL_BYTES = 16 * 2**20
 
 
 def path_error(exc: ModelFilesError) -> ValidationError:
@@ -165,6 +168,21 @@ class BaseModel(models.Model):
     def capacity_test(self) -> bool:
         """Random weights of the model's shape: answers are noise (shown wherever it is)."""
         return self.load_format == self.LoadFormat.DUMMY
+
+    @property
+    def answers_are_noise(self) -> str:
+        """Why this model's answers are noise by design, or "": random weights of the model's
+        shape (a capacity test), or weights under `TEST_MODEL_BYTES`, a test model such as the
+        demo's tiny-llama (2 MiB of random weights), which exercises the serving path
+        (tokenizer, streaming, adapters), not language. The playground shows it."""
+        if self.capacity_test:
+            return ("a capacity test: random weights of the model's shape, for throughput and "
+                    "memory, so its answers are noise by design")
+        if 0 < self.weight_bytes < TEST_MODEL_BYTES:
+            return (f"a test model of {format_bytes(self.weight_bytes)} of weights: it "
+                    "exercises the serving path, not language, so its answers are noise by "
+                    "design")
+        return ""
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -25,6 +25,24 @@
     return el;
   }
 
+  // A test model's answers are noise by design: say so while it is the chosen one.
+  const model = $("pg-model"), modelNote = $("pg-model-note");
+  function showModelNote() {
+    const chosen = model.selectedOptions[0];
+    const noise = chosen ? chosen.dataset.noise : "";
+    modelNote.textContent = noise || "";
+    modelNote.hidden = !noise;
+  }
+  model.addEventListener("change", showModelNote);
+  showModelNote();
+
+  // "Paste a key first" stands only until a key is there (pasted, typed or created).
+  const keyInput = $("pg-key");
+  function keyArrived() {
+    if (keyInput.value.trim()) chat.querySelectorAll("[data-needs-key]").forEach((el) => el.remove());
+  }
+  keyInput.addEventListener("input", keyArrived);
+
   const makeKey = $("pg-make-key");
   if (makeKey) {
     makeKey.addEventListener("click", async () => {
@@ -34,7 +52,8 @@
                                                          headers: { "X-CSRFToken": csrf() } });
         if (!r.ok) throw new Error(r.status + " " + r.statusText);
         const data = await r.json();
-        $("pg-key").value = data.secret;
+        keyInput.value = data.secret;
+        keyArrived();
         $("pg-key-note").textContent = "Key " + data.prefix + "… valid until " +
           new Date(data.expires_at).toLocaleTimeString() + ".";
       } catch (err) {
@@ -75,9 +94,14 @@
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     const text = input.value.trim();
-    const key = $("pg-key").value.trim();
+    const key = keyInput.value.trim();
     if (!text) return;
-    if (!key) { bubble("error", "Paste an API key (or create a short-lived one) first."); return; }
+    if (!key) {
+      if (!chat.querySelector("[data-needs-key]")) {
+        bubble("error", "Paste an API key (or create a short-lived one) first.").dataset.needsKey = "1";
+      }
+      return;
+    }
     input.value = "";
     bubble("user", text);
     history.push({ role: "user", content: text });

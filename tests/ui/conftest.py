@@ -15,7 +15,7 @@ from django.urls import NoReverseMatch, clear_url_caches, reverse
 from django.utils import timezone
 
 from serving_app.deployments import sharing
-from serving_app.models.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute
+from serving_app.models.usage import LATENCY_BUCKETS_MS, UsageHour, UsageMinute, UsageTenSecond
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,8 @@ def login():
 def add_usage(tenant, model: str = "llama-mini", *, minutes_ago: int = 5, requests: int = 10,
               latency_ms: float = 300.0, errors: int = 0, rate_limited: int = 0,
               prompt: int = 100, completion: int = 50) -> None:
-    """One minute's and one hour's rollup row, as the usage writer would leave them."""
+    """One ten-second, one minute and one hour rollup row, as the usage writer would leave
+    them."""
     at = timezone.now() - timedelta(minutes=minutes_ago)
     bucket = next((b for b in LATENCY_BUCKETS_MS if latency_ms <= b), None)  # None: overflow
     counters = {
@@ -56,6 +57,7 @@ def add_usage(tenant, model: str = "llama-mini", *, minutes_ago: int = 5, reques
     if bucket is not None:
         counters[f"latency_le_{bucket}"] = requests
     for rollup, bucket_start in (
+        (UsageTenSecond, at.replace(second=at.second - at.second % 10, microsecond=0)),
         (UsageMinute, at.replace(second=0, microsecond=0)),
         (UsageHour, at.replace(minute=0, second=0, microsecond=0)),
     ):

@@ -69,10 +69,47 @@ def test_the_default_window_is_the_smallest_that_holds_the_latest_usage(
     assert _data(client, "usage")["range"] == "6h"
     page = client.get(reverse("console:dashboard", args=["latency"]))
     assert page.context["range"].key == "6h"
+    usage(acme.tenant, minutes_ago=40)
     usage(acme.tenant, minutes_ago=3)
     assert _data(client, "latency")["range"] == "1h"
     # An asked-for range is kept.
     assert _data(client, "latency", range="24h")["range"] == "24h"
+
+
+def test_the_default_window_follows_a_short_burst_in_ten_second_bars(
+    login, platform_admin, acme, globex
+):
+    """A 90-second burst a few minutes ago, stored by the usage writer: the default window is
+    the last 15 minutes, ten seconds a bar (nine or ten bars with requests, not two), and the
+    page and the chart's axis say so. Older usage in the last hour keeps the hour."""
+    start = timezone.now() - timedelta(minutes=4)
+    persist([{"id": f"burst-{i}", "at": (start + timedelta(seconds=3 * i)).timestamp(),
+              "tenant": acme.tenant.pk, "endpoint": "chat.completions", "model": "m",
+              "status": 200, "latency_ms": 80} for i in range(30)])
+    client = login(platform_admin)
+    data = _data(client, "usage")
+    assert data["range"] == "15m"
+    bars = _trace(data["figures"]["requests"], "acme")
+    assert 85 <= len(bars["x"]) <= 91 and sum(bars["y"]) == 30
+    assert 9 <= sum(1 for y in bars["y"] if y) <= 10
+    assert data["figures"]["requests"]["layout"]["yaxis"]["title"]["text"] == \
+        "requests per 10 s"
+    page = client.get(reverse("console:dashboard", args=["usage"]))
+    assert page.context["range"].key == "15m"
+    assert "Last 15 minutes · one bar per 10 s" in page.content.decode()
+    # The tenant's own portal follows its own data the same way; another tenant's does not.
+    portal = login(acme.owner).get(reverse("portal:dashboard-data", args=["acme", "usage"]))
+    assert portal.json()["range"] == "15m"
+    persist([{"id": "globex-old", "at": (timezone.now() - timedelta(minutes=50)).timestamp(),
+              "tenant": globex.tenant.pk, "endpoint": "chat.completions", "model": "m",
+              "status": 200}])
+    assert _data(client, "usage")["range"] == "1h"  # all tenants: the hour holds both
+    assert login(acme.owner).get(reverse("portal:dashboard-data", args=["acme", "usage"])
+                                 ).json()["range"] == "15m"
+    # An hour's bars are a minute wide, and say so.
+    hour = _data(client, "usage", range="1h")
+    assert hour["figures"]["requests"]["layout"]["yaxis"]["title"]["text"] == \
+        "requests per 1 min"
 
 
 def test_the_default_window_of_old_usage_is_the_day_or_the_week(acme):
@@ -205,7 +242,8 @@ def test_error_rates_link_to_the_failed_requests(login, platform_admin, acme, us
     assert "model=gpt-4o" in row and "status=error" in row and "tenant=acme" in row
     metas = [t.get("meta") for t in data["figures"]["errors"]["data"]]
     assert {"tenant": "acme", "status": "error"} in metas
-    page = login(platform_admin).get(reverse("console:dashboard", args=["latency"]))
+    page = login(platform_admin).get(reverse("console:dashboard", args=["latency"]),
+                                     {"range": "1h"})
     assert 'data-requests-url="/requests/"' in page.content.decode()
     assert 'data-bin-seconds="60"' in page.content.decode()
     portal = login(acme.member).get(

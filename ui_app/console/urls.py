@@ -61,11 +61,15 @@ urlpatterns = [
     path("models/new/", views.BaseModelCreateView.as_view(), name="basemodel-create"),
     path("models/<int:pk>/", views.BaseModelDetailView.as_view(), name="basemodel-detail"),
     path("models/<int:pk>/edit/", views.BaseModelUpdateView.as_view(), name="basemodel-edit"),
+    path("models/<int:pk>/delete/", views.BaseModelDeleteView.as_view(),
+         name="basemodel-delete"),
     # adapters
     path("adapters/", views.AdapterListView.as_view(), name="loraadapter-list"),
     path("adapters/new/", views.AdapterCreateView.as_view(), name="loraadapter-create"),
     path("adapters/<int:pk>/", views.AdapterDetailView.as_view(), name="loraadapter-detail"),
     path("adapters/<int:pk>/edit/", views.AdapterUpdateView.as_view(), name="loraadapter-edit"),
+    path("adapters/<int:pk>/delete/", views.AdapterDeleteView.as_view(),
+         name="loraadapter-delete"),
     # deployments
     path("deployments/", deployments.DeploymentListView.as_view(), name="deployment-list"),
     path("deployments/new/", deployments.DeploymentCreateView.as_view(), name="deployment-create"),

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib import messages
 from django.contrib.auth import views as auth_views
-from django.db.models import Count, QuerySet
+from django.db.models import Count, Model, ProtectedError, QuerySet, RestrictedError
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.views import View
 from django.views.generic import DetailView, ListView
 
 from audit_app.models import AuditLog
@@ -159,6 +162,80 @@ class AdapterUpdateView(ObjectUpdateView[LoraAdapter, LoraAdapterForm]):
     model = LoraAdapter
     form_class = LoraAdapterForm
     noun = "adapter"
+
+
+# ----------------------------------------------------------------------------- deleting
+
+
+class DeleteObjectView(StaffPage, View):
+    """Delete a base model or an adapter after a confirmation page that names what depends on
+    it (a GET, or a POST without `confirm=delete`: it works without JavaScript). `dependents()`
+    gives, per kind, the objects that must go first (`blocking`: the database protects the
+    object while they exist, and the page offers no Delete) or that change with it."""
+
+    model: type[Model]
+    noun = ""
+    list_url = ""
+    consequence = ""
+
+    def dependents(self, obj: Any) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def page(self, obj: Any, status: int = 200) -> HttpResponse:
+        dependents = self.dependents(obj)
+        return render(self.request, "console/confirm_delete.html", {
+            "object": obj, "noun": self.noun, "dependents": dependents,
+            "blocked": any(d["blocking"] and d["objects"] for d in dependents),
+            "affected": any(d["objects"] for d in dependents),
+            "consequence": self.consequence}, status=status)
+
+    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
+        return self.page(get_object_or_404(self.model, pk=pk))
+
+    def post(self, request: HttpRequest, pk: int) -> HttpResponse:
+        obj = get_object_or_404(self.model, pk=pk)
+        if request.POST.get("confirm") != "delete":
+            return self.page(obj)
+        try:
+            obj.delete()
+        except (ProtectedError, RestrictedError):  # what the page named, or what came since
+            return self.page(obj, status=409)
+        messages.success(request, f"{self.noun.capitalize()} {obj} deleted.")
+        return redirect(self.list_url)
+
+
+def _named(objects: QuerySet[Any]) -> list[Any]:
+    return list(objects.order_by("name"))
+
+
+class BaseModelDeleteView(DeleteObjectView):
+    model = BaseModel
+    noun = "base model"
+    list_url = "console:basemodel-list"
+
+    def dependents(self, obj: Any) -> list[dict[str, Any]]:
+        return [
+            {"kind": "deployments", "label": "Deployments that run it", "blocking": True,
+             "objects": _named(obj.deployments),
+             "advice": "delete them, or point them at another model, first."},
+            {"kind": "adapters", "label": "Adapters trained for it", "blocking": True,
+             "objects": _named(obj.adapters.select_related("tenant")),
+             "advice": "delete them first."},
+        ]
+
+
+class AdapterDeleteView(DeleteObjectView):
+    model = LoraAdapter
+    noun = "adapter"
+    list_url = "console:loraadapter-list"
+    consequence = ("Deleting it stops these deployments offering it at once: the tenant's "
+                   "requests naming it are answered 404 (model_not_found). Their engines unload "
+                   "it at the next reconcile round; its files are removed once no engine has "
+                   "it loaded.")
+
+    def dependents(self, obj: Any) -> list[dict[str, Any]]:
+        return [{"kind": "deployments", "label": "Deployments that serve it", "blocking": False,
+                 "objects": _named(obj.deployments), "advice": ""}]
 
 
 # ----------------------------------------------------------------------------- audit log

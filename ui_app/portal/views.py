@@ -61,6 +61,7 @@ def catalog(tenant: Tenant) -> list[dict[str, Any]]:
             "parent": s.parent, "running": True, "ready": 0,
             "context": s.deployment.effective_max_model_len,
             "capacity_test": s.deployment.base_model.capacity_test,
+            "noise": s.deployment.base_model.answers_are_noise,
         })
         entry["ready"] += ready.get(s.deployment.pk, 0)
     return sorted(names.values(), key=lambda e: (e["kind"] != "base model", e["name"]))
