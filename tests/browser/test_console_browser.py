@@ -43,13 +43,14 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
 ):
     """From an upload to a serving model in the console alone: the admin uploads the tiny
     model's folder as an artifact, registers a base model from its version and deploys it to a
-    new tenant (the plan preview shows it fits); the tenant's owner uploads a LoRA adapter
-    folder in the portal and asks for it to be served; the admin attaches it from the
-    deployment's page (the adapter's page links there) and starts the deployment. A real node
-    agent fetches both versions from the console into its cache and starts a real CPU vLLM
-    engine; the instance panel follows it to ready by itself, the artifact pages show the node
-    holding each version, and a key made in the portal gets the base model and the adapter
-    served through the gateway at /v1/, the adapter's answer differing from the model's."""
+    new tenant (the plan preview shows it fits) and starts it. A real node agent fetches the
+    version from the console into its cache and starts a real CPU vLLM engine there, while the
+    tenant's owner uploads a LoRA adapter folder in the portal and asks for it to be served,
+    and the admin attaches it from the deployment's page (the adapter's page links there).
+    The instance panel follows the instance to ready and the adapter to loaded (fetched and
+    loaded at run time, no restart) by itself; the artifact pages show the node holding each
+    version; a key made in the portal gets the base model and the adapter served through the
+    gateway at /v1/, the adapter's answer differing from the model's."""
     cluster.env.update(GATEWAY_REDIS_URL=GATEWAY_REDIS_URL, GATEWAY_CATALOG_REFRESH_SECONDS="0.5")
     cluster.start_control()
     cluster.start_agent("cpu-1", {"NODE_CONSOLE_URL": console_server,
@@ -79,6 +80,8 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
     shot(page, "deployment-form-plan")
     page.click("#save-deployment")
     expect(page.locator("h1")).to_have_text("initech-chat")
+    page.click("button:has-text('Start')")  # the engine starts while the tenant uploads
+    expect(page.locator("#desired-state")).to_have_text("running")
 
     secret = _owner_uploads_an_adapter_and_makes_a_key(page)
     sign_in(page, "root-admin")
@@ -88,11 +91,10 @@ def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
     page.select_option("#attach-adapter select", label="initech/style (requested by its tenant)")
     page.click("#attach-adapter button")
     expect(page.locator("main")).to_contain_text("serves initech/style now")
-
-    page.click("button:has-text('Start')")
-    expect(page.locator("#desired-state")).to_have_text("running")
-    expect(page.locator("#instances [data-instance-state]")).to_have_attribute(
+    instance = page.locator("#instances tr:has([data-instance-state])")
+    expect(instance.locator("[data-instance-state]")).to_have_attribute(
         "data-instance-state", "ready", timeout=300_000)
+    expect(instance).to_contain_text("initech--style", timeout=60_000)
     shot(page, "deployment-detail-ready")
     answers = {model: _complete(console_server, secret, model) for model in ("tiny-llama", "style")}
     assert answers["tiny-llama"] != answers["style"], answers  # the adapter changes the output
