@@ -117,3 +117,36 @@ def test_a_tenant_asks_for_its_adapter_to_be_served_and_an_admin_attaches_it(
     adapter.refresh_from_db()
     assert adapter.serving_requested_at is None
     assert "validated · deployed" in owner.get("/portal/acme/adapters/").content.decode()
+
+
+def test_each_page_of_the_loop_links_to_its_next_step(platform_admin, acme, globex, tmp_path):
+    """No dead end from a registered model to a served adapter: the model's page offers a
+    deployment of it (the form comes with the model chosen); an adapter that no deployment
+    serves says where it is attached (its tenant's deployments of its base model, not another
+    tenant's), or that one must be created first."""
+    _, version = model_artifact(tmp_path)
+    base = BaseModel(name="llama-mini", artifact_version=version)
+    base.full_clean()
+    base.save()
+    client = signed_in(platform_admin)
+    deploy = f"/deployments/new/?base_model={base.pk}"
+    assert deploy in client.get(f"/models/{base.pk}/").content.decode()
+    form = client.get(deploy).content.decode()
+    assert f'<option value="{base.pk}" selected>llama-mini</option>' in form
+    assert f'value="{base.pk}" selected' not in client.get(
+        "/deployments/new/?base_model=x").content.decode()
+
+    adapter = LoraAdapter(tenant=acme.tenant, base_model=base, name="helpdesk",
+                          path=str(make_adapter_dir(tmp_path / "a", "helpdesk")))
+    adapter.full_clean()
+    adapter.save()
+    alone = client.get(f"/adapters/{adapter.pk}/").content.decode()
+    assert "No deployment serves Acme Corp with llama-mini" in alone and deploy in alone
+    other = make_deployment(base, [globex.tenant], name="globex-chat")
+    ours = make_deployment(base, [acme.tenant], name="acme-chat")
+    hint = client.get(f"/adapters/{adapter.pk}/").content.decode()
+    assert f'href="/deployments/{ours.pk}/#attach-adapter">acme-chat</a>' in hint
+    assert f"/deployments/{other.pk}/" not in hint
+    ours.attach_adapter(adapter)
+    attached = client.get(f"/adapters/{adapter.pk}/").content.decode()
+    assert "#attach-adapter" not in attached and "No deployment serves" not in attached

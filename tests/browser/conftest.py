@@ -5,7 +5,9 @@ The server is uvicorn running the project's ASGI app (`tests/browser/asgi.py`: c
 plus static files) on the session's test database, so the pages and the gateway under `/v1/`
 share one origin as in production. Tests use `transactional_db`, so what they write is
 committed and the server sees it. Celery tasks the pages enqueue go to a Redis database of
-their own that no worker consumes: no engine starts here (see each test's docstring).
+their own that no worker consumes. One test starts a real node agent and control worker
+(`cluster`, tests/engine/conftest.py) that start a real CPU engine; the others use the
+session's shared engine or none (see each test's docstring).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import redis
 from django.db import connection
 from django.urls import NoReverseMatch, clear_url_caches, reverse
 
+from tests.engine.conftest import cluster  # noqa: F401 - a node agent for the engine-backed test
 from tests.parallel import redis_url
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests make

@@ -27,7 +27,7 @@ from serving_app.enginespec import MAX_REPLICAS
 from serving_app.fleet.report import deployment_charges, dry_run
 from serving_app.forms import DeploymentForm
 from serving_app.metering import panels, queries
-from serving_app.models import Autoscaler, Deployment, Instance, LoraAdapter
+from serving_app.models import Autoscaler, BaseModel, Deployment, Instance, LoraAdapter
 from serving_app.models.events import Kind
 from serving_app.placement.inventory import GIB
 from ui_app.console.base import ObjectCreateView, ObjectUpdateView, is_htmx
@@ -146,6 +146,14 @@ class DeploymentFormMixin(TemplateResponseMixin, ModelFormMixin[Deployment, Depl
 class DeploymentCreateView(DeploymentFormMixin, ObjectCreateView[Deployment, DeploymentForm]):
     def extra_fields(self) -> dict[str, Any]:
         return {"created_by": self.request.user}
+
+    def get_initial(self) -> dict[str, Any]:
+        """`?base_model=<id>`: the model page's "Deploy it" link chose the model."""
+        initial = super().get_initial()
+        chosen = self.request.GET.get("base_model", "")
+        if chosen.isdigit() and BaseModel.objects.filter(pk=chosen).exists():
+            initial["base_model"] = int(chosen)
+        return initial
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)

@@ -24,7 +24,7 @@ from django.views.generic import DetailView, ListView
 from audit_app.models import AuditLog
 from serving_app import storage
 from serving_app.metering import health, queries
-from serving_app.models import BaseModel, LoraAdapter
+from serving_app.models import BaseModel, Deployment, LoraAdapter
 from tenants_app.models import Tenant
 from ui_app.console.base import ObjectCreateView, ObjectUpdateView
 from ui_app.console.forms import AuditFilterForm, BaseModelForm, LoraAdapterForm, TenantForm
@@ -150,6 +150,14 @@ class AdapterListView(StaffPage, ListView[LoraAdapter]):
 class AdapterDetailView(StaffPage, DetailView[LoraAdapter]):
     template_name = "console/adapter_detail.html"
     queryset = LoraAdapter.objects.select_related("tenant", "base_model")
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        """Where it could be attached: its tenant's deployments of its base model that do not
+        serve it yet (each page has the Attach form)."""
+        context = super().get_context_data(**kwargs)
+        context["attachable_to"] = Deployment.objects.for_tenant(self.object.tenant).filter(
+            base_model_id=self.object.base_model_id).exclude(adapters=self.object).distinct()
+        return context
 
 
 class AdapterCreateView(ObjectCreateView[LoraAdapter, LoraAdapterForm]):
