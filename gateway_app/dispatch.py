@@ -165,10 +165,20 @@ class Dispatcher:
                 headers={"retry-after": "1"},
             )
         if prompt_logprobs is not None:
-            found = [c for c in found if c[0].prompt_logprobs]
+            found = computing_prompt_logprobs(found)
             if not found:
                 raise prompt_logprobs_refusal(prompt_logprobs, ctx)
         return route, found
+
+    def refuse_prompt_logprobs_early(self, ctx: Context, route: Route, param: str) -> None:
+        """At validation, before anything is charged: a request for its prompt's logprobs
+        (through the field `param` names) that none of the route's ready instances computes is
+        refused now (400 `unsupported_parameter`), so a refused request costs its sender
+        nothing. With none ready (a deployment scaled to zero, one starting) the dispatch stage
+        decides, against the instances ready then (`ready`)."""
+        found = self.router.candidates(self.cache.snapshot, route)
+        if found and not computing_prompt_logprobs(found):
+            raise prompt_logprobs_refusal(param, ctx)
 
     def _wakeable(self, route: Route) -> list[int]:
         wakeable = self.cache.snapshot.wakeable
@@ -341,6 +351,12 @@ def money_refusal(reserved: money.MoneyTicket, decision: Decision) -> GatewayErr
         "for the next period; please check your plan and billing details.")
     return GatewayError(429, message, code="insufficient_quota",
                         error_type="insufficient_quota", headers={"retry-after": str(wait)})
+
+
+def computing_prompt_logprobs(found: list[Candidate]) -> list[Candidate]:
+    """The candidates whose engines compute a prompt's logprobs (`InstanceEntry.
+    prompt_logprobs`)."""
+    return [c for c in found if c[0].prompt_logprobs]
 
 
 def prompt_logprobs_refusal(param: str, ctx: Context) -> GatewayError:

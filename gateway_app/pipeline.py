@@ -193,6 +193,8 @@ class Pipeline:
             route = routes_for(self.cache.snapshot, caller.key, caller.tenant).get(parsed.model)
         if route is None:
             raise errors.model_not_found(parsed.model)
+        if parsed.prompt_logprobs is not None:
+            self.dispatcher.refuse_prompt_logprobs_early(ctx, route, parsed.prompt_logprobs)
         guard = self.cache.snapshot.guard_for(caller.tenant.id, caller.key.id)
         return Valid(caller, parsed, route, guard)
 

@@ -406,7 +406,27 @@ BREAKAGES = (
         # the run's own engine (never the shared one of a normal run: this is a scratch copy).
         "engine-prompt-logprobs-sent-to-a-cpu-lora-engine",
         "gateway_app/dispatch.py",
-        "        if prompt_logprobs is not None:\n",
+        "    return [c for c in found if c[0].prompt_logprobs]\n",
+        "    return found\n",
+        ("tests/gateway/test_prompt_logprobs.py",),
+        engine=True,
+    ),
+    Breakage(
+        # An artifact version deleted under an instance still serving it: its node could not
+        # fetch the files again for a restart (issue 43).
+        "artifact-version-deleted-under-a-running-instance",
+        "serving_app/artifacts/removal.py",
+        "model_version__in=ids).exclude(\n        state__in=Instance.TERMINAL_STATES)",
+        "model_version__in=ids, pk__in=[])",
+        ("tests/artifacts/test_removal.py::"
+         "test_a_stopped_instance_keeps_its_history_without_the_version",),
+    ),
+    Breakage(
+        # The refusal left to the dispatch stage: the sender's limits are charged (and settled
+        # at nothing) for a request that was never going to be served.
+        "prompt-logprobs-refused-after-charge",
+        "gateway_app/pipeline.py",
+        "        if parsed.prompt_logprobs is not None:\n",
         "        if False:\n",
         ("tests/gateway/test_prompt_logprobs.py",),
         engine=True,

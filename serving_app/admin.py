@@ -530,7 +530,8 @@ class NodeJoinTokenAdmin(admin.ModelAdmin):
 
 @admin.register(Artifact)
 class ArtifactAdmin(ReadOnlyAdmin):
-    """Artifacts come in through the API and the pages (uploads, imports): read only here."""
+    """Artifacts come in through the API and the pages (uploads, imports) and are deleted there
+    once nothing needs them (serving_app/artifacts/removal.py): read only here."""
 
     list_display = ["name", "kind", "tenant", "created_at"]
     list_filter = ["kind"]

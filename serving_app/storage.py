@@ -141,8 +141,9 @@ def quota_bytes(tenant: object) -> int:
 
 def quota_error(new_bytes: int, used: int, quota: int) -> str:
     return (
-        f"This adapter takes {new_bytes:,} bytes; the tenant's adapters already use {used:,} "
-        f"of its {quota:,}-byte storage quota."
+        f"These files take {new_bytes:,} bytes; the tenant's adapters' files already take "
+        f"{used:,} of its {quota:,}-byte storage quota. Delete adapters or versions of its "
+        "files it no longer needs, or ask a platform admin for a larger quota."
     )
 
 

@@ -20,14 +20,14 @@ from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers, status
 from rest_framework.decorators import action
-from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import as_serializer_error
 
 from serving_app import blobstore, lifecycle
-from serving_app.artifacts import sources, staging
+from serving_app.artifacts import removal, sources, staging
 from serving_app.blobstore import BlobError
 from serving_app.models import (
     Artifact,
@@ -46,6 +46,24 @@ from tenants_app.api.base import (
 
 
 # -- serializers ----------------------------------------------------------------------------------
+class NamedSerializer(serializers.Serializer[Any]):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+
+
+class NeededBySerializer(serializers.Serializer[Any]):
+    base_models = NamedSerializer(many=True)
+    adapters = NamedSerializer(many=True)
+    deployments = NamedSerializer(many=True)
+
+
+class InUseSerializer(serializers.Serializer[Any]):
+    """A 409: what needs the artifact's versions."""
+
+    detail = serializers.CharField()
+    needed_by = NeededBySerializer()
+
+
 class CacheEntrySerializer(serializers.ModelSerializer[NodeCacheEntry]):
     node = serializers.SlugRelatedField[Node](slug_field="name", read_only=True)
     eta_seconds = serializers.FloatField(read_only=True, allow_null=True)
@@ -179,10 +197,44 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
     serializer_class = ArtifactSerializer
     filterset_fields = {"kind": ["exact"], "tenant__slug": ["exact"], "name": ["exact"]}
     write_role = "manager"
-    http_method_names = ["get", "post", "head", "options"]
+    http_method_names = ["get", "post", "delete", "head", "options"]
 
     def safely_get_queryset(self, queryset: QuerySet[Artifact]) -> QuerySet[Artifact]:
         return queryset.select_related("tenant").prefetch_related("versions__files")
+
+    @extend_schema(responses={204: None, 409: InUseSerializer},
+                   summary="Delete an artifact with every version",
+                   description=("Refused (409, naming them) while a base model or adapter "
+                                "points at one of its versions, a running instance pins one, "
+                                "or a deployment's applied revision or rollback target does. "
+                                "Frees the console's copy of files no other version holds."))
+    def destroy(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        artifact = self._writable()
+        try:
+            freed = removal.delete_artifact(artifact)
+        except removal.InUse as exc:
+            return _in_use(exc)
+        return Response(status=status.HTTP_204_NO_CONTENT,
+                        headers={"X-Bytes-Freed": str(freed)})
+
+    @extend_schema(request=None, responses={204: None, 409: InUseSerializer},
+                   summary="Delete one version",
+                   description=("As deleting the artifact, for one version: refused (409) "
+                                "while something needs it."))
+    @action(detail=True, methods=["delete"], url_path=r"versions/(?P<number>[0-9]+)")
+    def delete_version(self, request: Request, pk: str | None = None,
+                       number: str = "") -> Response:
+        """Delete one version (the others, and the artifact, stay)."""
+        artifact = self._writable()
+        version = artifact.versions.filter(number=int(number)).first()
+        if version is None:
+            raise NotFound(f"{artifact} has no version {number}.")
+        try:
+            freed = removal.delete_version(version)
+        except removal.InUse as exc:
+            return _in_use(exc)
+        return Response(status=status.HTTP_204_NO_CONTENT,
+                        headers={"X-Bytes-Freed": str(freed)})
 
     @extend_schema(request=UploadSerializer, responses={201: ImportSerializer},
                    summary="Start an upload of a new version",
@@ -199,7 +251,7 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
         serializer.is_valid(raise_exception=True)
         files = _django_errors(sources.announced_files,
                                [dict(f) for f in serializer.validated_data["files"]])
-        record = sources.start_upload(artifact, files, request.user)
+        record = _django_errors(sources.start_upload, artifact, files, request.user)
         return Response(ImportSerializer(record).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=ImportRequestSerializer, responses={202: ImportSerializer},
@@ -316,6 +368,11 @@ class ArtifactImportViewSet(ScopedReadOnlyModelViewSet[ArtifactImport]):
         _django_errors(sources.complete_upload, record)
         record.refresh_from_db()
         return Response(ImportSerializer(record).data)
+
+
+def _in_use(exc: removal.InUse) -> Response:
+    return Response({"detail": str(exc), "needed_by": exc.needs.as_data()},
+                    status=status.HTTP_409_CONFLICT)
 
 
 class _Empty:

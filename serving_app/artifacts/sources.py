@@ -21,7 +21,7 @@ from django.db import transaction
 from django.db.models import F, Max
 from django.utils import timezone
 
-from serving_app import blobstore, lifecycle
+from serving_app import blobstore, lifecycle, storage
 from serving_app.blobstore import BlobError, FileEntry
 from serving_app.models import (
     Artifact,
@@ -29,8 +29,10 @@ from serving_app.models import (
     ArtifactImport,
     ArtifactVersion,
     Blob,
+    LoraAdapter,
     Node,
 )
+from tenants_app.models import Tenant
 
 MAX_FILES = 10_000
 
@@ -120,11 +122,22 @@ def announced_files(raw: object) -> list[FileEntry]:
 
 def start_upload(artifact: Artifact, files: list[FileEntry], user: Any = None) -> ArtifactImport:
     """An upload waiting for its files' bytes; what the blob store holds already counts as
-    received (a file is stored once, whoever uploaded it)."""
-    record = ArtifactImport.objects.create(
-        artifact=artifact, source=ArtifactVersion.Source.UPLOAD,
-        files=[f.as_dict() for f in files], bytes_total=sum(f.size for f in files),
-        created_by=user if getattr(user, "is_authenticated", False) else None)
+    received (a file is stored once, whoever uploaded it). A tenant's upload must fit what is
+    left of its storage quota (`LoraAdapter.objects.storage_used`): refused (ValidationError
+    on `files`) before anything is kept; the tenant's row is locked meanwhile, so concurrent
+    uploads cannot each fit alone and overrun it together."""
+    size = sum(f.size for f in files)
+    with transaction.atomic():
+        if artifact.tenant_id is not None:
+            tenant = Tenant.objects.select_for_update().get(pk=artifact.tenant_id)
+            quota = storage.quota_bytes(tenant)
+            used = LoraAdapter.objects.storage_used(tenant)
+            if used + size > quota:
+                raise ValidationError({"files": storage.quota_error(size, used, quota)})
+        record = ArtifactImport.objects.create(
+            artifact=artifact, source=ArtifactVersion.Source.UPLOAD,
+            files=[f.as_dict() for f in files], bytes_total=size,
+            created_by=user if getattr(user, "is_authenticated", False) else None)
     update_upload_progress(record)
     return record
 

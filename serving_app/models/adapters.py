@@ -21,18 +21,39 @@ from serving_app.modelfiles import (
     expected_module_shapes,
     read_adapter,
 )
-from serving_app.models.artifacts import Artifact, ArtifactVersion, artifact_folder
+from serving_app.models.artifacts import (
+    Artifact,
+    ArtifactImport,
+    ArtifactVersion,
+    artifact_folder,
+)
 from serving_app.models.basemodels import LEGACY_PATH_LABEL, BaseModel, path_error
 from serving_app.models.instances import Instance
 from serving_app.models.nodes import Node
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
+# How long an upload under way keeps its announced size reserved against its tenant's quota.
+UPLOAD_RESERVED_FOR = timedelta(days=1)
+
 
 class LoraAdapterQuerySet(TenantOwnedQuerySet["LoraAdapter"]):
     def storage_used(self, tenant: Tenant) -> int:
-        """Bytes the tenant's adapters take (size_bytes, read from their files when
-        registered): what the portal shows against the tenant's storage quota."""
-        return self.filter(tenant=tenant).aggregate(total=models.Sum("size_bytes"))["total"] or 0
+        """Bytes the tenant's files take against its storage quota: the adapters uploaded as
+        archives to a host folder (`size_bytes`, read from their files when registered), every
+        version of the tenant's artifacts (`total_bytes`: a version's files count once they are
+        announced, whether or not an adapter serves them), and the uploads under way (their
+        announced size; one that moved in the last day: an older one counts as abandoned).
+        What the portal shows; uploads beyond it are refused."""
+        legacy = self.filter(tenant=tenant).exclude(path="").aggregate(
+            total=models.Sum("size_bytes"))["total"] or 0
+        versions = ArtifactVersion.objects.filter(artifact__tenant=tenant).aggregate(
+            total=models.Sum("total_bytes"))["total"] or 0
+        uploading = ArtifactImport.objects.filter(
+            artifact__tenant=tenant, version__isnull=True,
+            state__in=[ArtifactImport.State.WAITING, ArtifactImport.State.RUNNING],
+            updated_at__gte=timezone.now() - UPLOAD_RESERVED_FOR,
+        ).aggregate(total=models.Sum("bytes_total"))["total"] or 0
+        return int(legacy) + int(versions) + int(uploading)
 
     def with_tenant(self, *related: str) -> LoraAdapterQuerySet:
         """With their tenant (and `related`) joined, less the tenant's secret columns, which a
@@ -136,7 +157,8 @@ class LoraAdapter(models.Model):
         if self.artifact_version_id:
             info = self._artifact_info()
             self.path = ""
-            self._check_info(info, counts_against_quota=self._state.adding)
+            # Its files count against the quota since their upload (`storage_used`).
+            self._check_info(info, counts_against_quota=False)
             return
         if not self.path:
             raise ValidationError({"path": "Give an artifact version, or (legacy) a folder "
@@ -157,10 +179,7 @@ class LoraAdapter(models.Model):
             quota = storage.quota_bytes(self.tenant)
             used = LoraAdapter.objects.storage_used(self.tenant)
             if used + info.size_bytes > quota:
-                field = "artifact_version" if self.artifact_version_id else "path"
-                raise ValidationError(
-                    {field: storage.quota_error(info.size_bytes, used, quota)}
-                )
+                raise ValidationError({"path": storage.quota_error(info.size_bytes, used, quota)})
         if self.rank is not None and self.rank != info.rank:
             raise ValidationError(
                 {"rank": f"The adapter's files have rank {info.rank}, not {self.rank}."}

@@ -144,6 +144,9 @@ class ArtifactVersion(models.Model):
             raise ValueError("An artifact version is immutable; make a new version instead.")
         super().save(*args, **kwargs)
 
+    def get_absolute_url(self) -> str:
+        return reverse("console:artifact-detail", args=[self.artifact_id]) + f"#v{self.number}"
+
     def manifest(self) -> list[dict[str, Any]]:
         return [{"path": f.path, "size": f.size, "sha256": f.blob_id}
                 for f in self.files.order_by("path")]

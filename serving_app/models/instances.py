@@ -115,9 +115,10 @@ class Instance(models.Model):
     environment = models.JSONField(default=dict, blank=True)
     secret = models.CharField(max_length=64, default=new_instance_secret, editable=False)
     model_version = models.ForeignKey(
-        ArtifactVersion, null=True, blank=True, on_delete=models.RESTRICT, related_name="instances",
+        ArtifactVersion, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances",
         help_text="The base model's files this instance runs (pinned when it is created); empty "
-                  "for a model at a legacy host path.")
+                  "for a model at a legacy host path, and once the version was deleted (only "
+                  "a stopped instance's can be: serving_app/artifacts/removal.py).")
     staging = models.JSONField(
         default=dict, blank=True, editable=False,
         help_text="Fetching its files into the node's cache before the start: artifact, bytes, "

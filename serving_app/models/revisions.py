@@ -86,11 +86,11 @@ class DeploymentRevision(models.Model):
     number = models.PositiveIntegerField()
     spec = models.JSONField(default=dict)
     model_version = models.ForeignKey(
-        "serving_app.ArtifactVersion", null=True, blank=True, on_delete=models.RESTRICT,
+        "serving_app.ArtifactVersion", null=True, blank=True, on_delete=models.SET_NULL,
         related_name="+",
-        help_text="The base model's files this revision runs (empty: a legacy host path); a "
-                  "new version of the model is a new revision, rolled out and rolled back as "
-                  "one.")
+        help_text="The base model's files this revision runs (empty: a legacy host path, or a "
+                  "version deleted since, which only an older revision's can be); a new "
+                  "version of the model is a new revision, rolled out and rolled back as one.")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -954,6 +954,18 @@ def _artifact_chunk(w: World) -> None:
          ONE_FILE, content_type="application/octet-stream", format=None)
 
 
+def _artifact_delete(w: World) -> list[Expect]:
+    version = _received_version(w)
+    call(w.acme.owner, "delete", f"/api/v1/artifacts/{version.artifact_id}/")
+    return [Expect(w.acme.owner, "delete", Artifact, version.artifact_id)]
+
+
+def _artifact_version_delete(w: World) -> list[Expect]:
+    version = _received_version(w)
+    call(w.acme.owner, "delete", f"/api/v1/artifacts/{version.artifact_id}/versions/1/")
+    return [Expect(w.acme.owner, "delete_version", Artifact, version.artifact_id)]
+
+
 def _sign_in(w: World) -> list[Expect]:
     member = w.acme.member
     data = call(None, "post", "/api/v1/auth/token/",
@@ -997,6 +1009,8 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "artifacts_create": _artifact_create,
     "artifacts_uploads_create": _artifact_upload,
     "artifacts_imports_create": _artifact_import,
+    "artifacts_destroy": _artifact_delete,
+    "artifacts_versions_destroy": _artifact_version_delete,
     "artifact_imports_complete_create": _artifact_complete,
     "api_keys_revoke_create": _revoke_key,
     "deployments_start_create": _deployment_action("start"),
@@ -1059,7 +1073,7 @@ def test_every_api_write_operation_has_a_case():
 def test_no_api_write_reaches_metering():
     for _, _, path in WRITES:
         url = path.replace("{id}", "1").replace("{slug}", "x").replace("{name}", "x").replace(
-            "{sha256}", "0" * 64)
+            "{sha256}", "0" * 64).replace("{number}", "1")
         view = resolve(url).func
         queryset = getattr(getattr(view, "cls", None), "queryset", None)
         assert queryset is None or queryset.model not in METERING, path

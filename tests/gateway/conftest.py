@@ -9,6 +9,7 @@ at the start of the session (only that DB).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -191,9 +192,38 @@ def world(transactional_db, engine) -> World:
     return make_world(engine.port, engine.secret)
 
 
-def drain_usage() -> None:
-    """Persist what the gateways appended to the usage stream (the batch writer's work)."""
+def drain_usage(*request_ids: str) -> None:
+    """Persist what the gateways appended to the usage stream (the batch writer's work), once
+    the events of `request_ids` are in it: a gateway appends a request's event after its answer
+    went out, so the client can read the answer first."""
     from gateway_app.writer import UsageWriter
+
+    for request_id in request_ids:
+        usage_event(request_id)
 
     writer = UsageWriter(redis.Redis.from_url(REDIS_URL), consumer="tests")
     writer.drain(max_seconds=30)
+
+
+def usage_event(request_id: str) -> dict:
+    """The request's usage event, as the gateway appended it to the usage stream."""
+    client = redis.Redis.from_url(REDIS_URL)
+    found: list[dict] = []
+
+    def appended() -> bool:
+        for _, fields in client.xrange(settings.GATEWAY["USAGE_STREAM"]):
+            event = json.loads(fields[b"e"])
+            if event["id"] == request_id:
+                found.append(event)
+        return bool(found)
+
+    wait_until(appended, 10, f"the usage event of {request_id}")
+    client.close()
+    assert len(found) == 1, f"{request_id} was metered {len(found)} times"
+    return found[0]
+
+
+def stages_of(resp: httpx.Response) -> list[str]:
+    stages = usage_event(resp.headers["x-request-id"])["stages"]
+    assert all(ms >= 0 for _, ms in stages)
+    return [name for name, _ in stages]

@@ -5,16 +5,12 @@ limits are charged, so a request the guard refuses counts against them."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
-import redis
-from django.conf import settings
 
 from gateway_app.pipeline import STAGES
 from guardrails_app.models import TenantPolicy
-from tests.gateway.conftest import REDIS_URL, make_world, wait_until
+from tests.gateway.conftest import make_world, stages_of, usage_event, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
@@ -29,30 +25,6 @@ def post(gateway, secret: str, body: dict) -> httpx.Response:
 def chat(text: str, **extra) -> dict:
     return {"model": "tiny-llama", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": text}], **extra}
-
-
-def usage_event(request_id: str) -> dict:
-    """The request's usage event, as the gateway appended it to the usage stream."""
-    client = redis.Redis.from_url(REDIS_URL)
-    found: list[dict] = []
-
-    def appended() -> bool:
-        for _, fields in client.xrange(settings.GATEWAY["USAGE_STREAM"]):
-            event = json.loads(fields[b"e"])
-            if event["id"] == request_id:
-                found.append(event)
-        return bool(found)
-
-    wait_until(appended, 10, f"the usage event of {request_id}")
-    client.close()
-    assert len(found) == 1, f"{request_id} was metered {len(found)} times"
-    return found[0]
-
-
-def stages_of(resp: httpx.Response) -> list[str]:
-    stages = usage_event(resp.headers["x-request-id"])["stages"]
-    assert all(ms >= 0 for _, ms in stages)
-    return [name for name, _ in stages]
 
 
 def test_a_request_passes_every_stage_once_in_order_and_a_refused_one_stops_where_refused(

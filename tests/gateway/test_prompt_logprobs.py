@@ -7,7 +7,8 @@ raises and every tenant on the engine gets 500s until it is restarted (docs/engi
 section 10, with the engine's log). Before the gateway refused such requests this test killed
 its engine: the refused requests got the engine's 500, the other tenant's stream broke. Now
 they get a 400 naming the field and the engine never sees them, so the session's shared engine
-is safe here: nothing this test sends reaches it but what it can serve.
+is safe here: nothing this test sends reaches it but what it can serve. The refusal comes at
+validation, before the sender's limits are charged (its usage event stops at `validated`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from serving_app.engine.client import engine_http
+from tests.gateway.conftest import stages_of
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
@@ -56,6 +58,7 @@ def test_a_prompt_logprobs_request_beside_another_tenants_stream_is_refused_and_
             assert (error["type"], error["code"], error["param"]) == (
                 "invalid_request_error", "unsupported_parameter", param)
             assert "LoRA" in error["message"]
+            assert stages_of(refused) == ["authenticated", "validated"]  # nothing charged
         # globex's stream goes on, its tokens still coming from a live engine.
         assert len(list(islice(events, 20))) == 20
     # The engine serves acme's request without the field, and is healthy.

@@ -228,7 +228,7 @@ def test_prompt_logprobs_go_only_to_an_engine_on_a_gpu(gateway, upstream):
         assert response.status_code == 200, response.text
         assert param in json.loads(InstantUpstream.stats["last_body"])
         sent.append(response.headers["x-request-id"])
-    drain_usage()
+    drain_usage(*sent)
     instances = set(UsageEvent.objects.filter(request_id__in=sent)
                     .values_list("instance_id", flat=True))
     assert instances == {on_gpu.pk}

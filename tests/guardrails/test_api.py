@@ -88,6 +88,13 @@ def test_the_bench_shows_what_the_policy_does_without_the_values(acme):
     assert blocked.data["blocked"] == "ID_NUMBER" and blocked.data["text"] == ""
     assert secret_id not in str(blocked.data)
     assert blocked.data["error"]["error"]["code"] == "guardrail_blocked"
+    # Read as the gateway reads a request: a full-width number split by a zero-width space is
+    # found too, and only the number is replaced.
+    disguised = "".join(chr(ord(c) + 0xFEE0) for c in MOBILE)
+    disguised = disguised[:3] + "\u200b" + disguised[3:]
+    got = as_user(acme.member).post(url, {"text": f"call {disguised} now"}, format="json")
+    assert got.data["text"] == "call [PHONE_1] now", got.data
+    assert [f["detector"] for f in got.data["findings"]] == ["cn_mobile"]
 
 
 def test_a_pattern_a_policy_names_cannot_be_deleted_through_the_api(acme):

@@ -67,7 +67,7 @@ def test_a_prompt_with_a_mobile_number_and_a_resident_id_is_blocked_naming_the_c
     assert "PHONE" in error["message"]
     assert MOBILE not in resp.text and RESIDENT_ID not in resp.text
     request_id = resp.headers["x-request-id"]
-    drain_usage()
+    drain_usage(request_id)
     event = UsageEvent.objects.get(request_id=request_id)
     # Refused before admission and before any engine: no instance, no tokens.
     assert event.instance_id is None and event.prompt_tokens == 0
@@ -255,7 +255,7 @@ def test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed
     assert post(gateway, world.globex_secret, chat(unsafe),
                 "/v1/chat/completions").status_code == 200
 
-    drain_usage()
+    drain_usage(blocked_id, blocked_id + "-guard")
     event = UsageEvent.objects.get(request_id=blocked_id)
     assert event.guardrails == {"input:block:CLASSIFIER": 1} and event.instance_id is None
     call = UsageEvent.objects.get(request_id=blocked_id + "-guard")
@@ -284,7 +284,7 @@ def test_the_gateway_decides_as_the_guard_engine_judged_and_fails_open_or_closed
         slow.shutdown()
         slow.server_close()
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "guardrail_blocked"
-    drain_usage()
+    drain_usage(resp.headers["x-request-id"], resp.headers["x-request-id"] + "-guard")
     call = UsageEvent.objects.get(request_id=resp.headers["x-request-id"] + "-guard")
     assert call.error_code == "guard_timeout"
     opened = UsageEvent.objects.filter(tenant=world.acme,

@@ -2,7 +2,9 @@
 holding it; an artifact's versions with their files (sizes, digests), which nodes hold each
 and how their fetches go (bytes, rate, ETA, error), and its imports with their progress and
 errors. Versions come in through the API (uploads in chunks, S3, Hugging Face, a node's
-folder: docs/artifacts.md); a version becomes a base model or an adapter from its page."""
+folder: docs/artifacts.md); a version becomes a base model or an adapter from its page. A
+version, or the whole artifact, is deleted from its page once nothing needs it
+(`serving_app/artifacts/removal.py`)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from django.contrib import messages
 from django.db.models import Count, Prefetch, QuerySet, Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
+from django.template.defaultfilters import filesizeformat
+from django.urls import reverse
 from django.views import View
 from django.views.generic import DetailView, ListView
 
+from serving_app.artifacts import removal
 from serving_app.models import (
     Artifact,
     ArtifactImport,
@@ -25,6 +30,7 @@ from serving_app.models import (
     NodeCacheEntry,
 )
 from ui_app.console.forms import AdapterFromVersionForm, ModelFromVersionForm
+from ui_app.console.views import DeleteObjectView
 from ui_app.scoping import StaffPage
 
 
@@ -88,3 +94,62 @@ class RegisterFromVersionView(StaffPage, View):
         registered = form.save()
         messages.success(request, f"Registered {registered} from {version}.")
         return redirect(registered.get_absolute_url())
+
+
+def _needs(versions: QuerySet[ArtifactVersion]) -> list[dict[str, Any]]:
+    needs = removal.needed_by(versions)
+    return [
+        {"kind": "base_models", "label": "Base models that serve it", "blocking": True,
+         "objects": needs.base_models, "advice": "delete them, or register them from "
+                                                 "another version, first."},
+        {"kind": "adapters", "label": "Adapters that serve it", "blocking": True,
+         "objects": needs.adapters, "advice": "delete them first."},
+        {"kind": "deployments", "label": "Deployments that run it or would roll back to it",
+         "blocking": True, "objects": needs.deployments,
+         "advice": "stop them, or roll them out to another version of the model, first."},
+    ]
+
+
+class ArtifactDeleteView(DeleteObjectView):
+    """Delete an artifact with every version, after a page naming what needs them."""
+
+    model = Artifact
+    noun = "artifact"
+    list_url = "console:artifact-list"
+
+    def dependents(self, obj: Any) -> list[dict[str, Any]]:
+        return _needs(obj.versions.all())
+
+    def note(self, obj: Any) -> str:
+        freed = removal.bytes_only_in(obj.versions.all())
+        return (f"Its {obj.versions.count()} version(s) go with it, and "
+                f"{filesizeformat(freed)} of files no other version holds leave the console's "
+                "store; nodes' caches drop their copies as their quota needs the room.")
+
+    def remove(self, obj: Any) -> None:
+        removal.delete_artifact(obj)
+
+
+class ArtifactVersionDeleteView(DeleteObjectView):
+    """Delete one version of an artifact, after a page naming what needs it."""
+
+    model = ArtifactVersion
+    noun = "version"
+
+    def target(self, **kwargs: Any) -> Any:
+        return get_object_or_404(ArtifactVersion.objects.select_related("artifact__tenant"),
+                                 artifact_id=kwargs["pk"], number=kwargs["number"])
+
+    def dependents(self, obj: Any) -> list[dict[str, Any]]:
+        return _needs(ArtifactVersion.objects.filter(pk=obj.pk))
+
+    def note(self, obj: Any) -> str:
+        freed = removal.bytes_only_in(ArtifactVersion.objects.filter(pk=obj.pk))
+        return (f"{filesizeformat(freed)} of files no other version holds leave the console's "
+                "store; the artifact's other versions stay.")
+
+    def remove(self, obj: Any) -> None:
+        removal.delete_version(obj)
+
+    def after_url(self, obj: Any) -> str:
+        return reverse("console:artifact-detail", args=[obj.artifact_id])

@@ -54,6 +54,10 @@ urlpatterns = [
          name="moneybudget-create"),
     path("budgets/<int:pk>/edit/", budget_views.MoneyBudgetUpdateView.as_view(),
          name="moneybudget-edit"),
+    path("artifacts/<int:pk>/delete/", artifact_views.ArtifactDeleteView.as_view(),
+         name="artifact-delete"),
+    path("artifacts/<int:pk>/versions/<int:number>/delete/",
+         artifact_views.ArtifactVersionDeleteView.as_view(), name="artifact-version-delete"),
     path("artifacts/<int:pk>/versions/<int:number>/register/",
          artifact_views.RegisterFromVersionView.as_view(), name="artifact-version-register"),
     # base models

@@ -23,6 +23,7 @@ from django.views.generic import DetailView, ListView
 
 from audit_app.models import AuditLog
 from serving_app import storage
+from serving_app.artifacts import removal
 from serving_app.metering import health, queries
 from serving_app.models import BaseModel, Deployment, LoraAdapter
 from tenants_app.models import Tenant
@@ -192,24 +193,38 @@ class DeleteObjectView(StaffPage, View):
     def page(self, obj: Any, status: int = 200) -> HttpResponse:
         dependents = self.dependents(obj)
         return render(self.request, "console/confirm_delete.html", {
-            "object": obj, "noun": self.noun, "dependents": dependents,
+            "object": obj, "label": getattr(obj, "name", str(obj)),
+            "back_url": obj.get_absolute_url(), "noun": self.noun, "dependents": dependents,
             "blocked": any(d["blocking"] and d["objects"] for d in dependents),
             "affected": any(d["objects"] for d in dependents),
-            "consequence": self.consequence}, status=status)
+            "consequence": self.consequence, "note": self.note(obj)}, status=status)
 
-    def get(self, request: HttpRequest, pk: int) -> HttpResponse:
-        return self.page(get_object_or_404(self.model, pk=pk))
+    def note(self, obj: Any) -> str:
+        """What else deleting it does, said whatever depends on it."""
+        return ""
 
-    def post(self, request: HttpRequest, pk: int) -> HttpResponse:
-        obj = get_object_or_404(self.model, pk=pk)
+    def target(self, **kwargs: Any) -> Any:
+        return get_object_or_404(self.model, pk=kwargs["pk"])
+
+    def remove(self, obj: Any) -> None:
+        obj.delete()
+
+    def get(self, request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        return self.page(self.target(**kwargs))
+
+    def post(self, request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        obj = self.target(**kwargs)
         if request.POST.get("confirm") != "delete":
             return self.page(obj)
         try:
-            obj.delete()
-        except (ProtectedError, RestrictedError):  # what the page named, or what came since
-            return self.page(obj, status=409)
+            self.remove(obj)
+        except (ProtectedError, RestrictedError, removal.InUse):
+            return self.page(obj, status=409)  # what the page named, or what came since
         messages.success(request, f"{self.noun.capitalize()} {obj} deleted.")
-        return redirect(self.list_url)
+        return redirect(self.after_url(obj))
+
+    def after_url(self, obj: Any) -> str:
+        return reverse(self.list_url)
 
 
 def _named(objects: QuerySet[Any]) -> list[Any]:

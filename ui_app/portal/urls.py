@@ -42,6 +42,8 @@ urlpatterns = [
     path("<slug:slug>/adapters/", portal.AdaptersView.as_view(), name="adapters"),
     path("<slug:slug>/adapters/<int:pk>/delete/", portal.AdapterDeleteView.as_view(),
          name="adapter-delete"),
+    path("<slug:slug>/adapters/files/<int:pk>/versions/<int:number>/delete/",
+         portal.ArtifactVersionDeleteView.as_view(), name="artifact-version-delete"),
     path("<slug:slug>/adapters/<int:pk>/request/", portal.AdapterServeRequestView.as_view(),
          name="adapter-request"),
     path("<slug:slug>/models/", portal.ModelsView.as_view(), name="models"),

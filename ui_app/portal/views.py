@@ -19,18 +19,20 @@ import redis
 from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import Count
+from django.db.models import Count, Prefetch
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect
+from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
 from django.utils import timezone
 from django.views import View
 
 from billing_app.budgets import standings
 from serving_app import storage
+from serving_app.artifacts import removal
 from serving_app.deployments.catalog import engine_shares, served_models
 from serving_app.metering import queries
-from serving_app.models import Deployment, Instance, LoraAdapter
+from serving_app.models import Artifact, ArtifactVersion, Deployment, Instance, LoraAdapter
 from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.uploads import allowed_base_models
 from tenants_app.models import ApiKey, MoneyBudget, Tenant
@@ -232,8 +234,11 @@ class AdaptersView(TenantPage, View):
         if staff:
             forms.setdefault("path_form", AdapterPathForm(tenant=self.tenant))
         forms.setdefault("upload_form", AdapterUploadForm(tenant=self.tenant))
+        files = (Artifact.objects.for_tenant(self.tenant)
+                 .prefetch_related(Prefetch("versions", queryset=ArtifactVersion.objects
+                                            .order_by("-number").prefetch_related("adapters"))))
         return self.render("portal/adapters.html", status=status, adapters=adapters,
-                           storage=storage_usage(self.tenant),
+                           files=files, storage=storage_usage(self.tenant),
                            artifact_base_models=allowed_base_models(self.tenant),
                            chunk_bytes=settings.ARTIFACT_UPLOAD_CHUNK_BYTES, **forms)
 
@@ -277,8 +282,12 @@ class AdapterDeleteView(TenantPage, View):
         return get_object_or_404(LoraAdapter.objects.for_tenant(self.tenant), pk=pk)
 
     def confirm(self, adapter: LoraAdapter) -> HttpResponse:
+        version = adapter.artifact_version
+        shared = version is not None and LoraAdapter.objects.filter(
+            artifact_version=version).exclude(pk=adapter.pk).exists()
         return self.render("portal/adapter_delete.html", adapter=adapter,
-                           deployments=list(adapter.deployments.order_by("name")))
+                           deployments=list(adapter.deployments.order_by("name")),
+                           version=version, version_shared=shared)
 
     def get(self, request: HttpRequest, slug: str, pk: int) -> HttpResponse:
         return self.confirm(self.adapter(pk))
@@ -287,9 +296,67 @@ class AdapterDeleteView(TenantPage, View):
         adapter = self.adapter(pk)
         if request.POST.get("confirm") != "delete":
             return self.confirm(adapter)
+        version = adapter.artifact_version
         adapter.delete()
-        messages.success(request, f"Adapter {adapter.name} deleted; its files are removed once "
-                                  "no engine has it loaded.")
+        if version is None:
+            messages.success(request, f"Adapter {adapter.name} deleted; its files are removed "
+                                      "once no engine has it loaded.")
+        elif request.POST.get("delete_files"):
+            messages.success(request, f"Adapter {adapter.name} deleted; "
+                             + _delete_files(version))
+        else:
+            messages.success(request, f"Adapter {adapter.name} deleted; its files stay as "
+                                      f"{version} (listed under Your files).")
+        return redirect("portal:adapters", slug=slug)
+
+
+def _delete_files(version: ArtifactVersion) -> str:
+    """Delete an adapter's files version (and its artifact once it has no version left); what
+    happened, as a sentence's end."""
+    artifact = version.artifact
+    try:
+        freed = removal.delete_version(version)
+    except removal.InUse as exc:
+        return f"its files stay: {exc}"
+    if not artifact.versions.exists():
+        removal.delete_artifact(artifact)
+    return f"its files ({version}) are deleted, freeing {filesizeformat(freed)}."
+
+
+class ArtifactVersionDeleteView(TenantPage, View):
+    """Delete one version of the tenant's adapter files, after a confirmation page naming the
+    adapters that serve it (which must go first) and the storage it frees."""
+
+    section = "adapters"
+
+    def version(self, pk: int, number: int) -> ArtifactVersion:
+        self.require_manager()
+        return get_object_or_404(
+            ArtifactVersion.objects.select_related("artifact").filter(
+                artifact__in=Artifact.objects.for_tenant(self.tenant)),
+            artifact_id=pk, number=number)
+
+    def confirm(self, version: ArtifactVersion, status: int = 200) -> HttpResponse:
+        versions = ArtifactVersion.objects.filter(pk=version.pk)
+        return self.render("portal/artifact_version_delete.html", status=status,
+                           version=version, needs=removal.needed_by(versions),
+                           freed=removal.bytes_only_in(versions))
+
+    def get(self, request: HttpRequest, slug: str, pk: int, number: int) -> HttpResponse:
+        return self.confirm(self.version(pk, number))
+
+    def post(self, request: HttpRequest, slug: str, pk: int, number: int) -> HttpResponse:
+        version = self.version(pk, number)
+        if request.POST.get("confirm") != "delete":
+            return self.confirm(version)
+        try:
+            removal.delete_version(version)
+        except removal.InUse:
+            return self.confirm(version, status=409)
+        artifact = version.artifact
+        if not artifact.versions.exists():
+            removal.delete_artifact(artifact)
+        messages.success(request, f"{version} deleted.")
         return redirect("portal:adapters", slug=slug)
 
 
