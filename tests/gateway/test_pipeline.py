@@ -73,6 +73,9 @@ def test_a_prompt_the_guard_blocks_has_counted_against_the_senders_limits(gatewa
     refused = sent[limit]
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-    assert stages_of(refused) == ["authenticated", "validated", "charged"]
+    # This guard is cheap (read inline, no classifier): the request's charge rides on
+    # dispatch's admission, where the limit refuses it, the guard having read it first.
+    assert stages_of(refused) == ["authenticated", "validated", "charged", "guarded",
+                                  "dispatched"]
     served = [r for r in sent if r.status_code == 200]
     assert served and all(stages_of(r) == list(STAGES) for r in served)

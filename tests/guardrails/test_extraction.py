@@ -19,7 +19,7 @@ from gateway_app.extraction import CHAT_RULES, COMPLETION_RULES, extract
 from gateway_app.guard import RequestGuard
 from gateway_app.validation import CHAT_FIELDS, COMPLETION_FIELDS, parse_request
 from guardrails_app.detectors import builtin
-from guardrails_app.normalise import normalise
+from guardrails_app.normalise import _SPACED_DIGITS, normalise, spaced_runs
 from guardrails_app.policy import Policy
 from tests.guardrails.entities import card
 
@@ -125,6 +125,14 @@ def test_normalisation_maps_each_read_character_back_to_what_was_written():
     assert normalise("10 20 30 40 50 60 70").text == "10 20 30 40 50 60 70"
     # Mixed separators are version strings and lists, not a number spelt out: left alone.
     assert normalise("1.2.3 4 1.2.3 4 2.").text == "1.2.3 4 1.2.3 4 2."
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="0123456789 .-/,_a\t", max_size=80))
+def test_spaced_runs_are_found_as_one_whole_reading_finds_them(text):
+    """`spaced_runs` reads only the stretches around RE2's candidates; it must find what
+    Python's `re` finds reading the whole text."""
+    assert spaced_runs(text) == [(m.start(), m.end()) for m in _SPACED_DIGITS.finditer(text)]
 
 
 def test_non_text_is_decided_by_the_part_type():
