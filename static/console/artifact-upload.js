@@ -3,7 +3,8 @@
    a "name" input (the artifact's name), optionally a "base_model" select (a tenant's adapter is
    registered from the version once it is made), and data attributes: data-api (the API root),
    data-kind ("model" or "adapter"), data-tenant (the tenant's slug, for adapters), data-chunk
-   (bytes per chunk). Each file is hashed in the browser (js-sha256, static/vendor, read in
+   (bytes per chunk), data-zip (the portal's adapter form: with no folder chosen, a chosen .zip
+   is posted as the form itself). Each file is hashed in the browser (js-sha256, static/vendor, read in
    slices), announced, then sent chunk by chunk; a chunk the console refuses with 409 resumes
    from the byte it names, and an upload interrupted (a closed tab, a lost connection) resumes
    where it stopped when the same folder is chosen again (its import id is kept in
@@ -77,7 +78,7 @@
 
   async function run(form, show) {
     const api = form.dataset.api, chunk = Number(form.dataset.chunk) || 16 * 1024 * 1024;
-    const picker = form.querySelector("input[type=file]");
+    const picker = form.querySelector("input[name=folder]") || form.querySelector("input[type=file]");
     const files = Array.from(picker.files || []);
     const nameInput = form.elements.namedItem("name");
     const name = nameInput ? nameInput.value.trim() : "";
@@ -134,9 +135,12 @@
     window.localStorage.removeItem(key);
     const base = form.elements.namedItem("base_model");
     if (base && base.value) {
+      // The API names a base model; a select whose values are ids gives it in data-name.
+      const chosen = base.selectedOptions && base.selectedOptions[0];
+      const baseName = (chosen && chosen.dataset.name) || base.value;
       const versions = (await call(form, "GET", api + "artifacts/" + artifact.id + "/")).data.versions || [];
       const version = versions.find(function (v) { return v.number === finished.data.version; });
-      const adapter = await json(form, "POST", api + "adapters/", {tenant: form.dataset.tenant, base_model: base.value,
+      const adapter = await json(form, "POST", api + "adapters/", {tenant: form.dataset.tenant, base_model: baseName,
         name: name, artifact_version: version && version.id});
       if (adapter.status !== 201) throw new Error("Uploaded as version " + finished.data.version + ", but the adapter was not registered: " + message(adapter.data));
     }
@@ -146,6 +150,20 @@
   document.addEventListener("submit", function (event) {
     const form = event.target;
     if (!form.matches || !form.matches("form[data-artifact-upload]")) return;
+    if (form.dataset.zip !== undefined) {
+      // One form, two ways in: a folder goes up in chunks here; a .zip is posted whole.
+      const folder = form.querySelector("input[name=folder]");
+      const archive = form.querySelector("input[name=archive]");
+      const chosen = folder && folder.files && folder.files.length;
+      if (!chosen && archive && archive.files && archive.files.length) return;
+      if (!chosen) {
+        event.preventDefault();
+        const said = form.querySelector("[data-status]");
+        said.textContent = "Choose the adapter's folder, or a .zip of it.";
+        said.classList.add("error");
+        return;
+      }
+    }
     event.preventDefault();
     const status = form.querySelector("[data-status]");
     const bar = form.querySelector("progress");

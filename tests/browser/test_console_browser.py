@@ -6,6 +6,7 @@ Screenshots of the overview, each dashboard and the portal go to artifacts/scree
 from __future__ import annotations
 
 import re
+import zipfile
 
 import httpx
 import pytest
@@ -527,8 +528,11 @@ def test_tenant_owner_uploads_an_adapter_folder_in_chunks_and_it_is_registered(
     page.goto("/portal/uploads/adapters/")
     form = page.locator("#folder-upload form")
     form.locator("input[name=name]").fill("my-lora")
-    form.locator("select[name=base_model]").select_option(base_model.name)
-    form.locator("input[type=file]").set_input_files(folder)
+    form.locator("select[name=base_model]").select_option(label=base_model.name)
+    form.locator("button[type=submit]").click()  # neither a folder nor a .zip chosen
+    expect(form.locator("[data-status]")).to_have_text(
+        "Choose the adapter's folder, or a .zip of it.")
+    form.locator("input[name=folder]").set_input_files(folder)
     form.locator("button[type=submit]").click()
     expect(form.locator("[data-status]")).to_contain_text("Done: version 1", timeout=30_000)
     adapter = LoraAdapter.objects.get(tenant=tenant, name="my-lora")
@@ -540,4 +544,17 @@ def test_tenant_owner_uploads_an_adapter_folder_in_chunks_and_it_is_registered(
     page.reload()
     expect(page.locator('tr[data-adapter="my-lora"]')).to_contain_text("validated")
     shot(page, "portal-adapter-folder-upload")
+    # The same form takes a .zip of the folder instead, posted whole, with the same fields.
+    archive = tmp_path / "my-lora.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for path in folder.iterdir():
+            zipped.write(path, path.name)
+    form = page.locator("#folder-upload form")
+    form.locator("input[name=name]").fill("zipped-lora")
+    form.locator("select[name=base_model]").select_option(label=base_model.name)
+    form.locator("input[name=archive]").set_input_files(archive)
+    form.locator("button[type=submit]").click()
+    expect(page.locator('tr[data-adapter="zipped-lora"]')).to_contain_text("validated")
+    zipped_adapter = LoraAdapter.objects.get(tenant=tenant, name="zipped-lora")
+    assert zipped_adapter.rank == 8 and zipped_adapter.base_model == base_model
     assert page.js_errors == []
