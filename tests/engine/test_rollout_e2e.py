@@ -81,6 +81,18 @@ def in_flight(instances: list[Instance]) -> dict[int, int]:
     return inflight.counts(i.pk for i in instances)
 
 
+def _in_flight_or_ended(instances: list[Instance], number: int, stream: LongStream
+                        ) -> dict[int, int] | None:
+    """The in-flight counts once `number` streams are in flight; a stream that ended before
+    it was counted fails the wait at once, with its error."""
+    counts = in_flight(instances)
+    if sum(counts.values()) == number:
+        return counts
+    assert stream.thread is not None and stream.thread.is_alive(), (
+        f"stream {number} ended first: {stream.error!r}")
+    return None
+
+
 def live(deployment_id: int) -> list[Instance]:
     return list(Instance.objects.select_related("revision").filter(deployment_id=deployment_id)
                 .exclude(state=State.STOPPED).order_by("ordinal"))
@@ -146,8 +158,8 @@ def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stop
         for number in range(1, 4):
             before = in_flight(three)
             streams.append(LongStream(client, go_on).start())
-            after = wait_for(lambda n=number: (lambda c: c if sum(c.values()) == n else None)(
-                in_flight(three)), 30, f"stream {number} in flight")
+            after = wait_for(lambda n=number, s=streams[-1]: _in_flight_or_ended(three, n, s),
+                             60, f"stream {number} in flight")
             streams[-1].instance = next(pk for pk in after if after[pk] > before[pk])
         assert in_flight(three) == {first_old.pk: 1, second_old.pk: 1, new.pk: 1}
         go_on.set()
