@@ -3,7 +3,7 @@ folder, S3 or Hugging Face, and the node agents' blob endpoint (docs/artifacts.m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -209,13 +209,7 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
                                 "or a deployment's applied revision or rollback target does. "
                                 "Frees the console's copy of files no other version holds."))
     def destroy(self, request: Request, *args: Any, **kwargs: Any) -> Response:
-        artifact = self._writable()
-        try:
-            freed = removal.delete_artifact(artifact)
-        except removal.InUse as exc:
-            return _in_use(exc)
-        return Response(status=status.HTTP_204_NO_CONTENT,
-                        headers={"X-Bytes-Freed": str(freed)})
+        return _removed(removal.delete_artifact, self._writable())
 
     @extend_schema(request=None, responses={204: None, 409: InUseSerializer},
                    summary="Delete one version",
@@ -229,12 +223,7 @@ class ArtifactViewSet(ScopedModelViewSet[Artifact]):
         version = artifact.versions.filter(number=int(number)).first()
         if version is None:
             raise NotFound(f"{artifact} has no version {number}.")
-        try:
-            freed = removal.delete_version(version)
-        except removal.InUse as exc:
-            return _in_use(exc)
-        return Response(status=status.HTTP_204_NO_CONTENT,
-                        headers={"X-Bytes-Freed": str(freed)})
+        return _removed(removal.delete_version, version)
 
     @extend_schema(request=UploadSerializer, responses={201: ImportSerializer},
                    summary="Start an upload of a new version",
@@ -370,9 +359,14 @@ class ArtifactImportViewSet(ScopedReadOnlyModelViewSet[ArtifactImport]):
         return Response(ImportSerializer(record).data)
 
 
-def _in_use(exc: removal.InUse) -> Response:
-    return Response({"detail": str(exc), "needed_by": exc.needs.as_data()},
-                    status=status.HTTP_409_CONFLICT)
+def _removed(remove: Callable[[Any], int], target: Any) -> Response:
+    """Run a removal: 204 with the bytes it freed, or 409 naming what needs the target."""
+    try:
+        freed = remove(target)
+    except removal.InUse as exc:
+        return Response({"detail": str(exc), "needed_by": exc.needs.as_data()},
+                        status=status.HTTP_409_CONFLICT)
+    return Response(status=status.HTTP_204_NO_CONTENT, headers={"X-Bytes-Freed": str(freed)})
 
 
 class _Empty:

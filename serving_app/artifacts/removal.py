@@ -124,9 +124,11 @@ def _rollback_target_version(deployment: Deployment) -> int | None:
     return last.from_revision.model_version_id
 
 
-def delete_version(version: ArtifactVersion) -> int:
+def delete_version(version: ArtifactVersion, *, drop_empty_artifact: bool = False) -> int:
     """Delete one version of an artifact (InUse when something needs it); the bytes freed in
-    the console's blob store."""
+    the console's blob store. `drop_empty_artifact`: the artifact goes too, in the same
+    transaction, when this was its last version (the portal's tenant files: a name with no
+    files left is nothing to keep)."""
     with transaction.atomic():
         Artifact.objects.select_for_update().get(pk=version.artifact_id)
         versions = ArtifactVersion.objects.filter(pk=version.pk)
@@ -137,6 +139,9 @@ def delete_version(version: ArtifactVersion) -> int:
                         versions.delete)
         recording.record("delete_version", version.artifact,
                          {"version": [version.number, None], "bytes_freed": [None, freed]})
+        if drop_empty_artifact and not ArtifactVersion.objects.filter(
+                artifact_id=version.artifact_id).exists():
+            version.artifact.delete()
     return freed
 
 

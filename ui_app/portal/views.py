@@ -313,13 +313,10 @@ class AdapterDeleteView(TenantPage, View):
 def _delete_files(version: ArtifactVersion) -> str:
     """Delete an adapter's files version (and its artifact once it has no version left); what
     happened, as a sentence's end."""
-    artifact = version.artifact
     try:
-        freed = removal.delete_version(version)
+        freed = removal.delete_version(version, drop_empty_artifact=True)
     except removal.InUse as exc:
         return f"its files stay: {exc}"
-    if not artifact.versions.exists():
-        removal.delete_artifact(artifact)
     return f"its files ({version}) are deleted, freeing {filesizeformat(freed)}."
 
 
@@ -350,12 +347,9 @@ class ArtifactVersionDeleteView(TenantPage, View):
         if request.POST.get("confirm") != "delete":
             return self.confirm(version)
         try:
-            removal.delete_version(version)
+            removal.delete_version(version, drop_empty_artifact=True)
         except removal.InUse:
             return self.confirm(version, status=409)
-        artifact = version.artifact
-        if not artifact.versions.exists():
-            removal.delete_artifact(artifact)
         messages.success(request, f"{version} deleted.")
         return redirect("portal:adapters", slug=slug)
 
