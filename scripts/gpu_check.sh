@@ -25,7 +25,9 @@ mkdir -p "$LOGS" "$RUNS" "$ROOT/var"
 export DEBUG="${DEBUG:-true}"
 export DATABASE_URL="${DATABASE_URL:-sqlite:///$ROOT/var/gpu-console.sqlite3}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/0}"
-export NODE_NAME="${NODE_NAME:-$(hostname -s | tr 'A-Z_.' 'a-z--')}"
+# Only the node agent runs as a node (NODE_NAME set): a node's processes hold no encryption key
+# (console/settings.py), and the console's own ones need it.
+NODE_NAME="${NODE_NAME:-$(hostname -s | tr 'A-Z_.' 'a-z--')}"; export -n NODE_NAME
 export NODE_GPUS="${NODE_GPUS-nvml}"
 export NODE_ENGINE_PYTHON="${NODE_ENGINE_PYTHON:-$(command -v "$PY")}"
 export NODE_ENGINE_PYTHONPATH="${NODE_ENGINE_PYTHONPATH:-${PYTHONPATH:-}}"
@@ -57,7 +59,7 @@ start)
     "$PY" manage.py migrate --noinput -v0
     launch control "$PY" -m celery -A console worker -Q control -B \
         -s "$ROOT/var/gpu-celerybeat-schedule" --pool threads -c 4 -n control@%h -l info
-    launch node-agent "$PY" -m celery -A console worker -Q "node.$NODE_NAME" --pool threads \
+    launch node-agent env NODE_NAME="$NODE_NAME" "$PY" -m celery -A console worker -Q "node.$NODE_NAME" --pool threads \
         -c 8 -n "$NODE_NAME@%h" -l info
     launch usage-writer "$PY" manage.py usage_writer
     launch console "$PY" -m uvicorn console.asgi:application --host 127.0.0.1 --port "$PORT" \

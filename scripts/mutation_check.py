@@ -460,6 +460,17 @@ BREAKAGES = (
         engine=True,
     ),
     Breakage(
+        # Any better priority counts as urgent: a middle tier beside a flood caps the flood
+        # whenever it is in the engine (what the GPU run of 2026-12-07 showed).
+        "engine-urgent-scheduler-middle-tier-urgent",
+        "vllm_plugins/console_scheduler.py",
+        "        urgent = self.urgent_priority\n",
+        "        urgent = min([r.priority for r in self.running]"
+        " + [r.priority for r in self.waiting])\n",
+        ("tests/engine/test_urgent_scheduler.py::test_an_urgent_request_preempts_the_others_beyond_the_cap_and_they_resume",),
+        engine=True,
+    ),
+    Breakage(
         # An adapter applied to another tenant's request: the gateway sends every adapter
         # request to the instance's last adapter by name (issue 41's isolation check).
         "engine-adapter-of-another-tenant",

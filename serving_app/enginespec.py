@@ -261,10 +261,10 @@ FIELDS: tuple[EngineField, ...] = (
         "urgent_batch_cap", "Requests running beside an urgent one", "int", None,
         group="scheduling", env="LLM_CONSOLE_URGENT_BATCH_CAP", unit="count", minimum=1,
         maximum=1024, shown_when=("scheduling_policy", "priority"),
-        help_text="Priority scheduling only: while a request of the best priority present is "
-                  "in the engine, at most this many others run; the rest are preempted and "
-                  "resume once it is done (the console's scheduler plugin, docs/gpu.md). "
-                  "Empty: vLLM's own scheduling.",
+        help_text="Priority scheduling only: while a request of a high-tier tenant is in the "
+                  "engine, at most this many others run; the rest are preempted and resume "
+                  "once it is done (the console's scheduler plugin, docs/gpu.md). Empty: "
+                  "vLLM's own scheduling.",
     ),
     EngineField(
         "base_port", "Base port", "int", None, group="isolation", minimum=1024, maximum=65000,

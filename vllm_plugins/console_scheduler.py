@@ -6,9 +6,12 @@ the KV cache is full: a latency-sensitive request that arrives while the batch i
 low-priority requests waits for their slots, then shares every step with them. This scheduler,
 at each step and before vLLM's own scheduling:
 
-- finds the urgent requests: those of the best (lowest) priority value present, running or
-  waiting, while some running request has a worse one (with one priority in the engine nothing
-  is urgent and nothing changes);
+- finds the urgent requests: those of priority ``LLM_CONSOLE_URGENT_PRIORITY`` or better (a
+  lower value; the node agent passes the console's high tier, 1), running or waiting, while some
+  running request has a worse one (with no urgent request in the engine nothing changes). Only
+  that tier counts: on a GPU (2026-12-07) "the best priority present" made the normal tier's
+  steady code assistant urgent whenever customer service was idle, and the flood ran capped the
+  whole time (0.42 of FCFS's throughput, docs/gpu.md);
 - keeps at most ``LLM_CONSOLE_URGENT_BATCH_CAP`` (the environment's, an integer of at least 1)
   other requests running: the rest are preempted, the worst priority and the latest arrival
   first, through vLLM's own preemption (their KV blocks freed; with prefix caching their resume
@@ -42,6 +45,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 log = logging.getLogger("vllm.console_scheduler")
 CAP_ENV = "LLM_CONSOLE_URGENT_BATCH_CAP"
+PRIORITY_ENV = "LLM_CONSOLE_URGENT_PRIORITY"
+DEFAULT_URGENT_PRIORITY = 1  # the console's high tier (tenants_app.models.PriorityTier.HIGH)
 LIMITS = ("max_num_running_reqs", "max_num_active_reqs")
 
 
@@ -56,6 +61,16 @@ def configured_cap() -> int:
     return cap
 
 
+def configured_priority() -> int:
+    raw = os.environ.get(PRIORITY_ENV, "")
+    if not raw:
+        return DEFAULT_URGENT_PRIORITY
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{PRIORITY_ENV} must be an integer, not {raw!r}") from None
+
+
 class UrgentBatchCap:
     """The behaviour, mixed into vLLM's scheduler classes below."""
 
@@ -64,18 +79,19 @@ class UrgentBatchCap:
 
     def _cap_init(self) -> None:
         self.urgent_batch_cap = configured_cap()
+        self.urgent_priority = configured_priority()
         self.urgent_acting = False
         self.urgent_preemptions = 0
-        log.info("console scheduler: while an urgent request is in the engine, at most %d "
-                 "others run", self.urgent_batch_cap)
+        log.info("console scheduler: while an urgent request (priority %d or better) is in the "
+                 "engine, at most %d others run", self.urgent_priority, self.urgent_batch_cap)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         urgent = self._urgent_priority()
         self._report(urgent)
         if urgent is None:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
-        waiting_urgent = sum(1 for r in self.waiting if r.priority == urgent)
-        running_urgent = sum(1 for r in self.running if r.priority == urgent)
+        waiting_urgent = sum(1 for r in self.waiting if r.priority <= urgent)
+        running_urgent = sum(1 for r in self.running if r.priority <= urgent)
         self._shrink(urgent)
         saved = {name: getattr(self, name) for name in LIMITS if hasattr(self, name)}
         room = running_urgent + waiting_urgent + self.urgent_batch_cap
@@ -88,15 +104,18 @@ class UrgentBatchCap:
                 setattr(self, name, value)
 
     def _urgent_priority(self) -> int | None:
-        """The best priority in the engine, when some running request has a worse one."""
+        """The urgent priority, while an urgent request is in the engine and some running
+        request has a worse priority."""
         if not self.running:
             return None
-        best = min([r.priority for r in self.running] + [r.priority for r in self.waiting])
-        worst = max(r.priority for r in self.running)
-        return best if best < worst else None
+        urgent = self.urgent_priority
+        present = any(r.priority <= urgent for r in self.running) or any(
+            r.priority <= urgent for r in self.waiting)
+        behind = any(r.priority > urgent for r in self.running)
+        return urgent if present and behind else None
 
     def _shrink(self, urgent: int) -> None:
-        others = [r for r in self.running if r.priority != urgent]
+        others = [r for r in self.running if r.priority > urgent]
         excess = len(others) - self.urgent_batch_cap
         if excess <= 0:
             return

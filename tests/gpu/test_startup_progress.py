@@ -13,6 +13,7 @@ from serving_app.engine.startup import LAUNCH_MARKER, LogFollower, StartupProgre
 FIXTURES = Path(__file__).parent / "fixtures"
 LINES = (FIXTURES / "startup_llama3_8b_shape.log").read_text().splitlines()
 EAGER = (FIXTURES / "startup_eager_mps_h100.log").read_text().splitlines()
+URGENT = (FIXTURES / "urgent_scheduler_h200.log").read_text().splitlines()
 
 
 def read_start(lines: list[str]) -> tuple[StartupProgress, list[str]]:
@@ -45,6 +46,30 @@ def test_the_phases_of_an_h200_start_in_order_with_their_figures():
     assert [p["phase"] for p in progress.phases] == seen[1:]
     again = StartupProgress.from_dict(progress.to_dict())
     assert again.phase == "serving" and again.figures == progress.figures
+
+
+def test_the_consoles_scheduler_on_a_gpu_keeps_asynchronous_scheduling_on():
+    """The GPU build's path of the scheduler plugin (issue 45), from an H200's engine with
+    `urgent_batch_cap` 16: vLLM 0.26 loaded `AsyncUrgentBatchCapScheduler` and kept scheduling
+    asynchronously (a CPU engine turns it off for any custom class); the start-up figures say
+    both, and the instance page shows them."""
+    progress, seen = read_start(URGENT)
+    assert seen[-1] == "serving"
+    assert progress.figures["async_scheduling"] == 1
+    assert progress.figures["urgent_batch_cap"] == 16
+    assert progress.figures["kv_cache_tokens"] == 169520
+    # What the plugin logged once requests came (the lines the figures do not read): it acted,
+    # preempted through vLLM's preemption, and let the batch go back once no urgent request was
+    # left.
+    assert any("console_scheduler.AsyncUrgentBatchCapScheduler" in line
+               and "Using custom scheduler class" in line for line in URGENT)
+    assert [line.split("console scheduler: ")[1].split(":")[0].split(" (")[0]
+            for line in URGENT if "console scheduler: " in line][1:] == [
+        "urgent requests", "preempted 1 request(s) of lower priority to keep 16 beside the "
+        "urgent ones", "no urgent request left"]
+    # A synchronous engine's word wins when it comes last (the CPU build with a custom class).
+    progress.feed(["INFO [vllm.py:1109] Asynchronous scheduling is disabled."], at=99.0)
+    assert progress.figures["async_scheduling"] == 0
 
 
 def test_the_kv_cache_is_sized_once_its_size_is_logged_not_before():
@@ -121,7 +146,7 @@ def test_an_eager_start_under_mps_has_no_compile_or_graph_phase():
         "weights_gib": 1.84, "weights_seconds": 2.050519, "kv_cache_gib": 2.25,
         "kv_cache_tokens": 73632, "max_concurrency": 35.95, "init_engine_seconds": 88.16,
         "utilization": 0.06, "requested_gib": 4.75, "activation_gib": 0.5, "non_torch_gib": 0.16,
-        "cuda_graph_gib": 0.0,
+        "cuda_graph_gib": 0.0, "async_scheduling": 1,
     }
 
 

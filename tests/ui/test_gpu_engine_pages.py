@@ -8,13 +8,14 @@ the agent's reports are written to the rows as the agent writes them."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.urls import reverse
 from django.utils import timezone
 
 from audit_app.models import AuditLog
-from serving_app.engine.startup import LABELS
+from serving_app.engine.startup import LABELS, StartupProgress
 from serving_app.models import BaseModel, Gpu, Instance, Node
 from tests.factories import (
     h200_figures,
@@ -153,6 +154,25 @@ def test_the_instance_page_keeps_the_startup_phases_and_figures_once_ready(
     assert "12.15 GiB" in figures and "32.97 GiB" in figures
     assert "67,520 tokens" in figures and "27.4 s" in figures and "11.0 s" in figures
     assert 'id="instance-cpu-cores">0-15' in page
+
+
+def test_the_instance_page_says_how_the_engine_schedules(login, platform_admin, h200_instance):
+    """The start-up figures of the H200 engine that ran the console's scheduler (issue 45,
+    tests/gpu/fixtures/urgent_scheduler_h200.log): asynchronous, with the plugin's cap."""
+    progress = StartupProgress()
+    urgent_log = Path(__file__).parents[1] / "gpu" / "fixtures" / "urgent_scheduler_h200.log"
+    progress.feed(urgent_log.read_text().splitlines(), at=1.0)
+    Instance.objects.filter(pk=h200_instance.pk).update(startup=progress.to_dict())
+    page = login(platform_admin).get(
+        reverse("console:instance-detail", args=[h200_instance.pk])).content.decode()
+    scheduling = page.split('id="startup-scheduling">', 1)[1].split("</dd>", 1)[0]
+    assert scheduling == ("asynchronous · the console's scheduler: at most 16 others "
+                          "beside an urgent request")
+    progress.feed(["Asynchronous scheduling is disabled."], at=2.0)
+    Instance.objects.filter(pk=h200_instance.pk).update(startup=progress.to_dict())
+    page = login(platform_admin).get(
+        reverse("console:instance-detail", args=[h200_instance.pk])).content.decode()
+    assert 'id="startup-scheduling">synchronous · ' in page
 
 
 def test_a_starting_instance_shows_its_phase_on_its_page_and_its_deployments(

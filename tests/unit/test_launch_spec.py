@@ -15,6 +15,7 @@ from serving_app import pki
 from serving_app.engine.environment import interpreter
 from serving_app.engine.launch import LOOPBACK_ONLY, build_launch_spec
 from serving_app.models import BaseModel, Gpu, Instance, LoraAdapter, Node
+from tenants_app.models import PriorityTier
 from tests.factories import make_adapter, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
@@ -327,6 +328,7 @@ def test_the_urgent_batch_cap_loads_the_consoles_scheduler_of_the_engines_kind(t
                             pythonpath="/opt/vllm-site")
     assert flag(cpu.argv, "--scheduler-cls") == "console_scheduler.UrgentBatchCapScheduler"
     assert cpu.env["LLM_CONSOLE_URGENT_BATCH_CAP"] == "8"
+    assert cpu.env["LLM_CONSOLE_URGENT_PRIORITY"] == str(int(PriorityTier.HIGH)) == "1"
     plugins = Path(django_settings.BASE_DIR) / "vllm_plugins"
     assert cpu.env["PYTHONPATH"] == f"{plugins}{os.pathsep}/opt/vllm-site"
     assert (plugins / "console_scheduler.py").is_file()
