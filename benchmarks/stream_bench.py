@@ -88,12 +88,12 @@ from benchmarks.gateway_bench import (  # noqa: E402
     stop_all,
     wait_http,
 )
+from serving_app.engine import benchclient  # noqa: E402
 
 ENGINE_PYTHON = ROOT / "var" / "engine-venv" / "bin" / "python"
 TOKENIZER = ROOT / "var" / "models" / "tiny-llama"
 MODELS = {"engine": "tiny-llama", "paced": "paced", "instant": "instant"}
 WHOLE_BACKEND = "openai-chat-whole"
-STOPPED = "stopped: the job's stop file exists, or the benchmark that sent it has gone"
 
 
 # -- the paced mock upstream ------------------------------------------------------------------
@@ -230,12 +230,9 @@ def make_tls_dir(folder: Path) -> Path:
 
 # -- the load: vLLM's client, in the engine's environment -------------------------------------
 def _client_main() -> None:
-    """Import vLLM's benchmark client once, then run one measurement per line of stdin (a JSON
-    object: `argv` for vLLM's parser, `key` for OPENAI_API_KEY) and answer each with one JSON
-    line on stdout. vLLM's own printing goes to stderr."""
-    from vllm.benchmarks import serve
+    """The client process (serving_app/engine/benchclient.py), with one more request function:
+    for non-streamed requests ("whole"), vLLM's chat request with `"stream": false`."""
     from vllm.benchmarks.lib import endpoint_request_func as funcs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     async def whole_chat(request_func_input, session, pbar=None):
         """vLLM's chat request function with `"stream": false`: its time to first token is
@@ -266,128 +263,15 @@ def _client_main() -> None:
             pbar.update(1)
         return output
 
-    async def same_prompts(_url, _model, requests, _ssl=None):
-        return requests
-
-    async def no_metrics(*_args):
-        return None
-
-    stop: dict[str, str] = {}
-    done: list = []  # (start, RequestFuncOutput) of each request sent in the current job
-    # This process runs in a session of its own (a benchmark's `timeout` or Ctrl-C reaches the
-    # benchmark, not it): once the benchmark is gone, whose stop file would never come, it
-    # sends nothing more. A load left running had a GPU run measure beside it (docs/gpu.md).
-    parent = os.getppid()
-
-    def orphaned() -> bool:
-        return os.getppid() != parent
-
-    def stoppable(func):
-        """A request that starts once the job's `stop_file` exists, or once the benchmark that
-        sent the job has gone, is not sent: it fails at once with STOPPED, so a load sized by
-        time ends when the file appears (the requests already sent complete). The first
-        request creates the job's `started_file`, then waits for its `go_file` (prompts are
-        built before: loads start together on cue)."""
-
-        async def request(request_func_input, session, pbar=None):
-            if stop.get("started"):
-                Path(stop.pop("started")).touch()
-            while stop.get("go") and not os.path.exists(stop["go"]) and not orphaned():
-                await asyncio.sleep(0.01)
-            if (stop.get("file") and os.path.exists(stop["file"])) or orphaned():
-                output = funcs.RequestFuncOutput(prompt_len=request_func_input.prompt_len)
-                output.error = STOPPED
-                done.append((time.perf_counter(), output))
-                if pbar:
-                    pbar.update(1)
-                return output
-            started = time.perf_counter()
-            output = await func(request_func_input, session, pbar)
-            # Kept here as well: vLLM before 0.27 (the GPU host's 0.26) returns no per-request
-            # latencies or start times from serve.main().
-            done.append((started, output))
-            return output
-
-        return request
-
-    funcs.ASYNC_REQUEST_FUNCS[WHOLE_BACKEND] = whole_chat
-    for backend in ("openai-chat", WHOLE_BACKEND):
-        funcs.ASYNC_REQUEST_FUNCS[backend] = stoppable(funcs.ASYNC_REQUEST_FUNCS[backend])
-    serve.OPENAI_COMPATIBLE_BACKENDS.append(WHOLE_BACKEND)
-    # Every side gets exactly the measured requests and the same prompts: no re-alignment of
-    # the prompts through the server's /tokenize (the gateway has none; the server's tokenizer
-    # is the one loaded here) and no /metrics reads around each measurement.
-    serve._align_prompts_to_server_tokenizer = same_prompts
-    serve.fetch_spec_decode_metrics = no_metrics
-    serve.fetch_diffusion_metrics = no_metrics
-    parser = FlexibleArgumentParser()
-    serve.add_cli_args(parser)
-    out, sys.stdout = sys.stdout, sys.stderr
-    for line in sys.stdin:
-        job = json.loads(line)
-        os.environ["OPENAI_API_KEY"] = job["key"]
-        stop.update(file=job.get("stop_file", ""), started=job.get("started_file", ""),
-                    go=job.get("go_file", ""))
-        done.clear()
-        result = serve.main(parser.parse_args(job["argv"]))
-        if "latencies" not in result or "start_times" not in result:
-            sent = [o for _, o in done]
-            result.update(errors=[o.error for o in sent], ttfts=[o.ttft for o in sent],
-                          itls=[o.itl for o in sent], latencies=[o.latency for o in sent],
-                          start_times=[t for t, _ in done],
-                          input_lens=[o.prompt_len for o in sent],
-                          output_lens=[o.output_tokens or len(o.itl) + 1 for o in sent])
-        ok = [i for i, error in enumerate(result["errors"]) if not error]
-        itls = [x for i in ok for x in result["itls"][i]]
-        stopped = sum(error == STOPPED for error in result["errors"])
-        out.write(json.dumps({
-            "completed": result["completed"], "failed": result["failed"] - stopped,
-            "stopped": stopped, "duration": result["duration"],
-            "ttfts": [result["ttfts"][i] for i in ok],
-            "e2els": [result["latencies"][i] for i in ok],
-            # Per request (perf_counter: CLOCK_MONOTONIC, comparable across processes).
-            "starts": [result["start_times"][i] for i in ok],
-            "input_lens": [result["input_lens"][i] for i in ok],
-            "output_lens": [result["output_lens"][i] for i in ok],
-            "itl_p50": statistics.median(itls) if itls else None,
-            "errors": sorted({e.strip().splitlines()[-1][:200] for e in result["errors"]
-                              if e and e != STOPPED}),
-        }) + "\n")
-        out.flush()
+    benchclient.serve_jobs({WHOLE_BACKEND: whole_chat})
 
 
-class Client:
-    """The client process: vLLM imported once, one call per measurement."""
+class Client(benchclient.BenchClient):
+    """The client process: vLLM imported once, one call per measurement (`run(argv, key)`)."""
 
     def __init__(self, log: Path, rt: list[str] | None = None) -> None:
-        self.log = log
-        with open(log, "wb") as stderr:
-            self.proc = subprocess.Popen(
-                [*(rt or []), str(ENGINE_PYTHON), "-m", "benchmarks.stream_bench", "--client"],
-                cwd=ROOT,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                start_new_session=True)
-
-    def run(self, argv: list[str], key: str, stop_file: str = "", started_file: str = "",
-            go_file: str = "") -> dict[str, Any]:
-        """One measurement; with `stop_file`, no request starts once that file exists;
-        `started_file` is created when the prompts are ready, and with `go_file` the first
-        request waits for that file."""
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(json.dumps({"argv": argv, "key": key, "stop_file": stop_file,
-                                          "started_file": started_file,
-                                          "go_file": go_file}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        while line and not line.startswith("{"):  # vLLM's log lines printed before the redirect
-            line = self.proc.stdout.readline()
-        if not line:
-            tail = self.log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"the vLLM client process died:\n{tail}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        kill_group(self.proc, grace=5)
+        super().__init__(log, command=[*(rt or []), str(ENGINE_PYTHON), "-m",
+                                       "benchmarks.stream_bench", "--client"])
 
 
 # -- the sides ---------------------------------------------------------------------------------

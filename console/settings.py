@@ -478,6 +478,10 @@ ENGINE_CANARY_TIMEOUT_SECONDS = env_float("ENGINE_CANARY_TIMEOUT_SECONDS", 30.0,
 ENGINE_CANARY_RETRY_SECONDS = env_float("ENGINE_CANARY_RETRY_SECONDS", 2.0, minimum=0.1)
 ENGINE_CANARY_RETRY_MAX_SECONDS = env_float("ENGINE_CANARY_RETRY_MAX_SECONDS", 120.0,
                                             minimum=0.1)
+# One concurrency level of a capacity test (serving_app/engine/capacity.py): past this its load
+# is stopped and the test fails, so that a stuck engine never holds a node agent's thread.
+CAPACITY_TEST_LEVEL_TIMEOUT_SECONDS = env_float("CAPACITY_TEST_LEVEL_TIMEOUT_SECONDS", 900.0,
+                                                minimum=1.0)
 RESTART_BACKOFF_SECONDS = env_float("RESTART_BACKOFF_SECONDS", 2.0, minimum=0.0)
 RESTART_BACKOFF_MAX_SECONDS = env_float("RESTART_BACKOFF_MAX_SECONDS", 300.0, minimum=0.0)
 CRASH_LOOP_RESTARTS = env_int("CRASH_LOOP_RESTARTS", 5, minimum=1)

@@ -17,6 +17,7 @@ from serving_app.api import artifacts as artifact_views
 from serving_app.api import fleet as fleet_views
 from serving_app.api import views as serving_views
 from serving_app.api.autoscaling import AutoscalerViewSet
+from serving_app.api.capacity import CapacityTestViewSet
 from serving_app.api.fleetplans import FleetPlanViewSet
 from serving_app.api.joins import NodeJoinTokenViewSet, NodeJoinView
 from serving_app.api.prices import GpuPriceCardViewSet, PriceCardViewSet
@@ -61,6 +62,7 @@ router.register("alert-silences", alert_views.SilenceViewSet)
 router.register("alert-deliveries", alert_views.NotificationViewSet)
 router.register("fleet-plans", FleetPlanViewSet)
 router.register("autoscalers", AutoscalerViewSet)
+router.register("capacity-tests", CapacityTestViewSet)
 router.register("events", fleet_views.EventViewSet)
 router.register("guardrail-floor", guardrail_views.FloorPolicyViewSet)
 router.register("tenant-guardrails", guardrail_views.TenantPolicyViewSet)

@@ -65,6 +65,13 @@ class Breakage:
 
 BREAKAGES = (
     Breakage(
+        "objective-cost-ignores-per-token",
+        "serving_app/frontier.py",
+        '        limits = {"ttft": self.ttft_ms, "tpot": self.tpot_ms, "e2e": self.e2e_ms}\n',
+        '        limits = {"ttft": self.ttft_ms, "tpot": None, "e2e": self.e2e_ms}\n',
+        ("tests/unit/test_frontier.py::test_a_per_token_objective_alone_ends_the_curve",),
+    ),
+    Breakage(
         "join-token-any-name",
         "serving_app/models/joins.py",
         "        elif node_name != row.node_name:\n",

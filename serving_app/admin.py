@@ -44,6 +44,7 @@ from serving_app.models import (
     UsageTenSecond,
     UsageTotal,
 )
+from serving_app.models.capacity import CapacityPoint, CapacityTest, Refused
 from serving_app.models.events import Event
 from serving_app.models.revisions import DeploymentRevision, Rollout, describe
 from serving_app.models.usage import GuardrailHour, GuardrailMinute, GuardrailTotal
@@ -485,6 +486,45 @@ class RolloutAdmin(ReadOnlyAdmin):
     list_filter = ["state", "strategy", "deployment"]
     actions = [_rollout_action("pause", Rollout.pause), _rollout_action("resume", Rollout.resume),
                _rollout_action("abort", Rollout.abort)]
+
+
+class CapacityPointInline(admin.TabularInline):
+    model = CapacityPoint
+    extra = 0
+    can_delete = False
+    fields = readonly_fields = ["concurrency", "completed", "failed", "tokens_per_s",
+                                "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms",
+                                "e2e_p95_ms", "errors"]
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.action(description="Cancel selected capacity tests")
+def cancel_capacity_tests(modeladmin, request, queryset) -> None:
+    for test in queryset:
+        try:
+            test.cancel()  # audited by the method
+        except Refused as exc:
+            messages.error(request, str(exc))
+            continue
+        messages.success(request, f"{test}: cancelled.")
+
+
+@admin.register(CapacityTest)
+class CapacityTestAdmin(ReadOnlyAdmin):
+    """Capacity tests start from a deployment's page or the API (the node agent runs them);
+    here they are read, cancelled or deleted (both audited)."""
+
+    list_display = ["__str__", "deployment", "state", "levels_done", "node_name", "created_by",
+                    "created_at", "finished_at"]
+    list_filter = ["state", "deployment"]
+    readonly_fields = [f.name for f in CapacityTest._meta.concrete_fields]
+    inlines = [CapacityPointInline]
+    actions = [cancel_capacity_tests]
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return admin.ModelAdmin.has_delete_permission(self, request, obj)
 
 
 @admin.register(Event)

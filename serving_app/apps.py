@@ -58,6 +58,12 @@ class ServingAppConfig(AppConfig):
             "instances are created, placed and moved through their states by the reconciler and "
             "the node agents (control-plane transitions); a person only deletes one"))
         control_plane = "written by the control plane, never by a person (read only everywhere)"
+        track(self.get_model("CapacityTest"), events=["create", "delete"], reason=(
+            "a person starts a capacity test (create), cancels it (its entry `cancel`, "
+            "CapacityTest.cancel()) or deletes it; its states, progress and error are the node "
+            "agent's"))
+        exclude(self.get_model("CapacityPoint"),
+                f"a capacity test's measured levels, {control_plane}")
         track(self.get_model("Artifact"))
         # Its progress is no change of its own; its completion (the version it made) is.
         track(self.get_model("ArtifactImport"), ignore=[

@@ -34,6 +34,7 @@ IMPORT_ARTIFACT = "serving.import_artifact"  # S3 and Hugging Face imports (cont
 IMPORT_NODE_FOLDER = "serving.import_node_folder"  # on the node's own queue
 STAGE_VERSION = "serving.stage_version"  # on the node's own queue: fetch into its cache
 FREE_CACHED_VERSION = "serving.free_cached_version"  # on the node's own queue: a deleted adapter
+RUN_CAPACITY_TEST = "serving.run_capacity_test"  # on the node's queue of the instance measured
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"
@@ -105,6 +106,12 @@ def free_cached_version(removal_id: int, node_queue: str) -> None:
     """Ask the node agent consuming `node_queue` to drop a deleted adapter's version from its
     cache (kept while an engine of its own still has the adapter), once the change commits."""
     enqueue(FREE_CACHED_VERSION, removal_id, queue=node_queue)
+
+
+def capacity_test(test_id: int, node_queue: str) -> None:
+    """Ask the node agent consuming `node_queue` (the node of the instance measured) to run a
+    capacity test, once the change that queued it commits."""
+    enqueue(RUN_CAPACITY_TEST, test_id, queue=node_queue)
 
 
 def artifact_import(import_id: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
+from django.conf import settings
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerError
 
@@ -23,6 +24,7 @@ from serving_app.artifacts import sources, staging
 from serving_app.deployments import autoscaling, reconcile
 from serving_app.engine import agent
 from serving_app.models import AdapterFileRemoval, EngineHour, EngineSample
+from serving_app.models.capacity import MAX_LEVELS
 
 # Failures that pass by themselves: a restarted PostgreSQL, Redis or broker.
 TRANSIENT = (OperationalError, InterfaceError, redis.ConnectionError, redis.TimeoutError,
@@ -56,6 +58,18 @@ def stop_worker(worker_id: int) -> str:
 @shared_task(name=lifecycle.SYNC_ADAPTERS, **RETRY)
 def sync_adapters(instance_id: int) -> dict[str, str]:
     return agent.sync_adapters(instance_id)
+
+
+# Not retried: a test is measured once (a failure is its error, shown to the person who ran it).
+# Its levels bound themselves (CAPACITY_TEST_LEVEL_TIMEOUT_SECONDS each); this limit only keeps
+# a prefork pool's default one (CELERY_TASK_TIME_LIMIT) from cutting a long test short.
+CAPACITY_TEST_LIMIT = int(MAX_LEVELS * settings.CAPACITY_TEST_LEVEL_TIMEOUT_SECONDS) + 120
+
+
+@shared_task(name=lifecycle.RUN_CAPACITY_TEST, time_limit=CAPACITY_TEST_LIMIT,
+             soft_time_limit=CAPACITY_TEST_LIMIT - 60)
+def run_capacity_test(test_id: int) -> str:
+    return agent.run_capacity_test(test_id)
 
 
 @shared_task(name=lifecycle.RECONCILE_DEPLOYMENT, **RETRY)

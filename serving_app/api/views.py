@@ -21,6 +21,7 @@ from rest_framework.serializers import as_serializer_error
 
 from audit_app.models import AuditLog
 from serving_app import storage
+from serving_app.api.capacity import ObjectiveCostActions
 from serving_app.api.fleet import DeploymentOperations
 from serving_app.api.serializers import (
     AdapterUploadSerializer,
@@ -163,11 +164,13 @@ class DeploymentFilter(django_filters.FilterSet):
         return queryset.filter(tenants__in=tenants).distinct()
 
 
-class DeploymentViewSet(DeploymentOperations):
+class DeploymentViewSet(ObjectiveCostActions, DeploymentOperations):
     """Deployments: what should run. Tenants read the ones they may use. Each has its events,
-    revisions and rollouts; start, stop, restart and scale act on it."""
+    revisions and rollouts; start, stop, restart and scale act on it; `objective-cost/` says
+    what latency objectives cost on its capacity curve."""
 
-    # Events, revisions and rollouts: serving_app/api/fleet.py (DeploymentOperations).
+    # Events, revisions and rollouts: serving_app/api/fleet.py (DeploymentOperations); what an
+    # objective costs: serving_app/api/capacity.py.
 
     queryset = Deployment.objects.all()
     serializer_class = DeploymentSerializer

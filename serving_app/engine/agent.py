@@ -9,7 +9,8 @@ conditional update, so a task delivered twice does no harm.
 
 Each step has its module: `starting` (staging, the launch, `readiness` for the wait until
 ready), `stopping`, `supervising`, `adapters` (checks, runtime loads, canaries), `node_mps` (the
-node's MPS daemon), `failures` (how a failure is recorded), `config` (the agent's settings).
+node's MPS daemon), `failures` (how a failure is recorded), `config` (the agent's settings),
+`capacity` (a capacity test: vLLM's benchmark client against one of this node's engines).
 
 A multi-node instance (`Instance.multi_node`) is one group: the agent of its node runs the
 leader and drives the group (its start first stops what is left of an earlier one and asks each
@@ -35,6 +36,7 @@ from django.utils import timezone
 from serving_app.artifacts import peer, staging
 from serving_app.engine import environment, scrape, supervisor
 from serving_app.engine.adapters import sync_adapters
+from serving_app.engine.capacity import fail_interrupted, run_capacity_test
 from serving_app.engine.config import AgentConfig, current_config
 from serving_app.engine.failures import RUNNING_STATES, fail_instance, fail_worker
 from serving_app.engine.starting import start_instance
@@ -230,6 +232,7 @@ def start_agent() -> AgentLoop | None:
     close_old_connections()
     register(config)
     counts = adopt(config)
+    counts["capacity_tests_failed"] = fail_interrupted(config.name)
     log.info("node agent %s on %s: %s", config.name, socket.gethostname(), counts)
     _loop = AgentLoop(config)
     _loop.start()
@@ -252,6 +255,7 @@ def stop_agent() -> None:
         _loop.stopping.set()
 
 
-__all__ = ["AgentConfig", "adopt", "heartbeat", "register", "report_inventory", "start_agent",
+__all__ = ["AgentConfig", "adopt", "heartbeat", "register", "report_inventory",
+           "run_capacity_test", "start_agent",
            "start_instance", "start_worker", "stop_agent", "stop_instance", "stop_worker",
            "supervise_once", "sync_adapters"]

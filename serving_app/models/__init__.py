@@ -3,7 +3,8 @@
 A Deployment is desired state; Instances record what actually runs. Node agents and the
 reconciler change Instance state only through conditional updates (`Instance.transition`).
 
-From the top of the contract `serving-models` (pyproject.toml) down: `deployments`; `adapters`
+From the top of the contract `serving-models` (pyproject.toml) down: `capacity` (capacity
+tests of a deployment's engine and their points); `deployments`; `adapters`
 (LoRA adapters and the removal of a deleted one's files) and `fleetplans` (what-if plans);
 `basemodels` and `nodes` (nodes, GPUs and their readings); `instances` (instances and the
 workers of a multi-node one); `revisions` (revisions and rollouts); and at the bottom `events`,
@@ -29,6 +30,7 @@ from serving_app.models.artifacts import (
 )
 from serving_app.models.autoscalers import Autoscaler
 from serving_app.models.basemodels import LEGACY_PATH_LABEL, BaseModel
+from serving_app.models.capacity import CapacityPoint, CapacityTest
 from serving_app.models.deployments import Deployment, engine_field
 from serving_app.models.engine_metrics import EngineHour, EngineSample
 from serving_app.models.events import Event
@@ -62,6 +64,7 @@ __all__ = [
     "Artifact", "ArtifactFile", "ArtifactImport", "ArtifactVersion", "Blob", "NodeCacheEntry",
     "Autoscaler",
     "BaseModel",
+    "CapacityPoint", "CapacityTest",
     "Deployment",
     "EngineHour", "EngineSample",
     "Event",

@@ -59,6 +59,7 @@ from serving_app.models import (
     Autoscaler,
     BaseModel,
     Blob,
+    CapacityTest,
     Deployment,
     EngineHour,
     EngineSample,
@@ -172,6 +173,19 @@ def _node(w: World) -> Node:
 def _gpu(w: World) -> Gpu:
     return Gpu.objects.create(node=_node(w), index=0, uuid=f"GPU-{w.n()}", name="H200",
                               memory_total_bytes=2**37)
+
+
+def _ready_deployment(w: World) -> Deployment:
+    """A deployment with a ready instance on a node: what a capacity test measures."""
+    deployment = make_deployment(w.base, [w.acme.tenant],
+                                 desired_state=Deployment.DesiredState.RUNNING)
+    Instance.objects.create(deployment=deployment, state=Instance.State.READY, node=_node(w),
+                            port=18200)
+    return deployment
+
+
+def _capacity_test(w: World) -> CapacityTest:
+    return CapacityTest.objects.start(_ready_deployment(w), w.staff, concurrency=[1, 2])
 
 
 def _pending(w: World) -> Deployment:
@@ -366,6 +380,8 @@ ADMIN_CASES: dict[str, AdminCase] = {
         make=_rollout, actions={"pause_rollouts": "pause", "resume_rollouts": "resume",
                                 "abort_rollouts": "abort"},
         make_for={"resume_rollouts": _paused_rollout}),
+    "serving_app.CapacityTest": AdminCase(
+        make=_capacity_test, actions={"cancel_capacity_tests": "cancel"}),
     "serving_app.Event": AdminCase(
         make=lambda w: events.record(events.Kind.SCALED, "Scaled from 1 to 2 replicas.",
                                      deployment=make_deployment(w.base, [w.acme.tenant]))),
@@ -801,6 +817,19 @@ def _rollout_api(name: str, make: Callable[[World], Deployment], model: type[mod
     return run
 
 
+def _start_capacity_test(w: World) -> list[Expect]:
+    deployment = _ready_deployment(w)
+    data = call(w.staff, "post", "/api/v1/capacity-tests/",
+                {"deployment": deployment.name, "concurrency": [1, 2]})
+    return [Expect(w.staff, "create", CapacityTest, data["id"])]
+
+
+def _cancel_capacity_test(w: World) -> list[Expect]:
+    test = _capacity_test(w)
+    call(w.staff, "post", f"/api/v1/capacity-tests/{test.pk}/cancel/")
+    return [Expect(w.staff, "cancel", CapacityTest, test.pk)]
+
+
 def _node_action(name: str):
     def run(w: World) -> list[Expect]:
         node = _node(w)
@@ -1028,6 +1057,8 @@ API_CASES: dict[str, Callable[[World], list[Expect]]] = {
     "deployments_rollout_abort_create": _rollout_api("rollout/abort", _rolling_out, Rollout,
                                                         "abort"),
     **{f"nodes_{name}_create": _node_action(name) for name in ("cordon", "uncordon", "drain")},
+    "capacity_tests_create": _start_capacity_test,
+    "capacity_tests_cancel_create": _cancel_capacity_test,
     "node_join_tokens_create": _issue_join_token,
     "node_join_tokens_revoke_create": _revoke_join_token,
     "node_join_create": _join,
