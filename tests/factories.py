@@ -13,8 +13,17 @@ import struct
 from pathlib import Path
 
 from django.contrib.auth import get_user_model
+from django.utils import timezone
 
-from serving_app.models import BaseModel, Deployment, EngineSample, Instance, LoraAdapter
+from serving_app.models import (
+    BaseModel,
+    CapacityPoint,
+    CapacityTest,
+    Deployment,
+    EngineSample,
+    Instance,
+    LoraAdapter,
+)
 from tenants_app.models import Membership, Role, Tenant
 
 _counter = itertools.count(1)
@@ -200,3 +209,18 @@ def h200_figures() -> dict:
 # What vLLM answers to the node agent's canary generation (one token, its logprob), for the
 # stand-in engines of the tests where no vLLM runs (serving_app/engine/canary.py).
 STANDIN_CANARY_REPLY = b'{"choices": [{"text": "x", "logprobs": {"token_logprobs": [-1.5]}}]}'
+
+
+def make_curve(deployment, rows, node_name: str = "gpu-host"):
+    """A capacity test of `deployment` that succeeded with `rows`: (concurrency, output tok/s,
+    TTFT p95, time per output token p95, end-to-end p95), milliseconds."""
+    test = CapacityTest.objects.create(
+        deployment=deployment, node_name=node_name, state=CapacityTest.State.SUCCEEDED,
+        concurrency=[c for c, *_ in rows], requests_per_level=max(16, *(c for c, *_ in rows)),
+        levels_done=len(rows), started_at=timezone.now(), finished_at=timezone.now())
+    for c, tok_s, ttft, tpot, e2e in rows:
+        CapacityPoint.objects.create(test=test, concurrency=c, completed=16, output_tokens=2048,
+                                     duration_s=2048 / tok_s, tokens_per_s=tok_s,
+                                     ttft_p50_ms=ttft / 2, ttft_p95_ms=ttft,
+                                     tpot_p50_ms=tpot / 2, tpot_p95_ms=tpot, e2e_p95_ms=e2e)
+    return test

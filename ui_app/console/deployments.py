@@ -1,6 +1,7 @@
 """The console's deployment pages: the list, a deployment with its instances, scaling and
-charges, the form with its memory plan and placement (a dry run), start, stop, restart and
-scale; an instance with its command line, start-up steps and log.
+charges, its capacity curve (ui_app/console/capacity.py), the form with its memory plan and
+placement (a dry run), start, stop, restart and scale; an instance with its command line,
+start-up steps and log.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from serving_app.models import Autoscaler, BaseModel, Deployment, Instance, Lora
 from serving_app.models.events import Kind
 from serving_app.placement.inventory import GIB
 from ui_app.console.base import ObjectCreateView, ObjectUpdateView, is_htmx
+from ui_app.console.capacity import capacity_context
 from ui_app.console.forms import AttachAdapterForm, ScaleForm
 from ui_app.scoping import StaffPage
 
@@ -89,6 +91,7 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
         context["autoscaler"] = Autoscaler.objects.filter(deployment=self.object).first()
         context["autoscale_changes"] = self.object.events.filter(
             kind=Kind.AUTOSCALE)[:10]
+        context.update(capacity_context(self.object))
         return context
 
 

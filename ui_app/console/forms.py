@@ -11,10 +11,12 @@ from django import forms
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.core.validators import MaxValueValidator
 
+from serving_app import frontier
 from serving_app.api.joins import MAX_TTL_MINUTES, name_problem
 from serving_app.enginespec import MAX_REPLICAS
 from serving_app.models import BaseModel, GpuPriceCard, LoraAdapter, Node, PriceCard
 from serving_app.models.autoscalers import Autoscaler
+from serving_app.models.capacity import MAX_LEVELS
 from serving_app.models.revisions import Rollout
 from tenants_app.models import ApiKey, MoneyBudget, Tenant
 
@@ -228,3 +230,46 @@ class MoneyBudgetForm(forms.ModelForm[MoneyBudget]):
         keys = self.fields["api_key"]
         assert isinstance(keys, forms.ModelChoiceField)
         keys.queryset = ApiKey.objects.filter(revoked_at__isnull=True).select_related("tenant")
+
+
+class CapacityTestForm(forms.Form):
+    """A capacity test's settings, as `CapacityTest.objects.start()` takes them (it validates
+    them as the API does); the concurrency levels typed as a list of numbers."""
+
+    input_tokens = forms.IntegerField(min_value=1, label="Input tokens")
+    output_tokens = forms.IntegerField(min_value=2, label="Output tokens")
+    concurrency = forms.CharField(
+        label="Concurrency levels", max_length=200,
+        help_text=f"Requests in flight at each level, in order: at most {MAX_LEVELS} numbers, "
+                  "separated by commas.")
+    requests_per_level = forms.IntegerField(
+        min_value=1, label="Requests per level",
+        help_text="At least the highest level; more give steadier p95s and take longer.")
+
+    def clean_concurrency(self) -> list[int]:
+        text = self.cleaned_data["concurrency"]
+        try:
+            return [int(part) for part in text.replace(",", " ").split()]
+        except ValueError:
+            raise ValidationError("Numbers separated by commas, such as 1, 2, 4, 8.") from None
+
+
+class ObjectivesForm(forms.Form):
+    """Objectives to price on the deployments' curves before they are set: named as the
+    tenant's own fields, so that the tenant form's typed values read as they are."""
+
+    latency_objective_ms = forms.IntegerField(min_value=1, required=False,
+                                              label="End-to-end p95 (ms)")
+    ttft_objective_ms = forms.IntegerField(min_value=1, required=False,
+                                           label="Time to first token p95 (ms)")
+    tpot_objective_ms = forms.IntegerField(min_value=1, required=False,
+                                           label="Time per output token p95 (ms)")
+
+    def objectives(self) -> frontier.Objectives:
+        """The valid values of a bound form (an invalid one is no bound: its field says
+        why)."""
+        self.is_valid()
+        data = self.cleaned_data
+        return frontier.Objectives(ttft_ms=data.get("ttft_objective_ms"),
+                                   tpot_ms=data.get("tpot_objective_ms"),
+                                   e2e_ms=data.get("latency_objective_ms"))

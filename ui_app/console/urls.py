@@ -8,7 +8,7 @@ from ui_app.console import artifacts as artifact_views
 from ui_app.console import autoscaling as autoscaling_views
 from ui_app.console import backups as backup_views
 from ui_app.console import budgets as budget_views
-from ui_app.console import dashboards, deployments, joins, nodes, overview, views
+from ui_app.console import capacity, dashboards, deployments, joins, nodes, overview, views
 from ui_app.console import fleet as fleet_views
 from ui_app.console import guardrails as guardrail_views
 from ui_app.console import metrics as metrics_views
@@ -31,6 +31,8 @@ urlpatterns = [
     path("tenants/new/", views.TenantCreateView.as_view(), name="tenant-create"),
     path("tenants/<slug:slug>/", views.TenantDetailView.as_view(), name="tenant-detail"),
     path("tenants/<slug:slug>/edit/", views.TenantUpdateView.as_view(), name="tenant-edit"),
+    path("tenants/<slug:slug>/objective-costs/", capacity.TenantObjectiveCostsPartial.as_view(),
+         name="tenant-objective-costs"),
     # artifacts: the files of base models and adapters
     path("artifacts/", artifact_views.ArtifactListView.as_view(), name="artifact-list"),
     path("artifacts/<int:pk>/", artifact_views.ArtifactDetailView.as_view(),
@@ -104,6 +106,12 @@ urlpatterns = [
             fleet_views.RolloutActionView.as_view(), name="deployment-rollout"),
     path("deployments/<int:pk>/events/", fleet_views.DeploymentEventsPartial.as_view(),
          name="deployment-events"),
+    path("deployments/<int:pk>/capacity-tests/", capacity.DeploymentCapacityTestView.as_view(),
+         name="deployment-capacity-test"),
+    path("deployments/<int:pk>/capacity-tests/progress/",
+         capacity.DeploymentCapacityTestsPartial.as_view(), name="deployment-capacity-tests"),
+    path("capacity-tests/<int:pk>/cancel/", capacity.CapacityTestCancelView.as_view(),
+         name="capacity-test-cancel"),
     path("events/", fleet_views.EventListView.as_view(), name="event-list"),
     # nodes
     path("nodes/", nodes.NodeListView.as_view(), name="node-list"),

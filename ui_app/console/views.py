@@ -28,6 +28,7 @@ from serving_app.metering import health, queries
 from serving_app.models import BaseModel, Deployment, LoraAdapter
 from tenants_app.models import Tenant
 from ui_app.console.base import ObjectCreateView, ObjectUpdateView
+from ui_app.console.capacity import objective_costs_context
 from ui_app.console.forms import AuditFilterForm, BaseModelForm, LoraAdapterForm, TenantForm
 from ui_app.scoping import StaffPage
 
@@ -100,10 +101,20 @@ class TenantCreateView(ObjectCreateView[Tenant, TenantForm]):
 
 
 class TenantUpdateView(ObjectUpdateView[Tenant, TenantForm]):
+    """The tenant's form, with what its objectives cost on each deployment it uses: for the
+    saved values, and as new ones are typed (ui_app/console/capacity.py)."""
+
     model = Tenant
     form_class = TenantForm
     noun = "tenant"
     slug_field = "slug"
+    template_name = "console/tenant_form.html"
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        typed = self.request.POST if self.request.method == "POST" else None
+        context.update(objective_costs_context(self.object, typed))
+        return context
 
 
 # ----------------------------------------------------------------------------- base models

@@ -37,7 +37,9 @@ from serving_app.redaction import is_platform_admin, redact_paths
 from serving_app.uploads import allowed_base_models
 from tenants_app.models import ApiKey, MoneyBudget, Tenant
 from ui_app.console.budgets import budget_rows
+from ui_app.console.capacity import objective_costs_context
 from ui_app.console.dashboards import dashboard_context, dashboard_payload
+from ui_app.console.forms import ObjectivesForm
 from ui_app.portal.forms import AdapterPathForm, AdapterUploadForm
 from ui_app.portal.tenant_forms import ApiKeyForm
 from ui_app.scoping import TenantPage
@@ -99,7 +101,14 @@ class TenantHomeView(TenantPage, View):
             keys=ApiKey.objects.for_tenant(tenant).filter(revoked_at__isnull=True).count(),
             storage=storage_usage(tenant),
             money_budgets=budget_rows(MoneyBudget.objects.for_tenant(tenant)),
+            **objective_costs_context(tenant, tried(request)),
         )
+
+
+def tried(request: HttpRequest) -> Any | None:
+    """Objectives typed in the home page's "what would it cost" form (GET), if any: else the
+    tenant's saved ones are priced."""
+    return request.GET if set(request.GET) & set(ObjectivesForm.base_fields) else None
 
 
 # ----------------------------------------------------------------------------- dashboards
