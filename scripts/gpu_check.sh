@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh prepare            # capacity-test models, tenants, adapters
 #   bash scripts/gpu_check.sh run [SCENARIO]     # planner | lora | restart | mps | all
 #   bash scripts/gpu_check.sh bench ACTION ...   # benchmarks/gpu_bench.py (setup, wait, stream, fair, stop)
+#   bash scripts/gpu_check.sh capacity DEPLOYMENT [--wait --json FILE ...]   # a capacity test
 #   bash scripts/gpu_check.sh status             # the node as the console sees it
 #   bash scripts/gpu_check.sh stop               # engines, then every process started here
 #
@@ -84,6 +85,10 @@ bench)
     shift
     exec "$PY" benchmarks/gpu_bench.py "$@"   # a `timeout` reaches it, and it closes its clients
     ;;
+capacity)
+    shift
+    exec "$PY" manage.py capacity_test "$@"   # the node agent runs it; this follows it
+    ;;
 status)
     "$PY" manage.py shell -v0 -c "
 import json
@@ -103,6 +108,6 @@ stop)
     done
     ;;
 *)
-    sed -n 2,16p "$0"; exit 2
+    sed -n 2,17p "$0"; exit 2
     ;;
 esac

@@ -527,6 +527,15 @@ class CapacityTestAdmin(ReadOnlyAdmin):
         return admin.ModelAdmin.has_delete_permission(self, request, obj)
 
 
+@admin.register(CapacityPoint)
+class CapacityPointAdmin(ReadOnlyAdmin):
+    """Every measured level of every capacity test (the node agent writes them)."""
+
+    list_display = ["test", "concurrency", "completed", "failed", "tokens_per_s", "ttft_p95_ms",
+                    "tpot_p95_ms", "e2e_p95_ms", "measured_at"]
+    list_filter = ["test__deployment"]
+
+
 @admin.register(Event)
 class EventAdmin(ReadOnlyAdmin):
     """What the control plane did and why (written by the reconciler and the node agents)."""

@@ -260,6 +260,22 @@ class CapacityTest(models.Model):
     def levels_total(self) -> int:
         return len(self.concurrency) if isinstance(self.concurrency, list) else 0
 
+    def report(self) -> dict[str, Any]:
+        """The test as plain data: its settings, where and when it ran, how it ended, and each
+        level's figures (what `manage.py capacity_test --json` writes)."""
+        return {
+            "id": self.pk, "deployment": self.deployment.name, "instance": self.instance_id,
+            "node": self.node_name, "state": self.state, "error": self.error,
+            **{name: (value.isoformat() if value else None) for name, value in (
+                ("created_at", self.created_at), ("started_at", self.started_at),
+                ("finished_at", self.finished_at))},
+            "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+            "concurrency": self.concurrency, "requests_per_level": self.requests_per_level,
+            "levels_done": self.levels_done,
+            "points": [{"concurrency": p.concurrency, **{n: getattr(p, n) for n in POINT_FIELDS},
+                        "errors": p.errors} for p in self.points.all()],
+        }
+
     def curve(self) -> list[frontier.Point]:
         """Its measured levels as the frontier reads them."""
         return [point.as_frontier() for point in self.points.all()]

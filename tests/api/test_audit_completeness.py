@@ -59,6 +59,7 @@ from serving_app.models import (
     Autoscaler,
     BaseModel,
     Blob,
+    CapacityPoint,
     CapacityTest,
     Deployment,
     EngineHour,
@@ -382,6 +383,8 @@ ADMIN_CASES: dict[str, AdminCase] = {
         make_for={"resume_rollouts": _paused_rollout}),
     "serving_app.CapacityTest": AdminCase(
         make=_capacity_test, actions={"cancel_capacity_tests": "cancel"}),
+    "serving_app.CapacityPoint": AdminCase(
+        make=lambda w: CapacityPoint.objects.create(test=_capacity_test(w), concurrency=1)),
     "serving_app.Event": AdminCase(
         make=lambda w: events.record(events.Kind.SCALED, "Scaled from 1 to 2 replicas.",
                                      deployment=make_deployment(w.base, [w.acme.tenant]))),

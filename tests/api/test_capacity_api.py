@@ -5,9 +5,12 @@ each tenant's saved objectives, and the cross-tenant 404 and role 403."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from serving_app import lifecycle
+import pytest
+from django.core.management import CommandError, call_command
+
+from serving_app import frontier, lifecycle
 from serving_app.models import CapacityTest, Deployment, Instance, Node
 from tests.api.helpers import as_user, assert_forbidden_for
 from tests.factories import make_curve, make_deployment
@@ -154,3 +157,29 @@ def test_a_tenant_reads_costs_of_its_own_deployments_and_objectives_only(
     theirs = make_deployment(base_model, [globex.tenant], name="globex-only")
     for user in (acme.owner, acme.viewer):
         assert as_user(user).get(cost_url(theirs)).status_code == 404
+
+
+def test_the_command_starts_a_test_follows_it_and_writes_its_json(
+        shared, monkeypatch, tmp_path, capsys):
+    """The node agent stands in as a function that measures one level at once (its real run:
+    tests/engine/test_capacity_test.py)."""
+    def agent(name, test_id, **kw):
+        test = CapacityTest.objects.get(pk=test_id)
+        test.begin()
+        test.add_point(frontier.summarise(1, 2.0, ttfts_s=[0.1], e2els_s=[0.8],
+                                          output_lens=[8], failed=0), [])
+        test.finish()
+
+    monkeypatch.setattr(lifecycle, "enqueue", agent)
+    out = tmp_path / "capacity.json"
+    call_command("capacity_test", "shared", "--concurrency", "1", "--requests-per-level", "4",
+                 "--wait", "--json", str(out))
+    printed = capsys.readouterr().out
+    assert "queued on gpu-a" in printed and "1 concurrent:" in printed and "succeeded" in printed
+    report = json.loads(out.read_text())
+    assert (report["state"], report["concurrency"], report["requests_per_level"]) == \
+        ("succeeded", [1], 4)
+    assert report["points"][0]["output_tokens"] == 8
+    with pytest.raises(CommandError, match="wait for it to finish|no ready instance"):
+        Instance.objects.update(state="failed")
+        call_command("capacity_test", "shared")
