@@ -62,7 +62,8 @@ READ = ("tenants_app.Tenant", "serving_app.BaseModel", "serving_app.LoraAdapter"
         "serving_app.ArtifactVersion", "serving_app.ArtifactFile", "serving_app.Blob",
         "serving_app.ArtifactImport", "serving_app.AdapterFileRemoval", "serving_app.Node",
         "serving_app.Gpu", "serving_app.GpuSample", "serving_app.Instance",
-        "serving_app.InstanceWorker", "serving_app.NodeCacheEntry", "serving_app.EngineSample")
+        "serving_app.InstanceWorker", "serving_app.NodeCacheEntry", "serving_app.EngineSample",
+        "serving_app.CapacityTest", "serving_app.CapacityPoint")
 # Where it writes, and how.
 WRITE = {
     "serving_app.Gpu": ("INSERT", "UPDATE", "DELETE"),
@@ -75,6 +76,8 @@ WRITE = {
     "serving_app.ArtifactVersion": ("INSERT",),
     "serving_app.ArtifactFile": ("INSERT",),
     "serving_app.Blob": ("INSERT",),
+    # A capacity test's levels, as its agent measures them (serving_app/engine/capacity.py).
+    "serving_app.CapacityPoint": ("INSERT", "UPDATE"),
 }
 # Tables where it updates only these columns.
 UPDATE_ONLY = {
@@ -83,6 +86,9 @@ UPDATE_ONLY = {
     # which artifact or tenant the files go to.
     "serving_app.ArtifactImport": ("state", "bytes_total", "bytes_done", "error", "version_id",
                                    "updated_at"),
+    # A capacity test of one of its instances: how far it has got and how it ended, never its
+    # settings nor which engine it measures.
+    "serving_app.CapacityTest": ("state", "started_at", "finished_at", "error", "levels_done"),
 }
 # Columns of these it must never change (what it is, where it belongs, its credentials); every
 # other column it may update.

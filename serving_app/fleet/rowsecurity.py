@@ -64,6 +64,11 @@ ROWS: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
         "own": (("INSERT", "UPDATE", "DELETE"), f"node_id = {MY_NODE}")},
     "serving_app_artifactimport": {"read": (("SELECT",), "true"),
                                    "own": (("UPDATE",), f"node_id = {MY_NODE}")},
+    # The capacity tests of its own instances, which its agent runs, and their points.
+    "serving_app_capacitytest": {"own": (("SELECT", "UPDATE"), f"instance_id IN {MY_INSTANCES}")},
+    "serving_app_capacitypoint": {"own": (("ALL",), (
+        "test_id IN (SELECT t.id FROM serving_app_capacitytest t "
+        f"WHERE t.instance_id IN {MY_INSTANCES})"))},
 }
 # Any other role (neither the owner nor a node): every row, as without row-level security.
 OTHERS = f"NOT pg_has_role(current_user, '{GROUP}', 'MEMBER')"
@@ -79,8 +84,9 @@ def ensure_group() -> list[sql.Composable]:
         name=sql.Literal(GROUP), ident=sql.Identifier(GROUP))]
 
 
-def policy_statements() -> list[sql.Composable]:
-    """Enable row-level security on `ROWS`' tables and make their policies (after
+def policy_statements(tables: set[str] | None = None) -> list[sql.Composable]:
+    """Enable row-level security on `ROWS`' tables (those of `tables`, the database's: an
+    earlier migration runs this before a later one makes some) and make their policies (after
     `drop_statements()`, which clears those made before)."""
     group = sql.Identifier(GROUP)
     statements: list[sql.Composable] = [sql.SQL(
@@ -89,6 +95,8 @@ def policy_statements() -> list[sql.Composable]:
         "'SELECT instance_id FROM serving_app_instanceworker WHERE node_id = node'").format(
         fn=sql.Identifier(GROUP_INSTANCES))]
     for table, policies in ROWS.items():
+        if tables is not None and table not in tables:
+            continue
         ident = sql.Identifier(table)
         statements.append(sql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(ident))
         statements.append(sql.SQL("CREATE POLICY {} ON {} TO PUBLIC USING ({}) WITH CHECK ({})")
@@ -103,7 +111,8 @@ def policy_statements() -> list[sql.Composable]:
     return statements
 
 
-def drop_statements(cursor: CursorWrapper) -> list[sql.Composable]:
+def drop_statements(cursor: CursorWrapper, existing: set[str] | None = None
+                    ) -> list[sql.Composable]:
     """Drop every policy of ours (by name), disable row-level security on `ROWS`' tables and
     drop the function: the state before the migration."""
     cursor.execute("SELECT tablename, policyname FROM pg_policies "
@@ -113,7 +122,8 @@ def drop_statements(cursor: CursorWrapper) -> list[sql.Composable]:
         sql.SQL("DROP POLICY {} ON {}").format(sql.Identifier(policy), sql.Identifier(table))
         for table, policy in found]
     # Those of ROWS and any that had a policy of ours (a table an earlier release listed).
-    tables = sorted({*ROWS, *(table for table, _ in found)})
+    tables = sorted(t for t in {*ROWS, *(table for table, _ in found)}
+                    if existing is None or t in existing)
     statements += [sql.SQL("ALTER TABLE {} DISABLE ROW LEVEL SECURITY").format(
         sql.Identifier(table)) for table in tables]
     statements.append(sql.SQL("DROP FUNCTION IF EXISTS {}(bigint)").format(
@@ -136,7 +146,8 @@ def apply(connection: BaseDatabaseWrapper) -> None:
             log.warning("no %s role (the console's database user lacks CREATEROLE): nodes' "
                         "row-level security is not in place", GROUP)
             return
-        for statement in [*drop_statements(cursor), *policy_statements()]:
+        existing = set(connection.introspection.table_names(cursor))
+        for statement in [*drop_statements(cursor, existing), *policy_statements(existing)]:
             cursor.execute(statement.as_string(cursor.connection))
 
 
@@ -145,7 +156,8 @@ def remove(connection: BaseDatabaseWrapper) -> None:
     if connection.vendor != "postgresql":
         return
     with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
-        for statement in drop_statements(cursor):
+        existing = set(connection.introspection.table_names(cursor))
+        for statement in drop_statements(cursor, existing):
             cursor.execute(statement.as_string(cursor.connection))
 
 

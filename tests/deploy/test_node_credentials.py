@@ -27,6 +27,7 @@ from serving_app.artifacts import fetch, staging
 from serving_app.models import (
     Artifact,
     ArtifactVersion,
+    CapacityTest,
     Gpu,
     Instance,
     InstanceWorker,
@@ -242,13 +243,21 @@ django.setup()
 from serving_app.artifacts import staging
 from serving_app.engine import agent
 from serving_app.engine.config import AgentConfig
-from serving_app.models import Instance, Node
+from serving_app import frontier
+from serving_app.models import CapacityTest, Instance, Node
 config = AgentConfig.from_environment()
 node = agent.register(config)
 agent.heartbeat(config)
 instances = list(Instance.objects.filter(node__name=config.name))
 instances[0].transition(["ready"], "draining")
+tests = list(CapacityTest.objects.all())  # a capacity test's steps, as the agent runs them
+for test in tests:
+    test.begin()
+    test.add_point(frontier.summarise(1, 1.0, ttfts_s=[0.1], e2els_s=[0.3], output_lens=[4],
+                                      failed=0), [])
+    test.finish()
 print(json.dumps({
+    "capacity_tests": [t.pk for t in tests],
     "gpus": node.gpus.count(),
     "instances": [i.pk for i in Instance.objects.all()],
     "adapters": [a.engine_name for a in instances[0].deployment.adapters.with_tenant()],
@@ -266,6 +275,9 @@ def test_the_agents_own_code_paths_work_under_its_role(per_node_credentials, bas
     environment = joined("gpu-a")
     joined("gpu-b")
     rows = serving(base_model, acme.tenant, tmp_path)
+    mine, other = (CapacityTest.objects.create(deployment=rows[n].deployment, instance=rows[n],
+                                               node_name=n, concurrency=[1])
+                   for n in ("gpu-a", "gpu-b"))
     env = {**os.environ, **environment, "DJANGO_SETTINGS_MODULE": "tests.settings",
            "NODE_GPUS": "0:NVIDIA L4:24GiB", "NODE_ENGINE_PYTHON": "/bin/false"}
     done = subprocess.run([sys.executable, "-c", AGENT], env=env, capture_output=True,
@@ -277,6 +289,11 @@ def test_the_agents_own_code_paths_work_under_its_role(per_node_credentials, bas
     assert seen["adapters"] == [f"{acme.tenant.slug}--lora"]
     assert Instance.objects.get(pk=rows["gpu-a"].pk).state == "draining"
     assert Node.objects.get(name="gpu-a").last_heartbeat is not None
+    # Its own instance's capacity test it runs; another node's it does not even see.
+    assert seen["capacity_tests"] == [mine.pk]
+    assert CapacityTest.objects.get(pk=mine.pk).state == "succeeded"
+    assert CapacityTest.objects.get(pk=mine.pk).points.get().output_tokens == 4
+    assert CapacityTest.objects.get(pk=other.pk).state == "queued"
 
 
 def test_refresh_node_grants_gives_a_role_joined_before_the_row_policies(per_node_credentials):
