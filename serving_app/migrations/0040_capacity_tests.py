@@ -10,7 +10,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('serving_app', '0038_artifact_versions_deletable'),
+        ('serving_app', '0039_urgent_batch_cap_high_tier'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

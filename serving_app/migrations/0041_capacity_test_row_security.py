@@ -14,7 +14,7 @@ def apply(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("serving_app", "0039_capacity_tests"),
+        ("serving_app", "0040_capacity_tests"),
     ]
 
     operations = [
