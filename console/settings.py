@@ -263,6 +263,9 @@ SPECTACULAR_SETTINGS = {
              "Deployments: what should run (model, adapters, engine settings, replicas, isolation)"
              " and the actions on them: start, stop, restart, scale, apply a revision, roll back."
          )},
+        {"name": "capacity-tests", "description": (
+            "Capacity tests: a deployment's engine measured with vLLM's own benchmark client at "
+            "rising concurrency by its node's agent (latency p95s against tokens/s).")},
         {"name": "instances",
          "description": (
              "Instances: the engine processes that run a deployment, with their state, node, GPUs "

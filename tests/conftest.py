@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 from django.db import OperationalError, connection
 from django.db.backends.base.operations import BaseDatabaseOperations
+from django.db.migrations.executor import MigrationExecutor
 from rest_framework.test import APIClient
 
 from serving_app.fleet import credentials, rowsecurity
@@ -138,6 +139,34 @@ def _flush_survives_deadlocks():
     BaseDatabaseOperations.execute_sql_flush = execute_sql_flush
     yield
     BaseDatabaseOperations.execute_sql_flush = original
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _migrations_survive_deadlocks():
+    """The same readers meet the migration tests, which migrate the database back in history
+    and forward again: a migration that alters a table while a gateway's catalog read holds
+    another can be the one PostgreSQL aborts ("deadlock detected", seen once in a full run).
+    Each migration is one transaction, rolled back when aborted, so it is applied again."""
+    originals = {name: getattr(MigrationExecutor, name)
+                 for name in ("apply_migration", "unapply_migration")}
+
+    def retrying(original):
+        def step(self, state, migration, *args, **kwargs):
+            for attempt in range(5):
+                try:
+                    return original(self, state, migration, *args, **kwargs)
+                except OperationalError as exc:
+                    if attempt == 4 or "deadlock detected" not in str(exc):
+                        raise
+                    time.sleep(0.2 * (attempt + 1))
+            raise AssertionError("unreachable")
+        return step
+
+    for name, original in originals.items():
+        setattr(MigrationExecutor, name, retrying(original))
+    yield
+    for name, original in originals.items():
+        setattr(MigrationExecutor, name, original)
 
 
 @pytest.fixture(scope="session")

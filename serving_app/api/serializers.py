@@ -76,7 +76,7 @@ class BaseModelSerializer(ViewerMixin, ValidatedModelSerializer[BaseModel]):
     class Meta:
         model = BaseModel
         fields = ["id", "name", "path", "artifact_version", "served_from", "dtype", "quantization",
-                  "load_format", "capacity_test",
+                  "load_format", "capacity_test", "test_model",
                   *ARCH_FIELDS, "created_at"]
         read_only_fields = ["id", *ARCH_FIELDS, "created_at"]
         derived_fields = [*ARCH_FIELDS, "path"]  # the path as resolved by clean()

@@ -19,8 +19,6 @@ from serving_app.units import format_bytes
 from tenants_app.models import SignedInQuerySet
 
 LEGACY_PATH_LABEL = "Path on every node (legacy)"
-# Below this much weight a model is a test model: no language model this small answers sensibly.
-TEST_MODEL_BYTES = 16 * 2**20
 
 
 def path_error(exc: ModelFilesError) -> ValidationError:
@@ -66,6 +64,11 @@ class BaseModel(models.Model):
                   "start with random weights of the model's shape (vLLM --load-format dummy). "
                   "Its answers are noise: for placement, memory and throughput tests only.",
     )
+    test_model = models.BooleanField(
+        default=False, verbose_name="Test model",
+        help_text="Its answers are noise by design: a model for exercising the serving path "
+                  "(tokenizer, streaming, adapters), not language, such as the demo's "
+                  "tiny-llama. The playground and the portal say so.")
     architecture = models.CharField(max_length=100, editable=False, default="")
     num_layers = models.PositiveIntegerField(editable=False, default=0)
     hidden_size = models.PositiveIntegerField(editable=False, default=0)
@@ -172,16 +175,18 @@ class BaseModel(models.Model):
     @property
     def answers_are_noise(self) -> str:
         """Why this model's answers are noise by design, or "": random weights of the model's
-        shape (a capacity test), or weights under `TEST_MODEL_BYTES`, a test model such as the
-        demo's tiny-llama (2 MiB of random weights), which exercises the serving path
-        (tokenizer, streaming, adapters), not language. The playground shows it."""
+        shape (a capacity test), or a model registered as a test model (`test_model`), such
+        as the demo's tiny-llama (2 MiB of random weights), which exercises the serving path
+        (tokenizer, streaming, adapters), not language. The playground shows it. An operator
+        says which models are test models: no size tells a test model from a small real one
+        (migration 0042 marked those registered before under 16 MiB, the rule it replaces)."""
         if self.capacity_test:
             return ("a capacity test: random weights of the model's shape, for throughput and "
                     "memory, so its answers are noise by design")
-        if 0 < self.weight_bytes < TEST_MODEL_BYTES:
-            return (f"a test model of {format_bytes(self.weight_bytes)} of weights: it "
-                    "exercises the serving path, not language, so its answers are noise by "
-                    "design")
+        if self.test_model:
+            size = f" of {format_bytes(self.weight_bytes)} of weights" if self.weight_bytes else ""
+            return (f"a test model{size}: it exercises the serving path, not language, so its "
+                    "answers are noise by design")
         return ""
 
     @property

@@ -158,3 +158,20 @@ def test_the_admin_model_form_offers_the_capacity_test(platform_admin, tmp_path)
                                  "path": str(make_capacity_test_dir(tmp_path))})
     assert response.status_code == 302, response.content.decode()[-2000:]
     assert BaseModel.objects.get(name="shape-only").capacity_test
+
+
+def test_an_operator_says_which_models_are_test_models(platform_admin, acme, base_model):
+    """A test model is the operator's word, not a size (issue 43): its answers are then called
+    noise by design wherever they show; a bad value is a field error; tenant users cannot set
+    it."""
+    assert base_model.weight_bytes < 16 * 2**20 and not base_model.answers_are_noise
+    response = as_user(platform_admin).patch(
+        f"/api/v1/base-models/{base_model.pk}/", {"test_model": True}, format="json")
+    assert response.status_code == 200 and response.data["test_model"] is True
+    assert "noise by design" in BaseModel.objects.get(pk=base_model.pk).answers_are_noise
+    response = as_user(platform_admin).patch(
+        f"/api/v1/base-models/{base_model.pk}/", {"test_model": "maybe"}, format="json")
+    assert response.status_code == 400 and "test_model" in response.data
+    assert_forbidden_for([acme.owner], "patch", f"/api/v1/base-models/{base_model.pk}/",
+                         {"test_model": False})
+    assert BaseModel.objects.get(pk=base_model.pk).test_model

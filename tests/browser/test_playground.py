@@ -30,7 +30,10 @@ def test_playground_says_a_test_models_answers_are_noise_and_drops_the_key_error
     tenant = make_tenant("support", name="Customer Service")
     add_member(tenant, make_user("support-owner"), Role.OWNER)
     tiny = make_base_model(tmp_path, "tiny-llama")  # a few hundred KiB of weights
-    real = make_base_model(tmp_path, "llama-real", hidden=1024, intermediate=2816, vocab=32000)
+    tiny.test_model = True  # what the operator says of it: no size tells
+    tiny.save()
+    # As small, not marked: a real small model's answers are not called noise.
+    real = make_base_model(tmp_path, "llama-real")
     shape = BaseModel(name="shape-only", path=str(make_capacity_test_dir(tmp_path)),
                       load_format=BaseModel.LoadFormat.DUMMY)
     shape.full_clean()

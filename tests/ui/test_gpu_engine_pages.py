@@ -22,6 +22,7 @@ from tests.factories import (
     h200_mps_status,
     make_capacity_test_dir,
     make_deployment,
+    make_model_dir,
 )
 
 pytestmark = pytest.mark.django_db
@@ -228,6 +229,25 @@ def test_a_model_with_its_weights_carries_no_mark(login, platform_admin, acme, b
         assert "capacity test" not in client.get(url).content.decode()
     portal = login(acme.member).get(reverse("portal:models", args=["acme"])).content.decode()
     assert "capacity test" not in portal
+
+
+def test_a_platform_admin_registers_a_test_model_by_its_box(login, platform_admin, tmp_path):
+    """Whether a model is a test model is the operator's box on the form, not its size."""
+    client = login(platform_admin)
+    form = client.get(reverse("console:basemodel-create")).content.decode()
+    assert 'name="test_model"' in form
+    fields = {"dtype": "auto", "quantization": "", "load_format": "auto"}
+    for name, box in (("tiny-test", {"test_model": "on"}), ("tiny-real", {})):
+        response = client.post(reverse("console:basemodel-create"), {
+            "name": name, "path": str(make_model_dir(tmp_path, name)), **fields, **box})
+        assert response.status_code == 302, response.content.decode()
+    assert dict(BaseModel.objects.values_list("name", "test_model")) == {
+        "tiny-test": True, "tiny-real": False}
+    listing = client.get(reverse("console:basemodel-list")).content.decode()
+    assert listing.count("data-test-model") == 1
+    marked = BaseModel.objects.get(name="tiny-test")
+    assert "data-test-model" in client.get(
+        reverse("console:basemodel-detail", args=[marked.pk])).content.decode()
 
 
 def test_a_capacity_test_folder_without_a_tokenizer_is_a_field_error(login, platform_admin,

@@ -110,3 +110,26 @@ def test_secrets_are_encrypted_moved_out_of_import_details_and_scrubbed_from_the
     finally:
         executor = MigrationExecutor(connection)
         executor.migrate(executor.loader.graph.leaf_nodes())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_models_under_the_old_size_rule_stay_test_models_and_others_do_not_become_one():
+    """The flag replaces a rule of thumb (weights under 16 MiB made a test model): the models
+    registered before it keep what the console said of them; a model whose size is unknown (0)
+    or above the rule is not a test model."""
+    before = [("serving_app", "0041_capacity_test_row_security")]
+    after = [("serving_app", "0042_basemodel_test_model")]
+    executor = MigrationExecutor(connection)
+    executor.migrate(before)
+    try:
+        old = executor.loader.project_state(before).apps.get_model("serving_app", "BaseModel")
+        for name, size in (("tiny", 2 * 2**20), ("small-real", 17 * 2**20), ("unread", 0)):
+            old.objects.create(name=name, path=f"/{name}", weight_bytes=size)
+        executor = MigrationExecutor(connection)
+        executor.migrate(after)
+        new = executor.loader.project_state(after).apps.get_model("serving_app", "BaseModel")
+        assert dict(new.objects.values_list("name", "test_model")) == {
+            "tiny": True, "small-real": False, "unread": False}
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes())

@@ -30,7 +30,7 @@ class TenantForm(forms.ModelForm[Tenant]):
 class BaseModelForm(forms.ModelForm[BaseModel]):
     class Meta:
         model = BaseModel
-        fields = ["name", "path", "dtype", "quantization", "load_format"]
+        fields = ["name", "path", "dtype", "quantization", "load_format", "test_model"]
         help_texts = {"path": "Absolute path of the model folder under one of the model roots "
                               "(MODEL_ROOTS), the same on every node host."}
 
@@ -57,7 +57,7 @@ class ModelFromVersionForm(FromVersionErrors, forms.ModelForm[BaseModel]):
 
     class Meta:
         model = BaseModel
-        fields = ["name", "dtype", "quantization", "load_format"]
+        fields = ["name", "dtype", "quantization", "load_format", "test_model"]
 
 
 class AdapterFromVersionForm(FromVersionErrors, forms.ModelForm[LoraAdapter]):
