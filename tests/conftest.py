@@ -146,15 +146,17 @@ def _migrations_survive_deadlocks():
     """The same readers meet the migration tests, which migrate the database back in history
     and forward again: a migration that alters a table while a gateway's catalog read holds
     another can be the one PostgreSQL aborts ("deadlock detected", seen once in a full run).
-    Each migration is one transaction, rolled back when aborted, so it is applied again."""
+    Each migration is one transaction, rolled back when aborted, so it is applied again, from
+    a copy of the project state it began with (applying one changes the state it is given)."""
     originals = {name: getattr(MigrationExecutor, name)
                  for name in ("apply_migration", "unapply_migration")}
 
     def retrying(original):
         def step(self, state, migration, *args, **kwargs):
             for attempt in range(5):
+                begun = state.clone()
                 try:
-                    return original(self, state, migration, *args, **kwargs)
+                    return original(self, begun, migration, *args, **kwargs)
                 except OperationalError as exc:
                     if attempt == 4 or "deadlock detected" not in str(exc):
                         raise
