@@ -171,6 +171,18 @@ def _migrations_survive_deadlocks():
         setattr(MigrationExecutor, name, original)
 
 
+@pytest.fixture
+def enqueued(monkeypatch) -> list[tuple]:
+    """What `lifecycle.enqueue` was asked to send, (task name, args, options) each, instead
+    of sending it."""
+    from serving_app import lifecycle
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(lifecycle, "enqueue",
+                        lambda name, *args, **kw: calls.append((name, args, kw)))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory):
     """The real CPU vLLM engine, one for the whole session, shared by the gateway and browser

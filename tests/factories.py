@@ -211,6 +211,11 @@ def h200_figures() -> dict:
 STANDIN_CANARY_REPLY = b'{"choices": [{"text": "x", "logprobs": {"token_logprobs": [-1.5]}}]}'
 
 
+# A capacity curve shaped like the H200's 8B one (docs/gpu.md): make_curve's rows.
+H200_8B_CURVE = [(1, 210, 20, 4.7, 620), (8, 1548, 40, 4.9, 660), (32, 4898, 90, 5.4, 780),
+                 (64, 8438, 180, 5.9, 940), (128, 12549, 400, 7.7, 1380)]
+
+
 def make_curve(deployment, rows, node_name: str = "gpu-host"):
     """A capacity test of `deployment` that succeeded with `rows`: (concurrency, output tok/s,
     TTFT p95, time per output token p95, end-to-end p95), milliseconds."""

@@ -13,21 +13,12 @@ from django.core.management import CommandError, call_command
 from serving_app import frontier, lifecycle
 from serving_app.models import CapacityTest, Deployment, Instance, Node
 from tests.api.helpers import as_user, assert_forbidden_for
-from tests.factories import make_curve, make_deployment
+from tests.factories import H200_8B_CURVE, make_curve, make_deployment
 
 pytestmark = pytest.mark.django_db
 
-# Shaped like the H200's 8B curve (docs/gpu.md).
-ROWS = [(1, 210, 20, 4.7, 620), (8, 1548, 40, 4.9, 660), (32, 4898, 90, 5.4, 780),
-        (64, 8438, 180, 5.9, 940), (128, 12549, 400, 7.7, 1380)]
+ROWS = H200_8B_CURVE
 
-
-@pytest.fixture
-def queued(monkeypatch):
-    calls: list[tuple] = []
-    monkeypatch.setattr(lifecycle, "enqueue",
-                        lambda name, *args, **kw: calls.append((name, args, kw)))
-    return calls
 
 
 @pytest.fixture
@@ -46,7 +37,7 @@ def start(user, **body):
 
 
 def test_a_start_takes_the_deployments_defaults_and_goes_to_its_nodes_queue(
-        shared, platform_admin, queued):
+        shared, platform_admin, enqueued):
     response = start(platform_admin)
     assert response.status_code == 201, response.data
     data = response.data
@@ -55,7 +46,7 @@ def test_a_start_takes_the_deployments_defaults_and_goes_to_its_nodes_queue(
     assert data["concurrency"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert data["requests_per_level"] == 256 and data["levels_total"] == 9
     assert data["created_by"] == platform_admin.username
-    assert queued == [(lifecycle.RUN_CAPACITY_TEST, (data["id"],), {"queue": "node.gpu-a"})]
+    assert enqueued == [(lifecycle.RUN_CAPACITY_TEST, (data["id"],), {"queue": "node.gpu-a"})]
 
 
 @pytest.mark.parametrize(("body", "field"), [
@@ -67,16 +58,16 @@ def test_a_start_takes_the_deployments_defaults_and_goes_to_its_nodes_queue(
     ({"input_tokens": 1000, "output_tokens": 100}, "input_tokens"),  # past max_model_len
     ({"deployment": "nowhere"}, "deployment"),
 ])
-def test_bad_settings_are_field_errors(shared, platform_admin, queued, body, field):
+def test_bad_settings_are_field_errors(shared, platform_admin, enqueued, body, field):
     shared.max_model_len = 1024
     shared.save()
     response = start(platform_admin, **body)
     assert response.status_code == 400 and field in response.data, response.data
-    assert CapacityTest.objects.count() == 0 and queued == []
+    assert CapacityTest.objects.count() == 0 and enqueued == []
 
 
 def test_no_second_test_while_one_is_live_and_none_without_a_ready_instance(
-        shared, platform_admin, queued):
+        shared, platform_admin, enqueued):
     assert start(platform_admin, concurrency=[1]).status_code == 201
     refused = start(platform_admin, concurrency=[1])
     assert refused.status_code == 409 and "is queued" in refused.data["detail"]
@@ -86,7 +77,7 @@ def test_no_second_test_while_one_is_live_and_none_without_a_ready_instance(
     assert refused.status_code == 409 and "no ready instance" in refused.data["detail"]
 
 
-def test_a_cancel_stops_a_live_test_once(shared, platform_admin, queued):
+def test_a_cancel_stops_a_live_test_once(shared, platform_admin, enqueued):
     test = CapacityTest.objects.start(shared, platform_admin, concurrency=[1])
     url = f"/api/v1/capacity-tests/{test.pk}/cancel/"
     response = as_user(platform_admin).post(url)
@@ -96,7 +87,7 @@ def test_a_cancel_stops_a_live_test_once(shared, platform_admin, queued):
     assert test.begin() is False  # its agent finds it cancelled and runs nothing
 
 
-def test_tenants_neither_run_nor_read_capacity_tests(shared, acme, queued):
+def test_tenants_neither_run_nor_read_capacity_tests(shared, acme, enqueued):
     test = CapacityTest.objects.start(shared, None, concurrency=[1])
     for user in (acme.owner, acme.admin, acme.viewer):
         assert as_user(user).get("/api/v1/capacity-tests/").status_code == 403

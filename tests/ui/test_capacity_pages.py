@@ -14,19 +14,12 @@ import pytest
 
 from serving_app import lifecycle
 from serving_app.models import CapacityTest, Deployment, Instance, Node
-from tests.factories import make_curve, make_deployment
+from tests.factories import H200_8B_CURVE, make_curve, make_deployment
 
 pytestmark = pytest.mark.django_db
 
-ROWS = [(1, 210, 20, 4.7, 620), (8, 1548, 40, 4.9, 660), (32, 4898, 90, 5.4, 780),
-        (64, 8438, 180, 5.9, 940), (128, 12549, 400, 7.7, 1380)]
+ROWS = H200_8B_CURVE
 
-
-@pytest.fixture
-def queued(monkeypatch):
-    calls: list[tuple] = []
-    monkeypatch.setattr(lifecycle, "enqueue", lambda name, *args, **kw: calls.append((name, args)))
-    return calls
 
 
 @pytest.fixture
@@ -88,7 +81,7 @@ def test_without_a_curve_the_section_says_why_and_offers_the_test(shared, platfo
 
 
 def test_running_a_test_queues_it_and_shows_its_progress_until_it_ends(
-        shared, platform_admin, login, queued):
+        shared, platform_admin, login, enqueued):
     client = login(platform_admin)
     response = client.post(f"/deployments/{shared.pk}/capacity-tests/", {
         "input_tokens": "64", "output_tokens": "16", "concurrency": "1, 2",
@@ -96,7 +89,7 @@ def test_running_a_test_queues_it_and_shows_its_progress_until_it_ends(
     assert "queued on gpu-a" in response.content.decode()
     test = CapacityTest.objects.get()
     assert (test.concurrency, test.requests_per_level) == ([1, 2], 8)
-    assert queued == [(lifecycle.RUN_CAPACITY_TEST, (test.pk,))]
+    assert enqueued == [(lifecycle.RUN_CAPACITY_TEST, (test.pk,), {"queue": "node.gpu-a"})]
     test.begin()
     progress = client.get(f"/deployments/{shared.pk}/capacity-tests/progress/").content.decode()
     assert "0 of 2 levels measured" in progress and 'hx-trigger="every 2s"' in progress
@@ -111,7 +104,7 @@ def test_running_a_test_queues_it_and_shows_its_progress_until_it_ends(
 
 
 def test_bad_settings_and_no_ready_instance_say_what_to_do(shared, platform_admin, login,
-                                                            queued):
+                                                            enqueued):
     client = login(platform_admin)
     bad = client.post(f"/deployments/{shared.pk}/capacity-tests/", {
         "input_tokens": "64", "output_tokens": "16", "concurrency": "1, x",
@@ -121,7 +114,7 @@ def test_bad_settings_and_no_ready_instance_say_what_to_do(shared, platform_admi
     none = client.post(f"/deployments/{shared.pk}/capacity-tests/", {
         "input_tokens": "64", "output_tokens": "16", "concurrency": "1",
         "requests_per_level": "8"}, follow=True).content.decode()
-    assert "has no ready instance to measure" in none and queued == []
+    assert "has no ready instance to measure" in none and enqueued == []
 
 
 def test_the_tenant_form_prices_saved_objectives_without_script_and_typed_ones_as_typed(
