@@ -122,8 +122,10 @@ DEPARTMENTS = {d.slug: d for d in (
     Department(CS, "Customer service", HIGH, 2, 8, 256, 500, 256, 128),
     Department(CODE, "Code assistant", NORMAL, 1, 8, 1024, None, 768, 256),
     Department(CONTENT, "Content generation", LOW, 1, 64, 1024, None, 512, 512),
-    Department("gpu-team-a", "Team A", NORMAL, 1, 64, None, None, 256, 256),
-    Department("gpu-team-b", "Team B", NORMAL, 1, 64, None, None, 256, 256),
+    # Room for issue 44's saturated pair (192 and 64 clients against 128 slots): at 64 each,
+    # the 2026-12-07 run's team A had 128 of its 192 clients refused (429) and no pair formed.
+    Department("gpu-team-a", "Team A", NORMAL, 1, 256, None, None, 256, 256),
+    Department("gpu-team-b", "Team B", NORMAL, 1, 256, None, None, 256, 256),
 )}
 
 
@@ -523,8 +525,8 @@ def fair(args: argparse.Namespace) -> None:
                     out.update(bursty(args, loads, dep_id, out["alone"]))
                 if config == args.pair_config:
                     point("pair-fcfs", pair, "fcfs", seconds=args.pair_seconds)
-                    point(f"pair-flow-{args.pair_budget}", pair, "flow", args.pair_budget,
-                          seconds=args.pair_seconds)
+                    point(f"pair-flow-{args.pair_budget or 'default'}", pair, "flow",
+                          args.pair_budget or None, seconds=args.pair_seconds)
                 results["configs"][config] = out
                 if args.json:  # kept as it goes: a run cut short still leaves its points
                     Path(args.json).write_text(json.dumps(frontier(results), indent=1,
@@ -738,7 +740,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--flood-clients", type=int, default=64)
     p.add_argument("--pair-config", default="prio-8k")
     p.add_argument("--pair-clients", default="48,16")
-    p.add_argument("--pair-budget", type=int, default=32)
+    p.add_argument("--pair-budget", type=int, default=32,
+                   help="the pair's dispatch budget (0: the shipped default, none set)")
     # Long against the second tenant's ramp: it arrives when the first holds every slot and
     # gains them only as requests end (tests/gateway/test_flow_units.py, the closed-loop pair).
     p.add_argument("--pair-seconds", type=float, default=60.0)
@@ -779,6 +782,11 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"unknown --pair-config {args.pair_config!r}")
         if args.pair_only:
             args.configs = [args.pair_config]
+        for slug, clients in zip(("gpu-team-a", "gpu-team-b"), args.pair, strict=False):
+            if clients > DEPARTMENTS[slug].max_concurrency:
+                parser.error(f"--pair-clients: {clients} clients for {slug}, whose key allows "
+                             f"{DEPARTMENTS[slug].max_concurrency} at once (the rest would be "
+                             "refused, not queued)")
     for config in getattr(args, "configs", []):
         if config not in CONFIGS:
             parser.error(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")

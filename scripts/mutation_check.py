@@ -478,6 +478,15 @@ BREAKAGES = (
         engine=True,
     ),
     Breakage(
+        # The automatic urgent batch cap ignores the tier: a normal-tier tenant's objective
+        # would cap every other tenant's requests beside its own (issue 45's default).
+        "urgent-cap-automatic-any-tier",
+        "serving_app/models/deployments.py",
+        "                       and t.priority_tier <= PriorityTier.HIGH\n",
+        "                       and t.priority_tier <= PriorityTier.LOW\n",
+        ("tests/unit/test_launch_spec.py::test_the_urgent_batch_cap_is_automatic_while_a_high_tier_tenant_has_an_objective",),
+    ),
+    Breakage(
         # An adapter applied to another tenant's request: the gateway sends every adapter
         # request to the instance's last adapter by name (issue 41's isolation check).
         "engine-adapter-of-another-tenant",

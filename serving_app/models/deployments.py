@@ -19,6 +19,7 @@ from audit_app import recording
 from audit_app.recording import Changes
 from serving_app import lifecycle
 from serving_app.enginespec import (
+    AUTO_URGENT_BATCH_CAP,
     ENGINE_FIELDS,
     FIELD,
     FIELDS,
@@ -31,7 +32,7 @@ from serving_app.models.adapters import LoraAdapter
 from serving_app.models.basemodels import BaseModel
 from serving_app.models.instances import Instance
 from serving_app.models.revisions import DeploymentRevision, Rollout, describe, diff, spec_of
-from tenants_app.models import Tenant
+from tenants_app.models import PriorityTier, Tenant
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -276,6 +277,33 @@ class Deployment(models.Model):
     def effective_dispatch_budget(self) -> int:
         """`dispatch_budget_for()` the settings as they are now."""
         return self.dispatch_budget_for(self.engine_spec())
+
+    def urgent_batch_cap_for(self, engine: EngineSpec) -> int:
+        """Requests the console's scheduler plugin lets run beside an urgent (high-tier or
+        critical) one on an engine started with `engine`; 0: no plugin. Only with priority
+        scheduling (the gateway sends the tier as vLLM's priority only then). The field set:
+        that number (0: off). Empty, the default: `AUTO_URGENT_BATCH_CAP` while one of the
+        deployment's active tenants is high tier or above with a latency objective, else off
+        (the cap measured a go on the GPU, docs/gpu.md "The engine-side lever")."""
+        if engine.scheduling_policy != self.SchedulingPolicy.PRIORITY:
+            return 0
+        if engine.urgent_batch_cap is not None:
+            return engine.urgent_batch_cap
+        return AUTO_URGENT_BATCH_CAP if self.urgent_objective_tenants() else 0
+
+    def urgent_objective_tenants(self) -> list[Tenant]:
+        """The deployment's active tenants whose requests are urgent to the scheduler plugin
+        (high tier or above) and that carry a latency objective: what turns the automatic
+        urgent batch cap on (from prefetched tenants where the caller prefetched them)."""
+        return sorted((t for t in self.tenants.all() if t.is_active
+                       and t.priority_tier <= PriorityTier.HIGH
+                       and (t.latency_objective_ms or t.has_streamed_objective)),
+                      key=lambda t: t.slug)
+
+    @property
+    def effective_urgent_batch_cap(self) -> int:
+        """`urgent_batch_cap_for()` the settings and tenants as they are now."""
+        return self.urgent_batch_cap_for(self.engine_spec())
 
     @property
     def flow_controlled(self) -> bool:

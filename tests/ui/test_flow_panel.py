@@ -124,3 +124,36 @@ def test_the_deployment_page_shows_the_admission_controllers_budget_and_objectiv
     assert "0.80 of the objective; first token —, per token 32.0 ms" in page
     # One change (10 to 5), the hold after it is not a change.
     assert page.count('<td class="num">5</td>') == 1
+
+
+def test_the_deployment_page_says_what_the_urgent_batch_cap_is_and_why(
+    platform_admin, acme, globex, base_model, login
+):
+    """The automatic cap, with the tenants that turn it on; an FCFS deployment serving such a
+    tenant says what priority scheduling would do; the API gives the same figure."""
+    from tenants_app.models import PriorityTier, Tenant
+
+    Tenant.objects.filter(pk=acme.tenant.pk).update(priority_tier=PriorityTier.HIGH,
+                                                     ttft_objective_ms=300)
+    priority = make_deployment(base_model, [acme.tenant, globex.tenant], name="prio",
+                               scheduling_policy="priority")
+    fcfs = make_deployment(base_model, [acme.tenant], name="fcfs")
+    client = login(platform_admin)
+
+    def scheduling(deployment) -> str:
+        page = client.get(reverse("console:deployment-detail", args=[deployment.pk]))
+        text = page.content.decode()
+        start = text.index('id="deployment-scheduling">')
+        return text[start:text.index("</dd>", start)]
+
+    assert ("at most 8 running beside an urgent request (automatic: "
+            f"{acme.tenant.slug} high tier with a latency objective)") in scheduling(priority)
+    assert (f"{acme.tenant.slug} has a latency objective at high tier: priority scheduling "
+            "lets the engine protect it") in scheduling(fcfs)
+    body = client.get(f"/api/v1/deployments/{priority.pk}/").json()
+    assert (body["urgent_batch_cap"], body["effective_urgent_batch_cap"]) == (None, 8)
+    Tenant.objects.filter(pk=acme.tenant.pk).update(ttft_objective_ms=None)
+    assert "no urgent batch cap" in scheduling(priority)
+    assert "priority scheduling" not in scheduling(fcfs)
+    assert client.get(f"/api/v1/deployments/{priority.pk}/").json()[
+        "effective_urgent_batch_cap"] == 0

@@ -14,8 +14,8 @@ from django.conf import settings as django_settings
 from serving_app import pki
 from serving_app.engine.environment import interpreter
 from serving_app.engine.launch import LOOPBACK_ONLY, build_launch_spec
-from serving_app.models import BaseModel, Gpu, Instance, LoraAdapter, Node
-from tenants_app.models import PriorityTier
+from serving_app.models import BaseModel, Deployment, Gpu, Instance, LoraAdapter, Node
+from tenants_app.models import PriorityTier, Tenant
 from tests.factories import make_adapter, make_deployment, make_tenant
 
 pytestmark = pytest.mark.django_db
@@ -343,3 +343,42 @@ def test_the_urgent_batch_cap_loads_the_consoles_scheduler_of_the_engines_kind(t
         spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=3))
         assert "--scheduler-cls" not in spec.argv
         assert "LLM_CONSOLE_URGENT_BATCH_CAP" not in spec.env
+
+
+def test_the_urgent_batch_cap_is_automatic_while_a_high_tier_tenant_has_an_objective(
+        tenant, base_model):
+    """Left empty, a priority-scheduled deployment's cap is AUTO_URGENT_BATCH_CAP (8, the go
+    measured on the GPU) once one of its active tenants is high tier or above with a latency
+    objective, and no plugin otherwise; a cap set wins, and 0 turns the plugin off. The page's
+    figure and the engine's environment agree."""
+    other = make_tenant("normal-tier", priority_tier=PriorityTier.NORMAL,
+                        ttft_objective_ms=200)
+
+    def cap(deployment: Deployment) -> tuple[str | None, int]:
+        """What an instance's engine would get, and what the deployment's page says."""
+        spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=4))
+        return spec.env.get("LLM_CONSOLE_URGENT_BATCH_CAP"), deployment.effective_urgent_batch_cap
+
+    auto = make_deployment(base_model, [tenant, other], name="auto",
+                           scheduling_policy="priority")
+    # A normal-tier tenant's objective makes nothing urgent; a high-tier one without an
+    # objective neither.
+    Tenant.objects.filter(pk=tenant.pk).update(priority_tier=PriorityTier.HIGH)
+    assert cap(auto) == (None, 0)
+    none = dict.fromkeys(("latency_objective_ms", "ttft_objective_ms", "tpot_objective_ms"))
+    for objective in none:
+        Tenant.objects.filter(pk=tenant.pk).update(**{**none, objective: 900})
+        assert cap(auto) == ("8", 8), objective
+    assert list(auto.urgent_objective_tenants()) == [Tenant.objects.get(pk=tenant.pk)]
+    Tenant.objects.filter(pk=tenant.pk).update(status=Tenant.Status.SUSPENDED)
+    assert cap(auto) == (None, 0)
+    Tenant.objects.filter(pk=tenant.pk).update(status=Tenant.Status.ACTIVE,
+                                                priority_tier=PriorityTier.CRITICAL)
+    assert cap(auto) == ("8", 8)
+    # Set by the operator: that number, or off; FCFS: never (no priority reaches the engine).
+    for name, fields, expected in (("off", {"urgent_batch_cap": 0}, (None, 0)),
+                                   ("set", {"urgent_batch_cap": 24}, ("24", 24)),
+                                   ("fcfs", {"scheduling_policy": "fcfs"}, (None, 0))):
+        fields.setdefault("scheduling_policy", "priority")
+        deployment = make_deployment(base_model, [tenant], name=name, **fields)
+        assert cap(deployment) == expected, name

@@ -24,7 +24,7 @@ from django.views.generic.edit import ModelFormMixin
 
 from serving_app.deployments import sharing
 from serving_app.engine import startup
-from serving_app.enginespec import MAX_REPLICAS
+from serving_app.enginespec import AUTO_URGENT_BATCH_CAP, MAX_REPLICAS
 from serving_app.fleet.report import deployment_charges, dry_run
 from serving_app.forms import DeploymentForm
 from serving_app.metering import panels, queries
@@ -78,6 +78,7 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
         )
         context["instances"] = list(self.object.instances.all())
         context["deployment"] = self.object
+        context["auto_urgent_batch_cap"] = AUTO_URGENT_BATCH_CAP
         # Its tenants' settings on this engine, and how its GPUs are charged to them (24 h).
         trange = queries.get_range(queries.DEFAULT_RANGE)
         context["charges"] = deployment_charges(
