@@ -268,9 +268,9 @@ FIELDS: tuple[EngineField, ...] = (
         help_text="Priority scheduling only: while a request of a high-tier tenant is in the "
                   "engine, at most this many others run; the rest are preempted and resume "
                   "once it is done (the console's scheduler plugin, docs/gpu.md). Empty: "
-                  f"automatic, {AUTO_URGENT_BATCH_CAP} while a high-tier tenant of the "
-                  "deployment has a latency objective, else off. 0: off (vLLM's own "
-                  "scheduling).",
+                  f"automatic, {AUTO_URGENT_BATCH_CAP} on GPU engines while a high-tier "
+                  "tenant of the deployment has a latency objective, else off. 0: off "
+                  "(vLLM's own scheduling).",
     ),
     EngineField(
         "base_port", "Base port", "int", None, group="isolation", minimum=1024, maximum=65000,

@@ -348,8 +348,8 @@ class DeploymentSerializer(ViewerMixin, ValidatedModelSerializer[Deployment]):
     effective_urgent_batch_cap = serializers.SerializerMethodField(
         help_text="What the scheduler plugin caps the batch at beside an urgent request with "
                   "the settings and tenants as they are now (urgent_batch_cap, or the "
-                  "automatic cap while a high-tier tenant has a latency objective); 0: no "
-                  "plugin.")
+                  "automatic cap on GPU engines while a high-tier tenant has a latency "
+                  "objective); 0: no plugin.")
 
     class Meta:
         model = Deployment

@@ -278,18 +278,20 @@ class Deployment(models.Model):
         """`dispatch_budget_for()` the settings as they are now."""
         return self.dispatch_budget_for(self.engine_spec())
 
-    def urgent_batch_cap_for(self, engine: EngineSpec) -> int:
+    def urgent_batch_cap_for(self, engine: EngineSpec, on_gpu: bool = True) -> int:
         """Requests the console's scheduler plugin lets run beside an urgent (high-tier or
         critical) one on an engine started with `engine`; 0: no plugin. Only with priority
         scheduling (the gateway sends the tier as vLLM's priority only then). The field set:
-        that number (0: off). Empty, the default: `AUTO_URGENT_BATCH_CAP` while one of the
-        deployment's active tenants is high tier or above with a latency objective, else off
-        (the cap measured a go on the GPU, docs/gpu.md "The engine-side lever")."""
+        that number (0: off). Empty, the default: on a GPU (`on_gpu`), `AUTO_URGENT_BATCH_CAP`
+        while one of the deployment's active tenants is high tier or above with a latency
+        objective, else off (the cap measured a go on the GPU, docs/gpu.md "The engine-side
+        lever"). Not on the CPU build, where any custom scheduler class turns asynchronous
+        scheduling off, a cost not measured against the lever's gain there."""
         if engine.scheduling_policy != self.SchedulingPolicy.PRIORITY:
             return 0
         if engine.urgent_batch_cap is not None:
             return engine.urgent_batch_cap
-        return AUTO_URGENT_BATCH_CAP if self.urgent_objective_tenants() else 0
+        return AUTO_URGENT_BATCH_CAP if on_gpu and self.urgent_objective_tenants() else 0
 
     def urgent_objective_tenants(self) -> list[Tenant]:
         """The deployment's active tenants whose requests are urgent to the scheduler plugin
@@ -302,7 +304,7 @@ class Deployment(models.Model):
 
     @property
     def effective_urgent_batch_cap(self) -> int:
-        """`urgent_batch_cap_for()` the settings and tenants as they are now."""
+        """`urgent_batch_cap_for()` the settings and tenants as they are now, on a GPU."""
         return self.urgent_batch_cap_for(self.engine_spec())
 
     @property

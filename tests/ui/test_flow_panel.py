@@ -146,7 +146,7 @@ def test_the_deployment_page_says_what_the_urgent_batch_cap_is_and_why(
         start = text.index('id="deployment-scheduling">')
         return text[start:text.index("</dd>", start)]
 
-    assert ("at most 8 running beside an urgent request (automatic: "
+    assert ("at most 8 running beside an urgent request (automatic on GPU engines: "
             f"{acme.tenant.slug} high tier with a latency objective)") in scheduling(priority)
     assert (f"{acme.tenant.slug} has a latency objective at high tier: priority scheduling "
             "lets the engine protect it") in scheduling(fcfs)

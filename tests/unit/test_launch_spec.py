@@ -347,16 +347,21 @@ def test_the_urgent_batch_cap_loads_the_consoles_scheduler_of_the_engines_kind(t
 
 def test_the_urgent_batch_cap_is_automatic_while_a_high_tier_tenant_has_an_objective(
         tenant, base_model):
-    """Left empty, a priority-scheduled deployment's cap is AUTO_URGENT_BATCH_CAP (8, the go
-    measured on the GPU) once one of its active tenants is high tier or above with a latency
-    objective, and no plugin otherwise; a cap set wins, and 0 turns the plugin off. The page's
-    figure and the engine's environment agree."""
+    """Left empty, a priority-scheduled deployment's cap on a GPU is AUTO_URGENT_BATCH_CAP (8,
+    the go measured on the GPU) once one of its active tenants is high tier or above with a
+    latency objective, and no plugin otherwise; a cap set wins, and 0 turns the plugin off. The
+    page's figure and the engine's environment agree. A CPU engine gets the plugin only from a
+    cap set (there a custom class turns asynchronous scheduling off)."""
     other = make_tenant("normal-tier", priority_tier=PriorityTier.NORMAL,
                         ttft_objective_ms=200)
+    node = Node.objects.create(name="gpu-a", queue="node.gpu-a")
+    gpu = Gpu.objects.create(node=node, index=0, uuid="GPU-0", name="H100",
+                             memory_total_bytes=80 * 2**30)
 
-    def cap(deployment: Deployment) -> tuple[str | None, int]:
+    def cap(deployment: Deployment, gpus: list[Gpu] | None = None) -> tuple[str | None, int]:
         """What an instance's engine would get, and what the deployment's page says."""
-        spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=4))
+        spec = build_launch_spec(Instance.objects.create(deployment=deployment, port=4),
+                                 gpus=[gpu] if gpus is None else gpus)
         return spec.env.get("LLM_CONSOLE_URGENT_BATCH_CAP"), deployment.effective_urgent_batch_cap
 
     auto = make_deployment(base_model, [tenant, other], name="auto",
@@ -370,6 +375,7 @@ def test_the_urgent_batch_cap_is_automatic_while_a_high_tier_tenant_has_an_objec
         Tenant.objects.filter(pk=tenant.pk).update(**{**none, objective: 900})
         assert cap(auto) == ("8", 8), objective
     assert list(auto.urgent_objective_tenants()) == [Tenant.objects.get(pk=tenant.pk)]
+    assert cap(auto, gpus=[]) == (None, 8)  # a CPU engine: not automatically
     Tenant.objects.filter(pk=tenant.pk).update(status=Tenant.Status.SUSPENDED)
     assert cap(auto) == (None, 0)
     Tenant.objects.filter(pk=tenant.pk).update(status=Tenant.Status.ACTIVE,
@@ -382,3 +388,4 @@ def test_the_urgent_batch_cap_is_automatic_while_a_high_tier_tenant_has_an_objec
         fields.setdefault("scheduling_policy", "priority")
         deployment = make_deployment(base_model, [tenant], name=name, **fields)
         assert cap(deployment) == expected, name
+        assert cap(deployment, gpus=[]) == expected, name
