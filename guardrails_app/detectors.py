@@ -240,6 +240,10 @@ class Prefilter:
         for detector in self.detectors:
             self._set.Add(detector.needle)
         self._set.Compile()
+        # The longest text any needle can match (None: one is unbounded or unreadable): a
+        # needle occurrence that touches a point lies within this many characters of it.
+        self.needle_reach = _longest(d.needle for d in self.detectors)
+        self._any: dict[tuple[int, ...], Any] = {}  # `matching`'s alternations, by indexes
 
     def candidates(self, text: str) -> list[int]:
         """Indexes into `detectors` of those whose needle occurs in `text`, in order."""
@@ -248,6 +252,50 @@ class Prefilter:
         # The stubs type Set.Match as a bool; it returns the matching indexes (or None).
         found: Any = self._set.Match(text)
         return sorted(found or ())
+
+    def matching(self, text: str, indexes: list[int]) -> list[int]:
+        """`indexes` (candidates for `text`), or none of them when none of their detectors'
+        patterns matches anywhere in it: one RE2 search for their alternation instead of one
+        pass per detector. Prose with numbers, times and versions has the needles of several
+        digit detectors (any three or four digits, `1.2.3`) and no match of any: this is
+        most of what such a prompt costs the guard (docs/guardrails.md, "Cost"). An
+        alternation that RE2 cannot compile within its memory reads them one by one."""
+        if len(indexes) < 2:
+            return indexes
+        key = tuple(indexes)
+        regex = self._any.get(key)
+        if regex is None:
+            chosen = [self.detectors[i] for i in indexes]
+            options = _options(sum(d.regex.options.max_mem for d in chosen))
+            try:
+                regex = re2.compile("|".join(f"(?:{d.pattern})" for d in chosen), options)
+            except re2.error:
+                regex = False
+            if len(self._any) >= _ANY_CACHE:
+                self._any.clear()
+            self._any[key] = regex
+        if regex is False or regex.search(text) is not None:
+            return indexes
+        return []
+
+
+# Alternations of candidate detectors kept per prefilter (a policy's detectors give few
+# distinct sets of candidates; a policy that gives more compiles them again).
+_ANY_CACHE = 64
+
+
+def _longest(patterns: Iterable[str]) -> int | None:
+    """The longest match of any of `patterns` (None: one is unbounded or cannot be read)."""
+    longest = 0
+    for pattern in patterns:
+        try:
+            most = analyse(pattern).max_len
+        except ShapeError:
+            return None
+        if most is None:
+            return None
+        longest = max(longest, most)
+    return longest
 
 
 # Validators --------------------------------------------------------------------------------

@@ -90,9 +90,9 @@ def spaced_runs(text: str) -> list[tuple[int, int]]:
         if candidate.start() < done:
             continue
         left, right = candidate.start(), candidate.end()
-        while left > 0 and text[left - 1] in _RUN_CHARS:
+        while left > 0 and text[left - 1] in RUN_CHARS:
             left -= 1
-        while right < len(text) and text[right] in _RUN_CHARS:
+        while right < len(text) and text[right] in RUN_CHARS:
             right += 1
         runs += [(left + run.start(), left + run.end())
                  for run in _SPACED_DIGITS.finditer(text[left:right])]
@@ -135,7 +135,7 @@ def _fold_digits(chars: list[str], starts: list[int], ends: list[int]
 # A stream's reader holds back at most this many read characters of a run of digits and
 # separators whose folding is still open (`ReadStream`).
 STREAM_HOLD = 256
-_RUN_CHARS = frozenset("0123456789 \t.-_/,")
+RUN_CHARS = frozenset("0123456789 \t.-_/,")
 _DIGITS = frozenset("0123456789")
 
 
@@ -203,7 +203,7 @@ class ReadStream:
         chars = self._chars
         n = len(chars)
         at = n
-        while at > 0 and chars[at - 1] in _RUN_CHARS:
+        while at > 0 and chars[at - 1] in RUN_CHARS:
             at -= 1
         while at < n and chars[at] not in _DIGITS:
             at += 1

@@ -416,10 +416,14 @@ class DirectionGuard:
             raise PolicyError(f"this policy cannot be applied to a stream: {reason}")
         return max((d.reach for d in self.detectors), default=0)
 
-    def hits(self, text: str) -> list[Hit]:
+    def hits(self, text: str, candidates: list[int] | None = None) -> list[Hit]:
+        """Every detector's entities in `text`; `candidates`: the prefilter's answer for it,
+        where the caller has it."""
+        if candidates is None:
+            candidates = self.prefilter.candidates(text)
         return [
             Hit(start, end, index)
-            for index in self.prefilter.candidates(text)
+            for index in self.prefilter.matching(text, candidates)
             for start, end in self.detectors[index].find(text)
         ]
 

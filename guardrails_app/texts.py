@@ -19,9 +19,19 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from guardrails_app.normalise import Normalised, normalise
+from guardrails_app.normalise import (
+    FOLD_MIN_DIGITS,
+    RUN_CHARS,
+    Normalised,
+    normalise,
+    spaced_runs,
+)
 from guardrails_app.policy import Chooser, DirectionGuard, Finding, Hit, Vault, sort_key
+
+if TYPE_CHECKING:
+    from guardrails_app.detectors import Detector
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +55,9 @@ def apply_texts(guard: DirectionGuard, texts: Sequence[str], vault: Vault) -> Te
     written = [0]  # where each written text starts in the written texts joined
     for text in texts:
         written.append(written[-1] + len(text))
-    hits = _each(guard, texts, written)
+    hits, candidates = _each(guard, texts, written)
     if len(texts) > 1:
-        hits += _across(guard, texts, written)
+        hits += _across(guard, texts, written, candidates)
     if not hits:
         return TextsResult(list(texts), [], None)
     chooser = Chooser(guard)
@@ -74,15 +84,19 @@ def apply_texts(guard: DirectionGuard, texts: Sequence[str], vault: Vault) -> Te
     return TextsResult(out, findings, None)
 
 
-def _each(guard: DirectionGuard, texts: Sequence[str], written: list[int]) -> list[Hit]:
+def _each(guard: DirectionGuard, texts: Sequence[str], written: list[int]
+          ) -> tuple[list[Hit], list[int] | None]:
     """Each text's own entities: the texts read one by one, joined by newlines, the hits
-    placed in the written texts."""
+    placed in the written texts; and the detectors whose needle occurs in that reading when
+    every text is read as written (None otherwise), for `_across`."""
     read = [normalise(t) for t in texts]
     starts = [0]  # where each read text starts in the newline-joined reading
     for n in read:
         starts.append(starts[-1] + len(n.text) + 1)
+    reading = "\n".join(n.text for n in read)
+    candidates = guard.prefilter.candidates(reading)
     found = []
-    for hit in guard.hits("\n".join(n.text for n in read)):
+    for hit in guard.hits(reading, candidates):
         first, last = _owner(starts, hit.start), _owner(starts, hit.end - 1)
         a = min(hit.start - starts[first], len(read[first].text) - 1)
         b = min(hit.end - starts[last], len(read[last].text))
@@ -91,22 +105,41 @@ def _each(guard: DirectionGuard, texts: Sequence[str], written: list[int]) -> li
         start = written[first] + read[first].span(a, a + 1)[0]
         end = written[last] + read[last].span(b - 1, b)[1]
         found.append(Hit(start, end, hit.index))
-    return found
+    as_written = all(n.starts is None and n.text.isascii() for n in read)
+    return found, candidates if as_written else None
 
 
-def _across(guard: DirectionGuard, texts: Sequence[str], written: list[int]) -> list[Hit]:
+def _across(guard: DirectionGuard, texts: Sequence[str], written: list[int],
+            candidates: list[int] | None = None) -> list[Hit]:
     """The entities of the written texts joined with nothing between them, read as one, that
     cross a boundary between texts. Each detector reads only the text around each boundary
-    (twice its reach on either side; all of it for a detector without a bound)."""
-    read = normalise("".join(texts))
+    (twice its reach on either side; all of it for a detector without a bound).
+
+    `candidates`: the detectors whose needle occurs in the texts each read on its own (`_each`),
+    given when every text is ASCII and read as written. Then the texts joined read as written
+    too unless a run of spaced digits crosses a boundary (the one fold reading them joined can
+    add), and a needle occurrence in the joined texts is either inside one text (among
+    `candidates`) or within the needles' reach of a boundary: only those stretches are read
+    for more, not the whole joined text twice (normalised, then the prefilter), which was most
+    of the guard's cost on a prompt without entities (docs/guardrails.md, "Cost")."""
+    joined = "".join(texts)
+    needles = guard.prefilter.needle_reach
+    if candidates is not None and needles is not None and not _folds_across(joined, written):
+        read = Normalised(joined, joined)
+        # A match across a boundary holds its detector's needle: inside one text (so the
+        # detector is among `candidates`) within the detector's reach of the boundary, or
+        # across it, within the needles' reach.
+        radius = max([needles, *(_reach(guard.detectors[i], len(joined)) for i in candidates)])
+        indexes = sorted({i for lo, hi in _windows(read, written[1:-1], radius + 2)
+                          for i in guard.prefilter.candidates(joined[lo:hi])})
+    else:
+        read = normalise(joined)
+        indexes = guard.prefilter.candidates(read.text)
     windows: dict[int, list[tuple[int, int]]] = {}
     found = set()
-    for index in guard.prefilter.candidates(read.text):
+    for index in indexes:
         detector = guard.detectors[index]
-        try:
-            reach = 2 * (detector.reach + detector.before)
-        except ValueError:  # no bound
-            reach = len(read.text)
+        reach = 2 * _reach(detector, len(read.text))
         if reach not in windows:
             windows[reach] = _windows(read, written[1:-1], reach)
         for lo, hi in windows[reach]:
@@ -115,6 +148,29 @@ def _across(guard: DirectionGuard, texts: Sequence[str], written: list[int]) -> 
                 if _owner(written, start) != _owner(written, end - 1):
                     found.add(Hit(start, end, index))
     return sorted(found, key=sort_key)
+
+
+def _reach(detector: Detector, unbounded: int) -> int:
+    """How far from a point a match touching it can extend (`unbounded` when no bound)."""
+    try:
+        return detector.reach + detector.before
+    except ValueError:  # no bound
+        return unbounded
+
+
+def _folds_across(joined: str, written: list[int]) -> bool:
+    """Whether a run of spaced digits crosses a boundary between the texts in `joined` (their
+    written texts, each already without one): the run lies in the stretch of digits and
+    separators around the boundary."""
+    for boundary in written[1:-1]:
+        left, right = boundary, boundary
+        while left > 0 and joined[left - 1] in RUN_CHARS:
+            left -= 1
+        while right < len(joined) and joined[right] in RUN_CHARS:
+            right += 1
+        if right - left >= FOLD_MIN_DIGITS and spaced_runs(joined[left:right]):
+            return True
+    return False
 
 
 def _windows(read: Normalised, boundaries: list[int], reach: int) -> list[tuple[int, int]]:

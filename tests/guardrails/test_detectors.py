@@ -7,6 +7,8 @@ import datetime
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from presidio_analyzer.nlp_engine import NoOpNlpEngine
 
 from guardrails_app.checksums import resident_id_valid, uscc_valid
@@ -183,6 +185,44 @@ def test_prefilter_skips_detectors_without_candidates():
     assert prefilter.candidates("A plain sentence, with punctuation; nothing else!") == []
     names = [detectors[i].name for i in prefilter.candidates("mail me: a@b.example.com")]
     assert names == ["email"]
+
+
+PROSE = ("Revenue grew by 12.5% in 2024; meeting at 10:30 on Monday, version 1.2.3, see "
+         "section 4 and table 2.")
+
+
+def test_candidates_without_a_match_are_dropped_in_one_pass_and_never_hide_one():
+    """Prose with numbers has the needles of several digit detectors and no match of any:
+    `matching` drops them all; with one real entity among them it keeps them all, so each
+    detector still reads the text (the alternation only says whether any can match)."""
+    detectors = list(builtin().values())
+    prefilter = Prefilter(detectors)
+    names = {detectors[i].name for i in prefilter.candidates(PROSE)}
+    assert {"phone", "bank_card", "ip_address"} <= names
+    assert prefilter.matching(PROSE, prefilter.candidates(PROSE)) == []
+    for value in ("+1 415 555 2671", "4111 1111 1111 1111", "10.1.2.3"):
+        text = f"{PROSE} Call {value} today."
+        candidates = prefilter.candidates(text)
+        assert prefilter.matching(text, candidates) == candidates, value
+    # Needles measured for the texts' boundaries (`guardrails_app.texts`): the longest of the
+    # built-in needles, and unknown once a needle has no bound.
+    assert prefilter.needle_reach is not None and 10 <= prefilter.needle_reach < 64
+    unbounded = tenant_pattern("codes", r"X-[0-9]+", category="CODE")
+    assert Prefilter([*detectors, unbounded]).needle_reach is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([PROSE, "+1 415 555 2671", "4111 1111 1111 1111", "10.1.2.3",
+                                 "13812345678", " ", "\n", "2024", "1.2.3"]), max_size=8))
+def test_the_guards_hits_are_each_detectors_own_finds(pieces):
+    """Whatever `matching` drops, every detector's own reading finds nothing there."""
+    text = "".join(pieces)
+    detectors = list(builtin().values())
+    prefilter = Prefilter(detectors)
+    candidates = prefilter.candidates(text)
+    kept = set(prefilter.matching(text, candidates))
+    for index in set(candidates) - kept:
+        assert detectors[index].find(text) == [], detectors[index].name
 
 
 def test_presidio_analyzer_needs_no_nlp_model_and_finds_what_the_detectors_find():

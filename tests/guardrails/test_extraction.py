@@ -314,3 +314,19 @@ def test_a_guard_process_decides_as_the_worker_would_and_its_check_comes_back_wh
     with pytest.raises(GatewayError) as caught:
         RequestGuard(entry).take_input(refused, "chat.completions", {})
     assert caught.value.status == 400 and caught.value.code == "guardrail_blocked"
+
+
+@pytest.mark.parametrize(("detector", "value"), [("cn_mobile", MOBILE), ("bank_card", CARD),
+                                                 ("email", EMAIL)])
+def test_a_value_cut_at_every_point_is_read_by_its_own_detector_alone(detector, value):
+    """A policy of the value's detector alone, the value cut at each point into two
+    messages: wherever neither half holds that detector's needle (`13` | `812345678`), it is
+    still found, from the stretch around the boundary (`guardrails_app.texts._across`)."""
+    for cut in range(1, len(value)):
+        body = chat({"role": "user", "content": f"call {value[:cut]}"},
+                    {"role": "user", "content": f"{value[cut:]} now"})
+        g = guard(input={detector: "redact"})
+        g.input("chat.completions", body)
+        after = "".join(extract("chat.completions", body).texts())
+        category = g.guard.input.detectors[0].category
+        assert value not in after and g.counts == {f"input:redact:{category}": 1}, cut
