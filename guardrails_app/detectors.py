@@ -263,10 +263,10 @@ class Prefilter:
         if len(indexes) < 2:
             return indexes
         key = tuple(indexes)
-        regex = self._any.get(key)
+        regex: Any = self._any.get(key)  # a compiled alternation, or False: none compiles
         if regex is None:
             chosen = [self.detectors[i] for i in indexes]
-            options = _options(sum(d.regex.options.max_mem for d in chosen))
+            options = _options(sum(d.regex.options.max_mem or _RE2_MAX_MEM for d in chosen))
             try:
                 regex = re2.compile("|".join(f"(?:{d.pattern})" for d in chosen), options)
             except re2.error:
@@ -282,6 +282,7 @@ class Prefilter:
 # Alternations of candidate detectors kept per prefilter (a policy's detectors give few
 # distinct sets of candidates; a policy that gives more compiles them again).
 _ANY_CACHE = 64
+_RE2_MAX_MEM = 8 << 20  # RE2's default memory budget for one pattern
 
 
 def _longest(patterns: Iterable[str]) -> int | None:
