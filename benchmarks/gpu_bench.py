@@ -98,12 +98,14 @@ STATE = ROOT / "var" / "gpu-bench.json"  # what `setup` made: keys, deployments
 CONFIGS: dict[str, dict[str, Any]] = {
     "fcfs-8k": {"scheduling_policy": "fcfs", "max_num_batched_tokens": 8192,
                 "max_num_seqs": 128},
+    # vLLM's priority scheduling alone: the urgent batch cap off (left empty, it would be
+    # automatic, customer service being high tier with an objective).
     "prio-8k": {"scheduling_policy": "priority", "max_num_batched_tokens": 8192,
-                "max_num_seqs": 80},
+                "max_num_seqs": 80, "urgent_batch_cap": 0},
     "fcfs-2k": {"scheduling_policy": "fcfs", "max_num_batched_tokens": 2048,
                 "max_num_seqs": 80},
     "prio-2k": {"scheduling_policy": "priority", "max_num_batched_tokens": 2048,
-                "max_num_seqs": 80},
+                "max_num_seqs": 80, "urgent_batch_cap": 0},
     # fcfs-8k's batch under priority scheduling with the console's scheduler (issue 45): while
     # customer service's requests are in the engine, at most 16 others run
     # (vllm_plugins/console_scheduler.py).
