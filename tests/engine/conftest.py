@@ -66,6 +66,12 @@ class Cluster:
             "RECONCILE_INTERVAL_SECONDS": "1",
             "NODE_HEARTBEAT_SECONDS": "1",
             "ENGINE_SUPERVISE_SECONDS": "0.5",
+            # An engine runs at the idle CPU class (docs/engine-notes.md, section 9): when the
+            # run keeps both cores busy it can get no CPU for many seconds, and three failed
+            # checks half a second apart (the default) would restart a healthy engine mid-test
+            # (a clean-clone run on a loaded machine did: the TLS probe found its port closed).
+            # No test here relies on health checks to fail an engine (a dead process fails it).
+            "ENGINE_HEALTH_FAILURES": "40",
             "ENGINE_METRICS_INTERVAL_SECONDS": "1",
             "RESTART_BACKOFF_SECONDS": "1",
             "ENGINE_STOP_GRACE_SECONDS": "10",

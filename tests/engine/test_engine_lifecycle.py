@@ -239,11 +239,12 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     legal = ArtifactVersion.objects.get(pk=lora_c["artifact_version"]).digest
     assert all((caches / n / "versions" / legal).is_dir() for n in ("cpu-a", "cpu-b"))
     assert client.delete(f"/api/v1/adapters/{lora_c['id']}/").status_code == 204
+    # Each agent drops the files, then its cache entry (not atomic together): waited for both.
     wait_for(lambda: not any("acme--legal" in i.loaded_adapters
                              for i in ready_instances(deployment["id"]))
-             and not any((caches / n / "versions" / legal).exists() for n in ("cpu-a", "cpu-b")),
-             60, "the deleted adapter unloaded and out of both caches")
-    assert not NodeCacheEntry.objects.filter(version__digest=legal).exists()
+             and not any((caches / n / "versions" / legal).exists() for n in ("cpu-a", "cpu-b"))
+             and not NodeCacheEntry.objects.filter(version__digest=legal).exists(),
+             60, "the deleted adapter unloaded, out of both caches and their entries")
     assert complete(two[1], "acme--billing")["choices"][0]["text"]
 
     # A new version of the model's files rolls out (one replica: at most two engines), with

@@ -38,9 +38,11 @@ IN_WEIGHT, OUT_WEIGHT = 1.0, 2.0  # the settings' defaults
 
 @pytest.fixture(scope="module")
 def strict_gateway(django_db_setup, django_db_blocker, gateways):
-    """Strict bands and a 3 s queue timeout, two workers."""
+    """Strict bands and a 15 s queue timeout, two workers: long enough for eight requests
+    served one at a time on a loaded machine (3 s timed the last ones out), short enough for
+    the timeout test to wait it out."""
     gw = start_gateway(_test_database_url(), workers=2, GATEWAY_FLOW_BANDS="strict",
-                       GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS="3")
+                       GATEWAY_FLOW_QUEUE_TIMEOUT_SECONDS="15")
     yield gw
     kill_group(gw.proc)
 
@@ -130,7 +132,9 @@ def flood(urls: list[str], clients: dict[str, int], completions: int,
                 stop.set()
 
     async def main() -> None:
-        async with httpx.AsyncClient(timeout=120) as http:
+        # As long as the gateways' queue timeout: on a loaded machine an acme request waits
+        # for about 72 completions (module docstring of `flood_gateways`).
+        async with httpx.AsyncClient(timeout=300) as http:
             tasks = []
             n = 0
             for secret, count in clients.items():
@@ -332,7 +336,7 @@ def test_a_request_past_its_queue_timeout_gets_503_with_retry_after(world, stric
     block_instance(world)
     try:
         r = httpx.post(strict_gateway.url + "/v1/completions", json=request_body(),
-                       headers={"Authorization": f"Bearer {world.acme_secret}"}, timeout=30)
+                       headers={"Authorization": f"Bearer {world.acme_secret}"}, timeout=60)
     finally:
         unblock_instance(world)
     assert r.status_code == 503

@@ -87,7 +87,7 @@ def until_guarded(url: str, secret: str, body: dict, expected: int,
             return False
         return sent[0].status_code == expected
 
-    wait_until(applied, 20, "the policy reaches the gateway")
+    wait_until(applied, 60, "the policy reaches the gateway")
     return sent[0]
 
 
