@@ -38,8 +38,10 @@ _SPACED_DIGITS = re.compile(
     r"(?<![0-9])[0-9]([ \t.\-_/,]{1,3})[0-9](?:\1[0-9]){" + str(FOLD_MIN_DIGITS - 2)
     + r",}(?![0-9])")
 # The same runs without the lookarounds (RE2 has none): text without one has nothing to fold,
-# found in one linear pass (Python's `re` alone costs about 60 ns a character on prose).
-_MAYBE_SPACED = re2.compile(r"[0-9](?:[ \t.\-_/,]{1,3}[0-9]){" + str(FOLD_MIN_DIGITS - 1) + ",}")
+# found in one linear pass (Python's `re` alone costs about 60 ns a character on prose). The
+# detectors' prefilter looks for it in the same pass as their needles (`Prefilter.read`).
+MAYBE_SPACED = r"[0-9](?:[ \t.\-_/,]{1,3}[0-9]){" + str(FOLD_MIN_DIGITS - 1) + ",}"
+_MAYBE_SPACED = re2.compile(MAYBE_SPACED)
 _SEPARATOR = re.compile(r"[^0-9]+")
 _NEEDS_READING = re.compile("[" + "".join(sorted(INVISIBLE)) + "]")
 

@@ -88,13 +88,24 @@ def _each(guard: DirectionGuard, texts: Sequence[str], written: list[int]
           ) -> tuple[list[Hit], list[int] | None]:
     """Each text's own entities: the texts read one by one, joined by newlines, the hits
     placed in the written texts; and the detectors whose needle occurs in that reading when
-    every text is read as written (None otherwise), for `_across`."""
-    read = [normalise(t) for t in texts]
+    every text is read as written (None otherwise), for `_across`.
+
+    ASCII texts are read as written unless one holds a run of spaced digits (`normalise`); the
+    prefilter's pass says so with the candidates (`Prefilter.read`), and only a text where it
+    may is normalised (then the candidates are looked for again only if a run was folded)."""
+    ascii = all(t.isascii() for t in texts)
+    if ascii:
+        reading = "\n".join(texts)
+        candidates, may_fold = guard.prefilter.read(reading)
+        read = [normalise(t) if may_fold else Normalised(t, t) for t in texts]
+    else:
+        read = [normalise(t) for t in texts]
+    if not ascii or any(n.starts is not None for n in read):
+        reading = "\n".join(n.text for n in read)
+        candidates = guard.prefilter.candidates(reading)
     starts = [0]  # where each read text starts in the newline-joined reading
     for n in read:
         starts.append(starts[-1] + len(n.text) + 1)
-    reading = "\n".join(n.text for n in read)
-    candidates = guard.prefilter.candidates(reading)
     found = []
     for hit in guard.hits(reading, candidates):
         first, last = _owner(starts, hit.start), _owner(starts, hit.end - 1)

@@ -208,6 +208,15 @@ BREAKAGES = (
         ("tests/guardrails/test_detectors.py::test_candidates_without_a_match_are_dropped_in_one_pass_and_never_hide_one",),
     ),
     Breakage(
+        # The prefilter's pass never reports a run of spaced digits: ASCII texts are read as
+        # written, and one digit per group passes the detectors.
+        "guard-spaced-run-unseen",
+        "guardrails_app/detectors.py",
+        "        return sorted(i for i in found if i != self._fold), self._fold in found\n",
+        "        return sorted(i for i in found if i != self._fold), False\n",
+        ("tests/guardrails/test_detectors.py::test_texts_read_as_written_when_the_prefilter_sees_no_run_find_what_normalising_finds",),
+    ),
+    Breakage(
         # Normalisation skipped: full-width digits, zero-width characters and one digit per
         # group pass the detectors.
         "guardrail-normalisation-skipped",

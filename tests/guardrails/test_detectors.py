@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -22,6 +23,9 @@ from guardrails_app.detectors import (
     deny_list,
     tenant_pattern,
 )
+from guardrails_app.normalise import normalise
+from guardrails_app.policy import Policy, Vault
+from guardrails_app.texts import apply_texts
 from tests.guardrails.entities import (
     VALID,
     card,
@@ -209,6 +213,39 @@ def test_candidates_without_a_match_are_dropped_in_one_pass_and_never_hide_one()
     assert prefilter.needle_reach is not None and 10 <= prefilter.needle_reach < 64
     unbounded = tenant_pattern("codes", r"X-[0-9]+", category="CODE")
     assert Prefilter([*detectors, unbounded]).needle_reach is None
+
+
+def test_the_prefilters_pass_also_says_whether_a_text_may_hold_a_run_of_spaced_digits():
+    """`Prefilter.read`: the candidates (the run's pattern in the same RE2 set is never one)
+    and whether normalising may fold a run: False means an ASCII text reads as written."""
+    prefilter = Prefilter(list(builtin().values()))
+    assert prefilter.read(PROSE) == (prefilter.candidates(PROSE), False)
+    spelt = f"{PROSE} call 1 3 8 1 2 3 4 5 6 7 8 now"
+    candidates, may_fold = prefilter.read(spelt)
+    assert may_fold and candidates == prefilter.candidates(spelt)
+    assert all(i < len(prefilter.detectors) for i in candidates)
+    assert normalise(spelt).text != spelt  # what a True stands for here: a run to fold
+    assert prefilter.read("") == ([], False)
+    assert Prefilter([]).read("1 2 3 4 5 6 7 8") == ([], True)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([PROSE, "+1 415 555 2671", "1 3 8 1 2 3 4 5 6 7 8",
+                                          "4111 1111 1111 1111", "1.2.3 4 5", " ", "\n", "7",
+                                          "a@b.cn", "１３８"]), max_size=5).map("".join),
+                min_size=1, max_size=4))
+def test_texts_read_as_written_when_the_prefilter_sees_no_run_find_what_normalising_finds(
+        texts):
+    """`apply_texts` skips normalising ASCII texts where the prefilter's pass saw no run of
+    spaced digits; it redacts exactly as when every text is normalised first."""
+    guard = Policy.from_dict({"input": {"cn_mobile": "redact", "phone": "redact",
+                                        "bank_card": "redact", "email": "redact"}}
+                             ).compile(builtin()).input
+    quick = apply_texts(guard, texts, Vault()).texts
+    real_read = Prefilter.read
+    with mock.patch.object(Prefilter, "read",
+                           lambda self, text: (real_read(self, text)[0], True)):
+        assert apply_texts(guard, texts, Vault()).texts == quick
 
 
 @settings(max_examples=60, deadline=None)
