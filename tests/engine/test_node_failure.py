@@ -145,7 +145,7 @@ def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves
                             GATEWAY_REDIS_URL=gateway_redis)
     traffic = None
     try:
-        wait_for(lambda: routed(deployment) == {moved.pk, other.pk}, 10, "both routed")
+        wait_for(lambda: routed(deployment) == {moved.pk, other.pk}, 30, "both routed")
         traffic = Traffic(gateway.client(secret, timeout=120)).start()
         time.sleep(2)
         cluster.stop_process("agent-cpu-a", signal.SIGKILL)
@@ -164,7 +164,7 @@ def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves
             lambda: Instance.objects.filter(deployment_id=deployment, node__name="cpu-b",
                                             state=State.READY).exclude(pk=other.pk).first(),
             START_TIMEOUT, "the replacement ready on cpu-b")
-        wait_for(lambda: routed(deployment) == {other.pk, replacement.pk}, 10,
+        wait_for(lambda: routed(deployment) == {other.pk, replacement.pk}, 30,
                  "the replacement routed")
         sent_before = traffic.ok
         time.sleep(2)

@@ -61,7 +61,7 @@ def test_a_prompt_the_guard_blocks_has_counted_against_the_senders_limits(gatewa
         sent.append(post(gateway, world.acme_secret, blocked))
         return sent[-1].status_code == 400
 
-    wait_until(policy_applies, 20, "the policy reaches the gateway")
+    wait_until(policy_applies, 60, "the policy reaches the gateway")
     resp = sent[-1]
     assert resp.json()["error"]["code"] == "guardrail_blocked"
     assert stages_of(resp) == ["authenticated", "validated", "charged", "guarded"]
