@@ -61,6 +61,12 @@ def _schedule(sender: Celery, **kwargs) -> None:
                          options={"expires": settings.ENGINE_METRICS_INTERVAL_SECONDS}),
         name="autoscale deployments",
     )
+    # Uploads that received nothing for a day: failed, their partial files removed.
+    sender.add_periodic_task(
+        3600.0, sender.signature(lifecycle.EXPIRE_ABANDONED_UPLOADS,
+                                 queue=lifecycle.CONTROL_QUEUE, options={"expires": 3600}),
+        name="expire abandoned uploads",
+    )
     # Dumps of the console's database (backups_app); BACKUP_INTERVAL_MINUTES=0 turns them off.
     if settings.BACKUP_INTERVAL_MINUTES:
         interval = settings.BACKUP_INTERVAL_MINUTES * 60.0

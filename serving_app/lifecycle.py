@@ -35,6 +35,7 @@ IMPORT_NODE_FOLDER = "serving.import_node_folder"  # on the node's own queue
 STAGE_VERSION = "serving.stage_version"  # on the node's own queue: fetch into its cache
 FREE_CACHED_VERSION = "serving.free_cached_version"  # on the node's own queue: a deleted adapter
 RUN_CAPACITY_TEST = "serving.run_capacity_test"  # on the node's queue of the instance measured
+EXPIRE_ABANDONED_UPLOADS = "serving.expire_abandoned_uploads"  # scheduled by beat
 # Registered by `gateway_app.tasks` (scheduled by beat).
 DRAIN_USAGE_EVENTS = "gateway_app.drain_usage_events"
 PRUNE_USAGE_ROLLUPS = "gateway_app.prune_usage_rollups"

@@ -112,6 +112,11 @@ def import_artifact(import_id: int) -> str:
     return sources.run_import(import_id)
 
 
+@shared_task(name=lifecycle.EXPIRE_ABANDONED_UPLOADS)
+def expire_abandoned_uploads() -> int:
+    return sources.expire_abandoned_uploads()
+
+
 @shared_task(name=lifecycle.IMPORT_NODE_FOLDER, **RETRY)
 def import_node_folder(import_id: int) -> str:
     name = os.environ.get("NODE_NAME", "")

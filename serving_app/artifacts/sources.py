@@ -32,6 +32,7 @@ from serving_app.models import (
     LoraAdapter,
     Node,
 )
+from serving_app.models.adapters import UPLOAD_RESERVED_FOR
 from tenants_app.models import Tenant
 
 MAX_FILES = 10_000
@@ -175,15 +176,53 @@ class ChunkError(ValidationError):
         self.received = received
 
 
+def _taking_bytes(record: ArtifactImport) -> None:
+    """Refuse (ValidationError on `upload`) an upload that takes no more bytes: done, failed
+    (abandoned), or past `UPLOAD_RESERVED_FOR` without a byte, whose announced size no longer
+    counts against its tenant's quota (`LoraAdapter.objects.storage_used`): going on with it
+    would store files no quota check has seen."""
+    if record.state == ArtifactImport.State.FAILED:
+        raise ValidationError({"upload": record.error or "This upload failed; start a new one."})
+    if record.state != ArtifactImport.State.WAITING:
+        raise ValidationError({"upload": f"This upload is {record.state}; it takes no more "
+                                         "chunks."})
+    if record.updated_at < timezone.now() - UPLOAD_RESERVED_FOR:
+        raise ValidationError({"upload": abandoned_message()})
+
+
+def abandoned_message() -> str:
+    hours = UPLOAD_RESERVED_FOR.total_seconds() / 3600
+    return (f"No bytes of this upload arrived for {hours:g} hours: it was abandoned, its "
+            "storage is no longer held for it and its partial files are removed. Start a new "
+            "upload (files the console holds already count as sent).")
+
+
+def expire_abandoned_uploads() -> int:
+    """Fail every upload that received no bytes for `UPLOAD_RESERVED_FOR` and remove its
+    partial files (scheduled by beat); how many. Each is failed by a conditional update, so one
+    that took a chunk meanwhile is left alone. (An import's state and error are its progress,
+    which the audit log leaves out.)"""
+    now = timezone.now()
+    stale = ArtifactImport.objects.filter(source=ArtifactVersion.Source.UPLOAD,
+                                          state=ArtifactImport.State.WAITING,
+                                          updated_at__lt=now - UPLOAD_RESERVED_FOR)
+    expired = 0
+    for record in list(stale):
+        if stale.filter(pk=record.pk).update(state=ArtifactImport.State.FAILED,
+                                             error=abandoned_message(), updated_at=now):
+            shutil.rmtree(_upload_dir(record), ignore_errors=True)
+            expired += 1
+    return expired
+
+
 def receive_chunk(record: ArtifactImport, digest: str, offset: int, body: blobstore.Readable,
                   length: int) -> int:
     """Append one chunk of the file with `digest` at `offset` (which must be what was received
     so far: a resumed upload asks `upload_status()` first); the bytes received after it. The
     last chunk completes the file: its digest is checked, and a file whose bytes do not match
-    is discarded whole (ValidationError) to be uploaded again."""
-    if record.state not in (ArtifactImport.State.WAITING, ArtifactImport.State.FAILED):
-        raise ValidationError({"upload": f"This upload is {record.state}; it takes no more "
-                                         "chunks."})
+    is discarded whole (ValidationError) to be uploaded again. An upload that takes no more
+    bytes is refused (`_taking_bytes`)."""
+    _taking_bytes(record)
     item = next((f for f in record.files if f["sha256"] == digest), None)
     if item is None:
         raise ValidationError({"sha256": "No file of this upload has this digest."})
@@ -224,6 +263,7 @@ def complete_upload(record: ArtifactImport) -> ArtifactVersion:
     """The version of an upload whose files are all received."""
     if record.state == ArtifactImport.State.DONE and record.version is not None:
         return record.version
+    _taking_bytes(record)
     missing = [f["path"] for f in upload_status(record) if not f["complete"]]
     if missing:
         raise ValidationError({"files": f"Not received completely yet: {', '.join(missing[:5])}"

@@ -32,7 +32,8 @@ from serving_app.models.instances import Instance
 from serving_app.models.nodes import Node
 from tenants_app.models import Tenant, TenantOwnedQuerySet
 
-# How long an upload under way keeps its announced size reserved against its tenant's quota.
+# How long an upload under way keeps its announced size reserved against its tenant's quota
+# without a byte arriving; past it the upload is abandoned (`sources.expire_abandoned_uploads`).
 UPLOAD_RESERVED_FOR = timedelta(days=1)
 
 

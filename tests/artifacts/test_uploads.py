@@ -3,9 +3,14 @@ set of files, base models and adapters registered from a version, tenants kept a
 
 from __future__ import annotations
 
-import pytest
+from datetime import timedelta
 
-from serving_app.models import Artifact, ArtifactVersion, BaseModel, Blob
+import pytest
+from django.utils import timezone
+
+from serving_app.artifacts import sources
+from serving_app.models import Artifact, ArtifactImport, ArtifactVersion, BaseModel, Blob
+from serving_app.models.adapters import UPLOAD_RESERVED_FOR
 from tests.artifacts.conftest import announce, model_artifact
 from tests.factories import make_adapter_dir, make_model_dir
 
@@ -157,3 +162,44 @@ def test_staging_on_a_node_is_for_platform_admins_and_names_a_real_node(
                                            format="json").status_code == 400
     assert client_for(acme.owner).post(url, {"node": "nowhere"},
                                        format="json").status_code in (403, 404)
+
+
+def test_an_upload_idle_for_a_day_is_abandoned_its_files_removed_and_its_chunks_refused(
+        platform_admin, client_for, model_folder):
+    """An upload that received nothing for `UPLOAD_RESERVED_FOR` no longer holds its size
+    against the tenant's quota: going on with it would store files no quota check has seen, so
+    its chunks and its completion are refused; beat's expiry fails it, saying why, removes its
+    partial files, and leaves an upload that moved recently alone."""
+    client = client_for(platform_admin)
+    artifact = Artifact.objects.create(name="idle", kind="model")
+    files = announce(model_folder)
+    weights = next(f for f in files if f["path"] == "model.safetensors")
+    data = (model_folder / "model.safetensors").read_bytes()
+    idle, fresh = (client.post(f"/api/v1/artifacts/{artifact.pk}/uploads/", {"files": files},
+                               format="json").data for _ in range(2))
+    for record in (idle, fresh):
+        assert put_chunk(client, record["id"], weights["sha256"], data[:10], 0,
+                         len(data)).status_code == 200
+    partial = sources._upload_dir(ArtifactImport.objects.get(pk=idle["id"]))
+    assert partial.is_dir()
+    ArtifactImport.objects.filter(pk=idle["id"]).update(
+        updated_at=timezone.now() - UPLOAD_RESERVED_FOR - timedelta(minutes=1))
+
+    late = put_chunk(client, idle["id"], weights["sha256"], data[10:20], 10, len(data))
+    assert late.status_code == 400 and "abandoned" in str(late.data["upload"])
+    assert (partial / weights["sha256"]).stat().st_size == 10  # nothing written
+    assert client.post(f"/api/v1/artifact-imports/{idle['id']}/complete/").status_code == 400
+
+    assert sources.expire_abandoned_uploads() == 1
+    record = ArtifactImport.objects.get(pk=idle["id"])
+    assert record.state == "failed" and "abandoned" in record.error
+    assert not partial.exists()
+    again = put_chunk(client, idle["id"], weights["sha256"], data[:10], 0, len(data))
+    assert again.status_code == 400 and again.data["upload"] == [record.error]
+    shown = client.get(f"/api/v1/artifact-imports/{idle['id']}/").data
+    assert shown["state"] == "failed" and "abandoned" in shown["error"]
+    # The other upload moved within the day: untouched, and it goes on.
+    assert sources.expire_abandoned_uploads() == 0
+    assert ArtifactImport.objects.get(pk=fresh["id"]).state == "waiting"
+    assert put_chunk(client, fresh["id"], weights["sha256"], data[10:20], 10,
+                     len(data)).status_code == 200
