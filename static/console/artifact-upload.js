@@ -103,7 +103,8 @@
     const kept = window.localStorage.getItem(key);
     if (kept) {
       const again = await call(form, "GET", api + "artifact-imports/" + kept + "/");
-      if (again.status === 200 && again.data.state !== "done") record = again.data;
+      // Only an upload still waiting for bytes resumes (an abandoned one has failed).
+      if (again.status === 200 && again.data.state === "waiting") record = again.data;
     }
     if (!record) {
       const started = await json(form, "POST", api + "artifacts/" + artifact.id + "/uploads/", {files: announced});
@@ -124,6 +125,11 @@
           offset = reply.data.received;  // resume where the console stands
           continue;
         }
+        if (reply.status === 400 && reply.data.upload) {
+          // Abandoned (a day without bytes): the next try starts a new upload.
+          window.localStorage.removeItem(key);
+          throw new Error(message(reply.data));
+        }
         if (reply.status !== 200) throw new Error(item.path + ": " + message(reply.data));
         offset = end;
         done = reply.data.bytes_done;
@@ -131,7 +137,10 @@
       }
     }
     const finished = await call(form, "POST", api + "artifact-imports/" + record.id + "/complete/");
-    if (finished.status !== 200) throw new Error(message(finished.data));
+    if (finished.status !== 200) {
+      if (finished.status === 400 && finished.data.upload) window.localStorage.removeItem(key);
+      throw new Error(message(finished.data));
+    }
     window.localStorage.removeItem(key);
     const base = form.elements.namedItem("base_model");
     if (base && base.value) {
