@@ -18,7 +18,7 @@ from gateway_app.config import GatewayConfig
 from gateway_app.context import Context
 from gateway_app.metering import Meter
 from gateway_app.proxy import StreamRelay, Usage, read_usage
-from gateway_app.writer import persist
+from gateway_app.writer import UsageWriter, persist
 from serving_app.models.usage import UsageEvent, UsageHour, UsageMinute
 from tests.factories import make_tenant
 from tests.gateway.conftest import REDIS_URL
@@ -275,3 +275,36 @@ def test_the_writer_stores_the_error_message_and_the_stages_of_a_request():
     assert (row.error_code, row.error_message) == ("model_not_found", ctx.error_message)
     assert row.stages == [["authenticated", 2.0], ["validated", 1.0]]
     assert UsageEvent.objects.get(request_id="req-odd").stages == [["ok", 1.0]]
+
+
+@pytest.mark.django_db
+def test_the_writer_skips_an_entry_deleted_while_it_was_pending_and_goes_on():
+    """An entry of the writer's own pending list deleted from the stream (XDEL by an operator,
+    or anything else that removes it) comes back from XREADGROUP as an id without fields
+    (redis-py: an empty dict): the writer drops it as malformed, acknowledges it and stores what
+    follows, instead of failing every round on it."""
+    t = make_tenant("pending-gone")
+    client = redis.Redis.from_url(REDIS_URL)
+    stream = f"usage-test-{time.monotonic_ns()}"
+    writer = UsageWriter(client, stream=stream, group="writers", consumer="w1")
+
+    def event(i: int) -> dict:
+        return {"id": f"gone-{stream}-{i}", "at": time.time(), "tenant": t.pk, "key": None,
+                "endpoint": "completions", "model": "m", "status": 200, "prompt": 1,
+                "completion": 1, "latency_ms": 1.0, "ttft_ms": None}
+
+    try:
+        gone = client.xadd(stream, {"e": json.dumps(event(0))})
+        writer._ensure_group()
+        assert client.xreadgroup("writers", "w1", {stream: ">"})  # read, not stored: pending
+        client.xdel(stream, gone)
+        client.xadd(stream, {"e": json.dumps(event(1))})
+        handled = writer.drain(max_seconds=10)
+        assert handled >= 1
+        assert list(UsageEvent.objects.filter(tenant=t).values_list("request_id", flat=True)
+                    ) == [f"gone-{stream}-1"]
+        assert client.xpending(stream, "writers")["pending"] == 0
+        assert client.xlen(stream) == 0
+    finally:
+        client.delete(stream)
+        client.close()
