@@ -93,14 +93,14 @@ def _each(guard: DirectionGuard, texts: Sequence[str], written: list[int]
     ASCII texts are read as written unless one holds a run of spaced digits (`normalise`); the
     prefilter's pass says so with the candidates (`Prefilter.read`), and only a text where it
     may is normalised (then the candidates are looked for again only if a run was folded)."""
-    ascii = all(t.isascii() for t in texts)
-    if ascii:
+    all_ascii = all(t.isascii() for t in texts)
+    if all_ascii:
         reading = "\n".join(texts)
         candidates, may_fold = guard.prefilter.read(reading)
         read = [normalise(t) if may_fold else Normalised(t, t) for t in texts]
     else:
         read = [normalise(t) for t in texts]
-    if not ascii or any(n.starts is not None for n in read):
+    if not all_ascii or any(n.starts is not None for n in read):
         reading = "\n".join(n.text for n in read)
         candidates = guard.prefilter.candidates(reading)
     starts = [0]  # where each read text starts in the newline-joined reading
