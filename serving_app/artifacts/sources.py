@@ -176,6 +176,13 @@ class ChunkError(ValidationError):
         self.received = received
 
 
+# Why an upload idle past its reservation takes no more bytes (its error once expired).
+ABANDONED = (f"No bytes of this upload arrived for {UPLOAD_RESERVED_FOR.total_seconds() / 3600:g}"
+             " hours: it was abandoned, its storage is no longer held for it and its partial "
+             "files are removed. Start a new upload (files the console holds already count as "
+             "sent).")
+
+
 def _taking_bytes(record: ArtifactImport) -> None:
     """Refuse (ValidationError on `upload`) an upload that takes no more bytes: done, failed
     (abandoned), or past `UPLOAD_RESERVED_FOR` without a byte, whose announced size no longer
@@ -187,14 +194,7 @@ def _taking_bytes(record: ArtifactImport) -> None:
         raise ValidationError({"upload": f"This upload is {record.state}; it takes no more "
                                          "chunks."})
     if record.updated_at < timezone.now() - UPLOAD_RESERVED_FOR:
-        raise ValidationError({"upload": abandoned_message()})
-
-
-def abandoned_message() -> str:
-    hours = UPLOAD_RESERVED_FOR.total_seconds() / 3600
-    return (f"No bytes of this upload arrived for {hours:g} hours: it was abandoned, its "
-            "storage is no longer held for it and its partial files are removed. Start a new "
-            "upload (files the console holds already count as sent).")
+        raise ValidationError({"upload": ABANDONED})
 
 
 def expire_abandoned_uploads() -> int:
@@ -209,7 +209,7 @@ def expire_abandoned_uploads() -> int:
     expired = 0
     for record in list(stale):
         if stale.filter(pk=record.pk).update(state=ArtifactImport.State.FAILED,
-                                             error=abandoned_message(), updated_at=now):
+                                             error=ABANDONED, updated_at=now):
             shutil.rmtree(_upload_dir(record), ignore_errors=True)
             expired += 1
     return expired
