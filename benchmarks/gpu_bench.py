@@ -272,8 +272,8 @@ class EngineSampler:
     GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
               "kv_usage": "vllm:kv_cache_usage_perc"}
 
-    def __init__(self, url: str, interval: float = 0.5) -> None:
-        self.url = url
+    def __init__(self, url: str, key: str, interval: float = 0.5) -> None:
+        self.url, self.key = url, key
         self.interval = interval
         # (perf_counter, value): the clock of vLLM's per-request start times (CLOCK_MONOTONIC,
         # the same in every process), so that only the measured window is summarized.
@@ -302,12 +302,9 @@ class EngineSampler:
     def loop(self) -> None:
         import httpx
 
-        from serving_app.engine.client import engine_http  # the console CA's certificate
-
-        client = engine_http()
         while not self.stop_event.wait(self.interval):
             try:
-                text = client.get(self.url + "/metrics", timeout=2).text
+                text = engine_metrics(self.url, self.key, timeout=2)
             except httpx.HTTPError:
                 continue
             now = time.perf_counter()
@@ -325,23 +322,30 @@ class EngineSampler:
         return out
 
 
-def wait_idle(urls: dict[str, str], seconds: float = 60.0) -> dict[str, dict[str, Any]]:
-    """Until no engine of `urls` (name -> base URL: every bench engine, as they share the GPU)
+def engine_metrics(url: str, key: str, timeout: float) -> str:
+    """The /metrics text of the engine at `url` (its key: every route but /health needs it);
+    an HTTPError for any answer but 200, so that a refusal is never read as an idle engine."""
+    from serving_app.engine.client import EngineClient
+
+    return EngineClient(url, key).metrics(timeout=timeout)
+
+
+def wait_idle(engines: dict[str, tuple[str, str]], seconds: float = 60.0
+              ) -> dict[str, dict[str, Any]]:
+    """Until no engine of `engines` (name -> base URL and key: every bench engine, as they
+    share the GPU)
     has a request running or waiting, for at most `seconds`; returns what each reported last.
     A point measured beside someone else's load measures that load as well: on the GPU host a
     client of a benchmark killed by its call's time limit went on sending 16 concurrent
     requests through the runs after it (docs/gpu.md). Exits naming the busy engines."""
     import httpx
 
-    from serving_app.engine.client import engine_http
-
     deadline = time.monotonic() + seconds
     while True:
         seen: dict[str, dict[str, Any]] = {}
-        for name, url in urls.items():
+        for name, (url, key) in engines.items():
             try:
-                seen[name] = EngineSampler.gauges(
-                    engine_http().get(url + "/metrics", timeout=5).text)
+                seen[name] = EngineSampler.gauges(engine_metrics(url, key, timeout=5))
             except httpx.HTTPError as exc:
                 seen[name] = {"error": str(exc) or type(exc).__name__}
         busy = {name: g for name, g in seen.items()
@@ -355,9 +359,9 @@ def wait_idle(urls: dict[str, str], seconds: float = 60.0) -> dict[str, dict[str
         time.sleep(1)
 
 
-def bench_engines() -> dict[str, str]:
-    """Every engine `setup` started, by configuration: their base URLs."""
-    return {config: inst.base_url for config in state()["deployments"]
+def bench_engines() -> dict[str, tuple[str, str]]:
+    """Every engine `setup` started, by configuration: their base URLs and keys."""
+    return {config: (inst.base_url, inst.secret) for config in state()["deployments"]
             for inst in instances(config)[:1]}
 
 
@@ -494,7 +498,8 @@ def fair(args: argparse.Namespace) -> None:
                     bench engine idle before it)."""
                     idle = wait_idle(bench_engines())
                     configure(dep_id, mode, budget)
-                    with EngineSampler(instances(config)[0].base_url) as sampler:
+                    first = instances(config)[0]
+                    with EngineSampler(first.base_url, first.secret) as sampler:
                         run = loads.run(plan, seconds, lead)
                     fig = figures([run], DEPARTMENTS)
                     fig["engine"] = sampler.summary(*window_of(run))

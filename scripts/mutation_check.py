@@ -484,6 +484,23 @@ BREAKAGES = (
         engine=True,
     ),
     Breakage(
+        # The engines' middleware lets a caller without the key through: a node's certificate
+        # alone reaches other nodes' /invocations, /adapters and /metrics again.
+        "engine-route-without-key",
+        "vllm_plugins/console_auth.py",
+        "        return False\n",
+        "        return True\n",
+        ("tests/unit/test_console_auth.py",),
+    ),
+    Breakage(
+        # Every engine is started without the middleware: vLLM's own check (/v1 only) is all.
+        "engine-without-key-middleware",
+        "serving_app/engine/launch.py",
+        '                                   *tls_arguments(), *KEY_ON_EVERY_ROUTE]\n',
+        '                                   *tls_arguments()]\n',
+        ("tests/unit/test_launch_spec.py::test_every_api_server_checks_the_key_on_every_route",),
+    ),
+    Breakage(
         # Ready means /health at 200 and nothing more: an adapter whose generation fails (NaN
         # weights, loaded at run time into the real engine) is routed to.
         "engine-canary-is-health-alone",

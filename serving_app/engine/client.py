@@ -61,9 +61,9 @@ class EngineClient:
         return response.status_code == 200
 
     def metrics(self, timeout: float | None = None) -> str:
-        """The engine's Prometheus exposition (`/metrics` is not behind the engine's key, only
-        behind its client certificate)."""
-        response = engine_http().get(f"{self.base_url}/metrics",
+        """The engine's Prometheus exposition (behind the engine's key like every route but
+        `/health`: `vllm_plugins/console_auth.py`)."""
+        response = engine_http().get(f"{self.base_url}/metrics", headers=self.headers,
                                      timeout=timeout or self.timeout)
         response.raise_for_status()
         return response.text

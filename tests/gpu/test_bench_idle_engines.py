@@ -2,7 +2,9 @@
 an earlier run (on the GPU host, a client of a benchmark killed by its call's time limit sent
 16 concurrent requests through the runs after it) would be measured with the point. The
 engines here are HTTP servers on loopback answering /metrics with an H200 engine's real text
-(`fixtures/engine_metrics_h200.txt`), its request gauges set as each case needs: no GPU here."""
+(`fixtures/engine_metrics_h200.txt`), its request gauges set as each case needs, to a caller
+with the engine's key only (as a console engine answers: `vllm_plugins/console_auth.py`): no
+GPU here."""
 
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class Engine:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+                if self.headers.get("Authorization") != f"Bearer {engine.key}":
+                    self.send_response(401)
+                    self.end_headers()
+                    return
                 body = METRICS.replace(RUNNING, RUNNING[:-3] + str(engine.next("running")))
                 body = body.replace(WAITING, WAITING[:-3] + str(engine.next("waiting")))
                 self.send_response(200)
@@ -41,6 +47,8 @@ class Engine:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.key = f"key-{self.server.server_address[1]}"
+        self.pair = (self.url, self.key)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def next(self, gauge: str) -> float:
@@ -68,14 +76,14 @@ def test_the_gauges_are_read_from_a_real_engines_metrics():
 
 def test_idle_engines_pass_at_once_and_what_they_reported_is_returned(engines):
     a, b = engines([0.0]), engines([0.0])
-    seen = gpu_bench.wait_idle({"fcfs-8k": a.url, "fcfs-2k": b.url}, seconds=5)
+    seen = gpu_bench.wait_idle({"fcfs-8k": a.pair, "fcfs-2k": b.pair}, seconds=5)
     assert seen["fcfs-8k"]["running"] == 0 and seen["fcfs-2k"]["waiting"] == 0
 
 
 def test_a_point_waits_for_the_requests_still_running_to_end(engines):
     a = engines([0.0])
     b = engines([3.0, 1.0, 0.0], waiting=[2.0, 0.0])  # the last point's requests ending
-    seen = gpu_bench.wait_idle({"fcfs-8k": a.url, "fcfs-2k": b.url}, seconds=20)
+    seen = gpu_bench.wait_idle({"fcfs-8k": a.pair, "fcfs-2k": b.pair}, seconds=20)
     assert seen["fcfs-2k"]["running"] == 0
     assert b.running == [0.0]  # it was read until it was idle
 
@@ -83,7 +91,7 @@ def test_a_point_waits_for_the_requests_still_running_to_end(engines):
 def test_an_engine_that_stays_busy_stops_the_benchmark_naming_it(engines):
     a, busy = engines([0.0]), engines([16.0])
     with pytest.raises(SystemExit) as stopped:
-        gpu_bench.wait_idle({"fcfs-8k": busy.url, "fcfs-2k": a.url}, seconds=2)
+        gpu_bench.wait_idle({"fcfs-8k": busy.pair, "fcfs-2k": a.pair}, seconds=2)
     message = str(stopped.value)
     assert message.startswith("not measured") and "fcfs-8k" in message
     assert "'running': 16.0" in message and "fcfs-2k" not in message
@@ -91,8 +99,15 @@ def test_an_engine_that_stays_busy_stops_the_benchmark_naming_it(engines):
 
 def test_an_engine_that_does_not_answer_is_not_taken_for_idle(engines):
     a = engines([0.0])
-    url = a.url
+    pair = a.pair
     a.server.shutdown()
     a.server.server_close()
     with pytest.raises(SystemExit, match="not measured"):
-        gpu_bench.wait_idle({"fcfs-8k": url}, seconds=1)
+        gpu_bench.wait_idle({"fcfs-8k": pair}, seconds=1)
+
+
+def test_an_engine_that_refuses_the_key_is_not_taken_for_idle(engines):
+    a = engines([0.0])
+    with pytest.raises(SystemExit, match="not measured") as stopped:
+        gpu_bench.wait_idle({"fcfs-8k": (a.url, "not its key")}, seconds=1)
+    assert "401" in str(stopped.value)

@@ -13,6 +13,7 @@ from django.utils import timezone
 from serving_app.deployments.reconcile import declare_lost_nodes
 from serving_app.engine.agent import only_owned
 from serving_app.engine.launch import HEADLESS_SERVE, build_launch_spec
+from serving_app.engine.supervisor import option_value as flag_value
 from serving_app.fleet.place import place_replicas
 from serving_app.fleet.report import dry_run
 from serving_app.models import Instance, InstanceWorker
@@ -66,6 +67,9 @@ def test_a_group_wider_than_a_node_is_one_instance_led_from_one_node(model, tena
     assert spec.argv[spec.argv.index(HEADLESS_SERVE) - 1] == "-c"
     assert "--node-rank 1" in " ".join(spec.argv) and "--headless" in spec.argv
     assert "--port" not in spec.argv and "--lora-modules" not in spec.argv
+    # The leader's API server checks the key on every route; the worker serves no route.
+    assert flag_value(leader.argv, "--middleware") == "console_auth.EveryRouteNeedsKey"
+    assert "--middleware" not in spec.argv
     assert spec.env["VLLM_HOST_IP"] == worker.node.address
     # NVLink multicast stays off in every engine of the group.
     for env in (leader.env, spec.env):

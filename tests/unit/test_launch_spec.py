@@ -219,6 +219,26 @@ def test_a_one_node_engine_keeps_every_socket_but_its_api_on_loopback(tenant, ba
     assert spec.env["GLOO_SOCKET_IFNAME"] == "lo" and spec.env["VLLM_HOST_IP"] == "127.0.0.1"
 
 
+def test_every_api_server_checks_the_key_on_every_route(tenant, base_model, settings):
+    """vLLM's own key check guards /v1 only: every engine's API server loads the console's
+    middleware (`vllm_plugins/console_auth.py`) from the plugins' folder, first on its
+    PYTHONPATH before the node's vLLM folder, and takes the key from its environment; with TLS
+    off too (the key is then all that guards the routes)."""
+    deployment = make_deployment(base_model, [tenant], name="d")
+    instance = Instance.objects.create(deployment=deployment, port=18128)
+    plugins = Path(django_settings.BASE_DIR) / "vllm_plugins"
+    assert (plugins / "console_auth.py").is_file()
+    for pythonpath, expected in (("", str(plugins)),
+                                 ("/opt/vllm-site", f"{plugins}{os.pathsep}/opt/vllm-site")):
+        spec = build_launch_spec(instance, pythonpath=pythonpath)
+        assert flag(spec.argv, "--middleware") == "console_auth.EveryRouteNeedsKey"
+        assert spec.env["PYTHONPATH"] == expected
+        assert spec.secret_env == {"VLLM_API_KEY": instance.secret}
+    settings.ENGINE_TLS = False
+    assert flag(build_launch_spec(instance).argv, "--middleware") == \
+        "console_auth.EveryRouteNeedsKey"
+
+
 def test_engines_speak_plain_http_only_with_engine_tls_off(tenant, base_model, settings):
     deployment = make_deployment(base_model, [tenant], name="d")
     instance = Instance.objects.create(deployment=deployment, port=18127)
