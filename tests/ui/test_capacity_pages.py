@@ -106,10 +106,25 @@ def test_running_a_test_queues_it_and_shows_its_progress_until_it_ends(
 def test_bad_settings_and_no_ready_instance_say_what_to_do(shared, platform_admin, login,
                                                             enqueued):
     client = login(platform_admin)
-    bad = client.post(f"/deployments/{shared.pk}/capacity-tests/", {
-        "input_tokens": "64", "output_tokens": "16", "concurrency": "1, x",
-        "requests_per_level": "8"}, follow=True).content.decode()
-    assert "Not started: concurrency: Numbers separated by commas" in bad
+    # Refused settings: the page again, the form as typed, each message under its field.
+    for typed, field, message in (
+            ({"concurrency": "1, x"}, "concurrency", "Numbers separated by commas"),
+            ({"output_tokens": "1"}, "output_tokens", "greater than or equal to 2"),
+            ({"concurrency": "2, 2"}, "concurrency", "Each level once"),
+            ({"requests_per_level": "2", "concurrency": "1, 8"}, "requests_per_level",
+             "At least the highest concurrency level (8)"),
+            ({"input_tokens": "99999"}, "input_tokens", "must fit the deployment's context")):
+        response = client.post(f"/deployments/{shared.pk}/capacity-tests/", {
+            "input_tokens": "64", "output_tokens": "16", "concurrency": "1",
+            "requests_per_level": "8", **typed})
+        assert response.status_code == 400, typed
+        form = response.context["capacity_form"]
+        assert form.errors[field] and message in " ".join(form.errors[field]), form.errors
+        html = response.content.decode()
+        section = html.split('id="capacity-test-form"')[1].split("</form>")[0]
+        assert f'data-field="{field}"' in section and "errorlist" in section
+        assert f'value="{typed[field]}"' in section  # as typed
+    assert CapacityTest.objects.count() == 0 and enqueued == []
     Instance.objects.update(state="failed")
     none = client.post(f"/deployments/{shared.pk}/capacity-tests/", {
         "input_tokens": "64", "output_tokens": "16", "concurrency": "1",

@@ -23,8 +23,10 @@ from ui_app.scoping import StaffPage
 PAST_TESTS = 10
 
 
-def capacity_context(deployment: Deployment) -> dict[str, Any]:
-    """The deployment page's "Capacity" section."""
+def capacity_context(deployment: Deployment, form: CapacityTestForm | None = None
+                     ) -> dict[str, Any]:
+    """The deployment page's "Capacity" section; `form`: one refused, shown with its errors
+    (default: a new one with the deployment's defaults)."""
     tenants = list(deployment.tenants.order_by("slug"))
     curve = CapacityTest.objects.curves([deployment]).get(deployment.pk)
     defaults = defaults_for(deployment)
@@ -35,7 +37,7 @@ def capacity_context(deployment: Deployment) -> dict[str, Any]:
         "capacity_charts": list(CHARTS),
         "tenant_costs": [(tenant, costs_on([deployment], objectives_of(tenant))[0].cost)
                          for tenant in tenants] if curve else [],
-        "capacity_form": CapacityTestForm(initial=defaults),
+        "capacity_form": form or CapacityTestForm(initial=defaults),
         **tests_context(deployment),
     }
 
@@ -57,20 +59,25 @@ class DeploymentCapacityTestsPartial(StaffPage, View):
 
 class DeploymentCapacityTestView(StaffPage, View):
     """Run a capacity test (`CapacityTest.objects.start()`): queued on the node of one of the
-    deployment's ready instances."""
+    deployment's ready instances. Settings refused (by the form or by `start()`'s validation)
+    come back as the deployment page with the form as typed and each message under its field
+    (400); a test that cannot start now (none ready, one already running) is a message above
+    the section. `page`: the deployment page's view (given by the URLconf: it imports this
+    module)."""
+
+    page: type[Any] | None = None
 
     def post(self, request: HttpRequest, pk: int) -> HttpResponse:
         deployment = get_object_or_404(Deployment, pk=pk)
         form = CapacityTestForm(request.POST)
         if not form.is_valid():
-            messages.error(request, "Not started: " + _problems(form.errors.get_json_data()))
-            return _to_section(deployment)
+            return self.refused(request, pk, form)
         try:
             test = CapacityTest.objects.start(deployment, request.user, **form.cleaned_data)
         except ValidationError as exc:
-            messages.error(request, "Not started: " + "; ".join(
-                f"{name.replace('_', ' ')}: {' '.join(errors)}"
-                for name, errors in exc.message_dict.items()))
+            for name, errors in exc.message_dict.items():
+                form.add_error(name if name in form.fields else None, errors)
+            return self.refused(request, pk, form)
         except Refused as exc:
             messages.error(request, f"Not started: {exc}")
         else:
@@ -78,6 +85,15 @@ class DeploymentCapacityTestView(StaffPage, View):
                                       "sends real load to the engine beside its tenants' "
                                       "traffic.")
         return _to_section(deployment)
+
+    def refused(self, request: HttpRequest, pk: int, form: CapacityTestForm) -> HttpResponse:
+        """The deployment page, its capacity form as typed with its errors (400)."""
+        assert self.page is not None, "the URLconf gives the deployment page's view"
+        view = self.page(capacity_form=form)
+        view.setup(request, pk=pk)
+        response: HttpResponse = view.get(request, pk=pk)
+        response.status_code = 400
+        return response
 
 
 class CapacityTestCancelView(StaffPage, View):
@@ -93,9 +109,6 @@ class CapacityTestCancelView(StaffPage, View):
         return _to_section(test.deployment)
 
 
-def _problems(errors: dict[str, list[dict[str, str]]]) -> str:
-    return "; ".join(f"{name.replace('_', ' ')}: {' '.join(e['message'] for e in problems)}"
-                     for name, problems in errors.items())
 
 
 def _to_section(deployment: Deployment) -> HttpResponse:

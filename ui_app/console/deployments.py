@@ -33,7 +33,7 @@ from serving_app.models.events import Kind
 from serving_app.placement.inventory import GIB
 from ui_app.console.base import ObjectCreateView, ObjectUpdateView, is_htmx
 from ui_app.console.capacity import capacity_context
-from ui_app.console.forms import AttachAdapterForm, ScaleForm
+from ui_app.console.forms import AttachAdapterForm, CapacityTestForm, ScaleForm
 from ui_app.scoping import StaffPage
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -63,6 +63,7 @@ class DeploymentListView(StaffPage, ListView[Deployment]):
 
 class DeploymentDetailView(StaffPage, DetailView[Deployment]):
     template_name = "console/deployment_detail.html"
+    capacity_form: CapacityTestForm | None = None  # a refused one, with its errors
 
     def get_queryset(self) -> QuerySet[Deployment]:
         return deployments_with_instances().prefetch_related("adapters__tenant")
@@ -92,7 +93,7 @@ class DeploymentDetailView(StaffPage, DetailView[Deployment]):
         context["autoscaler"] = Autoscaler.objects.filter(deployment=self.object).first()
         context["autoscale_changes"] = self.object.events.filter(
             kind=Kind.AUTOSCALE)[:10]
-        context.update(capacity_context(self.object))
+        context.update(capacity_context(self.object, self.capacity_form))
         return context
 
 
