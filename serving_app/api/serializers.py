@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -117,7 +118,8 @@ class LoraAdapterSerializer(ViewerMixin, ValidatedModelSerializer[LoraAdapter]):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if self.instance is not None:
-            for field in ("tenant", "base_model"):
+            fixed: tuple[str, ...] = ("tenant", "base_model")
+            for field in fixed:
                 if field in attrs and attrs[field] != getattr(self.instance, field):
                     raise serializers.ValidationError(
                         {field: "Cannot be changed; register a new adapter."}
@@ -148,7 +150,7 @@ PATH_FORBIDDEN = (
 )
 
 
-def _generic_host_path(detail: dict[str, Any]) -> dict[str, Any]:
+def _generic_host_path(detail: Mapping[Any, Any]) -> dict[str, Any]:
     """Host-path problems (whether a folder exists, where it lies) as one generic message."""
     out: dict[str, Any] = {}
     for field, errors in detail.items():

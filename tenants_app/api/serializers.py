@@ -77,7 +77,8 @@ class MembershipSerializer(ValidatedModelSerializer[Membership]):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if self.instance is not None:
-            for field in ("tenant", "user"):
+            fixed: tuple[str, ...] = ("tenant", "user")
+            for field in fixed:
                 if field in attrs and attrs[field] != getattr(self.instance, field):
                     raise serializers.ValidationError({field: "Cannot be changed; add a new one."})
         return super().validate(attrs)
