@@ -6,6 +6,7 @@ at a time."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from serving_app.engine import environment, starting
-from serving_app.engine.launch import build_launch_spec
+from serving_app.engine.launch import PLUGINS, build_launch_spec
 from serving_app.fleet.sync import store_inventory
 from serving_app.management.commands.gpu_check import SHAPES, write_shape
 from serving_app.modelfiles import ModelFilesError, config_parameters, read_model
@@ -50,9 +51,10 @@ def test_a_nodes_interpreter_and_pythonpath_run_the_engine(base_model):
     start = spec.argv.index("/usr/bin/python3")  # after `chrt --idle 0` for a CPU engine
     assert spec.argv[start:start + 3] == ["/usr/bin/python3", "-m",
                                           "vllm.entrypoints.openai.api_server"]
-    assert spec.env["PYTHONPATH"] == "/opt/vllm-site"
+    # The node's vLLM folder, after the console's plugins' (the engines' key middleware).
+    assert spec.env["PYTHONPATH"] == f"{PLUGINS}{os.pathsep}/opt/vllm-site"
     default = build_launch_spec(instance, engine_env="/e")
-    assert "/e/bin/python" in default.argv and "PYTHONPATH" not in default.env
+    assert "/e/bin/python" in default.argv and default.env["PYTHONPATH"] == str(PLUGINS)
 
 
 # -- capacity-test models ---------------------------------------------------------------------
