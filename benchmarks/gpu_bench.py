@@ -333,8 +333,8 @@ def engine_metrics(url: str, key: str, timeout: float) -> str:
 def wait_idle(engines: dict[str, tuple[str, str]], seconds: float = 60.0
               ) -> dict[str, dict[str, Any]]:
     """Until no engine of `engines` (name -> base URL and key: every bench engine, as they
-    share the GPU)
-    has a request running or waiting, for at most `seconds`; returns what each reported last.
+    share the GPU) has a request running or waiting, for at most `seconds`; returns what each
+    reported last.
     A point measured beside someone else's load measures that load as well: on the GPU host a
     client of a benchmark killed by its call's time limit went on sending 16 concurrent
     requests through the runs after it (docs/gpu.md). Exits naming the busy engines."""

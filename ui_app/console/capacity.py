@@ -109,8 +109,6 @@ class CapacityTestCancelView(StaffPage, View):
         return _to_section(test.deployment)
 
 
-
-
 def _to_section(deployment: Deployment) -> HttpResponse:
     response = redirect("console:deployment-detail", pk=deployment.pk)
     response["Location"] += "#capacity"
