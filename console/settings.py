@@ -473,6 +473,11 @@ ENGINE_CPU_KVCACHE_GIB = env_int("ENGINE_CPU_KVCACHE_GIB", 1, minimum=1)
 ENGINE_ENV_ALLOW = env_list("ENGINE_ENV_ALLOW", [])
 # CPU engines run under SCHED_IDLE by default (see serving_app/engine/launch.py for why).
 ENGINE_CPU_SCHEDULING = env_choice("ENGINE_CPU_SCHEDULING", "idle", ("idle", "normal"))
+# Where a one-rank CPU engine runs its model worker: "process", vLLM's default (a process of its
+# own, its OpenMP threads bound to cores), or "engine-core" (inside the EngineCore process:
+# about half the CPU to start, no thread binding; for small hosts: the demo, CI). See
+# serving_app/engine/launch.py's cpu_environment.
+ENGINE_CPU_WORKER = env_choice("ENGINE_CPU_WORKER", "process", ("process", "engine-core"))
 ENGINE_SUPERVISE_SECONDS = env_float("ENGINE_SUPERVISE_SECONDS", 2.0, minimum=0.1)
 ENGINE_HEALTH_FAILURES = env_int("ENGINE_HEALTH_FAILURES", 3, minimum=1)
 # Canary generations (serving_app/engine/canary.py): how long one may take, and the backoff of

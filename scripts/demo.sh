@@ -44,7 +44,9 @@ start() {  # start LABEL COMMAND...: its own process group, output to var/demo-l
 }
 start control .venv/bin/celery -A console worker -Q control -B -s var/celerybeat-schedule \
     --pool threads -c 2 -n control@%h -l info
-NODE_NAME=demo-cpu start node-agent .venv/bin/celery -A console worker -Q node.demo-cpu \
+# A small host: the engine's worker runs inside its EngineCore (ENGINE_CPU_WORKER, about half
+# the CPU to start; docs/configuration.md).
+NODE_NAME=demo-cpu ENGINE_CPU_WORKER="${ENGINE_CPU_WORKER:-engine-core}" start node-agent .venv/bin/celery -A console worker -Q node.demo-cpu \
     --pool threads -c 4 -n demo-cpu@%h -l info
 if $PY manage.py help usage_writer >/dev/null 2>&1; then
     start usage-writer $PY manage.py usage_writer

@@ -434,6 +434,16 @@ BREAKAGES = (
         engine=True,
     ),
     Breakage(
+        # The one-rank CPU worker setting applied to a rank of a group across CPU hosts too,
+        # whose ranks vLLM's multiprocessing executor must start.
+        "cpu-worker-setting-reaches-a-group",
+        "serving_app/engine/launch.py",
+        "    elif engine.world_size == 1 and settings.ENGINE_CPU_WORKER == \"engine-core\":\n",
+        "    elif settings.ENGINE_CPU_WORKER == \"engine-core\":\n",
+        ("tests/placement_db/test_multi_node_groups.py::"
+         "test_cpu_hosts_take_one_rank_each_and_count_it_as_an_engine",),
+    ),
+    Breakage(
         # A CPU engine with LoRA on counted as computing prompt logprobs: the gateway would
         # send them to engines that die computing them in a batch (issue 40).
         "cpu-lora-engine-computes-prompt-logprobs",

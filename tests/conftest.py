@@ -16,7 +16,8 @@ from rest_framework.test import APIClient
 from serving_app.fleet import credentials, rowsecurity
 from serving_app.models import Node
 from tenants_app.models import Role, Tenant
-from tests import parallel
+from tests import engine_slots, parallel
+from tests.engines import ENGINE_PYTHON, SharedEngine, engine_installed
 from tests.factories import add_member, make_base_model, make_tenant, make_user
 from tests.redis_server import PrivateRedis
 
@@ -183,15 +184,54 @@ def enqueued(monkeypatch) -> list[tuple]:
     return calls
 
 
+# The session's shared engine once started, and the last test (in this process's order) that
+# uses it: after that test it stops and gives its engine slot back (tests/engines.py).
+_shared_engine: SharedEngine | None = None
+_last_engine_user = ""
+
+
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory):
-    """The real CPU vLLM engine, one for the whole session, shared by the gateway and browser
-    suites (tests/engines.py)."""
-    from tests.engines import engine_installed, run_engine
-
+    """The real CPU vLLM engine, one for the session, shared by the gateway and browser suites
+    (tests/engines.py), from the first test that uses it to the last."""
+    global _shared_engine
     if not engine_installed():
         pytest.skip("engine environment not installed (scripts/setup_engine.sh)")
-    yield from run_engine(tmp_path_factory.mktemp("engine") / "engine.log")
+    _shared_engine = SharedEngine(tmp_path_factory.mktemp("engine") / "engine.log")
+    try:
+        yield _shared_engine.start()
+    finally:
+        _shared_engine.stop()
+
+
+@pytest.fixture(autouse=True)
+def _engine_slots(request):
+    """The engine slots a test that starts engines itself declares (`@pytest.mark.engines(N)`,
+    tests/engine_slots.py): taken before its fixtures start, given back after they stopped."""
+    marker = request.node.get_closest_marker("engines")
+    if marker is None:
+        yield
+        return
+    # Never wait for slots while holding one: a test at the head of the queue may be waiting
+    # for the shared engine's (tests/engine_slots.py). The next test that uses the shared
+    # engine starts it again.
+    if _shared_engine is not None:
+        _shared_engine.stop()
+    with engine_slots.slots().holding(int(marker.args[0]), request.node.nodeid):
+        yield
+
+
+def pytest_runtest_setup(item):
+    # The shared engine stopped after what was thought its last user: started again.
+    if _shared_engine is not None and "engine" in getattr(item, "fixturenames", ()):
+        _shared_engine.start()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _shared_engine is not None and item.nodeid == _last_engine_user:
+        _shared_engine.stop()
 
 
 # -- parallel workers and what the run cost (tests/parallel.py) ------------------------------
@@ -222,6 +262,9 @@ def pytest_collection_modifyitems(config, items):
     yield  # pytest-django orders the tests
     if distributed:
         parallel.order_units(items)
+    global _last_engine_user
+    users = [item.nodeid for item in items if "engine" in getattr(item, "fixturenames", ())]
+    _last_engine_user = users[-1] if users else ""
 
 
 def pytest_runtest_logreport(report):
@@ -233,9 +276,22 @@ def _is_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
+_census: engine_slots.Census | None = None
+
+
+def pytest_sessionstart(session):
+    global _census
+    if not hasattr(session.config, "workerinput"):  # the controller, or the only process
+        engine_slots.run_folder()  # made before the workers start, which inherit it
+        _census = engine_slots.Census(ENGINE_PYTHON)
+        _census.start()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not hasattr(config, "workerinput"):
         parallel.report(terminalreporter, _costs)
+        if _census is not None:
+            parallel.report_engines(terminalreporter, _census)
     _summarize_skips(terminalreporter)
 
 

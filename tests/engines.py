@@ -11,7 +11,6 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +21,7 @@ from benchmarks.gateway_bench import free_port, kill_group
 from serving_app import pki
 from serving_app.engine.client import engine_http
 from serving_app.engine.launch import CPU_IDLE_PREFIX, tls_arguments
+from tests import engine_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_VENV = Path(settings.ENGINE_VENV)
@@ -122,14 +122,49 @@ def engine_installed() -> bool:
     return (ENGINE_VENV / ".engine-install-complete").exists()
 
 
-def run_engine(log: Path) -> Iterator[Engine]:
-    port = free_port()
+class SharedEngine:
+    """The session's engine, started when a test first needs it and stopped when the tests of
+    this process that use it are done (tests/conftest.py orders them one after the other), so
+    that its engine slot (tests/engine_slots.py) goes to the engine chains for the rest of the
+    run. Started again, on the same port, if a later test needs it after all."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.slot: list[int] = []
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None
+
+    def start(self) -> Engine:
+        if self.proc is None:
+            self.slot = engine_slots.slots().take(1, "the session's shared engine")
+            try:
+                self.proc = launch_engine(self.port, self.log)
+            except BaseException:
+                engine_slots.slots().give(self.slot)
+                raise
+        return Engine(self.port, ENGINE_SECRET)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
+            self.proc = None
+            engine_slots.slots().give(self.slot)
+
+
+def launch_engine(port: int, log: Path) -> subprocess.Popen:
+    """Start the engine on `port` and wait for its health check."""
     # The secret in the environment, as node agents start engines (never on the command line).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-           "VLLM_NO_USAGE_STATS": "1", "VLLM_API_KEY": ENGINE_SECRET}
+           "VLLM_NO_USAGE_STATS": "1", "VLLM_API_KEY": ENGINE_SECRET,
+           # Its worker inside EngineCore, as the test clusters' engines (ENGINE_CPU_WORKER).
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for name in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH"):
         env.pop(name, None)
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         proc = subprocess.Popen(
             [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
              "--model", str(MODELS / "tiny-llama"),
@@ -151,6 +186,7 @@ def run_engine(log: Path) -> Iterator[Engine]:
                                       timeout=2).status_code == 200,
             240, "engine start", proc,
         )
-        yield Engine(port, ENGINE_SECRET)
-    finally:
+    except BaseException:
         kill_group(proc)
+        raise
+    return proc

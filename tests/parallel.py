@@ -41,6 +41,7 @@ from django.conf import settings
 from pytest_django.plugin import validate_django_db
 from xdist.scheduler import LoadScopeScheduling
 
+from tests import engine_slots
 from tests.redis_server import PrivateRedis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,7 @@ def setup_nodes(specs) -> None:
         _servers.append(server)
         spec.env.update(worker_environment(index, server.port))
         spec.env[UNITS_FILE] = str(units_file)
+        spec.env[engine_slots.FOLDER_ENV] = str(engine_slots.run_folder())
 
 
 def worker_environment(index: int, redis_port: int) -> dict[str, str]:
@@ -159,13 +161,33 @@ def order_units(items: list[pytest.Item]) -> None:
     # Without a back worker every worker takes from the front: units without transactional
     # tests go first then, so that no worker runs one after a flush.
     tx_first = has_back_worker(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "3")))
+    engine_files = {file_of(item.nodeid) for item in items
+                    if "engine" in getattr(item, "fixturenames", ())}
+    starters = {file_of(item.nodeid) for item in items if item.get_closest_marker("engines")}
     items.sort(key=lambda item: (item.stash[_UNIT].startswith(TRANSACTIONAL) != tx_first,
-                                 -seconds[item.stash[_UNIT]]))
+                                 -seconds[item.stash[_UNIT]],
+                                 shared_engine_order(item, engine_files, starters)))
     target = os.environ.get(UNITS_FILE)
     if target:  # every worker writes the same; the last rename wins
         scratch = Path(f"{target}.{os.getpid()}")
         scratch.write_text(json.dumps({item.nodeid: item.stash[_UNIT] for item in items}))
         scratch.replace(target)
+
+
+def shared_engine_order(item: pytest.Item, engine_files: set[str], starters: set[str]) -> int:
+    """Inside the session's servers' unit, the files whose tests use the shared engine one
+    after the other: last among the rolled-back tests, first among the transactional ones
+    (pytest-django's order between the two stays), so that the engine lives from its first
+    user to its last and no longer (tests/conftest.py stops it then: its engine slot goes to
+    the chains). Whole files move, so module fixtures start once."""
+    if not item.stash[_UNIT].endswith(SESSION_SERVERS_UNIT):
+        return 0
+    uses = file_of(item.nodeid) in engine_files
+    if transactional(item):
+        # A file with a test that starts engines of its own stops the shared engine for it
+        # (tests/conftest.py): after the other users.
+        return (3 if file_of(item.nodeid) in starters else 2) if uses else 4
+    return 1 if uses else 0
 
 
 def unit_of(item: pytest.Item) -> str:
@@ -321,3 +343,21 @@ def report(terminal, costs: Costs) -> None:
     MEASURED.parent.mkdir(parents=True, exist_ok=True)
     MEASURED.write_text(json.dumps({k: round(v, 1) for k, v in sorted(files.items())},
                                    indent=1) + "\n")
+
+
+def report_engines(terminal, census: engine_slots.Census) -> None:
+    """How many engines were alive at once, and how long the workers waited for slots."""
+    census.stop()
+    if not census.seconds:
+        return
+    terminal.section("engines alive at once (tests/engine_slots.py; sampled every 2 s)")
+    most = max(census.seconds)
+    spans = ", ".join(f"{count}: {seconds:.0f} s" for count, seconds
+                      in sorted(census.seconds.items()))
+    over = most > engine_slots.SLOTS
+    terminal.line(f"at most {most} ({spans}); slots: {engine_slots.SLOTS}", red=over, bold=over)
+    waited = engine_slots.waited_seconds(engine_slots.run_folder())
+    if waited:
+        terminal.line(f"waited for engine slots: {', '.join(f'{w:.0f} s' for w in waited)} "
+                      "(each process that took one)")
+

@@ -267,14 +267,25 @@ def gpu_environment(instance: Instance, engine: EngineSpec, gpus: list[Gpu]) -> 
 
 def cpu_environment(instance: Instance, engine: EngineSpec, cpu_cores: list[int]
                     ) -> dict[str, str]:
-    """A CPU engine's KV cache size, and with several ranks on this node the cores each one's
-    threads are bound to."""
+    """A CPU engine's KV cache size, with several ranks on this node the cores each one's
+    threads are bound to, and with one rank where its worker runs (`ENGINE_CPU_WORKER`).
+
+    vLLM's CPU platform runs even a one-rank engine's worker in a process of its own, so that
+    it can bind its OpenMP threads before torch starts: three processes (API server, EngineCore,
+    worker), each importing torch. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the worker inside
+    EngineCore (the API server and EngineCore stay two processes, as a one-GPU engine's are):
+    `benchmarks/engine_start_bench.py --pairs 2 --a-args=--enforce-eager
+    --b-args=--enforce-eager --b-env VLLM_ENABLE_V1_MULTIPROCESSING=0` measured 0.56 of the CPU
+    and 0.53 of the wall time to a healthy tiny engine. Its threads are then not bound, which a
+    CPU serving host wants, so the default stays vLLM's."""
     # The CPU engine sizes its KV cache from this (GiB).
     env = {"VLLM_CPU_KVCACHE_SPACE": str(settings.ENGINE_CPU_KVCACHE_GIB)}
     local_ranks = engine.world_size // instance.nnodes
     if local_ranks > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(
             cpu_cores or sorted(os.sched_getaffinity(0)), local_ranks)
+    elif engine.world_size == 1 and settings.ENGINE_CPU_WORKER == "engine-core":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 

@@ -39,6 +39,7 @@ def admin(transactional_db):
     return make_user("root-admin", staff=True)
 
 
+@pytest.mark.engines(1)
 def test_admin_signs_in_creates_a_tenant_and_a_deployment_and_sees_it_ready(
     page, admin, cluster, console_server, tmp_path
 ):

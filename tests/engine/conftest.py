@@ -76,6 +76,10 @@ class Cluster:
             "RESTART_BACKOFF_SECONDS": "1",
             "ENGINE_STOP_GRACE_SECONDS": "10",
             "ENGINE_START_TIMEOUT_SECONDS": "280",
+            # Each engine's worker inside its EngineCore: 0.56 of the CPU to start (the engines
+            # are most of the suite's CPU; docs/testing.md). The lifecycle chain's first node
+            # keeps vLLM's own layout, a worker process of its own, whose orphans it checks.
+            "ENGINE_CPU_WORKER": "engine-core",
             "ENGINE_LOG_DIR": str(tmp / "engine-logs"),
             # This worker's slice of the engine ports under xdist (tests/parallel.py).
             "ENGINE_PORT_MIN": str(settings.ENGINE_PORT_RANGE[0]),
@@ -164,9 +168,13 @@ def _reset_broker_pools() -> None:
 
 
 @pytest.fixture
-def cluster(transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
+def cluster(request, transactional_db, tmp_path, _storage_roots) -> Iterator[Cluster]:
     if not ENGINE_PYTHON.exists() or not (MODELS / "tiny-llama").is_dir():
         pytest.fail("The engine environment is missing: run scripts/setup_engine.sh")
+    if request.node.get_closest_marker("engines") is None:
+        pytest.fail("A test with node agents starts engines: say how many are alive at most at "
+                    "once, stopping ones included, with @pytest.mark.engines(N) "
+                    "(tests/engine_slots.py)")
     broker = redis.Redis.from_url(TEST_BROKER)
     broker.flushdb()
     previous = (celery_app.conf.broker_url, celery_app.conf.result_backend)

@@ -122,6 +122,7 @@ def gateway(cluster: Cluster) -> Iterator[Gateway]:
     kill_group(gw.proc)
 
 
+@pytest.mark.engines(3)
 def test_a_burst_scales_up_idle_scales_back_down_to_zero_and_a_request_wakes_it(
     cluster, gateway, platform_admin, acme
 ):

@@ -51,6 +51,7 @@ def upload(user, tenant: str, name: str, folder: Path) -> LoraAdapter:
     return LoraAdapter.objects.get(tenant__slug=tenant, name=name)
 
 
+@pytest.mark.engines(1)
 def test_bad_adapter_is_left_out_and_the_shared_engine_serves_the_others(
     cluster, platform_admin, acme, globex, tmp_path
 ):

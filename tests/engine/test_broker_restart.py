@@ -58,6 +58,7 @@ def restart(server: PrivateRedis) -> None:
     server.start()
 
 
+@pytest.mark.engines(1)
 def test_broker_restarts_lose_no_start_and_make_no_twin(broker, cluster, platform_admin, acme):
     cluster.start_control()
     cluster.start_agent(NODE)

@@ -106,6 +106,7 @@ def register_artifact_adapter(user, tenant, name: str, folder) -> dict:
     return response.data
 
 
+@pytest.mark.engines(2)
 def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path, live_server,
                                          settings, gateway_redis):
     """The model and the deployed adapters are artifact versions: each node agent fetches them
@@ -118,8 +119,11 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     cluster.env.update(GATEWAY_REDIS_URL=gateway_redis, GATEWAY_CATALOG_REFRESH_SECONDS="0.5")
     cluster.start_control()
     caches = tmp_path / "caches"
+    # vLLM's own process layout on this node (a worker process per engine, as on a CPU
+    # serving host), whose orphans the kill below checks; cpu-b runs the suite's lighter one.
     cluster.start_agent("cpu-a", {"NODE_CONSOLE_URL": live_server.url,
-                                  "NODE_CACHE_DIR": str(caches / "cpu-a")})
+                                  "NODE_CACHE_DIR": str(caches / "cpu-a"),
+                                  "ENGINE_CPU_WORKER": "process"})
     response = as_user(platform_admin).post("/api/v1/base-models/", {
         "name": "tiny-llama", "dtype": "float32",
         "artifact_version": artifact_version("tiny-llama", MODELS / "tiny-llama")}, format="json")
@@ -193,7 +197,8 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
 
     # SIGKILL the engine: the supervisor notices and the reconciler brings it back. The leader's
     # children (EngineCore, workers) are orphaned by the kill; the agent must clear them.
-    assert len(session_members(instance.pid)) > 1, "the engine runs no child process?"
+    names = [psutil.Process(pid).name() for pid in session_members(instance.pid)]
+    assert any("Worker" in name for name in names), f"no worker process of its own: {names}"
     os.kill(instance.pid, signal.SIGKILL)
     wait_for(lambda: Instance.objects.filter(pk=instance.pk, restarts=1).exists(), 60, "restart")
     restarted = wait_for(lambda: Instance.objects.filter(pk=instance.pk, state=State.READY,
@@ -341,6 +346,7 @@ def _rollout(deployment_id: int) -> Rollout:
     return Rollout.objects.filter(deployment_id=deployment_id).latest("created_at")
 
 
+@pytest.mark.engines(1)
 def test_model_files_gone_fails_with_the_reason(cluster, platform_admin, acme, tmp_path):
     model_dir = tmp_path / "vanishing-model"
     shutil.copytree(MODELS / "tiny-llama", model_dir)
@@ -357,6 +363,7 @@ def test_model_files_gone_fails_with_the_reason(cluster, platform_admin, acme, t
     assert failed.pid is None
 
 
+@pytest.mark.engines(1)
 def test_port_already_taken_fails_with_the_reason(cluster, platform_admin, acme):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -377,6 +384,7 @@ def test_port_already_taken_fails_with_the_reason(cluster, platform_admin, acme)
         holder.close()
 
 
+@pytest.mark.engines(1)
 def test_engine_that_exits_at_start_fails_then_crash_loops(cluster, platform_admin, acme,
                                                              tmp_path):
     model_dir = tmp_path / "corrupt-model"

@@ -149,6 +149,7 @@ def openapi_routes(instance) -> list[tuple[str, str]]:
                   for path, methods in spec["paths"].items() for method in methods)
 
 
+@pytest.mark.engines(1)
 def test_an_engine_answers_only_callers_with_the_consoles_certificate(
         cluster, platform_admin, acme, namespace, tmp_path, settings):  # noqa: F811
     # A CA of this test's own: the engine's certificate must name the veth address.

@@ -43,6 +43,7 @@ def ready(deployment_id: int, restarts: int) -> Instance | None:
         deployment_id=deployment_id, state=State.READY, restarts=restarts).first()
 
 
+@pytest.mark.engines(2)
 def test_a_group_across_two_agents_starts_restarts_and_stops_as_one(cluster, platform_admin,
                                                                       acme):
     # Rendezvous ports of this test's own range: the last ten of the engines'.

@@ -58,6 +58,7 @@ def ready_on(deployment_id: int, node: str) -> Instance | None:
         deployment_id=deployment_id, node__name=node, state=State.READY).first()
 
 
+@pytest.mark.engines(2)
 def test_a_lost_node_is_replaced_its_engine_stopped_when_back_then_a_drain_moves_it_back(
     cluster, gateway_redis, platform_admin, acme
 ):

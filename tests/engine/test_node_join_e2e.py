@@ -155,6 +155,7 @@ def node_of(instance: Instance) -> str | None:
     return instance.node.name if instance.node_id else None
 
 
+@pytest.mark.engines(1)
 def test_a_host_joins_from_the_console_serves_and_is_drained_and_refused_when_removed(
         cluster, gateway_redis, per_node_credentials, namespace, live_server, platform_admin,
         acme, settings, monkeypatch, tmp_path):

@@ -109,6 +109,7 @@ def rollout_of(deployment_id: int) -> Rollout:
         "to_revision").latest("created_at")
 
 
+@pytest.mark.engines(3)
 def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stops(
         cluster, gateway_redis, platform_admin, acme):
     cluster.env.update(GATEWAY_REDIS_URL=gateway_redis, GATEWAY_CATALOG_REFRESH_SECONDS="0.5",

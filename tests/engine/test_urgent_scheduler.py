@@ -21,6 +21,7 @@ import pytest
 from benchmarks.gateway_bench import free_port, kill_group
 from serving_app.engine.client import engine_http
 from serving_app.engine.launch import CPU_IDLE_PREFIX, tls_arguments
+from tests import engine_slots
 from tests.engines import ENGINE_PYTHON, MODELS, ROOT, Engine, engine_installed, wait_until
 
 pytestmark = [pytest.mark.engine]
@@ -37,26 +38,28 @@ def urgent_engine(tmp_path_factory):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", VLLM_API_KEY=SECRET,
+               VLLM_ENABLE_V1_MULTIPROCESSING="0",  # as the clusters' (ENGINE_CPU_WORKER)
                PYTHONPATH=str(ROOT / "vllm_plugins"), LLM_CONSOLE_URGENT_BATCH_CAP="1",
                LLM_CONSOLE_URGENT_PRIORITY="0")
     log = tmp_path_factory.mktemp("urgent") / "engine.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-             "--model", str(MODELS / "tiny-llama"), "--served-model-name", "tiny-llama",
-             "--dtype", "float32", "--scheduling-policy", "priority", "--max-num-seqs", "4",
-             "--scheduler-cls", "console_scheduler.UrgentBatchCapScheduler",
-             "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "2048", *tls_arguments()],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    try:
-        wait_until(lambda: engine_http().get(f"{Engine(port, '').url}/health",
-                                             timeout=2).status_code == 200,
-                   300, "engine start", proc)
-        yield Engine(port, SECRET), log
-    finally:
-        kill_group(proc)
+    with engine_slots.slots().holding(1, "the urgent scheduler's engine"):
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*CPU_IDLE_PREFIX, str(ENGINE_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", str(MODELS / "tiny-llama"), "--served-model-name", "tiny-llama",
+                 "--dtype", "float32", "--scheduling-policy", "priority", "--max-num-seqs", "4",
+                 "--scheduler-cls", "console_scheduler.UrgentBatchCapScheduler",
+                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+                 "--max-model-len", "2048", *tls_arguments()],
+                env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        try:
+            wait_until(lambda: engine_http().get(f"{Engine(port, '').url}/health",
+                                                 timeout=2).status_code == 200,
+                       300, "engine start", proc)
+            yield Engine(port, SECRET), log
+        finally:
+            kill_group(proc)
 
 
 def ask(engine: Engine, priority: int, max_tokens: int) -> dict:

@@ -109,7 +109,8 @@ def test_a_second_group_led_from_the_same_node_gets_its_own_rendezvous_port(mode
         assert ports[0][1] != ports[1][1]
 
 
-def test_cpu_hosts_take_one_rank_each_and_count_it_as_an_engine(model, tenant):
+def test_cpu_hosts_take_one_rank_each_and_count_it_as_an_engine(model, tenant, settings):
+    settings.ENGINE_CPU_WORKER = "engine-core"  # one rank's setting: a group keeps vLLM's layout
     make_node("cpu-a", max_instances=1)
     make_node("cpu-b", max_instances=1)
     deployment = make_deployment(model, [tenant], pipeline_parallel_size=2,
@@ -118,18 +119,24 @@ def test_cpu_hosts_take_one_rank_each_and_count_it_as_an_engine(model, tenant):
     assert reason == ""
     (worker,) = instance.workers.select_related("node")
     assert {instance.node.name, worker.node.name} == {"cpu-a", "cpu-b"}
+    instance.port = 18300
+    spec = build_launch_spec(instance, host=instance.node.address)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in spec.env
     other = make_deployment(model, [tenant])
     instances, reason = place_replicas(other, [0])
     assert instances == [] and reason.startswith("Every online node is full")
 
 
-def test_a_cpu_engine_of_several_ranks_on_one_host_binds_each_to_its_own_cores(model, tenant):
+def test_a_cpu_engine_of_several_ranks_on_one_host_binds_each_to_its_own_cores(model, tenant,
+                                                                              settings):
+    settings.ENGINE_CPU_WORKER = "engine-core"  # one rank's setting: several keep their processes
     make_node("cpu-a")
     deployment = make_deployment(model, [tenant], tensor_parallel_size=2)
     (instance,), _ = place_replicas(deployment, [0])
     instance.port = 18300
     spec = build_launch_spec(instance, cpu_cores=[0, 1])
     assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in spec.env
     assert "--nnodes" not in spec.argv
 
 

@@ -90,6 +90,23 @@ def test_cpu_engines_run_idle_class_unless_configured_otherwise(tenant, base_mod
     assert build_launch_spec(instance, engine_env="/e").argv[0] == "/e/bin/python"
 
 
+def test_a_one_rank_cpu_engine_runs_its_worker_in_engine_core_only_when_configured(
+    tenant, base_model, settings
+):
+    deployment = make_deployment(base_model, [tenant], name="d")
+    instance = Instance.objects.create(deployment=deployment, port=1)
+    settings.ENGINE_CPU_WORKER = "process"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_launch_spec(instance, engine_env="/e").env
+    settings.ENGINE_CPU_WORKER = "engine-core"
+    spec = build_launch_spec(instance, engine_env="/e")
+    assert spec.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # A GPU engine keeps vLLM's own process layout whatever the CPU setting says.
+    gpu = Gpu.objects.create(node=Node.objects.create(name="gpu-a", queue="node.gpu-a"),
+                             index=0, uuid="GPU-0", memory_total_bytes=80 * 1024**3)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in build_launch_spec(
+        instance, engine_env="/e", gpus=[gpu]).env
+
+
 def test_instance_secrets_never_look_like_an_option():
     from serving_app.models import new_instance_secret
 
