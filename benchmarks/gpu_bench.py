@@ -577,6 +577,8 @@ def bursty(args: argparse.Namespace, loads: Loads, dep_id: int,
         modes[f"bursty-{name}"] = bursts.figures(flood, cs, alone_p95)
         modes[f"bursty-{name}"]["budget"] = budget
         log(f"bursty {name}: {modes[f'bursty-{name}']}")
+        # The per-request detail itself, so that a figure can be computed again later.
+        modes[f"bursty-{name}"]["detail"] = {"background": flood, "bursts": cs}
     objectives(None, None)
     return modes
 

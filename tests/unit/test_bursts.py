@@ -29,6 +29,18 @@ def test_a_bursts_first_seconds_are_left_out_and_the_throughput_after_it_is_coun
     assert window == 62.0 and fig["tok_s"] == (60 * 100 + 5 * 10) / window
 
 
+def test_the_throughput_after_a_burst_counts_the_tokens_generated_in_it_not_the_requests_ending():
+    # The flood: one request of 101 tokens, first token at 1 s, the other 100 from 1 to 11 s.
+    flood = {"starts": [0.0, 0.0], "ttfts": [1.0, 0.5], "e2els": [11.0, 40.0],
+             "output_lens": [101, 1]}
+    burst = {"starts": [2.0], "ttfts": [0.1], "e2els": [1.0], "output_lens": [1]}
+    fig = bursts.figures({"flood": flood}, [burst], alone_p95_ms=1000.0)
+    # The burst's last ends at 3 s: from 3 to 5 s, 20 of the flood's tokens were generated,
+    # though no flood request ended then (counted at completion it read 0).
+    assert fig["after_burst_tok_s"] == 10.0
+    assert fig["tok_s"] == 103 / 40.0  # the window's total still counts completions
+
+
 def test_each_mode_is_compared_with_fcfs_against_issue_44s_targets():
     modes = bursts.versus({
         "fcfs": {"cs_p95_vs_alone": 2.3, "tok_s": 1000.0, "after_burst_tok_s": 1000.0},
