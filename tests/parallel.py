@@ -348,7 +348,7 @@ def report(terminal, costs: Costs) -> None:
 def report_engines(terminal, census: engine_slots.Census) -> None:
     """How many engines were alive at once, and how long the workers waited for slots."""
     census.stop()
-    if not census.seconds:
+    if not census.seconds or max(census.seconds) == 0:
         return
     terminal.section("engines alive at once (tests/engine_slots.py; sampled every 2 s)")
     most = max(census.seconds)
