@@ -18,7 +18,8 @@ The scratch copies are the working tree's files (tracked and untracked, not igno
 and `.venv` linked in. Breakages run side by side (`--jobs`, 2 by default), each worker in a copy
 of its own, against a database of its own (`test_<name>_mutation`, `..._mutation1`, beside
 DATABASE_URL's `<name>`, kept between runs, so that checkouts using databases of their own never
-share one) and a redis-server of its own (a private one on a free port), so that no two runs
+share one; made afresh when the unbroken tests fail on one, which a check killed mid-test
+leaves with its rows) and a redis-server of its own (a private one on a free port), so that no two runs
 share any state. Before any breakage, the same tests run once on the unbroken copies and must
 pass, so a "caught" breakage is never a test that fails anyway.
 
@@ -849,6 +850,14 @@ def check(workers: list[Worker], chosen: list[Breakage],
     with ThreadPoolExecutor(len(workers)) as pool:
         codes = list(pool.map(lambda w, share, name: w.run_tests(share, name, "-x") if share else 0,
                               workers, shares, names))
+    # A database kept from an earlier check that was killed mid-test can hold its committed
+    # rows (a tenant's slug then "already exists"): such a share runs once more on a database
+    # made afresh, and only a failure there counts.
+    again = [(w, share, name) for w, share, name, code
+             in zip(workers, shares, names, codes, strict=True) if code]
+    for worker, share, name in again:
+        print(f"[mutation] {name} failed on its kept database: once more on a new one")
+        codes[names.index(name)] = worker.run_tests(share, name, "-x", "--create-db")
     failed = [str(LOGS / f"{name}.log") for name, code in zip(names, codes, strict=True) if code]
     if failed:
         print(f"the unbroken tests fail: see {', '.join(failed)}")
