@@ -19,9 +19,9 @@ and `.venv` linked in. Breakages run side by side (`--jobs`, 2 by default), each
 of its own, against a database of its own (`test_<name>_mutation`, `..._mutation1`, beside
 DATABASE_URL's `<name>`, kept between runs, so that checkouts using databases of their own never
 share one; made afresh when the unbroken tests fail on one, which a check killed mid-test
-leaves with its rows) and a redis-server of its own (a private one on a free port), so that no two runs
-share any state. Before any breakage, the same tests run once on the unbroken copies and must
-pass, so a "caught" breakage is never a test that fails anyway.
+leaves with its rows) and a redis-server of its own (a private one on a free port), so that no
+two runs share any state. Before any breakage, the same tests run once on the unbroken copies
+and must pass, so a "caught" breakage is never a test that fails anyway.
 
 Exit status 0 when every breakage was caught. pytest's output for each run goes to
 `var/mutation-logs/<name>.log`, not to the terminal.
