@@ -463,20 +463,15 @@ ENGINE_LOG_DIR = Path(env_str("ENGINE_LOG_DIR", str(VAR_DIR / "engine-logs")))
 ENGINE_START_TIMEOUT_SECONDS = env_float("ENGINE_START_TIMEOUT_SECONDS", 180.0, minimum=1.0)
 # ...or when it has lasted this long in all, progress or not.
 ENGINE_START_MAX_SECONDS = env_float("ENGINE_START_MAX_SECONDS", 1800.0, minimum=1.0)
-# The MPS control daemon's folders on a node (serving_app/engine/mps.py).
 MPS_PIPE_DIRECTORY = Path(env_str("MPS_PIPE_DIRECTORY", str(VAR_DIR / "mps" / "pipe")))
-MPS_LOG_DIRECTORY = Path(env_str("MPS_LOG_DIRECTORY", str(VAR_DIR / "mps" / "log")))
+MPS_LOG_DIRECTORY = Path(env_str("MPS_LOG_DIRECTORY", str(VAR_DIR / "mps" / "log")))  # mps.py
 ENGINE_STOP_GRACE_SECONDS = env_float("ENGINE_STOP_GRACE_SECONDS", 15.0, minimum=0.0)
 ENGINE_CPU_KVCACHE_GIB = env_int("ENGINE_CPU_KVCACHE_GIB", 1, minimum=1)
-# Extra variables an engine inherits from its node agent (names, or prefixes ending in "*"),
-# beyond the host basics and vLLM/CUDA/PyTorch/Hugging Face ones (serving_app/engine/supervisor.py).
+# More variables an engine inherits from its agent (names, "X*" prefixes; engine/supervisor.py).
 ENGINE_ENV_ALLOW = env_list("ENGINE_ENV_ALLOW", [])
 # CPU engines run under SCHED_IDLE by default (see serving_app/engine/launch.py for why).
 ENGINE_CPU_SCHEDULING = env_choice("ENGINE_CPU_SCHEDULING", "idle", ("idle", "normal"))
-# Where a one-rank CPU engine runs its model worker: "process", vLLM's default (a process of its
-# own, its OpenMP threads bound to cores), or "engine-core" (inside the EngineCore process:
-# about half the CPU to start, no thread binding; for small hosts: the demo, CI). See
-# serving_app/engine/launch.py's cpu_environment.
+# A one-rank CPU engine's worker: "process" (vLLM's) or "engine-core" (launch.cpu_environment).
 ENGINE_CPU_WORKER = env_choice("ENGINE_CPU_WORKER", "process", ("process", "engine-core"))
 ENGINE_SUPERVISE_SECONDS = env_float("ENGINE_SUPERVISE_SECONDS", 2.0, minimum=0.1)
 ENGINE_HEALTH_FAILURES = env_int("ENGINE_HEALTH_FAILURES", 3, minimum=1)

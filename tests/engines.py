@@ -160,7 +160,7 @@ def launch_engine(port: int, log: Path) -> subprocess.Popen:
     # The secret in the environment, as node agents start engines (never on the command line).
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
            "VLLM_NO_USAGE_STATS": "1", "VLLM_API_KEY": ENGINE_SECRET,
-           # Its worker inside EngineCore, as the test clusters' engines (ENGINE_CPU_WORKER).
+           # Its worker inside EngineCore (ENGINE_CPU_WORKER=engine-core: docs/testing.md).
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for name in ("DJANGO_SETTINGS_MODULE", "PYTHONPATH"):
         env.pop(name, None)

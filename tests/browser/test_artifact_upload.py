@@ -9,7 +9,10 @@ No engine runs here: the upload is the console's own (its blob store, its databa
 from __future__ import annotations
 
 import re
+import secrets
+import shutil
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -28,21 +31,32 @@ FOLDER = MODELS / "tiny-llama"
 KEPT = "() => Object.keys(window.localStorage).filter(k => k.startsWith('artifact-upload:'))"
 
 
-def _choose(page) -> None:
+def _choose(page, folder: Path) -> None:
     page.goto("/artifacts/")
     page.fill("#au-name-model", "tiny-llama")
-    page.set_input_files("#au-folder-model", str(FOLDER))
+    page.set_input_files("#au-folder-model", str(folder))
     page.click("form[data-artifact-upload] button[type=submit]")
 
 
-def test_an_abandoned_upload_is_not_resumed_and_a_new_one_finishes(page):
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """The tiny model's files and one of this test's own: the blob store is the session
+    server's, and another browser test uploads the same model, whose chunks the page then
+    never sends (nothing for the refused first chunk to refuse)."""
+    copy = tmp_path / "tiny-llama"
+    shutil.copytree(FOLDER, copy)
+    (copy / "nonce.txt").write_text(secrets.token_hex(16))
+    return copy
+
+
+def test_an_abandoned_upload_is_not_resumed_and_a_new_one_finishes(page, folder):
     make_user("root-admin", staff=True)
     sign_in(page, "root-admin")
     status = page.locator("form[data-artifact-upload] [data-status]")
 
     # An upload interrupted before its first byte (the connection lost): the page keeps it.
     page.route("**/blobs/**", lambda route: route.abort())
-    _choose(page)
+    _choose(page, folder)
     expect(status).to_have_class(re.compile(r"\berror\b"), timeout=60_000)
     page.unroute("**/blobs/**")
     [key] = page.evaluate(KEPT)
@@ -53,14 +67,14 @@ def test_an_abandoned_upload_is_not_resumed_and_a_new_one_finishes(page):
     # the page says so and forgets it.
     ArtifactImport.objects.filter(pk=first.pk).update(
         updated_at=timezone.now() - UPLOAD_RESERVED_FOR - timedelta(minutes=1))
-    _choose(page)
+    _choose(page, folder)
     expect(status).to_contain_text("abandoned", timeout=60_000)
     assert page.evaluate(KEPT) == []
 
     # Failed by the expiry, and kept by the page again: not resumed; a new upload finishes.
     assert sources.expire_abandoned_uploads() == 1
     page.evaluate("([key, id]) => window.localStorage.setItem(key, id)", [key, str(first.pk)])
-    _choose(page)
+    _choose(page, folder)
     expect(status).to_contain_text("Done: version 1", timeout=60_000)
     uploads = ArtifactImport.objects.order_by("pk")
     assert [u.state for u in uploads] == ["failed", "done"]

@@ -76,10 +76,6 @@ class Cluster:
             "RESTART_BACKOFF_SECONDS": "1",
             "ENGINE_STOP_GRACE_SECONDS": "10",
             "ENGINE_START_TIMEOUT_SECONDS": "280",
-            # Each engine's worker inside its EngineCore: 0.56 of the CPU to start (the engines
-            # are most of the suite's CPU; docs/testing.md). The lifecycle chain's first node
-            # keeps vLLM's own layout, a worker process of its own, whose orphans it checks.
-            "ENGINE_CPU_WORKER": "engine-core",
             "ENGINE_LOG_DIR": str(tmp / "engine-logs"),
             # This worker's slice of the engine ports under xdist (tests/parallel.py).
             "ENGINE_PORT_MIN": str(settings.ENGINE_PORT_RANGE[0]),

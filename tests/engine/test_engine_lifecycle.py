@@ -119,11 +119,8 @@ def test_deployment_lifecycle_end_to_end(cluster, platform_admin, acme, tmp_path
     cluster.env.update(GATEWAY_REDIS_URL=gateway_redis, GATEWAY_CATALOG_REFRESH_SECONDS="0.5")
     cluster.start_control()
     caches = tmp_path / "caches"
-    # vLLM's own process layout on this node (a worker process per engine, as on a CPU
-    # serving host), whose orphans the kill below checks; cpu-b runs the suite's lighter one.
     cluster.start_agent("cpu-a", {"NODE_CONSOLE_URL": live_server.url,
-                                  "NODE_CACHE_DIR": str(caches / "cpu-a"),
-                                  "ENGINE_CPU_WORKER": "process"})
+                                  "NODE_CACHE_DIR": str(caches / "cpu-a")})
     response = as_user(platform_admin).post("/api/v1/base-models/", {
         "name": "tiny-llama", "dtype": "float32",
         "artifact_version": artifact_version("tiny-llama", MODELS / "tiny-llama")}, format="json")

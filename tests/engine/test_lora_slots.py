@@ -48,7 +48,7 @@ def test_base_model_outputs_do_not_change_when_adapters_fill_the_slots(settings,
         pytest.fail("The engine environment is missing: run scripts/setup_engine.sh")
     settings.ENGINE_LOG_DIR = tmp_path
     settings.ENGINE_START_TIMEOUT_SECONDS = 300
-    settings.ENGINE_CPU_WORKER = "engine-core"  # as the clusters' (tests/engine/conftest.py)
+    settings.ENGINE_CPU_WORKER = "engine-core"  # as the shared engine's (tests/engines.py)
     config = agent.AgentConfig(name="cpu-slots", address="127.0.0.1",
                                engine_env=django_settings.ENGINE_VENV, gpus="")
     node = Node.objects.create(name=config.name, queue=config.queue, address=config.address)

@@ -38,7 +38,7 @@ def urgent_engine(tmp_path_factory):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", VLLM_API_KEY=SECRET,
-               VLLM_ENABLE_V1_MULTIPROCESSING="0",  # as the clusters' (ENGINE_CPU_WORKER)
+               VLLM_ENABLE_V1_MULTIPROCESSING="0",  # as the shared engine's (tests/engines.py)
                PYTHONPATH=str(ROOT / "vllm_plugins"), LLM_CONSOLE_URGENT_BATCH_CAP="1",
                LLM_CONSOLE_URGENT_PRIORITY="0")
     log = tmp_path_factory.mktemp("urgent") / "engine.log"
