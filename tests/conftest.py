@@ -214,8 +214,8 @@ def _engine_slots(request):
         return
     # Never wait for slots while holding one: a test at the head of the queue may be waiting
     # for the shared engine's (tests/engine_slots.py). The next test that uses the shared
-    # engine starts it again.
-    if _shared_engine is not None:
+    # engine starts it again. (A test that uses it too keeps it: no test here does both.)
+    if _shared_engine is not None and "engine" not in request.fixturenames:
         _shared_engine.stop()
     with engine_slots.slots().holding(int(marker.args[0]), request.node.nodeid):
         yield
