@@ -72,20 +72,29 @@ class Gateway:
 
 
 def start_gateway(database_url: str, workers: int = 1, **env_extra: str) -> Gateway:
-    port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url, "GATEWAY_REDIS_URL": REDIS_URL,
            "GATEWAY_CATALOG_REFRESH_SECONDS": "0.5", "GATEWAY_MAX_BODY_BYTES": str(MAX_BODY),
            "LOG_LEVEL": "WARNING", **env_extra}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", str(workers), "--loop", "uvloop", "--http",
-         "httptools", "--no-access-log", "--log-level", "warning"],
-        cwd=ROOT, env=env, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(url + "/v1/models", timeout=2).status_code == 401, 60,
-               "gateway start", proc)
-    return Gateway(url, proc)
+    for attempt in range(3):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "console.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--workers", str(workers), "--loop", "uvloop", "--http",
+             "httptools", "--no-access-log", "--log-level", "warning"],
+            cwd=ROOT, env=env, start_new_session=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda u=url: httpx.get(u + "/v1/models", timeout=2).status_code == 401,
+                       60, "gateway start", proc)
+        except RuntimeError:
+            # Exit 3: uvicorn could not bind, the port free_port found having been taken before
+            # it did (seen once in a clean clone: "address already in use"). Another port.
+            if proc.poll() == 3 and attempt < 2:
+                continue
+            raise
+        return Gateway(url, proc)
+    raise AssertionError("unreachable")
 
 
 def _test_database_url() -> str:
