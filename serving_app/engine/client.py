@@ -21,12 +21,20 @@ def engine_http() -> httpx.Client:
     """One pooled client per process: a new httpx.Client per call loads the TLS trust store,
     which costs more CPU than the health check itself (and steals it from starting engines).
     It trusts the console CA alone and presents this process's certificate: engines answer
-    nothing else (serving_app/pki.py)."""
+    nothing else (serving_app/pki.py).
+
+    It keeps no connection open between calls. An engine told to stop (SIGTERM) waits for its
+    open connections to close, and an idle TLS one held by a synchronous client never answers
+    the engine's close: the engine then outlived any stop grace and was killed (a stop took the
+    whole ENGINE_STOP_GRACE_SECONDS, then SIGKILL, after a single health check; 0.4 s without
+    the idle connection). A new connection per call costs about 2.5 ms of CPU on each side
+    (measured: 0.6 ms per health check kept alive, 3 ms not), nothing beside a start."""
     global _shared
     with _lock:
         if _shared is None:
             verify = pki.shared_client_context() if settings.ENGINE_TLS else True
-            _shared = httpx.Client(timeout=5.0, verify=verify)
+            _shared = httpx.Client(timeout=5.0, verify=verify,
+                                   limits=httpx.Limits(max_keepalive_connections=0))
         return _shared
 
 
