@@ -38,7 +38,9 @@ from tests.gateway.conftest import start_gateway
 
 pytestmark = [pytest.mark.engine, pytest.mark.celery]
 State = Instance.State
-STREAM_TOKENS = 1900  # the model's context is 2048: a stream of several seconds on these CPUs
+# Each stream holds after its first chunk until the first old instance drains (`go_on`), so it
+# needs no length of its own to be in flight then: a short one keeps the drain short.
+STREAM_TOKENS = 300
 
 
 @dataclass
@@ -47,7 +49,8 @@ class LongStream:
 
     client: Any
     # Set when it may read on: until then it holds after its first chunk, so that it stays in
-    # flight (the gateway holds the engine back) however fast this machine generates.
+    # flight (the gateway relays no more, and counts it in flight) however fast this machine
+    # generates.
     go_on: threading.Event
     instance: int | None = None  # where the gateway sent it
     chunks: int = 0
@@ -63,7 +66,7 @@ class LongStream:
                 max_tokens=STREAM_TOKENS, stream=True, extra_body={"ignore_eos": True})
             for chunk in stream:
                 if not self.chunks:
-                    self.go_on.wait(120)
+                    self.go_on.wait(300)
                 self.chunks += 1
                 if chunk.choices and chunk.choices[0].finish_reason:
                     self.finish_reason = chunk.choices[0].finish_reason
@@ -163,9 +166,13 @@ def test_a_settings_change_rolls_out_without_a_failed_request_and_a_bad_one_stop
                              60, f"stream {number} in flight")
             streams[-1].instance = next(pk for pk in after if after[pk] > before[pk])
         assert in_flight(three) == {first_old.pk: 1, second_old.pk: 1, new.pk: 1}
-        go_on.set()
         traffic = Traffic(client).start()
         assert api.post(url + "rollout/resume/").data["state"] == "running"
+        # The streams read on once the first old instance is draining with one of them on it:
+        # its drain then waits for that stream, however fast this machine generates.
+        wait_for(lambda: Event.objects.filter(kind=Kind.DRAINING, instance=first_old).exists(),
+                 60, "the first old instance draining")
+        go_on.set()
 
         wait_for(lambda: rollout_of(deployment["id"]).state != Rollout.State.RUNNING,
                  2 * START_TIMEOUT, "the rollout to end")

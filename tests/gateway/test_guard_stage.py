@@ -145,7 +145,9 @@ def adversarial(size: int) -> dict:
 
 def test_an_adversarial_prompt_is_charged_to_its_senders_limits(gateway, recorder):
     """Read in a guard process (it is over 32 KiB), blocked, and counted: the limit's worth
-    of requests are answered, the adversarial ones among them, and the next is refused."""
+    of requests are answered, the adversarial ones among them, and the next is refused. On a
+    loaded machine a later one may pass the guard's time bound (2 s) instead, and is refused
+    closed (503 `guardrail_timeout`): counted all the same."""
     limit = 5
     world = make_world(recorder.port, "secret", requests_per_minute=limit)
     TenantPolicy.objects.create(tenant=world.acme, input={"cn_mobile": "block"})
@@ -157,7 +159,7 @@ def test_an_adversarial_prompt_is_charged_to_its_senders_limits(gateway, recorde
         resp = post(gateway.url, world.acme_secret, big)
         if resp.status_code == 429:
             break
-        assert resp.json()["error"]["code"] == "guardrail_blocked"
+        assert resp.json()["error"]["code"] in ("guardrail_blocked", "guardrail_timeout")
         sent.append(resp)
         assert len(sent) <= limit
     assert resp.json()["error"]["code"] == "rate_limit_exceeded"
